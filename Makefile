@@ -1,0 +1,29 @@
+# The two commands of the README. Each creates and fills its own virtual environment on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+## run: the whole control plane on embedded defaults (embedded NATS, SQLite) against simulated engines
+run: $(STAMP)
+	$(BIN)/switchyard up $(ARGS)
+
+## test: lint, then the test suite against a real nats-server and real databases
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .switchyard .pytest_cache .ruff_cache

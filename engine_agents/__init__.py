@@ -1,0 +1,1 @@
+"""Engine agents: `vllm/` runs inside vLLM engine processes; `sim/` simulates MoE engines speaking the same protocol."""

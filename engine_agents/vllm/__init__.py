@@ -1,0 +1,1 @@
+"""The agent that runs inside vLLM engine processes (needs the `vllm` extra)."""

@@ -1,0 +1,1 @@
+"""Deployment material: Alembic migrations (`alembic/`), NATS and PostgreSQL configuration, manifests."""

@@ -1,0 +1,1 @@
+"""Switchyard's services (router, placement, migration, api) and the `switchyard` command line."""

@@ -1,0 +1,280 @@
+"""The one way Switchyard processes talk to NATS.
+
+`Bus` wraps a nats-py connection with what every service needs and none should rewrite:
+
+- connect with authentication/TLS from settings, retrying the first connection with capped exponential
+  backoff (a service may start before NATS) and reconnecting forever afterwards;
+- idempotent JetStream stream and KV bucket setup (safe to call from every replica on every start);
+- typed publish / subscribe / request / serve over the msgpack codec, where a payload that fails to decode
+  is counted by reason and answered with an `ErrorReply` (request/reply) or dropped (pub/sub), and a
+  handler that raises is counted and logged, so one bad message never takes a service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter
+
+from shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
+from shared.errors import WireError
+from shared.settings import SwitchyardSettings
+from shared.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=WireModel)
+R = TypeVar("R", bound=WireModel)
+
+REJECTED = Counter(
+    "switchyard_bus_rejected_total",
+    "Messages refused because they failed to decode, by subscription and reason code.",
+    ["subscription", "code"],
+)
+HANDLER_ERRORS = Counter(
+    "switchyard_bus_handler_errors_total",
+    "Messages whose handler raised; the service kept running.",
+    ["subscription"],
+)
+
+
+def rejected_count(subscription: str, code: str) -> float:
+    """Current value of the rejection counter (for tests and status pages)."""
+    return REJECTED.labels(subscription, code)._value.get()
+
+
+def _tls_context(settings: SwitchyardSettings) -> ssl.SSLContext | None:
+    if not (settings.nats_tls_ca or settings.nats_tls_cert):
+        return None
+    context = ssl.create_default_context(cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
+    if settings.nats_tls_cert and settings.nats_tls_key:
+        context.load_cert_chain(str(settings.nats_tls_cert), str(settings.nats_tls_key))
+    return context
+
+
+def connect_options(settings: SwitchyardSettings, servers: list[str]) -> dict[str, Any]:
+    """nats-py connect() keyword arguments for these settings."""
+    options: dict[str, Any] = {
+        "servers": servers,
+        "connect_timeout": settings.nats_connect_timeout_s,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 1,
+        "tls": _tls_context(settings),
+    }
+    if settings.nats_user is not None:
+        options["user"], options["password"] = settings.nats_user, settings.nats_password
+    if settings.nats_token is not None:
+        options["token"] = settings.nats_token
+    if settings.nats_nkey_seed_file is not None:
+        options["nkeys_seed"] = str(settings.nats_nkey_seed_file)
+    if settings.nats_creds_file is not None:
+        options["user_credentials"] = str(settings.nats_creds_file)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _quiet_callbacks(name: str) -> dict[str, Any]:
+    """One log line per connection event instead of nats-py's default tracebacks."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("%s: NATS error: %s", name, exc)
+
+    async def on_disconnected() -> None:
+        log.warning("%s: disconnected from NATS, reconnecting", name)
+
+    async def on_reconnected() -> None:
+        log.info("%s: reconnected to NATS", name)
+
+    return {"error_cb": on_error, "disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected}
+
+
+class Bus:
+    """A connected NATS client plus JetStream, speaking the Switchyard wire contract."""
+
+    def __init__(self, nc: NatsClient, settings: SwitchyardSettings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.settings = settings
+        self.subjects: Subjects = settings.subjects
+        self.max_payload = settings.max_payload_bytes
+
+    @classmethod
+    async def connect(
+        cls, settings: SwitchyardSettings, name: str = "switchyard", servers: list[str] | None = None
+    ) -> Bus:
+        """Connect, retrying with capped exponential backoff for `nats_initial_connect_s` seconds."""
+        servers = servers or settings.nats_servers
+        if not servers:
+            raise ValueError("no NATS server configured: set SWITCHYARD_NATS_SERVERS or pass --nats-url")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.nats_initial_connect_s
+        delay = 0.1
+        options = {**connect_options(settings, servers), **_quiet_callbacks(name)}
+        # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
+        # one quick attempt per round and do the backing off here.
+        probe = {**options, "allow_reconnect": False, "max_reconnect_attempts": 1, "reconnect_time_wait": 0}
+        while True:
+            try:
+                nc = await nats.connect(name=name, **probe)
+                break
+            except Exception as exc:
+                if loop.time() + delay > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {', '.join(servers)}: {exc}") from exc
+                log.warning("NATS not reachable yet (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+        await nc.close()
+        # Reconnect with the real options: from here on nats-py reconnects forever and buffers publishes.
+        nc = await nats.connect(name=name, **options)
+        return cls(nc, settings)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # draining a connection that is already going away
+                await self.nc.close()
+
+    # ----- JetStream setup -----
+
+    async def ensure_stream(self, name: str, subjects: list[str], **config: Any) -> None:
+        """Create the stream, or update it if its subjects or limits differ. Safe under concurrent callers."""
+        wanted = StreamConfig(
+            name=name, subjects=subjects, storage=StorageType.FILE, max_msg_size=self.max_payload, **config
+        )
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
+            try:
+                await self.js.add_stream(wanted)
+                return
+            except BadRequestError:  # another replica created it meanwhile
+                info = await self.js.stream_info(name)
+        current = info.config
+        if sorted(current.subjects or []) != sorted(subjects) or any(
+            getattr(current, k) != v for k, v in config.items()
+        ):
+            await self.js.update_stream(wanted)
+
+    async def ensure_streams(self) -> None:
+        """Every stream of the bus contract (see `Subjects.streams`)."""
+        limits = {
+            self.subjects.expert_load_stream: {"max_age": 7 * 24 * 3600.0, "max_bytes": 2 << 30},
+            self.subjects.placement_stream: {"max_msgs": 100_000},
+            self.subjects.calibration_stream: {"max_msgs": 200_000, "max_bytes": 4 << 30},
+        }
+        for name, subjects in self.subjects.streams().items():
+            await self.ensure_stream(name, subjects, **limits.get(name, {}))
+
+    async def ensure_kv(self, bucket: str, history: int = 16) -> KeyValue:
+        """Open a KV bucket, creating it on first use."""
+        try:
+            return await self.js.key_value(bucket)
+        except BucketNotFoundError:
+            pass
+        try:
+            return await self.js.create_key_value(bucket=bucket, history=history, max_value_size=self.max_payload)
+        except BadRequestError:  # created concurrently with another config: use what exists
+            return await self.js.key_value(bucket)
+
+    # ----- messaging -----
+
+    async def publish(self, subject: str, message: WireModel) -> None:
+        await self.nc.publish(subject, encode(message))
+
+    async def js_publish(self, subject: str, message: WireModel, msg_id: str | None = None) -> int:
+        """Publish to a stream and wait for the server's ack; `msg_id` de-duplicates retries."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        ack = await self.js.publish(subject, encode(message), headers=headers)
+        return ack.seq
+
+    async def request(self, subject: str, message: WireModel, reply: type[R], timeout: float = 1.0) -> R:  # noqa: ASYNC109
+        """Send a request and decode the answer; raises `RemoteError` if the server replied with an error."""
+        msg = await self.nc.request(subject, encode(message), timeout=timeout)
+        return decode_reply(msg.data, reply, self.max_payload)
+
+    def _decoder(self, schema: type[M], label: str) -> Callable[[bytes], M | WireError]:
+        max_payload = self.max_payload
+
+        def _decode(data: bytes) -> M | WireError:
+            try:
+                return decode(data, schema, max_payload)
+            except WireError as exc:
+                REJECTED.labels(label, exc.code).inc()
+                log.warning("rejected message on %s: %s", label, exc)
+                return exc
+
+        return _decode
+
+    async def subscribe(
+        self,
+        subject: str,
+        schema: type[M],
+        handler: Callable[[M, Msg], Awaitable[None] | None],
+        queue: str = "",
+    ) -> Subscription:
+        """Deliver decoded messages to `handler`; malformed ones are counted and dropped."""
+        decode_one = self._decoder(schema, subject)
+        is_async = inspect.iscoroutinefunction(handler)
+
+        async def _on_message(msg: Msg) -> None:
+            message = decode_one(msg.data)
+            if isinstance(message, WireError):
+                return
+            try:
+                result = handler(message, msg)
+                if is_async:
+                    await result  # type: ignore[misc]
+            except Exception:
+                HANDLER_ERRORS.labels(subject).inc()
+                log.exception("handler for %s failed", subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=_on_message)
+
+    async def serve(
+        self,
+        subject: str,
+        schema: type[M],
+        handler: Callable[[M], Awaitable[WireModel] | WireModel],
+        queue: str = "",
+    ) -> Subscription:
+        """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply."""
+        decode_one = self._decoder(schema, subject)
+        is_async = inspect.iscoroutinefunction(handler)
+
+        async def _on_request(msg: Msg) -> None:
+            if not msg.reply:
+                REJECTED.labels(subject, "no_reply_subject").inc()
+                return
+            request = decode_one(msg.data)
+            if isinstance(request, WireError):
+                await msg.respond(encode(ErrorReply.from_exception(request)))
+                return
+            try:
+                result = handler(request)
+                answer = await result if is_async else result  # type: ignore[misc]
+                payload = encode(answer)  # type: ignore[arg-type]
+            except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
+                REJECTED.labels(subject, exc.code).inc()
+                payload = encode(ErrorReply.from_exception(exc))
+            except Exception as exc:
+                HANDLER_ERRORS.labels(subject).inc()
+                log.exception("handler for %s failed", subject)
+                payload = encode(ErrorReply.from_exception(exc))
+            await msg.respond(payload)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=_on_request)

@@ -1,0 +1,235 @@
+"""msgpack codec for the bus contract.
+
+Payloads are msgpack maps carrying a schema version `v`. Numeric arrays travel as
+``{"dtype": "<u2", "shape": [L, E], "data": <bytes>}`` (never pickle, never lists of ints), so a 48x128
+signature costs 12 KiB on the wire and decodes with one `np.frombuffer`, zero-copy and read-only.
+
+`decode` is the single entry point for untrusted bytes: it bounds the payload size, refuses anything that
+is not a msgpack map of the right version, and validates every field against the schema, raising a
+`shared.errors.WireError` subclass that names the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError, core_schema
+
+from shared.errors import (
+    ArrayMismatch,
+    NotMsgpack,
+    PayloadTooLarge,
+    RemoteError,
+    SchemaMismatch,
+    UnknownSchemaVersion,
+    WireError,
+)
+
+#: Largest payload `decode` accepts unless told otherwise. The embedded NATS server is configured with the
+#: same `max_payload`, so anything the bus delivers can be decoded.
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+#: Largest array accepted, in elements (a guard against `shape: [1e9, 1e9]` allocation bombs).
+MAX_ARRAY_ELEMENTS = 1 << 24
+_ALLOWED_KINDS = frozenset("biuf")
+_MAX_NDIM = 4
+
+
+def array_to_wire(array: np.ndarray) -> dict[str, Any]:
+    """The wire form of a numeric array: dtype string, shape, raw little-endian bytes."""
+    a = np.asarray(array)
+    if a.dtype.kind not in _ALLOWED_KINDS:
+        raise TypeError(f"dtype {a.dtype} cannot travel on the bus (only bool/int/uint/float)")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": np.ascontiguousarray(a).tobytes()}
+
+
+def _array_error(reason: str) -> PydanticCustomError:
+    return PydanticCustomError("array", reason)
+
+
+def array_from_wire(obj: Any, kinds: str = "biuf", ndim: int | None = None) -> np.ndarray:
+    """Decode and check one wire array; raises `PydanticCustomError('array', ...)` on any mismatch."""
+    if isinstance(obj, np.ndarray):  # constructing a model in-process
+        array = obj
+    else:
+        if not isinstance(obj, dict):
+            raise _array_error(f"expected an array map {{dtype, shape, data}}, got {type(obj).__name__}")
+        missing = {"dtype", "shape", "data"} - obj.keys()
+        if missing:
+            raise _array_error(f"array map lacks {sorted(missing)}")
+        dtype_str, shape, data = obj["dtype"], obj["shape"], obj["data"]
+        if not isinstance(dtype_str, str) or len(dtype_str) > 4:
+            raise _array_error(f"dtype must be a short numpy type string like '<u2', got {dtype_str!r}")
+        try:
+            dtype = np.dtype(dtype_str)
+        except TypeError:
+            raise _array_error(f"unknown dtype {dtype_str!r}") from None
+        if dtype.kind not in _ALLOWED_KINDS:
+            raise _array_error(f"dtype {dtype_str!r} is not numeric (allowed kinds: bool, int, uint, float)")
+        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
+            raise _array_error(f"shape must be a list of at most {_MAX_NDIM} sizes, got {shape!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise _array_error(f"shape entries must be non-negative integers, got {shape!r}")
+        count = 1
+        for n in shape:
+            count *= n
+        if count > MAX_ARRAY_ELEMENTS:
+            raise _array_error(f"{count} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
+        if not isinstance(data, bytes):
+            raise _array_error(f"data must be bytes, got {type(data).__name__}")
+        if len(data) != count * dtype.itemsize:
+            raise _array_error(
+                f"data holds {len(data)} bytes but dtype {dtype_str} x shape {shape} needs {count * dtype.itemsize}"
+            )
+        array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if array.dtype.kind not in kinds:
+        raise _array_error(f"dtype {array.dtype.str} not allowed here (allowed kinds: {kinds!r})")
+    if ndim is not None and array.ndim != ndim:
+        raise _array_error(f"expected {ndim} dimensions, got shape {list(array.shape)}")
+    return array
+
+
+@dataclass(frozen=True)
+class Array:
+    """Annotation marker: ``Annotated[np.ndarray, Array("iu", ndim=2)]`` is an integer matrix field."""
+
+    kinds: str = "biuf"
+    ndim: int | None = None
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        def validate(value: Any) -> np.ndarray:
+            return array_from_wire(value, self.kinds, self.ndim)
+
+        def serialize(value: np.ndarray, info: core_schema.SerializationInfo) -> Any:
+            if info.mode == "json":
+                return np.asarray(value).tolist()
+            return array_to_wire(value)
+
+        return core_schema.no_info_plain_validator_function(
+            validate,
+            serialization=core_schema.plain_serializer_function_ser_schema(serialize, info_arg=True),
+        )
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        return {"type": "array", "description": f"numeric array, dtype kinds {self.kinds!r}, ndim {self.ndim}"}
+
+
+class WireModel(BaseModel):
+    """Base of every bus message: strict types, immutable, tolerant of unknown extra keys.
+
+    Unknown keys are ignored (a newer peer may add optional fields without bumping `v`); a change in the
+    meaning of an existing field bumps `VERSION`, and old decoders then refuse it loudly.
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore", arbitrary_types_allowed=True)
+
+    VERSION: ClassVar[int] = 1
+    v: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_version(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "v" not in data:
+            return {**data, "v": cls.VERSION}
+        return data
+
+    @model_validator(mode="after")
+    def _check_version(self) -> WireModel:
+        if self.v != self.VERSION:
+            raise ValueError(f"{type(self).__name__} is version {self.VERSION}, not {self.v}")
+        return self
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+    code: str
+    field: str = ""
+    message: str
+
+
+class ErrorReply(WireModel):
+    """What a request/reply server answers instead of its reply schema when it cannot serve a request."""
+
+    error: ErrorBody
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ErrorReply:
+        if isinstance(exc, WireError):
+            return cls(error=ErrorBody(**exc.to_dict()))
+        return cls(error=ErrorBody(code="internal", message=f"{type(exc).__name__}: {exc}"))
+
+
+M = TypeVar("M", bound=WireModel)
+
+_PACKER_OPTS: dict[str, Any] = {"use_bin_type": True}
+
+
+def encode(message: WireModel) -> bytes:
+    """Serialise a message for the bus."""
+    return msgpack.packb(message.model_dump(mode="python"), **_PACKER_OPTS)
+
+
+def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise NotMsgpack("", f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise PayloadTooLarge("", f"{len(data)} bytes exceed the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=1 << 20,
+            max_array_len=1 << 20,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError...)
+        raise NotMsgpack("", f"cannot unpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise NotMsgpack("", f"top level must be a map, got {type(obj).__name__}")
+    return obj
+
+
+def _check_version(obj: dict[str, Any], schema: type[WireModel]) -> None:
+    version = obj.get("v")
+    if version is None:
+        raise UnknownSchemaVersion("v", f"missing schema version for {schema.__name__}")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UnknownSchemaVersion("v", f"schema version must be an integer, got {version!r}")
+    if version != schema.VERSION:
+        raise UnknownSchemaVersion("v", f"{schema.__name__} v{version} unknown (this build speaks v{schema.VERSION})")
+
+
+def _validate(obj: dict[str, Any], schema: type[M]) -> M:
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"])
+        cls = ArrayMismatch if first["type"] == "array" else SchemaMismatch
+        raise cls(field, first["msg"]) from None
+
+
+def decode(data: bytes, schema: type[M], max_bytes: int = DEFAULT_MAX_PAYLOAD) -> M:
+    """Decode untrusted bytes into `schema`, or raise a `WireError` naming the field at fault."""
+    obj = _unpack(data, max_bytes)
+    _check_version(obj, schema)
+    return _validate(obj, schema)
+
+
+def decode_reply(data: bytes, schema: type[M], max_bytes: int = DEFAULT_MAX_PAYLOAD) -> M:
+    """Decode a request/reply answer: `schema`, or raise `RemoteError` if the server sent an ErrorReply."""
+    obj = _unpack(data, max_bytes)
+    if "error" in obj and "error" not in schema.model_fields:
+        _check_version(obj, ErrorReply)
+        err = _validate(obj, ErrorReply).error
+        raise RemoteError(err.code, err.field, err.message)
+    _check_version(obj, schema)
+    return _validate(obj, schema)

@@ -1,0 +1,94 @@
+"""Database URLs, engines and schema migrations.
+
+Users give plain URLs (`postgresql://user@host/db`, `sqlite:///path`); Switchyard picks the drivers:
+psycopg 3 for PostgreSQL (sync and async), sqlite3/aiosqlite for SQLite. The schema is only ever created
+by Alembic (`upgrade`), never by `create_all`, so production and tests run the same DDL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+import infra
+
+ALEMBIC_DIR = Path(infra.__file__).resolve().parent / "alembic"
+
+
+def _url(url: str | URL) -> URL:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported database {backend!r}: use postgresql://... or sqlite:///path")
+    return parsed
+
+
+def sync_url(url: str | URL) -> URL:
+    parsed = _url(url)
+    driver = "psycopg" if parsed.get_backend_name() == "postgresql" else "pysqlite"
+    return parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
+
+
+def async_url(url: str | URL) -> URL:
+    parsed = _url(url)
+    driver = "psycopg" if parsed.get_backend_name() == "postgresql" else "aiosqlite"
+    return parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # Foreign keys are off by default in SQLite; WAL lets the API read while a service writes.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+def ensure_sqlite_dir(url: URL) -> None:
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+
+
+def create_async_db(url: str | URL, **kwargs: Any) -> tuple[AsyncEngine, async_sessionmaker[Any]]:
+    """An async engine and session factory for a plain database URL."""
+    parsed = async_url(url)
+    ensure_sqlite_dir(parsed)
+    engine = create_async_engine(parsed, pool_pre_ping=True, **kwargs)
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine, async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str | URL) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(ALEMBIC_DIR))
+    config.set_main_option("sqlalchemy.url", sync_url(url).render_as_string(hide_password=False).replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str | URL, revision: str = "head") -> None:
+    """Bring the schema up to `revision` (idempotent)."""
+    ensure_sqlite_dir(sync_url(url))
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str | URL, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str | URL) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine
+
+    engine = create_engine(sync_url(url))
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()

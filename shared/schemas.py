@@ -1,0 +1,324 @@
+"""The bus contract: one pydantic model per message in DESIGN.md's table.
+
+Every model is validated on decode (`shared.codec.decode`), so a service only ever sees messages whose
+ids are subject-safe, whose counts are non-negative and whose arrays have the declared dtype kind, rank
+and mutually consistent shapes. Arrays use the `Array` annotation (see `shared.codec`).
+
+Shapes, with L = MoE layers, E = experts per layer, S = source DP ranks, G = GPUs (EP ranks) in a group,
+K = decoders (centroids), N = masked layers:
+
+| message | arrays |
+|---|---|
+| ExpertLoad | expert_counts `B[L, E]`, source_counts `A[L, S, E]` (optional) |
+| RouteDecodeRequest | signature `[N or L, E]` prefill top-k counts |
+| PlacementPlan | placement `[L, G, slots]` expert id per slot (-1 empty), moves `[n, 6]` |
+| MigrateRequest | moves `[n, 6]` |
+| CalibrationSample | prefill_counts `[L, E]`, decode_counts `[L, E]` |
+| RoutingArtifact | idf `[N, E]`, centroids `[K, N*E]` |
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.codec import Array, ErrorReply, WireModel
+
+__all__ = [
+    "MOVE_COLUMNS",
+    "CalibrationSample",
+    "Capacity",
+    "ErrorReply",
+    "ExpertLoad",
+    "Hello",
+    "MigrateReply",
+    "MigrateRequest",
+    "ModelShape",
+    "ObjectiveTerms",
+    "PlacementParams",
+    "PlacementPlan",
+    "RouteDecodeReply",
+    "RouteDecodeRequest",
+    "RouteDpReply",
+    "RouteDpRequest",
+    "RoutingArtifact",
+    "Telemetry",
+]
+
+#: Engine and group ids become NATS subject tokens: no dots, spaces or wildcards.
+EngineId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+RequestId = Annotated[str, Field(min_length=1, max_length=128)]
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(gt=0)]
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Timestamp = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Role = Literal["prefill", "decode", "dp"]
+
+IntMatrix = Annotated[np.ndarray, Array("iu", ndim=2)]
+IntCube = Annotated[np.ndarray, Array("iu", ndim=3)]
+FloatMatrix = Annotated[np.ndarray, Array("f", ndim=2)]
+SignedMatrix = Annotated[np.ndarray, Array("i", ndim=2)]
+SignedCube = Annotated[np.ndarray, Array("i", ndim=3)]
+
+#: Columns of a moves array (`PlacementPlan.moves`, `MigrateRequest.moves`). A src of -1 means the expert
+#: is copied in as a new replica rather than moved; a dst of -1 means the slot is freed.
+MOVE_COLUMNS = ("layer", "expert", "src_gpu", "src_slot", "dst_gpu", "dst_slot")
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+
+class ModelShape(_Part):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    num_layers: Positive
+    num_experts: Positive
+    top_k: Positive
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> ModelShape:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        return self
+
+
+class Capacity(_Part):
+    max_running: Positive
+    kv_blocks: Positive
+    block_size: Positive
+
+
+class Hello(WireModel):
+    """`sy.engine.<id>.hello`: who an engine is. Published on start and every `hello_interval_s`."""
+
+    engine_id: EngineId
+    role: Role
+    model: ModelShape
+    ep_group: EngineId
+    dp_rank: Count = 0
+    gpus: Annotated[list[str], Field(max_length=1024)]
+    capacity: Capacity
+    ts: Timestamp
+    agent: Literal["sim", "vllm"]
+    agent_version: Annotated[str, Field(max_length=64)] = ""
+    hello_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
+    telemetry_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 0.1
+
+
+class Telemetry(WireModel):
+    """`sy.engine.<id>.telemetry`: instantaneous engine pressure, ~every 100 ms, latest value wins.
+
+    `seq` increases by one per message from an engine's start, so consumers can detect gaps and restarts.
+    """
+
+    engine_id: EngineId
+    seq: Count
+    ts: Timestamp
+    kv_usage: Fraction
+    num_running: Count
+    num_waiting: Count
+    waiting_prefill_tokens: Count
+    remaining_prefill_tokens: Count
+    step_time_ema: Seconds
+    expert_pressure: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    migrating: bool = False
+
+
+class ExpertLoad(WireModel):
+    """`sy.engine.<id>.expert_load` (JetStream): token counts per expert over one window."""
+
+    engine_id: EngineId
+    ep_group: EngineId
+    seq: Count
+    window_start: Timestamp
+    window_end: Timestamp
+    expert_counts: IntMatrix
+    source_counts: IntCube | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExpertLoad:
+        if self.window_end < self.window_start:
+            raise ValueError("window_end precedes window_start")
+        if self.source_counts is not None:
+            layers, experts = self.expert_counts.shape
+            if self.source_counts.shape[0] != layers or self.source_counts.shape[2] != experts:
+                raise ValueError(
+                    f"source_counts shape {list(self.source_counts.shape)} does not match "
+                    f"expert_counts [{layers}, S, {experts}]"
+                )
+        return self
+
+
+class RouteDecodeRequest(WireModel):
+    """`sy.route.decode`: at the prefill->decode handoff, which decoder should take this request?
+
+    `signature` holds top-k selection counts of the prompt's tokens; its rows are the model layers listed
+    in `layers` (None: every layer in order), so a prefill agent may send only the artifact's masked
+    layers or the whole `[L, E]` matrix.
+    """
+
+    request_id: RequestId
+    prompt_tokens: Count
+    signature: IntMatrix | None = None
+    layers: list[Count] | None = None
+    label: Annotated[str, Field(max_length=128)] | None = None
+    prefill_engine_id: EngineId | None = None
+
+    @model_validator(mode="after")
+    def _layers_match(self) -> RouteDecodeRequest:
+        if self.layers is not None:
+            if self.signature is None:
+                raise ValueError("layers given without a signature")
+            if len(self.layers) != self.signature.shape[0]:
+                raise ValueError(f"{len(self.layers)} layers listed for a signature of {self.signature.shape[0]} rows")
+        return self
+
+
+class RouteDecodeReply(WireModel):
+    request_id: RequestId
+    engine_id: EngineId
+    policy: str
+    band_size: Count
+    decision_us: Seconds
+    artifact_version: Count | None = None
+    fallback: str | None = None
+
+
+class RouteDpRequest(WireModel):
+    """`sy.route.dp`: which data-parallel engine should take a new request?"""
+
+    request_id: RequestId
+    prompt_tokens: Count
+
+
+class RouteDpReply(WireModel):
+    """`priority` is the engine-queue key: lower is served sooner (shortest prefill first, with aging)."""
+
+    request_id: RequestId
+    engine_id: EngineId
+    priority: int
+    decision_us: Seconds
+
+
+class ObjectiveTerms(_Part):
+    load: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    comm: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    mig: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    total: Finite
+
+
+class PlacementParams(_Part):
+    alpha: Finite
+    beta: Finite
+    gamma: Finite
+
+
+def _check_moves(moves: np.ndarray) -> None:
+    if moves.shape[1] != len(MOVE_COLUMNS):
+        raise ValueError(f"moves must have {len(MOVE_COLUMNS)} columns {MOVE_COLUMNS}, got {moves.shape[1]}")
+    if moves.shape[0] and (moves[:, :2] < 0).any():
+        raise ValueError("moves: layer and expert must be non-negative")
+
+
+class PlacementPlan(WireModel):
+    """`sy.placement.plan` (JetStream): a versioned expert placement for one engine group."""
+
+    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
+    version: Positive
+    engine_group: EngineId
+    base_version: Count | None = None
+    created_at: Timestamp
+    source: Literal["greedy", "minlp", "manual", "rollback"]
+    gpus: Annotated[list[str], Field(min_length=1, max_length=1024)]
+    placement: SignedCube
+    moves: SignedMatrix
+    objective: ObjectiveTerms
+    params: PlacementParams
+    predicted_gain: Finite = 0.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlacementPlan:
+        if self.placement.shape[1] != len(self.gpus):
+            raise ValueError(f"placement has {self.placement.shape[1]} GPUs but {len(self.gpus)} are named")
+        _check_moves(self.moves)
+        return self
+
+
+class MigrateRequest(WireModel):
+    """`sy.engine.<id>.migrate`: apply one ordered batch of moves of a plan (idempotent per plan+step)."""
+
+    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
+    version: Positive
+    engine_group: EngineId
+    step: Count
+    moves: SignedMatrix
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MigrateRequest:
+        _check_moves(self.moves)
+        return self
+
+
+class MigrateReply(WireModel):
+    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
+    version: Positive
+    step: Count
+    applied: Count
+    duration_s: Seconds
+    failure: str | None = None
+
+
+class CalibrationSample(WireModel):
+    """`sy.calibration.samples` (JetStream): one finished request's prefill and decode expert counts."""
+
+    engine_id: EngineId
+    request_id: RequestId
+    ts: Timestamp
+    prompt_tokens: Count
+    decode_tokens: Count
+    prefill_counts: IntMatrix
+    decode_counts: IntMatrix
+    label: Annotated[str, Field(max_length=128)] | None = None
+
+    @model_validator(mode="after")
+    def _same_shape(self) -> CalibrationSample:
+        if self.prefill_counts.shape != self.decode_counts.shape:
+            raise ValueError(
+                f"prefill_counts {list(self.prefill_counts.shape)} and decode_counts "
+                f"{list(self.decode_counts.shape)} differ"
+            )
+        return self
+
+
+class RoutingArtifact(WireModel):
+    """KV bucket `sy-router`, key `artifact`: the offline ELDR fit the router scores signatures against."""
+
+    version: Positive
+    content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]
+    created_at: Timestamp
+    model: ModelShape
+    representation: Annotated[str, Field(min_length=1, max_length=32)]
+    layer_mask: Annotated[list[Count], Field(min_length=1)]
+    idf: FloatMatrix
+    centroids: FloatMatrix
+    tau: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 0.1
+    rho: Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
+    decoder_ids: list[EngineId] | None = None
+    num_calibration: Count = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RoutingArtifact:
+        n, e = len(self.layer_mask), self.model.num_experts
+        if max(self.layer_mask) >= self.model.num_layers:
+            raise ValueError(f"layer_mask names layer {max(self.layer_mask)} of a {self.model.num_layers}-layer model")
+        if self.idf.shape != (n, e):
+            raise ValueError(f"idf shape {list(self.idf.shape)} is not [{n}, {e}]")
+        if self.centroids.shape[1] != n * e:
+            raise ValueError(f"centroids have {self.centroids.shape[1]} columns, expected {n * e}")
+        if self.decoder_ids is not None and len(self.decoder_ids) != self.centroids.shape[0]:
+            raise ValueError(f"{len(self.decoder_ids)} decoder ids for {self.centroids.shape[0]} centroids")
+        return self

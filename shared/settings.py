@@ -1,0 +1,93 @@
+"""Settings shared by every Switchyard process, read from `SWITCHYARD_*` environment variables.
+
+Service-specific knobs live in each service's own settings class (same prefix, e.g. `SWITCHYARD_ROUTER_*`),
+so one service's configuration never needs another's. Values can also come from a `.env` file in the
+working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.subjects import Subjects, check_token
+
+#: The repository's sibling folder of documents and real traces (`../shared/data` next to the checkout).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+class SwitchyardSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_file=".env", extra="ignore")
+
+    #: NATS servers; a comma-separated list in the environment. Empty means "start an embedded server"
+    #: for `switchyard up`, and is an error for a service started on its own.
+    nats_servers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_nkey_seed_file: Path | None = None
+    nats_creds_file: Path | None = None
+    nats_tls_ca: Path | None = None
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
+    nats_connect_timeout_s: float = Field(default=5.0, gt=0)
+    #: Give up on the first connection after this long (reconnects after a successful one never give up).
+    nats_initial_connect_s: float = Field(default=30.0, gt=0)
+    subject_prefix: str = "sy"
+
+    #: SQLAlchemy URL. `postgresql://...` and `sqlite:///path` are accepted as-is and given async drivers.
+    #: Empty means a SQLite file under `data_dir`.
+    database_url: str | None = None
+    #: Where embedded servers keep their state: NATS JetStream store, SQLite file, artifacts, reports.
+    data_dir: Path = Path(".switchyard")
+    #: The folder of real traces (see its README); defaults to `../shared/data` beside the checkout.
+    shared_data_dir: Path = DEFAULT_SHARED_DATA
+    #: Largest bus payload accepted by decoders (and configured on the embedded server).
+    max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    log_level: str = "INFO"
+
+    @field_validator("nats_servers", mode="before")
+    @classmethod
+    def _split_servers(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [s.strip() for s in value.split(",") if s.strip()]
+        return value
+
+    @field_validator("nats_servers")
+    @classmethod
+    def _check_servers(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if "://" not in url:
+                raise ValueError(f"NATS server {url!r} needs a scheme, e.g. nats://127.0.0.1:4222")
+        return value
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        return check_token(value, "subject prefix")
+
+    @model_validator(mode="after")
+    def _check_credentials(self) -> SwitchyardSettings:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("SWITCHYARD_NATS_USER and SWITCHYARD_NATS_PASSWORD must be given together")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("SWITCHYARD_NATS_TLS_CERT and SWITCHYARD_NATS_TLS_KEY must be given together")
+        methods = [self.nats_user, self.nats_token, self.nats_nkey_seed_file, self.nats_creds_file]
+        if sum(m is not None for m in methods) > 1:
+            raise ValueError("choose one NATS authentication: user/password, token, nkey seed or creds file")
+        return self
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.subject_prefix)
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.data_dir / "switchyard.sqlite"
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.sqlite_path.resolve()}"

@@ -1,0 +1,104 @@
+"""Every NATS subject, stream and bucket name Switchyard uses, in one place.
+
+The prefix (default `sy`) is configurable so that several Switchyard deployments, or a test run, can share
+one NATS account without seeing each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(value: str, what: str = "subject token") -> str:
+    """Refuse ids that would break a subject (dots, wildcards, spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match {_TOKEN.pattern}")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "sy"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    # --- engine -> control plane (core NATS, latest value wins) ---
+    def hello(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.hello"
+
+    def telemetry(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.telemetry"
+
+    @property
+    def all_hello(self) -> str:
+        return f"{self.prefix}.engine.*.hello"
+
+    @property
+    def all_telemetry(self) -> str:
+        return f"{self.prefix}.engine.*.telemetry"
+
+    # --- engine -> control plane (JetStream, must not be lost) ---
+    def expert_load(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.expert_load"
+
+    @property
+    def all_expert_load(self) -> str:
+        return f"{self.prefix}.engine.*.expert_load"
+
+    @property
+    def calibration_samples(self) -> str:
+        return f"{self.prefix}.calibration.samples"
+
+    # --- control plane -> engines ---
+    def migrate(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.migrate"
+
+    @property
+    def placement_plan(self) -> str:
+        return f"{self.prefix}.placement.plan"
+
+    # --- request/reply served by router replicas (queue group `router`) ---
+    @property
+    def route_decode(self) -> str:
+        return f"{self.prefix}.route.decode"
+
+    @property
+    def route_dp(self) -> str:
+        return f"{self.prefix}.route.dp"
+
+    @property
+    def router_queue(self) -> str:
+        return f"{self.prefix}-router"
+
+    # --- JetStream streams and KV buckets (names may not contain dots) ---
+    @property
+    def expert_load_stream(self) -> str:
+        return f"{self.prefix.upper()}_EXPERT_LOAD"
+
+    @property
+    def placement_stream(self) -> str:
+        return f"{self.prefix.upper()}_PLACEMENT"
+
+    @property
+    def calibration_stream(self) -> str:
+        return f"{self.prefix.upper()}_CALIBRATION"
+
+    @property
+    def router_bucket(self) -> str:
+        return f"{self.prefix}-router"
+
+    @property
+    def artifact_key(self) -> str:
+        return "artifact"
+
+    def streams(self) -> dict[str, list[str]]:
+        """Stream name -> subjects it captures; `shared.bus.Bus.ensure_streams` creates them all."""
+        return {
+            self.expert_load_stream: [self.all_expert_load],
+            self.placement_stream: [self.placement_plan],
+            self.calibration_stream: [self.calibration_samples],
+        }

@@ -1,0 +1,111 @@
+"""Fixtures that give every test real infrastructure: a private nats-server and real databases.
+
+- `nats_url`: one embedded nats-server (JetStream on) for the whole session, on a free loopback port.
+- `settings`: settings pointing at it, with a subject prefix unique to the test, so tests never see each
+  other's traffic even on one server.
+- `bus`: a connected `shared.bus.Bus` for those settings.
+- `database_url`: parametrised over SQLite (a temp file) and PostgreSQL (a fresh database created for the
+  test session on the server named by SWITCHYARD_TEST_DATABASE_URL, or the local default server). Without
+  a reachable PostgreSQL the PostgreSQL cases skip, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from shared.bus import Bus
+from shared.embedded import EmbeddedNats
+from shared.settings import DEFAULT_SHARED_DATA, SwitchyardSettings
+
+LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+SHARED_DATA = DEFAULT_SHARED_DATA
+
+
+def _postgres_admin_url() -> str | None:
+    """The server to create test databases on, or None if none is reachable."""
+    candidates = [os.environ.get("SWITCHYARD_TEST_DATABASE_URL"), LOCAL_POSTGRES]
+    for url in filter(None, candidates):
+        try:
+            engine = create_engine(
+                make_url(url).set(drivername="postgresql+psycopg"), connect_args={"connect_timeout": 3}
+            )
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            engine.dispose()
+            return url
+        except Exception:
+            continue
+    return None
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedNats) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def settings(nats_url: str, tmp_path: Path) -> SwitchyardSettings:
+    prefix = "t" + uuid.uuid4().hex[:10]
+    return SwitchyardSettings(
+        nats_servers=[nats_url], subject_prefix=prefix, data_dir=tmp_path / "data", nats_initial_connect_s=5.0
+    )
+
+
+@pytest.fixture
+async def bus(settings: SwitchyardSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(settings, name="test")
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    """A reachable PostgreSQL server to create throw-away databases on."""
+    admin = _postgres_admin_url()
+    if admin is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but no PostgreSQL is reachable (set SWITCHYARD_TEST_DATABASE_URL)")
+        pytest.skip("no PostgreSQL reachable; set SWITCHYARD_TEST_DATABASE_URL to run these")
+    return admin
+
+
+@contextlib.contextmanager
+def fresh_postgres_database(admin_url: str) -> Iterator[str]:
+    """Create an empty database on the server, yield its URL, drop it afterwards."""
+    admin = make_url(admin_url)
+    engine = create_engine(admin.set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT")
+    name = "switchyard_test_" + uuid.uuid4().hex[:10]
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin.set(drivername="postgresql", database=name).render_as_string(hide_password=False)
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database (no tables) on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.sqlite'}"
+        return
+    with fresh_postgres_database(request.getfixturevalue("postgres_admin_url")) as url:
+        yield url

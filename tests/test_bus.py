@@ -1,0 +1,238 @@
+"""The bus helper against a real nats-server: pub/sub, request/reply, error replies, JetStream, reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+from shared import schemas as s
+from shared.bus import HANDLER_ERRORS, Bus, rejected_count
+from shared.codec import decode_reply, encode
+from shared.embedded import EmbeddedNats, free_port
+from shared.errors import RemoteError
+from shared.settings import SwitchyardSettings
+
+
+def _telemetry(seq: int) -> s.Telemetry:
+    return s.Telemetry(
+        engine_id="e1",
+        seq=seq,
+        ts=1.0,
+        kv_usage=0.25,
+        num_running=3,
+        num_waiting=1,
+        waiting_prefill_tokens=100,
+        remaining_prefill_tokens=50,
+        step_time_ema=0.02,
+    )
+
+
+def test_embedded_server_starts_and_stops(tmp_path) -> None:
+    server = EmbeddedNats(tmp_path / "n")
+    url = server.start()
+    assert server.running and url.startswith("nats://127.0.0.1:")
+    pid = server.process.pid
+    server.stop()
+    assert not server.running
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
+
+
+async def test_publish_subscribe_delivers_decoded_messages(bus: Bus) -> None:
+    got: list[s.Telemetry] = []
+    done = asyncio.Event()
+
+    def on_telemetry(message: s.Telemetry, _msg) -> None:
+        got.append(message)
+        if len(got) == 3:
+            done.set()
+
+    await bus.subscribe(bus.subjects.all_telemetry, s.Telemetry, on_telemetry)
+    for seq in range(3):
+        await bus.publish(bus.subjects.telemetry("e1"), _telemetry(seq))
+    await asyncio.wait_for(done.wait(), 5)
+    assert [m.seq for m in got] == [0, 1, 2]
+    assert got[0].kv_usage == 0.25
+
+
+async def test_malformed_publish_is_counted_and_the_subscriber_survives(bus: Bus) -> None:
+    got: list[int] = []
+    done = asyncio.Event()
+
+    def on_telemetry(message: s.Telemetry, _msg) -> None:
+        got.append(message.seq)
+        done.set()
+
+    subject = bus.subjects.all_telemetry
+    await bus.subscribe(subject, s.Telemetry, on_telemetry)
+    before = rejected_count(subject, "not_msgpack")
+    await bus.nc.publish(bus.subjects.telemetry("e1"), b"\xc1garbage")
+    await bus.publish(bus.subjects.telemetry("e1"), _telemetry(7))
+    await asyncio.wait_for(done.wait(), 5)
+    assert got == [7]
+    assert rejected_count(subject, "not_msgpack") == before + 1
+
+
+async def test_request_reply_round_trip(bus: Bus) -> None:
+    def handler(req: s.RouteDpRequest) -> s.RouteDpReply:
+        return s.RouteDpReply(request_id=req.request_id, engine_id="dp3", priority=req.prompt_tokens, decision_us=1.0)
+
+    await bus.serve(bus.subjects.route_dp, s.RouteDpRequest, handler, queue=bus.subjects.router_queue)
+    reply = await bus.request(
+        bus.subjects.route_dp, s.RouteDpRequest(request_id="q1", prompt_tokens=42), s.RouteDpReply, timeout=2
+    )
+    assert (reply.request_id, reply.engine_id, reply.priority) == ("q1", "dp3", 42)
+
+
+async def test_bad_request_gets_an_error_reply_and_a_counter(bus: Bus) -> None:
+    calls: list[str] = []
+
+    def handler(req: s.RouteDecodeRequest) -> s.RouteDecodeReply:
+        calls.append(req.request_id)
+        return s.RouteDecodeReply(request_id=req.request_id, engine_id="d0", policy="rr", band_size=1, decision_us=0.0)
+
+    subject = bus.subjects.route_decode
+    await bus.serve(subject, s.RouteDecodeRequest, handler)
+    bad = msgpack.packb({"v": 1, "request_id": "r", "prompt_tokens": -5})
+    before = rejected_count(subject, "schema")
+    msg = await bus.nc.request(subject, bad, timeout=2)
+    with pytest.raises(RemoteError) as info:
+        decode_reply(msg.data, s.RouteDecodeReply)
+    assert info.value.code == "schema" and info.value.field == "prompt_tokens"
+    assert rejected_count(subject, "schema") == before + 1
+    assert calls == []
+    good = await bus.request(subject, s.RouteDecodeRequest(request_id="ok", prompt_tokens=1), s.RouteDecodeReply)
+    assert good.request_id == "ok" and calls == ["ok"]
+
+
+async def test_handler_crash_becomes_internal_error_and_service_continues(bus: Bus) -> None:
+    def handler(req: s.RouteDpRequest) -> s.RouteDpReply:
+        if req.prompt_tokens == 13:
+            raise RuntimeError("unlucky")
+        return s.RouteDpReply(request_id=req.request_id, engine_id="dp0", priority=0, decision_us=0.0)
+
+    subject = bus.subjects.route_dp
+    await bus.serve(subject, s.RouteDpRequest, handler)
+    before = HANDLER_ERRORS.labels(subject)._value.get()
+    with pytest.raises(RemoteError) as info:
+        await bus.request(subject, s.RouteDpRequest(request_id="a", prompt_tokens=13), s.RouteDpReply)
+    assert info.value.code == "internal" and "unlucky" in info.value.message
+    assert HANDLER_ERRORS.labels(subject)._value.get() == before + 1
+    ok = await bus.request(subject, s.RouteDpRequest(request_id="b", prompt_tokens=1), s.RouteDpReply)
+    assert ok.engine_id == "dp0"
+
+
+async def test_async_handlers_are_awaited(bus: Bus) -> None:
+    async def handler(req: s.RouteDpRequest) -> s.RouteDpReply:
+        await asyncio.sleep(0.01)
+        return s.RouteDpReply(request_id=req.request_id, engine_id="slow", priority=0, decision_us=0.0)
+
+    await bus.serve(bus.subjects.route_dp, s.RouteDpRequest, handler)
+    reply = await bus.request(bus.subjects.route_dp, s.RouteDpRequest(request_id="x", prompt_tokens=0), s.RouteDpReply)
+    assert reply.engine_id == "slow"
+
+
+async def test_kv_round_trip_and_idempotent_setup(bus: Bus) -> None:
+    bucket = bus.subjects.router_bucket
+    kv = await bus.ensure_kv(bucket)
+    again = await bus.ensure_kv(bucket)  # second call opens, does not fail
+    artifact = s.RoutingArtifact(
+        version=3,
+        content_hash="ab" * 8,
+        created_at=1.0,
+        model=s.ModelShape(name="m", num_layers=4, num_experts=8, top_k=2),
+        representation="count_idf",
+        layer_mask=[1, 3],
+        idf=np.full((2, 8), 0.5, np.float32),
+        centroids=np.eye(4, 16, dtype=np.float32),
+        rho=0.61,
+    )
+    revision = await kv.put(bus.subjects.artifact_key, encode(artifact))
+    entry = await again.get(bus.subjects.artifact_key)
+    assert entry.revision == revision
+    restored = decode_reply(entry.value, s.RoutingArtifact)
+    assert restored.version == 3 and restored.layer_mask == [1, 3]
+    np.testing.assert_array_equal(restored.centroids, artifact.centroids)
+
+
+async def test_streams_are_created_idempotently_and_persist_messages(bus: Bus) -> None:
+    await bus.ensure_streams()
+    await bus.ensure_streams()
+    names = {info.config.name for info in await bus.js.streams_info()}
+    assert set(bus.subjects.streams()) <= names
+    load = s.ExpertLoad(
+        engine_id="e1",
+        ep_group="g0",
+        seq=0,
+        window_start=0.0,
+        window_end=1.0,
+        expert_counts=np.arange(8, dtype=np.uint32).reshape(2, 4),
+    )
+    seq = await bus.js_publish(bus.subjects.expert_load("e1"), load, msg_id="e1-0")
+    dup = await bus.js_publish(bus.subjects.expert_load("e1"), load, msg_id="e1-0")
+    assert dup == seq  # de-duplicated by message id
+    stored = await bus.js.get_msg(bus.subjects.expert_load_stream, seq)
+    assert decode_reply(stored.data, s.ExpertLoad).expert_counts.sum() == 28
+
+
+async def test_first_connection_retries_until_the_server_appears(tmp_path, settings: SwitchyardSettings) -> None:
+    port = free_port()
+    server = EmbeddedNats(tmp_path / "late", port=port)
+    late = settings.model_copy(update={"nats_servers": [f"nats://127.0.0.1:{port}"], "nats_initial_connect_s": 10.0})
+    connecting = asyncio.create_task(Bus.connect(late, name="early-bird"))
+    await asyncio.sleep(0.8)
+    assert not connecting.done()
+    await asyncio.to_thread(server.start)
+    try:
+        bus = await asyncio.wait_for(connecting, 10)
+        assert bus.nc.is_connected
+        await bus.close()
+    finally:
+        server.stop()
+
+
+async def test_unreachable_server_fails_with_a_clear_error(settings: SwitchyardSettings) -> None:
+    gone = settings.model_copy(
+        update={"nats_servers": [f"nats://127.0.0.1:{free_port()}"], "nats_initial_connect_s": 0.5}
+    )
+    with pytest.raises(ConnectionError, match="cannot reach NATS"):
+        await Bus.connect(gone)
+
+
+async def test_publishes_survive_a_server_restart(tmp_path, settings: SwitchyardSettings) -> None:
+    server = EmbeddedNats(tmp_path / "restart", port=free_port())
+    server.start()
+    cfg = settings.model_copy(update={"nats_servers": [server.url]})
+    subscriber, publisher = await Bus.connect(cfg), await Bus.connect(cfg)
+    try:
+        got: list[int] = []
+        await subscriber.subscribe(subscriber.subjects.all_telemetry, s.Telemetry, lambda m, _: got.append(m.seq))
+        await subscriber.nc.flush()
+        server.stop()
+        await asyncio.sleep(0.3)
+        server.start()
+        for _ in range(100):  # both clients reconnect on their own
+            if subscriber.nc.is_connected and publisher.nc.is_connected:
+                break
+            await asyncio.sleep(0.1)
+        await publisher.publish(publisher.subjects.telemetry("e1"), _telemetry(99))
+        for _ in range(50):
+            if got:
+                break
+            await asyncio.sleep(0.1)
+        assert got == [99]
+    finally:
+        await subscriber.close()
+        await publisher.close()
+        server.stop()
+
+
+async def test_encoded_payloads_are_small(bus: Bus) -> None:
+    sig = np.zeros((48, 128), np.uint16)
+    size = len(encode(s.RouteDecodeRequest(request_id="r" * 36, prompt_tokens=1000, signature=sig)))
+    assert 12 * 1024 < size < 12 * 1024 + 200  # the seed's 12 KiB signature plus a few header bytes

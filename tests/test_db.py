@@ -1,0 +1,181 @@
+"""History tables and Alembic migrations, on SQLite and PostgreSQL alike."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, select
+from sqlalchemy.exc import IntegrityError
+
+from shared.db import (
+    Base,
+    Calibration,
+    Migration,
+    MigrationMove,
+    Placement,
+    PlacementAssignment,
+    create_async_db,
+    downgrade,
+    sync_url,
+    upgrade,
+)
+from shared.db.engine import current_revision
+
+TABLES = {
+    "engines",
+    "routing_artifacts",
+    "placements",
+    "placement_assignments",
+    "migrations",
+    "migration_moves",
+    "calibrations",
+}
+
+
+def _tables(url: str) -> set[str]:
+    engine = create_engine(sync_url(url))
+    try:
+        return set(inspect(engine).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_then_downgrade_round_trips(database_url: str) -> None:
+    assert _tables(database_url) == set()
+    upgrade(database_url)
+    assert _tables(database_url) == TABLES
+    assert current_revision(database_url) is not None
+    upgrade(database_url)  # idempotent
+    downgrade(database_url, "base")
+    assert _tables(database_url) == set()
+    assert current_revision(database_url) is None
+    upgrade(database_url)
+    assert _tables(database_url) == TABLES
+
+
+def test_migrations_match_the_models(database_url: str) -> None:
+    upgrade(database_url)
+    engine = create_engine(sync_url(database_url))
+    with engine.connect() as connection:
+        diff = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    engine.dispose()
+    assert diff == []
+
+
+def _placement(version: int, **kw: object) -> Placement:
+    fields = dict(
+        plan_id=f"plan-{version}",
+        engine_group="g0",
+        version=version,
+        source="greedy",
+        alpha=1.0,
+        beta=0.0025,
+        gamma=1.0,
+        objective_load=1.0,
+        objective_comm=2.0,
+        objective_mig=0.5,
+        objective_total=3.5,
+        num_layers=2,
+        num_gpus=2,
+        slots_per_gpu=2,
+        gpus=["gpu0", "gpu1"],
+    )
+    fields.update(kw)
+    return Placement(**fields)
+
+
+async def test_history_rows_behave_identically(database_url: str) -> None:
+    upgrade(database_url)
+    engine, sessions = create_async_db(database_url)
+    when = datetime(2026, 3, 1, 12, 0, tzinfo=timezone(timedelta(hours=2)))
+    try:
+        async with sessions() as session, session.begin():
+            placement = _placement(1, created_at=when, details={"why": "drift", "layers": [1, 2]})
+            placement.assignments = [
+                PlacementAssignment(layer=layer, gpu=g, slot=k, expert=layer * 4 + g * 2 + k)
+                for layer in range(2)
+                for g in range(2)
+                for k in range(2)
+            ]
+            session.add(placement)
+            session.add(
+                Calibration(
+                    alpha=1.0, beta=0.0025, gamma=1.0, agreement=0.83, comm_gap=0.004, solve_seconds=12.5, num_windows=4
+                )
+            )
+        async with sessions() as session:
+            row = (await session.execute(select(Placement).where(Placement.version == 1))).scalar_one()
+            assert row.created_at == when and row.created_at.tzinfo is not None
+            assert row.created_at.utcoffset() == timedelta(0)  # always handed back in UTC
+            assert row.details == {"why": "drift", "layers": [1, 2]}
+            assignments = (
+                (await session.execute(select(PlacementAssignment).where(PlacementAssignment.placement_id == row.id)))
+                .scalars()
+                .all()
+            )
+            assert sorted(a.expert for a in assignments) == list(range(8))
+    finally:
+        await engine.dispose()
+
+
+async def test_constraints_hold_on_both_backends(database_url: str) -> None:
+    upgrade(database_url)
+    engine, sessions = create_async_db(database_url)
+    try:
+        async with sessions() as session, session.begin():
+            session.add(_placement(1))
+        with pytest.raises(IntegrityError):  # (engine_group, version) is unique
+            async with sessions() as session, session.begin():
+                session.add(_placement(1, plan_id="other"))
+        with pytest.raises(IntegrityError):  # source must be one of the known values
+            async with sessions() as session, session.begin():
+                session.add(_placement(2, source="guess"))
+        with pytest.raises(IntegrityError):  # foreign keys are enforced (SQLite too)
+            async with sessions() as session, session.begin():
+                session.add(Migration(placement_id=999_999, engine_group="g0", plan_version=1))
+    finally:
+        await engine.dispose()
+
+
+async def test_deleting_a_placement_cascades_to_its_migration_state(database_url: str) -> None:
+    upgrade(database_url)
+    engine, sessions = create_async_db(database_url)
+    try:
+        async with sessions() as session, session.begin():
+            placement = _placement(1)
+            session.add(placement)
+            await session.flush()
+            migration = Migration(placement_id=placement.id, engine_group="g0", plan_version=1, state="running")
+            migration.moves = [
+                MigrationMove(
+                    seq=i, step=0, engine_id="e0", layer=0, expert=i, src_gpu=0, src_slot=i, dst_gpu=1, dst_slot=i
+                )
+                for i in range(3)
+            ]
+            session.add(migration)
+        async with sessions() as session, session.begin():
+            await session.delete(await session.get(Placement, placement.id))
+        async with sessions() as session:
+            assert (await session.execute(select(MigrationMove))).scalars().all() == []
+            assert (await session.execute(select(Migration))).scalars().all() == []
+    finally:
+        await engine.dispose()
+
+
+def test_naive_datetimes_are_refused() -> None:
+    from sqlalchemy.dialects import sqlite
+
+    from shared.db.types import UTCDateTime
+
+    with pytest.raises(ValueError, match="naive"):
+        UTCDateTime().process_bind_param(datetime(2026, 1, 1), sqlite.dialect())
+    aware = UTCDateTime().process_bind_param(datetime(2026, 1, 1, tzinfo=UTC), sqlite.dialect())
+    assert aware.tzinfo is None  # SQLite stores naive UTC text
+
+
+def test_unsupported_database_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unsupported database"):
+        sync_url("mysql://root@localhost/x")
