@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from solver.traces import PHASE_DECODE, RoutingTrace
+
 __all__ = [
     "ReplayBank",
     "distinct_per_layer",
@@ -108,58 +110,44 @@ class ReplayBank:
         return int(self.decode_bits.shape[1])
 
     @classmethod
-    def from_tokens(
-        cls,
-        experts: np.ndarray,
-        request: np.ndarray,
-        is_prefill: np.ndarray,
-        num_experts: int,
-        labels: np.ndarray | None = None,
-        label_names: tuple[str, ...] = (),
-        keep: np.ndarray | None = None,
-    ) -> ReplayBank:
-        """Build from per-token arrays of a routing trace: `experts[N, L, k]`, `request[N]`,
-        `is_prefill[N]` (bool), optional per-token `labels[N]`. Tokens must be in order within a request.
-        `keep`: the trace request ids to include (default all that have at least one decode token).
+    def from_trace(cls, trace: RoutingTrace, requests: np.ndarray | None = None) -> ReplayBank:
+        """Bank rows for `requests` (trace request indices; default all) of a phase-split routing trace.
+
+        Each request needs at least one decode token; its prefill tokens give `prefill_bits`.
         """
-        experts = np.asarray(experts)
-        request = np.asarray(request)
-        is_prefill = np.asarray(is_prefill, dtype=bool)
-        ids = np.unique(request) if keep is None else np.asarray(keep)
-        order = np.argsort(request, kind="stable")
-        req_sorted = request[order]
-        lo = np.searchsorted(req_sorted, ids, side="left")
-        hi = np.searchsorted(req_sorted, ids, side="right")
-        bits = expert_bitsets(experts, num_experts)
-        layers, words = bits.shape[1], bits.shape[2]
-        dec_rows, dec_start, dec_len = [], [], []
-        pre_bits = np.zeros((len(ids), layers, words), dtype=np.uint64)
-        pre_len = np.zeros(len(ids), dtype=np.int64)
-        lab = np.full(len(ids), -1, dtype=np.int64)
-        total = 0
-        for i, (a, b) in enumerate(zip(lo, hi, strict=True)):
-            rows = order[a:b]
-            pre = rows[is_prefill[rows]]
-            dec = rows[~is_prefill[rows]]
-            if len(dec) == 0:
-                raise ValueError(f"trace request {ids[i]} has no decode tokens to replay")
-            if len(pre):
-                pre_bits[i] = np.bitwise_or.reduce(bits[pre], axis=0)
-            pre_len[i] = len(pre)
-            dec_rows.append(dec)
-            dec_start.append(total)
-            dec_len.append(len(dec))
-            total += len(dec)
-            if labels is not None:
-                lab[i] = int(np.asarray(labels)[rows[0]])
+        if trace.phase is None:
+            raise ValueError("the trace has no phase: split it first (solver.traces.split_phases)")
+        ids = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
+        starts, lengths = trace.request_starts(), trace.request_lengths()
+        decode_counts = np.bincount(trace.request, weights=trace.phase == PHASE_DECODE, minlength=len(lengths))
+        decode_counts = decode_counts.astype(np.int64)
+        if (decode_counts[ids] == 0).any():
+            bad = ids[decode_counts[ids] == 0][:5].tolist()
+            raise ValueError(f"trace requests {bad} have no decode tokens to replay")
+        prefill_counts = lengths - decode_counts
+        bits = expert_bitsets(trace.experts, trace.num_experts)
+        # rows of each kept request's decode tokens (prefill tokens precede decode tokens in a request)
+        dec_len = decode_counts[ids]
+        dec_first = starts[ids] + prefill_counts[ids]
+        dec_start = np.concatenate(([0], np.cumsum(dec_len)[:-1])).astype(np.int64)
+        rows = np.repeat(dec_first - dec_start, dec_len) + np.arange(int(dec_len.sum()))
+        # union of each kept request's prefill tokens: OR-reduce over [start, start + prefill) with reduceat on
+        # (start, end) pairs; the odd segments (end → next start) are discarded. end < N: a decode token follows.
+        pre_bits = np.zeros((len(ids), trace.num_layers, bits.shape[2]), dtype=np.uint64)
+        has_pre = prefill_counts[ids] > 0
+        if has_pre.any():
+            seg = starts[ids][has_pre]
+            pairs = np.stack([seg, seg + prefill_counts[ids][has_pre]], axis=1).ravel()
+            pre_bits[has_pre] = np.bitwise_or.reduceat(bits, pairs, axis=0)[::2]
+        labels = trace.request_labels()
         return cls(
-            decode_bits=np.ascontiguousarray(bits[np.concatenate(dec_rows)]),
-            decode_start=np.asarray(dec_start, dtype=np.int64),
-            decode_len=np.asarray(dec_len, dtype=np.int64),
+            decode_bits=np.ascontiguousarray(bits[rows]),
+            decode_start=dec_start,
+            decode_len=dec_len,
             prefill_bits=pre_bits,
-            prefill_len=pre_len,
-            labels=lab,
-            label_names=tuple(label_names),
-            num_experts=num_experts,
-            request_ids=np.asarray(ids),
+            prefill_len=prefill_counts[ids].astype(np.int64),
+            labels=np.full(len(ids), -1, np.int64) if labels is None else labels[ids].astype(np.int64),
+            label_names=tuple(trace.label_names or ()),
+            num_experts=trace.num_experts,
+            request_ids=ids,
         )

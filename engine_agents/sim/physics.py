@@ -31,8 +31,8 @@ import numpy as np
 
 __all__ = [
     "GPUS",
-    "MOE_LAYER_OVERHEAD_S",
     "MODELS",
+    "MOE_LAYER_OVERHEAD_S",
     "SEED_FIG2",
     "CostModel",
     "GpuSpec",

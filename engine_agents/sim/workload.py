@@ -108,7 +108,11 @@ def build_workload(
         arrival = (requests.arrival[idx % n] + (idx // n) * span) / time_scale
         prompt = requests.prompt[idx % n].copy()
         output = requests.output[idx % n].copy()
-        desc = f"{Path(requests.source).name} first {num_requests}, time / {time_scale:g} ({requests.rate * time_scale:.1f} req/s)"
+        span_n = float(arrival[-1] - arrival[0]) if num_requests > 1 else 0.0
+        rate_n = (num_requests - 1) / span_n if span_n > 0 else 0.0
+        desc = (
+            f"{Path(requests.source).name}, first {num_requests} requests, time / {time_scale:g} ({rate_n:.1f} req/s)"
+        )
     else:
         if rate is None or rate <= 0:
             raise ValueError("give a positive rate or a request trace")

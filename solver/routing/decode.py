@@ -294,12 +294,8 @@ DECODE_POLICIES: dict[str, DecodePolicy] = {
             "domain", route_domain, _LOAD | {"label"}, doc="oracle: least loaded in the label's engine partition"
         ),
         DecodePolicy("eldr", route_eldr, _ELDR, fit="balanced", doc="τ-band over balanced K-means centroids"),
-        DecodePolicy(
-            "eldr-vanilla", route_eldr, _ELDR, fit="vanilla", doc="τ-band over vanilla (unbalanced) K-means"
-        ),
-        DecodePolicy(
-            "eldr-tau0", route_eldr_tau0, _ELDR, fit="balanced", tau=0.0, doc="nearest centroid only (τ = 0)"
-        ),
+        DecodePolicy("eldr-vanilla", route_eldr, _ELDR, fit="vanilla", doc="τ-band over vanilla (unbalanced) K-means"),
+        DecodePolicy("eldr-tau0", route_eldr_tau0, _ELDR, fit="balanced", tau=0.0, doc="nearest centroid only (τ = 0)"),
     )
 }
 
