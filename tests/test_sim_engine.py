@@ -186,3 +186,18 @@ def test_prefill_engine_chunks_fcfs_within_the_token_budget() -> None:
         done.extend(engine.end_step().tolist())
     assert done == [0, 1, 2, 3]
     assert processed == sum(prompts.values())
+
+
+def test_expert_parallel_step_waits_for_the_busiest_rank() -> None:
+    bank, _ = _bank(seed=2)
+    cost = cost_model("deepseek-v2-lite", "H100", gpus=4)
+    masks = rank_masks(bank.num_layers, bank.num_experts, 4)
+    engine = DecodeEngine(cost, bank, rank_masks=masks)
+    for rid in range(5):
+        engine.add(rid, rid, prompt_tokens=8, output_tokens=4)
+    plan = engine.begin_step()
+    rows = bank.decode_start[:5]
+    bits = bank.decode_bits[rows]
+    per_rank = np.stack([np.bitwise_count(np.bitwise_or.reduce(bits, axis=0) & m).sum(axis=-1) for m in masks])
+    assert np.array_equal(plan.distinct, per_rank.max(axis=0))
+    assert (plan.distinct <= distinct_per_layer(bits)).all()

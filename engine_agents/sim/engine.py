@@ -340,6 +340,7 @@ class PrefillEngine:
     cost: CostModel
     bank: ReplayBank
     token_budget: int = 8192
+    rank_masks: np.ndarray | None = None
     queue: deque[_Prompt] = field(default_factory=deque)
     _step: list[tuple[_Prompt, int]] = field(default_factory=list)
     _busy: bool = False
@@ -380,7 +381,11 @@ class PrefillEngine:
             return None
         tokens = self.token_budget - budget
         replays = np.fromiter((p.replay for p, _ in chunk), dtype=np.int64, count=len(chunk))
-        distinct = distinct_per_layer(self.bank.prefill_bits[replays])
+        bits = self.bank.prefill_bits[replays]
+        if self.rank_masks is None:
+            distinct = distinct_per_layer(bits)
+        else:
+            distinct = distinct_per_rank(bits, self.rank_masks).max(axis=0)
         duration = self.cost.prefill_time(distinct, tokens, pairs)
         self._step = chunk
         self._busy = True

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from engine_agents.sim.experts import ReplayBank
+from engine_agents.sim.experts import ReplayBank, rank_masks
 from engine_agents.sim.physics import CostModel
 from engine_agents.sim.workload import Workload
 from solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
@@ -109,11 +109,16 @@ def simulate(
     n = workload.size
     cost = fleet.cost
     tables = tables or RoutingTables()
+    # Expert parallelism inside an engine: each MoE layer waits for the rank that loads the most experts.
+    masks = rank_masks(bank.num_layers, bank.num_experts, cost.gpus) if cost.gpus > 1 else None
     decoders = [
-        DecodeEngine(cost, bank, max_running=fleet.max_running, kv_blocks=fleet.decode_kv_blocks)
+        DecodeEngine(cost, bank, max_running=fleet.max_running, kv_blocks=fleet.decode_kv_blocks, rank_masks=masks)
         for _ in range(fleet.decode)
     ]
-    prefills = [PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget) for _ in range(fleet.prefill)]
+    prefills = [
+        PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget, rank_masks=masks)
+        for _ in range(fleet.prefill)
+    ]
     snap = FleetSnapshot.build([f"d{i:03d}" for i in range(fleet.decode)])
     state = RouterState.seeded(seed)
     label_names = bank.label_names

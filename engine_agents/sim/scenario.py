@@ -143,14 +143,15 @@ class Scenario:
     def eldr_inputs(self, fit: str, decoders: int) -> tuple[object, np.ndarray]:
         """The ELDR artifact fit on the calibration part (`fit`: balanced | vanilla) and the replay part's sims."""
         from solver.eldr_fit import FitOptions, fit_routing_artifact
-        from solver.scoring import similarities
+        from solver.scoring import Scorer
 
         key = (fit, decoders)
         if key not in self._artifacts:
             options = FitOptions(balanced=(fit == "balanced"), seed=self.seed)
             artifact, _report = fit_routing_artifact(self.counts.subset(self.calib), decoders, options)
             self._artifacts[key] = artifact
-            self._sims[key] = similarities(artifact, self.counts.prefill[self.replay])
+            scorer = Scorer.from_artifact(artifact)
+            self._sims[key] = scorer.similarities_batch(self.counts.prefill[self.replay]).astype(np.float64)
         return self._artifacts[key], self._sims[key]
 
     def run(
