@@ -12,6 +12,7 @@ from engine_agents.sim.experts import (
     distinct_per_rank,
     expert_bitsets,
     rank_masks,
+    token_counts,
 )
 from engine_agents.sim.physics import cost_model
 from solver.traces import RoutingTrace, split_phases
@@ -31,6 +32,16 @@ def test_bitset_distinct_counts_match_sets(num_experts: int) -> None:
         bits = expert_bitsets(ids, num_experts)
         assert bits.shape == (batch, 5, -(-num_experts // 64))
         assert np.array_equal(distinct_per_layer(bits), _brute_distinct(ids))
+
+
+def test_token_counts_per_expert() -> None:
+    rng = np.random.default_rng(9)
+    ids = random_experts(rng, 25, 3, 130, 4)
+    counts = token_counts(expert_bitsets(ids, 130), 130)
+    expected = np.zeros((3, 130), dtype=np.int64)
+    for layer in range(3):
+        np.add.at(expected[layer], ids[:, layer].ravel(), 1)
+    assert np.array_equal(counts, expected)
 
 
 def test_bitsets_reject_out_of_range_and_ignore_padding() -> None:
@@ -152,6 +163,7 @@ def test_decode_step_cost_follows_the_batch_s_replayed_tokens() -> None:
         token_rows = [bank.decode_start[r] + step % bank.decode_len[r] for r in rows]
         expected = distinct_per_layer(bank.decode_bits[token_rows])
         assert np.array_equal(plan.distinct, expected)
+        assert sorted(plan.rows.tolist()) == sorted(int(r) for r in token_rows)
         ctx = np.full(3, 10 + step)
         assert plan.duration == pytest.approx(cost.decode_time(expected, 3, ctx))
         engine.end_step()

@@ -49,6 +49,7 @@ class DecodeStep:
     admitted: list[int]  # request ids admitted at this step
     preempted: list[int]  # request ids preempted at this step
     recompute_tokens: int
+    rows: np.ndarray  # bank rows of the batch's decode tokens (`experts.token_counts` turns them into B[L, E])
 
 
 @dataclass(slots=True)
@@ -205,7 +206,7 @@ class DecodeEngine:
         self._busy = True
         self._step_n = n
         self.busy_time += duration
-        return DecodeStep(duration, n, distinct, distinct_sum, self._ctx_sum, admitted, preempted, recompute)
+        return DecodeStep(duration, n, distinct, distinct_sum, self._ctx_sum, admitted, preempted, recompute, rows)
 
     def end_step(self) -> StepOutput:
         """Every request of the step gets one token; finished requests leave and free their KV."""

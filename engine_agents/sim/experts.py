@@ -26,6 +26,7 @@ __all__ = [
     "expert_bitsets",
     "num_words",
     "rank_masks",
+    "token_counts",
 ]
 
 
@@ -57,6 +58,13 @@ def distinct_per_layer(bits: np.ndarray) -> np.ndarray:
         return np.zeros(bits.shape[1], dtype=np.int64)
     union = np.bitwise_or.reduce(bits, axis=0)
     return np.bitwise_count(union).sum(axis=-1, dtype=np.int64)
+
+
+def token_counts(bits: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[B, L, W]` token bitsets → `[L, E]` tokens per expert (a live engine's `ExpertLoad` window rows)."""
+    as_bytes = np.ascontiguousarray(bits).astype("<u8", copy=False).view(np.uint8)
+    onehot = np.unpackbits(as_bytes, axis=-1, bitorder="little")  # [B, L, W*64]
+    return onehot.sum(axis=0, dtype=np.int64)[:, :num_experts]
 
 
 def rank_masks(num_layers: int, num_experts: int, ranks: int, placement: np.ndarray | None = None) -> np.ndarray:
