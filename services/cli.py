@@ -162,7 +162,10 @@ def sim(
         Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
     ] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
-    rate: Annotated[float | None, typer.Option("--rate", help="Poisson arrivals at this rate (req/s).")] = None,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
+    ] = None,
     prefill: Annotated[int, typer.Option("--prefill", help="Prefill engines (P).")] = 8,
     decode: Annotated[int, typer.Option("--decode", help="Decode engines (D).")] = 16,
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated decode policies.")] = "rr,jsq,eldr",

@@ -65,3 +65,20 @@ def test_sim_with_poisson_rate_and_gpu(tmp_path: Path) -> None:
 def test_sim_rejects_bad_options(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:
     code, output, _ = _sim(tmp_path, *extra)
     assert code != 0 and message in output
+
+
+def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
+    from engine_agents.sim.report import ReportOptions, build_report
+
+    opts = ReportOptions(trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=80, progress=False)
+    md = build_report(tmp_path, opts).read_text()
+    for section in ("Fig. 2", "Fig. 4", "Fig. 11", "Fig. 15", "Fig. 16", "Table 2"):
+        assert f"## {section}" in md, section
+    assert md.count("Seed: ") == 6, "every experiment prints the seed's numbers beside ours"
+    for png in ("fig2_moe_time", "fig4_same_vs_mixed", "fig11_rate_sweep", "fig15_balance", "fig16_tau"):
+        assert (tmp_path / f"{png}.png").stat().st_size > 1000, png
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["fig2"]["time_us"][1][2] * 4.7 == pytest.approx(results["fig2"]["time_us"][4][2], rel=1e-3)
+    assert {r["fleet"] for r in results["table2"]} == {"8P8D", "8P16D"}
+    rows = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(rows) - 1 == results["meta"]["runs"]

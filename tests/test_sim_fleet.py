@@ -15,7 +15,6 @@ from tests.conftest import SHARED_DATA
 from tests.eldr_helpers import ESFT_DIR
 
 AZURE_CONV = SHARED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-LOAD_ONLY = sorted(name for name, p in DECODE_POLICIES.items() if p.fit is None)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def _small_fleet(esft: Scenario, kv_blocks: int | None = 96) -> FleetConfig:
     return esft.fleet(2, 3, kv_blocks=kv_blocks, max_running=8)
 
 
-@pytest.mark.parametrize("policy", LOAD_ONLY)
+@pytest.mark.parametrize("policy", list(DECODE_POLICIES))
 def test_invariants_every_request_once_tokens_conserved(esft: Scenario, policy: str) -> None:
     """check=True asserts after every event: one engine per request, KV within capacity and recounted."""
     fleet = _small_fleet(esft)
@@ -67,6 +66,9 @@ def test_azure_arrivals_and_lengths(esft: Scenario) -> None:
     assert np.array_equal(wl.output, np.maximum(requests.output[:60], 1))
     res = esft.run(wl, esft.fleet(2, 2), "jsq", seed=0)
     assert np.array_equal(res.tokens, wl.output)
+    poisson = esft.workload(60, seed=0, requests=requests, rate=5.0)  # Poisson arrivals, the CSV's lengths
+    assert np.array_equal(poisson.prompt, wl.prompt) and not np.allclose(poisson.arrival, wl.arrival)
+    assert 2.0 < poisson.offered_rate < 10.0
 
 
 def test_same_seed_same_run_other_seed_other_run(esft: Scenario) -> None:
@@ -92,10 +94,21 @@ def test_same_domain_batches_select_fewer_experts_on_esft(esft: Scenario) -> Non
     assert same < mixed
 
 
-def test_locality_policy_lowers_distinct_experts_per_step(esft: Scenario) -> None:
-    """Domain co-locates labels, so its decode steps load fewer distinct experts per token than round robin."""
+@pytest.mark.parametrize("policy", ["domain", "eldr"])
+def test_locality_policies_lower_distinct_experts_per_step(esft: Scenario, policy: str) -> None:
+    """Co-locating similar requests makes decode steps load fewer distinct experts per token than round robin."""
     fleet = esft.fleet(2, 8)
-    wl = esft.workload(600, seed=1, rate=300.0)
+    wl = esft.workload(600, seed=1, rate=300.0, requests=load_request_csv(AZURE_CONV))  # lengths independent of domain
     rr = summarize(esft.run(wl, fleet, "rr", seed=1))
-    dom = summarize(esft.run(wl, fleet, "domain", seed=1))
-    assert dom["token_distinct_experts"] < rr["token_distinct_experts"]
+    local = summarize(esft.run(wl, fleet, policy, seed=1))
+    assert local["token_distinct_experts"] < rr["token_distinct_experts"]
+
+
+def test_eldr_is_fit_on_calibration_requests_only(esft: Scenario) -> None:
+    artifact, sims = esft.eldr_inputs("balanced", 4)
+    assert artifact.num_calibration == len(esft.calib)
+    assert artifact.centroids.shape[0] == 4 and sims.shape == (len(esft.replay), 4)
+    vanilla, _ = esft.eldr_inputs("vanilla", 4)
+    assert not np.array_equal(vanilla.centroids, artifact.centroids)
+    tables, _ = esft.policy_inputs(DECODE_POLICIES["eldr-tau0"], esft.fleet(1, 4), esft.workload(5, 0, rate=1.0))
+    assert tables.tau == 0.0

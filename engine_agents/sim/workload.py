@@ -87,10 +87,12 @@ def build_workload(
 ) -> Workload:
     """Draw `num_requests` requests.
 
-    - `requests` given: the first `num_requests` of the trace (cycled, shifted by the trace's span, if more
-      are asked for), arrival times divided by `time_scale`, its prompt/output lengths.
-    - else Poisson arrivals at `rate` req/s with the replayed trace request's own lengths
-      (`pool_prompt[i]`, `pool_output[i]` for pool entry i).
+    - `requests` and no `rate`: the first `num_requests` of the trace (cycled, shifted by the trace's span,
+      if more are asked for), arrival times divided by `time_scale`, its prompt/output lengths.
+    - `requests` and `rate`: Poisson arrivals at `rate` req/s with the trace's first `num_requests` lengths.
+    - `rate` only: Poisson arrivals with the replayed trace request's own lengths (`pool_prompt[i]`,
+      `pool_output[i]` for pool entry i). Beware: in a routing trace, length often follows the domain (ESFT
+      summaries decode ~8x longer than intents), so a locality policy then also segregates long requests.
 
     `max_tokens` clips prompt + output (so each request fits a decode engine's KV cache), prompt first.
     """
@@ -99,28 +101,33 @@ def build_workload(
     rng = np.random.default_rng(seed)
     pick = rng.integers(len(replay_pool), size=num_requests)
     replay = np.asarray(replay_pool)[pick]
-    if requests is not None:
-        if time_scale <= 0:
-            raise ValueError("time_scale must be positive")
-        n = len(requests.arrival)
-        idx = np.arange(num_requests)
-        span = requests.duration + (requests.duration / max(n - 1, 1))
-        arrival = (requests.arrival[idx % n] + (idx // n) * span) / time_scale
-        prompt = requests.prompt[idx % n].copy()
-        output = requests.output[idx % n].copy()
-        span_n = float(arrival[-1] - arrival[0]) if num_requests > 1 else 0.0
-        rate_n = (num_requests - 1) / span_n if span_n > 0 else 0.0
-        desc = (
-            f"{Path(requests.source).name}, first {num_requests} requests, time / {time_scale:g} ({rate_n:.1f} req/s)"
-        )
-    else:
-        if rate is None or rate <= 0:
-            raise ValueError("give a positive rate or a request trace")
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive")
+    if rate is not None:
         arrival = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
         arrival -= arrival[0]
+    if requests is not None:
+        n = len(requests.arrival)
+        idx = np.arange(num_requests)
+        prompt = requests.prompt[idx % n].copy()
+        output = requests.output[idx % n].copy()
+        name = Path(requests.source).name
+        if rate is None:
+            if time_scale <= 0:
+                raise ValueError("time_scale must be positive")
+            span = requests.duration + (requests.duration / max(n - 1, 1))
+            arrival = (requests.arrival[idx % n] + (idx // n) * span) / time_scale
+            span_n = float(arrival[-1] - arrival[0]) if num_requests > 1 else 0.0
+            rate_n = (num_requests - 1) / span_n if span_n > 0 else 0.0
+            desc = f"{name}, first {num_requests} requests, time / {time_scale:g} ({rate_n:.1f} req/s)"
+        else:
+            desc = f"Poisson {rate:g} req/s, lengths of the first {num_requests} requests of {name}"
+    elif rate is not None:
         prompt = np.asarray(pool_prompt)[pick].copy()
         output = np.asarray(pool_output)[pick].copy()
         desc = f"Poisson {rate:g} req/s, lengths of the replayed trace requests"
+    else:
+        raise ValueError("give a positive rate or a request trace")
     prompt = np.maximum(prompt, 1)
     output = np.maximum(output, 1)
     if max_tokens is not None:
