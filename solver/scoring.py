@@ -179,6 +179,9 @@ class Scorer:
         # K is small (decoders, not experts): on lists of K floats plain Python beats a chain of numpy
         # calls, each of which costs ~0.5 µs of overhead at this size.
         sims, load = similarities.tolist(), np.asarray(loads, dtype=np.float64).tolist()
+        total = sum(load)
+        if total != total:
+            raise ScoringError("loads must not be NaN")
         if available is None:
             members: Sequence[int] = range(k)
         else:
@@ -193,8 +196,6 @@ class Scorer:
         if len(band) == 1:
             return Decision(best, best, 1, sims[best])
         lightest = min(load[i] for i in band)
-        if lightest != lightest or any(load[i] != load[i] for i in band):
-            raise ScoringError("loads must not be NaN")
         # least loaded; ties go to the most similar (then the lowest index)
         chosen = max((i for i in band if load[i] == lightest), key=sims.__getitem__)
         return Decision(chosen, best, len(band), sims[chosen])
