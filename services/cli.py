@@ -78,6 +78,9 @@ def fit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the fit report as one JSON object.")] = False,
     representation: Annotated[str, typer.Option(help="auto (best ρ), count, count_idf or binary.")] = "auto",
     layers: Annotated[str | None, typer.Option(help="Fixed layer mask, e.g. 0,3,7 (default: greedy on ρ).")] = None,
+    mask_tolerance: Annotated[
+        float, typer.Option(help="Take the fewest layers whose ρ is within this of the peak (0: the peak).")
+    ] = 0.0,
     tau: Annotated[float, typer.Option(help="Similarity band of the online router.")] = 0.1,
     max_pairs: Annotated[int, typer.Option(help="Request pairs for ρ (all if fewer).")] = 5_000,
     holdout: Annotated[float, typer.Option(help="Share of requests held out to report ρ on unseen requests.")] = 0.2,
@@ -103,6 +106,7 @@ def fit(
             tau=tau,
             representation=representation,  # type: ignore[arg-type]
             layer_mask=tuple(int(v) for v in _split_csv(layers) or []) or None,
+            mask_tolerance=mask_tolerance,
             max_pairs=max_pairs,
             holdout_fraction=holdout,
             restarts=restarts,

@@ -136,6 +136,8 @@ def _check(options: FitOptions, decoders: int, counts: RequestCounts) -> None:
         raise FitError(f"representation must be auto or one of {ONLINE_REPRESENTATIONS}, got {options.representation}")
     if not 0.0 <= options.holdout_fraction < 1.0:
         raise FitError(f"holdout fraction must lie in [0, 1), got {options.holdout_fraction}")
+    if options.mask_tolerance < 0:
+        raise FitError(f"mask tolerance must be non-negative, got {options.mask_tolerance}")
     if options.max_pairs < 3:
         raise FitError(f"max_pairs must be at least 3, got {options.max_pairs}")
     if options.layer_mask is not None:
@@ -196,6 +198,8 @@ def fit_routing_artifact(
     chosen: Representation = (
         max(online, key=lambda r: rho_all[r]) if options.representation == "auto" else options.representation
     )
+    if not np.isfinite(rho_all[chosen]):
+        raise FitError(f"ρ is undefined for {chosen}: its signatures are all identical (or all zero)")
     timings["rho_representations"] = clock() - t
 
     # --- layer mask ---
