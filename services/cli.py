@@ -119,14 +119,20 @@ def fit(
         typer.echo(f"switchyard fit: {exc}", err=True)
         raise typer.Exit(2) from None
     if out is not None or database_url is not None or nats_url is not None:
+        from sqlalchemy.exc import SQLAlchemyError
+
         from services.artifacts import publish_to
 
         settings = load_settings(database_url=database_url)
-        artifact = asyncio.run(
-            publish_to(
-                artifact, report, settings, out=out, database_url=database_url, nats_servers=_split_csv(nats_url)
+        try:
+            artifact = asyncio.run(
+                publish_to(
+                    artifact, report, settings, out=out, database_url=database_url, nats_servers=_split_csv(nats_url)
+                )
             )
-        )
+        except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
+            typer.echo(f"switchyard fit: could not store the artifact: {exc}", err=True)
+            raise typer.Exit(1) from None
     report.update(version=artifact.version, out=str(out) if out else None, trace=str(trace))
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))
