@@ -54,7 +54,7 @@ def kmeans_plus_plus(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndar
     seeds = [int(rng.integers(n))]
     nearest = x @ x[seeds[0]]
     for _ in range(1, k):
-        weight = np.clip(1.0 - nearest, 0.0, None)
+        weight = np.clip(1.0 - nearest.astype(np.float64), 0.0, None)  # float64: rng.choice checks Σp = 1
         weight[seeds] = 0.0
         total = weight.sum()
         # If every point coincides with a seed, any unused one will do.

@@ -157,7 +157,7 @@ class Scorer:
         _check_counts(counts)
         index = self._row_index(counts.shape[1], layers)
         vectors = self._weighted(counts if index is None else counts[:, index])
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("bd,bd->b", vectors, vectors))[:, None]
         out = np.zeros((counts.shape[0], self.num_decoders), dtype=np.float32)
         return np.divide(vectors @ self._centroids.T, norms, out=out, where=norms > 0)
 
