@@ -78,10 +78,13 @@ def fit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the fit report as one JSON object.")] = False,
     representation: Annotated[str, typer.Option(help="auto (best ρ), count, count_idf or binary.")] = "auto",
     layers: Annotated[str | None, typer.Option(help="Fixed layer mask, e.g. 0,3,7 (default: greedy on ρ).")] = None,
+    mask_tolerance: Annotated[
+        float, typer.Option(help="Take the fewest layers whose ρ is within this of the peak (0: the peak).")
+    ] = 0.0,
     tau: Annotated[float, typer.Option(help="Similarity band of the online router.")] = 0.1,
-    max_pairs: Annotated[int, typer.Option(help="Request pairs for ρ (all if fewer).")] = 10_000,
+    max_pairs: Annotated[int, typer.Option(help="Request pairs for ρ (all if fewer).")] = 5_000,
     holdout: Annotated[float, typer.Option(help="Share of requests held out to report ρ on unseen requests.")] = 0.2,
-    restarts: Annotated[int, typer.Option(help="K-means restarts.", min=1)] = 4,
+    restarts: Annotated[int, typer.Option(help="K-means restarts.", min=1)] = 3,
     seed: Annotated[int, typer.Option(help="Random seed (pairs, split, K-means).")] = 0,
     vanilla: Annotated[bool, typer.Option("--vanilla", help="Also report vanilla K-means cluster sizes.")] = False,
     decoder_ids: Annotated[str | None, typer.Option(help="Comma-separated engine id of each centroid.")] = None,
@@ -103,6 +106,7 @@ def fit(
             tau=tau,
             representation=representation,  # type: ignore[arg-type]
             layer_mask=tuple(int(v) for v in _split_csv(layers) or []) or None,
+            mask_tolerance=mask_tolerance,
             max_pairs=max_pairs,
             holdout_fraction=holdout,
             restarts=restarts,
@@ -115,14 +119,20 @@ def fit(
         typer.echo(f"switchyard fit: {exc}", err=True)
         raise typer.Exit(2) from None
     if out is not None or database_url is not None or nats_url is not None:
+        from sqlalchemy.exc import SQLAlchemyError
+
         from services.artifacts import publish_to
 
         settings = load_settings(database_url=database_url)
-        artifact = asyncio.run(
-            publish_to(
-                artifact, report, settings, out=out, database_url=database_url, nats_servers=_split_csv(nats_url)
+        try:
+            artifact = asyncio.run(
+                publish_to(
+                    artifact, report, settings, out=out, database_url=database_url, nats_servers=_split_csv(nats_url)
+                )
             )
-        )
+        except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
+            typer.echo(f"switchyard fit: could not store the artifact: {exc}", err=True)
+            raise typer.Exit(1) from None
     report.update(version=artifact.version, out=str(out) if out else None, trace=str(trace))
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))

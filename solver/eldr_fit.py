@@ -70,11 +70,11 @@ class FitOptions:
     #: Take the smallest mask whose ρ is within this of the peak (0: the peak itself).
     mask_tolerance: float = 0.0
     #: Pairs for ρ: all when R(R-1)/2 <= max_pairs, else this many drawn at random.
-    max_pairs: int = 10_000
+    max_pairs: int = 5_000
     #: Share of requests held out of the representation/mask choice, to report ρ on unseen requests.
     holdout_fraction: float = 0.2
     balanced: bool = True
-    restarts: int = 4
+    restarts: int = 3
     max_iter: int = 50
     seed: int = 0
     #: Also cluster with vanilla K-means and report its cluster sizes (the seed's Fig. 15 ablation).
@@ -136,6 +136,8 @@ def _check(options: FitOptions, decoders: int, counts: RequestCounts) -> None:
         raise FitError(f"representation must be auto or one of {ONLINE_REPRESENTATIONS}, got {options.representation}")
     if not 0.0 <= options.holdout_fraction < 1.0:
         raise FitError(f"holdout fraction must lie in [0, 1), got {options.holdout_fraction}")
+    if options.mask_tolerance < 0:
+        raise FitError(f"mask tolerance must be non-negative, got {options.mask_tolerance}")
     if options.max_pairs < 3:
         raise FitError(f"max_pairs must be at least 3, got {options.max_pairs}")
     if options.layer_mask is not None:
@@ -196,6 +198,8 @@ def fit_routing_artifact(
     chosen: Representation = (
         max(online, key=lambda r: rho_all[r]) if options.representation == "auto" else options.representation
     )
+    if not np.isfinite(rho_all[chosen]):
+        raise FitError(f"ρ is undefined for {chosen}: its signatures are all identical (or all zero)")
     timings["rho_representations"] = clock() - t
 
     # --- layer mask ---
@@ -255,6 +259,10 @@ def fit_routing_artifact(
     )
     timings["total"] = clock() - start
 
+    # How selective τ is: decoders within τ of each calibration request's best similarity.
+    similarity = signatures @ clustering.centroids.T
+    band_sizes = (similarity >= similarity.max(axis=1, keepdims=True) - options.tau).sum(axis=1)
+
     label_mix = None
     if counts.label is not None:
         width = int(counts.label.max()) + 1 if counts.label_names is None else len(counts.label_names)
@@ -293,6 +301,8 @@ def fit_routing_artifact(
         "kmeans_iterations": clustering.iterations,
         "label_mix": label_mix,
         "tau": options.tau,
+        "band_size_mean": float(band_sizes.mean()),
+        "band_size_p90": float(np.percentile(band_sizes, 90)),
         "content_hash": artifact.content_hash,
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()},
         "timings": timings,

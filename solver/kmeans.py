@@ -54,7 +54,7 @@ def kmeans_plus_plus(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndar
     seeds = [int(rng.integers(n))]
     nearest = x @ x[seeds[0]]
     for _ in range(1, k):
-        weight = np.clip(1.0 - nearest, 0.0, None)
+        weight = np.clip(1.0 - nearest.astype(np.float64), 0.0, None)  # float64: rng.choice checks Σp = 1
         weight[seeds] = 0.0
         total = weight.sum()
         # If every point coincides with a seed, any unused one will do.
@@ -97,7 +97,7 @@ def _centroids(x: np.ndarray, labels: np.ndarray, previous: np.ndarray) -> np.nd
     return l2_normalise(sums)
 
 
-def _priced_assignment(similarity: np.ndarray, capacity: int, rounds: int = 30) -> np.ndarray:
+def _priced_assignment(similarity: np.ndarray, capacity: int, rounds: int = 20) -> np.ndarray:
     """Nearly capacity-respecting labels: argmax of similarity minus per-cluster prices (a warm-up only).
 
     Prices rise for over-full clusters and fall (not below 0) for under-full ones, with a step shrinking
@@ -149,10 +149,10 @@ def spherical_kmeans(
     k: int,
     *,
     balanced: bool = True,
-    restarts: int = 4,
+    restarts: int = 3,
     max_iter: int = 50,
-    warmup: int = 10,
-    tol: float = 1e-4,
+    warmup: int = 8,
+    tol: float = 5e-4,
     seed: int = 0,
 ) -> Clustering:
     """Cluster rows of x [N, D] (normalised here) into k cosine clusters; see the module docstring."""

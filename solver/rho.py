@@ -94,7 +94,9 @@ def pair_dots(x: np.ndarray, pairs: Pairs) -> np.ndarray:
 def pair_cosine_distances(x: np.ndarray, pairs: Pairs) -> np.ndarray:
     """1 − cos(x_i, x_j) for every pair of rows of x [R, ...]; an all-zero row is at distance 1 from all."""
     flat = np.asarray(x, dtype=np.float32).reshape(x.shape[0], -1)
-    return 1.0 - pair_dots(l2_normalise(flat), pairs)
+    norms = np.sqrt(np.einsum("rd,rd->r", flat, flat, dtype=np.float64))
+    inverse = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    return 1.0 - pair_dots(flat, pairs) * inverse[pairs.i] * inverse[pairs.j]
 
 
 def spearman_rho(signatures: np.ndarray, decode: np.ndarray, pairs: Pairs | None = None) -> float:
@@ -130,23 +132,28 @@ def _spearman_rows(values: np.ndarray, target: DecodeTarget) -> np.ndarray:
     """Spearman of every row of values [C, M] with the target; NaN where a row is constant.
 
     Spearman is the Pearson correlation of average ranks. The target's ranks are centred, so
-    Σ (r − r̄) t = Σ r t, which is summed in sorted order without scattering ranks back. Tied values get
-    the average of their positions (run boundaries found on the sorted rows, all rows at once).
+    Σ (r − r̄) t = Σ r t, summed in sorted order without scattering ranks back. Tied values get the average
+    of their positions (run boundaries found on the sorted rows, all rows at once); without ties the ranks
+    are 1..M in sorted order and the sum is one matrix-vector product.
     """
     rows, m = values.shape
     order = np.argsort(values, axis=1)
     ordered = np.take_along_axis(values, order, axis=1)
-    starts_run = np.ones((rows, m), dtype=bool)
-    starts_run[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    if starts_run.all():
-        ranks = np.broadcast_to(np.arange(1.0, m + 1.0), (rows, m))
+    target_sorted = target.centred_ranks[order]
+    ties = ordered[:, 1:] == ordered[:, :-1]
+    mean_rank = (m + 1) / 2.0
+    if not ties.any():
+        covariance = target_sorted @ np.arange(1.0, m + 1.0)
+        spread = np.full(rows, np.sqrt(m * (m * m - 1) / 12.0))
     else:  # runs never cross rows: every row's first position starts a run
-        flat = starts_run.ravel()
-        first = np.flatnonzero(flat)
-        length = np.diff(np.append(first, flat.size))
+        starts_run = np.ones((rows, m), dtype=bool)
+        np.logical_not(ties, out=starts_run[:, 1:])
+        first = np.flatnonzero(starts_run)
+        length = np.diff(np.append(first, starts_run.size))
         ranks = np.repeat(first % m + (length + 1) / 2.0, length).reshape(rows, m)
-    covariance = np.einsum("cm,cm->c", ranks, target.centred_ranks[order])
-    spread = np.sqrt(np.einsum("cm,cm->c", ranks, ranks) - m * ((m + 1) / 2.0) ** 2) * target.norm
+        covariance = np.einsum("cm,cm->c", ranks, target_sorted)
+        spread = np.sqrt(np.maximum(np.einsum("cm,cm->c", ranks, ranks) - m * mean_rank**2, 0.0))
+    spread *= target.norm
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(spread > 1e-9, covariance / spread, np.nan)
 
@@ -178,19 +185,24 @@ def rho_sampling_error(distances: np.ndarray, target: DecodeTarget, groups: int 
 
 
 def _layer_terms(feature: np.ndarray, pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
-    """Per-layer pair dot products [L, M] and squared row norms [L, R] of features [R, L, E]."""
+    """Per-layer pair dot products [L, M] (float32) and squared row norms [L, R] of features [R, L, E]."""
     by_layer = np.ascontiguousarray(feature.transpose(1, 0, 2), dtype=np.float32)
-    dots = np.stack([pair_dots(rows, pairs) for rows in by_layer])
+    dots = np.stack([pair_dots(rows, pairs).astype(np.float32) for rows in by_layer])
     squares = np.einsum("lre,lre->lr", by_layer, by_layer, dtype=np.float64)
     return dots, squares
 
 
 def _cosine_distances(dots: np.ndarray, squares: np.ndarray, pairs: Pairs) -> np.ndarray:
-    """Pair distances [C, M] from summed dot products [C, M] and summed squared norms [C, R]."""
-    norms = np.sqrt(squares)
-    denominator = norms[:, pairs.i] * norms[:, pairs.j]
-    cosine = np.divide(dots, denominator, out=np.zeros_like(dots), where=denominator > 0)
-    return 1.0 - cosine
+    """Pair distances [C, M] (float32) from summed dot products [C, M] and summed squared norms [C, R].
+
+    float32 halves the memory traffic of the [candidates, pairs] arrays, the cost of the layer search.
+    """
+    inverse = np.zeros(squares.shape, dtype=np.float32)
+    np.divide(1.0, np.sqrt(squares), out=inverse, where=squares > 0, casting="unsafe")
+    distances = dots.astype(np.float32)  # a copy: the caller's sums stay intact
+    distances *= inverse[:, pairs.i]
+    distances *= inverse[:, pairs.j]
+    return np.subtract(1.0, distances, out=distances)
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,7 +230,7 @@ def greedy_layer_search(feature: np.ndarray, target: DecodeTarget, max_layers: i
     chosen: list[int] = []
     curve: list[float] = []
     remaining = np.ones(layers, dtype=bool)
-    dot_sum = np.zeros(dots.shape[1])
+    dot_sum = np.zeros(dots.shape[1], dtype=np.float32)
     square_sum = np.zeros(squares.shape[1])
     for _ in range(steps):
         candidates = np.flatnonzero(remaining)

@@ -157,7 +157,7 @@ class Scorer:
         _check_counts(counts)
         index = self._row_index(counts.shape[1], layers)
         vectors = self._weighted(counts if index is None else counts[:, index])
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("bd,bd->b", vectors, vectors))[:, None]
         out = np.zeros((counts.shape[0], self.num_decoders), dtype=np.float32)
         return np.divide(vectors @ self._centroids.T, norms, out=out, where=norms > 0)
 
@@ -176,25 +176,27 @@ class Scorer:
         k = self.num_decoders
         if similarities.shape != (k,) or np.shape(loads) != (k,):
             raise ScoringError(f"similarities and loads must both have {k} entries")
-        # K is small (decoders, not experts): on lists of K floats plain Python beats a chain of numpy
-        # calls, each of which costs ~0.5 µs of overhead at this size.
-        sims, load = similarities.tolist(), np.asarray(loads, dtype=np.float64).tolist()
-        if available is None:
-            members: Sequence[int] = range(k)
-        else:
+        candidates = similarities
+        if available is not None:
             if np.shape(available) != (k,):
                 raise ScoringError(f"available must have {k} entries")
-            members = np.flatnonzero(available).tolist()
-            if not members:
+            if not np.any(available):
                 raise ScoringError("no decoder is available")
-        best = max(members, key=sims.__getitem__)
-        threshold = sims[best] - (self.tau if tau is None else tau)
-        band = [i for i in members if sims[i] >= threshold]
+            candidates = np.where(available, similarities, -np.inf)
+        best = int(candidates.argmax())
+        threshold = float(candidates[best]) - (self.tau if tau is None else tau)
+        # K is small (decoders, not experts): over K floats plain Python beats a chain of numpy calls,
+        # each of which costs ~0.5 µs of overhead at this size.
+        sims = candidates.tolist()
+        band = [i for i, s in enumerate(sims) if s >= threshold]
         if len(band) == 1:
             return Decision(best, best, 1, sims[best])
-        lightest = min(load[i] for i in band)
-        if lightest != lightest or any(load[i] != load[i] for i in band):
+        load = np.asarray(loads, dtype=np.float64).tolist()
+        band_loads = [load[i] for i in band]
+        total = sum(band_loads)
+        if total != total:
             raise ScoringError("loads must not be NaN")
+        lightest = min(band_loads)
         # least loaded; ties go to the most similar (then the lowest index)
         chosen = max((i for i in band if load[i] == lightest), key=sims.__getitem__)
         return Decision(chosen, best, len(band), sims[chosen])

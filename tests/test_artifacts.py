@@ -136,3 +136,15 @@ def test_cli_fit_on_esft_auto_detects_the_format(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["model"]["name"] == "DeepSeek-V2-Lite" and len(report["cluster_sizes_vanilla"]) == 4
+
+
+def test_cli_fit_reports_an_unreachable_destination_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHYARD_NATS_INITIAL_CONNECT_S", "0.3")
+    trace = str(_tiny_trace(tmp_path / "t.npz"))
+    result = CliRunner().invoke(app, ["fit", "--trace", trace, "--decoders", "3", "--nats-url", "nats://127.0.0.1:9"])
+    assert result.exit_code == 1 and "cannot reach NATS" in result.stderr
+    (tmp_path / "dir.msgpack").mkdir()
+    result = CliRunner().invoke(
+        app, ["fit", "--trace", trace, "--decoders", "3", "--out", str(tmp_path / "dir.msgpack")]
+    )
+    assert result.exit_code == 1 and "could not store" in result.stderr

@@ -166,3 +166,11 @@ def test_snapshot_requires_sorted_unique_ids() -> None:
         FleetSnapshot(("b", "a"), np.zeros(2), np.zeros(2), np.ones(2, bool))
     snap = FleetSnapshot.build(["z", "a"], load={"z": 2.0})
     assert snap.engine_ids == ("a", "z") and snap.load.tolist() == [0.0, 2.0] and snap.index("z") == 1
+
+
+def test_snapshot_from_router_columns_sorts_by_id() -> None:
+    ids = ["decode-b", "decode-c", "decode-a"]
+    snap = FleetSnapshot.from_columns(ids, np.array([2.0, 3.0, 1.0]), np.array([0.2, 0.3, 0.1]), np.array([1, 0, 1]))
+    assert snap.engine_ids == ("decode-a", "decode-b", "decode-c")
+    assert snap.load.tolist() == [1.0, 2.0, 3.0] and snap.alive.tolist() == [True, True, False]
+    assert snap.kv_usage.tolist() == [0.1, 0.2, 0.3]

@@ -1,4 +1,5 @@
-"""Routing policies as pure functions over a fleet snapshot; shared by the router service and the simulator."""
+"""Routing policies: decode-engine choice at the prefill->decode handoff (`decode`, over a `FleetSnapshot`),
+and data-parallel dispatch (`dispatch`). Pure functions, shared by the router service and the simulator."""
 
 from solver.routing.decode import (
     DECODE_POLICIES,

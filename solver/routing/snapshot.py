@@ -7,7 +7,7 @@ sorted id order, which is also the order the ELDR centroid mapping uses when an 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +63,27 @@ class FleetSnapshot:
             load=np.array([float(load.get(e, 0.0)) for e in ids], dtype=np.float64),
             kv_usage=np.array([float(kv_usage.get(e, 0.0)) for e in ids], dtype=np.float64),
             alive=np.array([bool(alive.get(e, True)) for e in ids], dtype=bool),
+            version=version,
+        )
+
+    @classmethod
+    def from_columns(
+        cls,
+        engine_ids: Sequence[str],
+        load: np.ndarray,
+        kv_usage: np.ndarray,
+        alive: np.ndarray,
+        version: int = 0,
+    ) -> FleetSnapshot:
+        """From columns in any row order (e.g. the router's registration-ordered fleet view, decode rows
+        selected): one argsort, copies sorted by id. Decisions name engines by `engine_ids[i]`."""
+        order = np.argsort(np.asarray(engine_ids, dtype=object), kind="stable")
+        ids = tuple(engine_ids[i] for i in order)
+        return cls(
+            engine_ids=ids,
+            load=np.asarray(load, dtype=np.float64)[order],
+            kv_usage=np.asarray(kv_usage, dtype=np.float64)[order],
+            alive=np.asarray(alive, dtype=bool)[order],
             version=version,
         )
 
