@@ -44,6 +44,7 @@ class CalibrationResult:
     fit_seconds: float
     num_windows: int
     windows: tuple[dict, ...] = field(default=())
+    references: tuple[np.ndarray, ...] = field(default=(), repr=False)  # the MINLP slot maps, per window
 
     def details(self) -> dict:
         """JSON-ready summary (the `details` column of a `calibrations` row)."""
@@ -191,6 +192,7 @@ def calibrate(
         fit_seconds=fit_seconds,
         num_windows=len(problems),
         windows=tuple(windows),
+        references=tuple(s.slot_map for s in solutions),
     )
 
 
