@@ -7,8 +7,9 @@ Sections:
 - speed: greedy at 48 layers x 128 experts x 8 GPUs (budget 50 ms); MINLP at 48 x 128 x 4 (budget 15 s, the
   seed's figure) with its optimality gap, for 1 and 2 layers solved at once.
 - balance: max/mean GPU load (per layer, averaged over layers; and the worst layer), remote share of the
-  traffic and expert copies transferred from the default contiguous layout, for EPLB-style global
-  packing, the greedy, the greedy with replicas and the MINLP, all at equal slots per GPU.
+  traffic and expert copies moved from the default contiguous layout, for EPLB-style global packing, the
+  greedy, the online placement (`place`) and the MINLP, each without and with replicas, all at equal
+  slots per GPU; both for a fresh placement (no migration term) and rebalancing from contiguous.
 - calibration: `calibrate` on the three windows at 48 x 128 x 4: fitted weights, agreement and
   communication gap against the MINLP, beside the defaults and the seed's weights.
 
@@ -39,6 +40,7 @@ from solver.placement import (
     greedy_hosts,
     hosts_from_slots,
     objective,
+    place,
     solve_minlp,
 )
 from solver.placement.calibrate import calibrate
@@ -49,20 +51,23 @@ OUT = Path(__file__).resolve().parent / "out"
 MIGRATION_COST = 0.005  # per host change, in mean-GPU-loads (the `switchyard calibrate` default)
 
 
-def problem_for(window: Window, gpus: int, *, redundant: int = 0, layers=None, experts=None) -> PlacementProblem:
+def problem_for(
+    window: Window, gpus: int, *, redundant: int = 0, fresh: bool = False, layers=None, experts=None
+) -> PlacementProblem:
+    """The window on `gpus` GPUs with `redundant` spare slots per layer (E + R slots in all), from the
+    engines' default contiguous layout with migration cost, or `fresh` (no current layout, no migration)."""
     problem = window_problem(
         window, gpus, migration_cost=MIGRATION_COST, weights=Weights(), layers=layers, experts=experts
     )
-    if not redundant:
-        return problem
+    extra = -(-redundant // gpus)
     return PlacementProblem(
         load=problem.load,
         num_gpus=gpus,
-        slots_per_gpu=problem.slots_per_gpu + -(-redundant // gpus),
+        slots_per_gpu=problem.slots_per_gpu + extra,
         source_load=problem.source_load,
         distance=problem.distance,
-        migration_cost=problem.migration_cost,
-        current=_pad(problem.current, -(-redundant // gpus)),
+        migration_cost=0.0 if fresh else problem.migration_cost,
+        current=None if fresh else _pad(problem.current, extra),
         redundant_slots=redundant,
         weights=problem.weights,
     )
@@ -76,6 +81,9 @@ def speed(windows: list[Window], repeats: int) -> dict:
     decode = windows[0]
     problem = problem_for(decode, 8, layers=48, experts=128)
     greedy(problem)  # warm-up
+    began = time.perf_counter()
+    place(problem)
+    place_ms = (time.perf_counter() - began) * 1e3
     hosts_ms, slots_ms = [], []
     for _ in range(repeats):
         began = time.perf_counter()
@@ -88,12 +96,12 @@ def speed(windows: list[Window], repeats: int) -> dict:
         "greedy_48x128x8_ms_median": statistics.median(slots_ms),
         "greedy_48x128x8_ms_p90": float(np.percentile(slots_ms, 90)),
         "greedy_hosts_only_ms_median": statistics.median(hosts_ms),
+        "place_48x128x8_ms": place_ms,
         "minlp_48x128x4": [],
     }
     problem = problem_for(decode, 4, layers=48, experts=128)
     for parallel, limit in ((1, 0.25), (2, 0.5)):
         result = solve_minlp(problem, MinlpOptions(time_limit_s=limit, parallel_layers=parallel))
-        hint = objective(problem, greedy(problem)).total
         found = objective(problem, result.slot_map).total
         out["minlp_48x128x4"].append(
             {
@@ -102,13 +110,15 @@ def speed(windows: list[Window], repeats: int) -> dict:
                 "wall_s": result.wall_seconds,
                 "gap": result.gap,
                 "optimal_layers": result.optimal_layers,
-                "objective_vs_greedy_hint": found / hint - 1,
+                "objective_vs_greedy": found / objective(problem, greedy(problem)).total - 1,
+                "objective_vs_place": found / objective(problem, place(problem)).total - 1,
             }
         )
     return out
 
 
-def layout_stats(problem: PlacementProblem, slot_map: np.ndarray) -> dict:
+def layout_stats(problem: PlacementProblem, slot_map: np.ndarray, contiguous: np.ndarray) -> dict:
+    """Max/mean GPU load (mean over layers, worst layer), remote share, copies moved from `contiguous`."""
     hosts = hosts_from_slots(slot_map, problem.num_experts)
     loads = gpu_loads(problem, hosts)
     ratio = loads.max(axis=1) / loads.mean(axis=1)
@@ -117,33 +127,54 @@ def layout_stats(problem: PlacementProblem, slot_map: np.ndarray) -> dict:
         "max_mean": float(ratio.mean()),
         "max_mean_worst_layer": float(ratio.max()),
         "remote_share": float(terms.comm.sum() / problem.load.sum()),
-        "copies_transferred": int((hosts > problem.current_hosts()).sum()),
+        "copies_moved": int((hosts > hosts_from_slots(contiguous, problem.num_experts)).sum()),
         "objective": terms.total,
     }
 
 
 def balance(windows: list[Window], configs: list[tuple[int, int]], time_limit: float) -> list[dict]:
+    """Every method at equal slots per GPU (E + R slots per layer), fresh and rebalancing from contiguous."""
     rows = []
+    options = MinlpOptions(time_limit_s=time_limit, parallel_layers=2)
     for window in windows:
         for gpus, redundant in configs:
-            plain = problem_for(window, gpus, redundant=0)
-            problem = problem_for(window, gpus, redundant=redundant)
-            row = {"window": window.name.split(":")[0], "gpus": gpus, "redundant": redundant}
-            row["slots_per_gpu"] = problem.slots_per_gpu
-            row["contiguous"] = layout_stats(problem, problem.current)
-            row["eplb"] = layout_stats(problem, eplb_global(problem.load, gpus, redundant))
-            row["greedy"] = layout_stats(problem, _pad(greedy(plain), problem.slots_per_gpu - plain.slots_per_gpu))
-            options = MinlpOptions(time_limit_s=time_limit, parallel_layers=2)
-            minlp = solve_minlp(plain, options)
-            row["minlp"] = layout_stats(problem, _pad(minlp.slot_map, problem.slots_per_gpu - plain.slots_per_gpu))
-            row["minlp"]["gap"] = minlp.gap
-            if redundant:
-                row["greedy_replicas"] = layout_stats(problem, greedy(problem))
-                replicated = solve_minlp(problem, options)
-                row["minlp_replicas"] = {**layout_stats(problem, replicated.slot_map), "gap": replicated.gap}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            contiguous = problem_for(window, gpus, redundant=redundant).current
+            for fresh in (True, False):
+                single = problem_for(window, gpus, redundant=redundant, fresh=fresh)
+                no_replicas = np.ones(single.load.shape, dtype=np.int64)
+                row = {"window": window.name.split(":")[0], "gpus": gpus, "redundant": redundant, "fresh": fresh}
+                row["slots_per_gpu"] = single.slots_per_gpu
+                row["contiguous"] = layout_stats(single, contiguous, contiguous)
+                row["eplb"] = layout_stats(single, eplb_global(single.load, gpus, redundant), contiguous)
+                methods = {
+                    "greedy": lambda p, r: greedy(p, replicas=r),
+                    "place": lambda p, r: place(p, replicas=r),
+                    "minlp": lambda p, r: solve_minlp(p, options, replicas=r).slot_map,
+                }
+                for name, method in methods.items():
+                    row[name] = layout_stats(single, method(single, no_replicas), contiguous)
+                    if redundant:
+                        row[f"{name}+replicas"] = layout_stats(single, method(single, None), contiguous)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
+
+
+def balance_table(rows: list[dict]) -> str:
+    """Markdown: max/mean (mean over layers) and copies moved, one line per window and configuration."""
+    methods = ["contiguous", "eplb", "greedy", "greedy+replicas", "place", "place+replicas", "minlp", "minlp+replicas"]
+    lines = [
+        "| window | G | R | start | " + " | ".join(methods) + " |",
+        "|" + "---|" * (4 + len(methods)),
+    ]
+    for row in rows:
+        cells = [
+            f"{row[m]['max_mean']:.3f} / {row[m]['remote_share']:.3f} / {row[m]['copies_moved']}" if m in row else "—"
+            for m in methods
+        ]
+        start = "fresh" if row["fresh"] else "contiguous"
+        lines.append(f"| {row['window']} | {row['gpus']} | {row['redundant']} | {start} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def calibration(windows: list[Window], time_limit: float) -> dict:
@@ -183,6 +214,7 @@ def main() -> None:
         print(json.dumps(report["speed"], indent=1), flush=True)
     if "balance" in args.sections:
         report["balance"] = balance(windows, [(8, 0), (8, 8), (32, 0), (32, 32)], args.time_limit)
+        print(balance_table(report["balance"]), flush=True)
     if "calibration" in args.sections:
         report["calibration"] = calibration(windows, args.time_limit)
         print(json.dumps(report["calibration"], indent=1), flush=True)
