@@ -59,6 +59,91 @@ def up(
     asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), duration=duration))
 
 
+def _split_csv(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@app.command()
+def fit(
+    trace: Annotated[Path, typer.Option("--trace", help="Routing trace: an .npz file or the ESFT folder.")],
+    decoders: Annotated[int, typer.Option("--decoders", "-k", help="Decode engines: one centroid each.", min=1)],
+    fmt: Annotated[str, typer.Option("--format", help="Trace format: auto, npz or esft.")] = "auto",
+    prefill_fraction: Annotated[
+        float, typer.Option(help="Share of each request treated as prefill when the trace records no phase.")
+    ] = 0.5,
+    window: Annotated[
+        int | None, typer.Option(help="Cut each sequence into windows of about this many tokens (more requests).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the artifact (msgpack) to this file.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the fit report as one JSON object.")] = False,
+    representation: Annotated[str, typer.Option(help="auto (best ρ), count, count_idf or binary.")] = "auto",
+    layers: Annotated[str | None, typer.Option(help="Fixed layer mask, e.g. 0,3,7 (default: greedy on ρ).")] = None,
+    mask_tolerance: Annotated[
+        float, typer.Option(help="Take the fewest layers whose ρ is within this of the peak (0: the peak).")
+    ] = 0.0,
+    tau: Annotated[float, typer.Option(help="Similarity band of the online router.")] = 0.1,
+    max_pairs: Annotated[int, typer.Option(help="Request pairs for ρ (all if fewer).")] = 5_000,
+    holdout: Annotated[float, typer.Option(help="Share of requests held out to report ρ on unseen requests.")] = 0.2,
+    restarts: Annotated[int, typer.Option(help="K-means restarts.", min=1)] = 3,
+    seed: Annotated[int, typer.Option(help="Random seed (pairs, split, K-means).")] = 0,
+    vanilla: Annotated[bool, typer.Option("--vanilla", help="Also report vanilla K-means cluster sizes.")] = False,
+    decoder_ids: Annotated[str | None, typer.Option(help="Comma-separated engine id of each centroid.")] = None,
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="Also record the artifact in this database.")
+    ] = None,
+    nats_url: Annotated[
+        str | None, typer.Option("--nats-url", help="Also publish the artifact to the router KV bucket here.")
+    ] = None,
+) -> None:
+    """Fit the ELDR routing artifact (layer mask, IDF, one centroid per decoder) from a routing trace."""
+    import json
+
+    from solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
+    from solver.traces import TraceError, load_trace
+
+    try:
+        options = FitOptions(
+            tau=tau,
+            representation=representation,  # type: ignore[arg-type]
+            layer_mask=tuple(int(v) for v in _split_csv(layers) or []) or None,
+            mask_tolerance=mask_tolerance,
+            max_pairs=max_pairs,
+            holdout_fraction=holdout,
+            restarts=restarts,
+            seed=seed,
+            compare_vanilla=vanilla,
+        )
+        loaded = load_trace(trace, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
+        artifact, report = fit_routing_artifact(loaded, decoders, options, decoder_ids=_split_csv(decoder_ids))
+    except (TraceError, FitError, ValueError) as exc:
+        typer.echo(f"switchyard fit: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if out is not None or database_url is not None or nats_url is not None:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from services.artifacts import publish_to
+
+        settings = load_settings(database_url=database_url)
+        try:
+            artifact = asyncio.run(
+                publish_to(
+                    artifact, report, settings, out=out, database_url=database_url, nats_servers=_split_csv(nats_url)
+                )
+            )
+        except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
+            typer.echo(f"switchyard fit: could not store the artifact: {exc}", err=True)
+            raise typer.Exit(1) from None
+    report.update(version=artifact.version, out=str(out) if out else None, trace=str(trace))
+    if as_json:
+        typer.echo(json.dumps(report, allow_nan=False))
+        return
+    typer.echo(f"trace {trace}: {report['num_requests']} requests ({report['dropped_requests']} dropped)")
+    typer.echo("ρ by representation: " + ", ".join(f"{k} {v:.4f}" for k, v in report["rho"].items() if v is not None))
+    typer.echo(f"chose {report['representation']}, layers {report['layer_mask']}: ρ {report['rho_selected']:.4f}")
+    typer.echo(f"cluster sizes {report['cluster_sizes']} (capacity {report['capacity']})")
+    typer.echo(f"artifact v{artifact.version} {artifact.content_hash[:16]} in {report['fit_seconds']:.2f} s")
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""
@@ -173,6 +258,104 @@ def calibrate(
         f"comm gap {result.greedy['comm_gap']:+.2%}); MINLP gap {result.minlp_gap:.2%} in {result.minlp_seconds:.1f} s "
         f"over {result.num_windows} windows"
     )
+
+
+@app.command()
+def sim(
+    trace: Annotated[Path, typer.Option("--trace", help="Routing trace: the ESFT folder/npz or a Switchyard npz.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
+    requests: Annotated[
+        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+    ] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
+    ] = None,
+    prefill: Annotated[int, typer.Option("--prefill", help="Prefill engines (P).")] = 8,
+    decode: Annotated[int, typer.Option("--decode", help="Decode engines (D).")] = 16,
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated decode policies.")] = "rr,jsq,eldr",
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    gpu: Annotated[str, typer.Option("--gpu", help="H100 | H200 | MI300X")] = "H100",
+    gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs per engine (default: the model's).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
+    calib_fraction: Annotated[float, typer.Option(help="Share of trace requests kept for the ELDR fit.")] = 0.5,
+    prefill_fraction: Annotated[float, typer.Option(help="Prefill share of traces without phases.")] = 0.5,
+    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = 256,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
+    prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for JSON, CSV and PNG plots.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
+    import json
+
+    from engine_agents.sim.run import SimOptions, run_sim
+
+    opts = SimOptions(
+        trace=trace,
+        fmt=fmt,  # type: ignore[arg-type]
+        requests=requests,
+        time_scale=time_scale,
+        rate=rate,
+        prefill=prefill,
+        decode=decode,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        num_requests=num_requests,
+        seed=seed,
+        gpu=gpu,
+        gpus=gpus,
+        model=model,
+        calib_fraction=calib_fraction,
+        prefill_fraction=prefill_fraction,
+        max_running=max_running,
+        kv_blocks=kv_blocks,
+        prefill_policy=prefill_policy,
+        progress=progress,
+    )
+    try:
+        payload = run_sim(opts, json_path=json_out, out_dir=out)
+    except (ValueError, KeyError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts")
+    typer.echo(json.dumps(payload["config"]))
+    typer.echo(f"{'policy':14s} " + " ".join(f"{k:>22s}" for k in keys))
+    for name, s in payload["policies"].items():  # type: ignore[union-attr]
+        typer.echo(f"{name:14s} " + " ".join(f"{s[k]:22.6g}" for k in keys))
+
+
+@app.command()
+def report(
+    out: Annotated[Path | None, typer.Option("--out", help="Report folder (default: <data-dir>/report).")] = None,
+    quick: Annotated[bool, typer.Option(help="A small, fast version (seconds) of every experiment.")] = False,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Routing trace (default: the ESFT trace).")] = None,
+    requests: Annotated[Path | None, typer.Option("--requests", help="Request CSV (default: Azure conv).")] = None,
+    num_requests: Annotated[int | None, typer.Option("--num-requests", help="Requests per run.")] = None,
+    rates: Annotated[str | None, typer.Option("--rates", help="Comma-separated rates (req/s) of the sweep.")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU of every engine (default: the seed's MI300X).")] = "MI300X",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    data_dir: DataDir = None,
+    progress: Annotated[bool, typer.Option(help="Show progress.")] = True,
+) -> None:
+    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2) as Markdown + PNG."""
+    from engine_agents.sim.report import ReportOptions, build_report
+
+    settings = load_settings(data_dir=data_dir)
+    data = settings.shared_data_dir
+    opts = ReportOptions(
+        quick=quick,
+        trace=trace or data / "routing" / "esft_deepseek_v2_lite",
+        requests=requests or data / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+        num_requests=num_requests,
+        rates=tuple(float(r) for r in rates.split(",")) if rates else None,
+        gpu=gpu,
+        seed=seed,
+        progress=progress,
+    )
+    path = build_report(out or settings.data_dir / "report", opts)
+    typer.echo(f"report written to {path}")
 
 
 def main() -> None:
