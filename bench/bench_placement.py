@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import _single_core  # before numpy: one BLAS thread; and the machine line
@@ -61,16 +62,12 @@ def problem_for(
         window, gpus, migration_cost=MIGRATION_COST, weights=Weights(), layers=layers, experts=experts
     )
     extra = -(-redundant // gpus)
-    return PlacementProblem(
-        load=problem.load,
-        num_gpus=gpus,
+    return replace(
+        problem,
         slots_per_gpu=problem.slots_per_gpu + extra,
-        source_load=problem.source_load,
-        distance=problem.distance,
         migration_cost=0.0 if fresh else problem.migration_cost,
         current=None if fresh else _pad(problem.current, extra),
         redundant_slots=redundant,
-        weights=problem.weights,
     )
 
 
