@@ -26,7 +26,11 @@ def upgrade() -> None:
     with op.batch_alter_table("migrations", schema=None) as batch_op:
         batch_op.add_column(sa.Column("base_placement_id", _ID, nullable=True))
         batch_op.create_foreign_key(
-            "fk_migrations_base_placement_id_placements", "placements", ["base_placement_id"], ["id"], ondelete="SET NULL"
+            "fk_migrations_base_placement_id_placements",
+            "placements",
+            ["base_placement_id"],
+            ["id"],
+            ondelete="SET NULL",
         )
     with op.batch_alter_table("migration_moves", schema=None) as batch_op:
         batch_op.add_column(sa.Column("kind", sa.String(length=16), server_default="forward", nullable=False))
