@@ -59,6 +59,16 @@ def up(
     asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), duration=duration))
 
 
+@app.command()
+def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Run the migration service: placement plans in, ordered expert moves out, until Ctrl-C / SIGTERM."""
+    from services.migration.service import run_migration
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    run_until_signalled(lambda stop: run_migration(settings, stop))
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""

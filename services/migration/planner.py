@@ -40,7 +40,10 @@ def _ordered_components(moves: np.ndarray) -> list[np.ndarray]:
         if move[SRC_GPU] >= 0:
             readers.setdefault((int(move[SRC_GPU]), int(move[SRC_SLOT])), []).append(i)
     edges = [
-        (reader, i) for i, move in enumerate(moves) for reader in readers.get(_overwritten_slot(move), []) if reader != i
+        (reader, i)
+        for i, move in enumerate(moves)
+        for reader in readers.get(_overwritten_slot(move), [])
+        if reader != i
     ]
     n = len(moves)
     src, dst = (np.array(side, dtype=np.int64) for side in zip(*edges, strict=True)) if edges else ([], [])

@@ -1,0 +1,23 @@
+"""Migration service settings, from `SWITCHYARD_MIGRATION_*` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MigrationSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_MIGRATION_", env_file=".env", extra="ignore")
+
+    #: How long to wait for an engine to acknowledge one step (a step of a 48-layer model takes ~15-400 ms).
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    #: Sends of one step before it is declared in doubt and the migration fails (every resend is idempotent).
+    max_attempts: int = Field(default=5, ge=1)
+    #: Delay before the first resend; doubled per attempt up to 10 s.
+    retry_backoff_s: float = Field(default=0.5, ge=0)
+    #: Experts one GPU can receive per step (the engines' staging buffer). None: a whole layer's slots.
+    buffer_slots: int | None = Field(default=None, ge=1)
+    #: How long a new migration waits for a live engine of its group to say hello before it fails.
+    engine_wait_s: float = Field(default=15.0, gt=0)
+    #: Name of the durable JetStream consumer on the placement stream (prefixed by the subject prefix).
+    consumer: str = "migration"
