@@ -1,0 +1,256 @@
+"""The exact placement: the MINLP of DESIGN.md with OR-Tools CP-SAT, one model per layer.
+
+The objective separates by layer, so each layer is its own model, and layers are solved concurrently in
+threads (CP-SAT releases the GIL while it searches). Per layer, with y[e, g] ∈ {0, 1} (GPU g hosts a copy
+of expert e) and r_e fixed copies:
+
+    Σ_g y[e, g] = r_e,   Σ_e y[e, g] <= slots,   L_g = Σ_e q_e y[e, g],   s_g = L_g²
+    minimise  w_load·u²·Σ_g s_g  +  Σ_{e,g} (w_comm·comm[e, g] + w_mig·M[e, g]·(1 − 2 x⁰[e, g])) y[e, g]
+
+which equals the objective of `objective.py` up to constants (Σ_g (L_g − L̄)² = Σ_g L_g² − (Σ_g L_g)²/G
+because Σ_g L_g is fixed, and |y − x⁰| is linear in y for binary x⁰). Loads enter the square as integers:
+q_e is the per-copy load in units of u = (layer total) / `load_resolution` (u = 1 when the loads already
+are integers that fit), so the model is exact on integer inputs and within rounding of one unit per
+expert otherwise; the reported objective of a solution is always recomputed exactly by `objective.py`.
+
+The greedy solution is the hint (CP-SAT starts from it, so a time-limited solve is never worse than the
+greedy in the model's objective). When the mig term cannot tell GPUs apart and their distance columns are
+equal, those GPUs are interchangeable and the model orders their loads (L_g >= L_g+1), which removes
+G!-fold symmetric copies of every solution from the search.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
+from solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
+
+
+@dataclass(frozen=True)
+class MinlpOptions:
+    """How hard and how wide to search. The time limit is per layer; layers run `parallel_layers` at once."""
+
+    time_limit_s: float = 1.0
+    parallel_layers: int = 2
+    workers_per_layer: int = 1
+    relative_gap: float = 1e-4
+    load_resolution: int = 1 << 16
+    symmetry_breaking: bool = True
+    hint_params: GreedyParams = DEFAULT_PARAMS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.time_limit_s > 0 or self.parallel_layers < 1 or self.workers_per_layer < 1:
+            raise PlacementError("time_limit_s must be > 0, parallel_layers and workers_per_layer >= 1")
+        if not 0 <= self.relative_gap < 1 or self.load_resolution < 1:
+            raise PlacementError("relative_gap must lie in [0, 1) and load_resolution be >= 1")
+
+
+@dataclass(frozen=True)
+class MinlpResult:
+    """The solution and, per layer, CP-SAT's objective and proven lower bound (in objective units)."""
+
+    slot_map: np.ndarray
+    objective: np.ndarray
+    bound: np.ndarray
+    status: tuple[str, ...]
+    layer_seconds: np.ndarray
+    wall_seconds: float
+
+    @property
+    def gap(self) -> float:
+        """Optimality gap of the whole placement: (objective − bound) / objective, summed over layers."""
+        total = float(self.objective.sum())
+        return 0.0 if total <= 0 else max(0.0, (total - float(self.bound.sum())) / total)
+
+    @property
+    def optimal_layers(self) -> int:
+        return sum(s == "OPTIMAL" for s in self.status)
+
+
+def solve_minlp(
+    problem: PlacementProblem,
+    options: MinlpOptions | None = None,
+    *,
+    replicas: np.ndarray | None = None,
+    hint: np.ndarray | None = None,
+) -> MinlpResult:
+    """Solve every layer of `problem` to optimality or to the time limit; the greedy solution is the hint.
+
+    `replicas` [L, E] fixes copy counts (default: `replica_counts`, as for the greedy); `hint` is an
+    optional host matrix [L, E, G] to start from instead of the greedy.
+    """
+    options = options or MinlpOptions()
+    copies = resolve_replicas(problem, replicas)
+    start = greedy_hosts(problem, options.hint_params, copies) if hint is None else np.asarray(hint) > 0
+    if start.shape != problem.shape:
+        raise PlacementError(f"hint shape {list(start.shape)} is not [L, E, G] = {list(problem.shape)}")
+    comm = problem.comm_cost() / copies[..., None]
+    current = problem.current_hosts()
+    interchangeable = _interchangeable_gpus(problem) if options.symmetry_breaking else None
+
+    def solve(layer: int) -> _LayerSolution:
+        return _solve_layer(
+            load=problem.load[layer] / copies[layer],
+            copies=copies[layer],
+            comm=comm[layer],
+            migration=problem.migration_cost[layer] if current is not None else None,
+            current=current[layer] if current is not None else None,
+            hint=start[layer],
+            problem=problem,
+            interchangeable=interchangeable,
+            options=options,
+        )
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=options.parallel_layers) as pool:
+        layers = list(pool.map(solve, range(problem.num_layers)))
+    wall = time.perf_counter() - began
+    hosts = np.stack([s.hosts for s in layers])
+    return MinlpResult(
+        slot_map=slots_from_hosts(hosts, problem.slots_per_gpu, problem.current),
+        objective=np.array([s.objective for s in layers]),
+        bound=np.array([s.bound for s in layers]),
+        status=tuple(s.status for s in layers),
+        layer_seconds=np.array([s.seconds for s in layers]),
+        wall_seconds=wall,
+    )
+
+
+@dataclass(frozen=True)
+class _LayerSolution:
+    hosts: np.ndarray
+    objective: float
+    bound: float
+    status: str
+    seconds: float
+
+
+def _interchangeable_gpus(problem: PlacementProblem) -> list[list[int]] | None:
+    """Classes of GPUs that no term of the objective tells apart (None if there are none of size > 1)."""
+    if problem.current is not None and problem.migration_cost.any():
+        return None
+    columns = problem.distance.T if problem.distance is not None else np.zeros((problem.num_gpus, 1))
+    _, label = np.unique(columns, axis=0, return_inverse=True)
+    classes = [np.flatnonzero(label.ravel() == c).tolist() for c in np.unique(label)]
+    classes = [c for c in classes if len(c) > 1]
+    return classes or None
+
+
+def _quantise(load: np.ndarray, copies: np.ndarray, resolution: int) -> tuple[np.ndarray, float]:
+    """Integer per-copy loads q and their unit u, exact when the loads are small integers."""
+    total = float((load * copies).sum())
+    if np.all(load == np.round(load)) and total <= resolution:
+        return load.astype(np.int64), 1.0
+    unit = total / resolution if total > 0 else 1.0
+    return np.round(load / unit).astype(np.int64), unit
+
+
+def _solve_layer(
+    *,
+    load: np.ndarray,
+    copies: np.ndarray,
+    comm: np.ndarray,
+    migration: np.ndarray | None,
+    current: np.ndarray | None,
+    hint: np.ndarray,
+    problem: PlacementProblem,
+    interchangeable: list[list[int]] | None,
+    options: MinlpOptions,
+) -> _LayerSolution:
+    num_experts, num_gpus = comm.shape
+    weights = problem.weights
+    q, unit = _quantise(load, copies, options.load_resolution)
+    total_q = int((q * copies).sum())
+
+    linear = weights.comm * comm
+    constant = 0.0
+    if current is not None:
+        linear = linear + weights.mig * migration * (1 - 2 * current)
+        constant += weights.mig * float((migration * current).sum())
+    # Deviation form: d_g = G·L_g − Σ_g L_g, so Σ_g (L_g − L̄)² = Σ_g d_g² / G². Its trivial bound (>= 0) is
+    # tight, where Σ_g L_g² − const would make CP-SAT prove a large quadratic lower bound first.
+    square_weight = weights.load * unit * unit / num_gpus**2
+
+    model = cp_model.CpModel()
+    y = np.array([[model.new_bool_var(f"y{e}_{g}") for g in range(num_gpus)] for e in range(num_experts)])
+    max_load = int(q.sum())
+    gpu_load = [model.new_int_var(0, max_load, f"load{g}") for g in range(num_gpus)]
+    deviation = [model.new_int_var(-total_q, num_gpus * max_load - total_q, f"dev{g}") for g in range(num_gpus)]
+    max_square = max(total_q, num_gpus * max_load - total_q) ** 2
+    squares = [model.new_int_var(0, max_square, f"sq{g}") for g in range(num_gpus)]
+    for e in range(num_experts):
+        model.add(sum(y[e]) == int(copies[e]))
+    for g in range(num_gpus):
+        model.add(sum(y[:, g]) <= problem.slots_per_gpu)
+        model.add(gpu_load[g] == cp_model.LinearExpr.weighted_sum(list(y[:, g]), q.tolist()))
+        model.add(deviation[g] == num_gpus * gpu_load[g] - total_q)
+        model.add_multiplication_equality(squares[g], [deviation[g], deviation[g]])
+        for t in _tangent_points(total_q):  # d² >= 2td − t²: lets the LP relaxation price imbalance
+            model.add(squares[g] >= 2 * t * deviation[g] - t * t)
+
+    hint_y = hint.astype(bool)
+    if interchangeable:
+        hint_y = _sort_classes(hint_y, q, interchangeable)
+        for members in interchangeable:
+            for a, b in itertools.pairwise(members):
+                model.add(gpu_load[a] >= gpu_load[b])
+    hint_load = q @ hint_y
+    for e in range(num_experts):
+        for g in range(num_gpus):
+            model.add_hint(y[e, g], bool(hint_y[e, g]))
+    for g in range(num_gpus):
+        hint_deviation = num_gpus * int(hint_load[g]) - total_q
+        model.add_hint(gpu_load[g], int(hint_load[g]))
+        model.add_hint(deviation[g], hint_deviation)
+        model.add_hint(squares[g], hint_deviation**2)
+
+    coefficients = linear.ravel().tolist()
+    model.minimize(
+        square_weight * sum(squares) + cp_model.LinearExpr.weighted_sum(list(y.ravel()), coefficients)
+        if square_weight > 0
+        else cp_model.LinearExpr.weighted_sum(list(y.ravel()), coefficients)
+    )
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.num_workers = options.workers_per_layer
+    solver.parameters.relative_gap_limit = options.relative_gap
+    solver.parameters.random_seed = options.seed
+    began = time.perf_counter()
+    status = solver.solve(model)
+    seconds = time.perf_counter() - began
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        hosts = np.vectorize(solver.boolean_value)(y).astype(bool)
+        objective, bound = solver.objective_value + constant, solver.best_objective_bound + constant
+    else:  # no solution in time (rare: the hint is feasible): keep the hint, prove nothing
+        hosts = hint_y
+        squares_hint = ((num_gpus * hint_load - total_q).astype(float) ** 2).sum()
+        objective = float(square_weight * squares_hint + (linear * hint_y).sum()) + constant
+        bound = -np.inf
+    return _LayerSolution(hosts, objective, max(bound, 0.0), solver.status_name(status), seconds)
+
+
+def _tangent_points(total: int) -> list[int]:
+    """Deviations (in model units) to cut the square at: 0 and ±0.1 % ... ±50 % of the layer's load."""
+    fractions = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+    points = {round(sign * f * total) for f in fractions for sign in (1, -1)}
+    return sorted(points | {0})
+
+
+def _sort_classes(hosts: np.ndarray, q: np.ndarray, classes: list[list[int]]) -> np.ndarray:
+    """Relabel interchangeable GPUs of a hint so their loads descend, as the symmetry constraints demand."""
+    hosts = hosts.copy()
+    loads = q @ hosts
+    for members in classes:
+        members = np.asarray(members)
+        order = members[np.argsort(-loads[members], kind="stable")]
+        hosts[:, members] = hosts[:, order]
+    return hosts
