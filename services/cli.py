@@ -69,6 +69,16 @@ def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_d
     run_until_signalled(lambda stop: run_migration(settings, stop))
 
 
+@app.command()
+def placement(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Run the placement service: expert-load windows in, versioned placement plans out, until Ctrl-C / SIGTERM."""
+    from services.placement.service import run_placement
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    run_until_signalled(lambda stop: run_placement(settings, stop))
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""

@@ -33,14 +33,17 @@ async def ensure_schema(database_url: str, attempts: int = 5) -> None:
             await asyncio.sleep(0.2 * attempt)
 
 
-async def decode_stream_message(msg: Msg, schema: type[M], label: str, max_payload: int) -> M | None:
-    """Decode a JetStream message; a malformed one is counted, logged and terminated (never redelivered)."""
+async def decode_stream_message(
+    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True
+) -> M | None:
+    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered."""
     try:
         return decode(msg.data, schema, max_payload)
     except WireError as exc:
         REJECTED.labels(label, exc.code).inc()
         log.warning("rejected message on %s: %s", label, exc)
-        await msg.term()
+        if acked:
+            await msg.term()
         return None
 
 

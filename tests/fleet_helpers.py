@@ -16,10 +16,12 @@ from shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, Placemen
 T = TypeVar("T")
 
 
-def hello(engine_id: str, group: str, gpus: list[str], dp_rank: int = 0, layers: int = 4, experts: int = 8) -> Hello:
+def hello(
+    engine_id: str, group: str, gpus: list[str], dp_rank: int = 0, layers: int = 4, experts: int = 8, role: str = "dp"
+) -> Hello:
     return Hello(
         engine_id=engine_id,
-        role="dp",
+        role=role,  # type: ignore[arg-type]
         model=ModelShape(name="tiny-moe", num_layers=layers, num_experts=experts, top_k=2),
         ep_group=group,
         dp_rank=dp_rank,
