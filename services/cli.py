@@ -99,6 +99,100 @@ def db_downgrade(revision: str, database_url: DatabaseUrl = None) -> None:
     typer.echo(f"schema at {current_revision(url)}")
 
 
+@app.command()
+def calibrate(
+    windows: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--windows",
+            help="Recorded windows: .npz / .msgpack files, or folders of SGLang expert-statistics JSONs. "
+            "Default: the SGLang DeepSeek-V3 statistics under SWITCHYARD_SHARED_DATA_DIR.",
+        ),
+    ] = None,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs in the expert-parallel group.")] = 4,
+    time_limit: Annotated[float, typer.Option(min=0.01, help="CP-SAT time limit per layer, seconds.")] = 1.0,
+    parallel_layers: Annotated[int, typer.Option(min=1, help="Layers solved at once (threads).")] = 2,
+    workers_per_layer: Annotated[int, typer.Option(min=1, help="CP-SAT workers per layer.")] = 1,
+    migration_cost: Annotated[
+        float, typer.Option(min=0.0, help="Cost of one host change, in mean-GPU-loads of traffic.")
+    ] = 0.005,
+    load_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of load balance.")] = 50.0,
+    comm_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of communication.")] = 1.0,
+    mig_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of migration.")] = 1.0,
+    objective_tolerance: Annotated[
+        float, typer.Option(min=0.0, help="Fitted greedy may cost this much more than the best greedy.")
+    ] = 0.01,
+    layers: Annotated[int | None, typer.Option(min=1, help="Use only the first N MoE layers.")] = None,
+    experts: Annotated[int | None, typer.Option(min=1, help="Use only the first N experts.")] = None,
+    sources_per_window: Annotated[int, typer.Option(min=1, help="SGLang workloads per window.")] = 4,
+    engine_group: Annotated[str | None, typer.Option(help="Engine group the calibration is for.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Fit the greedy placement's (alpha, beta, gamma) to offline MINLP solutions and record it."""
+    import json
+
+    from services.calibration import WindowError, load_window, persist, run_calibration, sglang_windows
+    from solver.placement import MinlpOptions, PlacementError, Weights
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    sources = windows or [settings.shared_data_dir / "expert_load" / "sglang_deepseek_v3"]
+    try:
+        recorded = [
+            w for p in sources for w in (sglang_windows(p, sources_per_window) if p.is_dir() else [load_window(p)])
+        ]
+        options = MinlpOptions(
+            time_limit_s=time_limit, parallel_layers=parallel_layers, workers_per_layer=workers_per_layer
+        )
+        weights = Weights(load=load_weight, comm=comm_weight, mig=mig_weight)
+        result = run_calibration(
+            recorded,
+            gpus,
+            options,
+            migration_cost=migration_cost,
+            weights=weights,
+            objective_tolerance=objective_tolerance,
+            layers=layers,
+            experts=experts,
+        )
+    except (WindowError, PlacementError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    setup = {
+        "windows": [w.name for w in recorded],
+        "gpus": gpus,
+        "migration_cost": migration_cost,
+        "weights": {"load": load_weight, "comm": comm_weight, "mig": mig_weight},
+        "time_limit_s": time_limit,
+        "parallel_layers": parallel_layers,
+        "workers_per_layer": workers_per_layer,
+    }
+    row_id = persist(settings.resolved_database_url(), result, engine_group=engine_group, extra={"setup": setup})
+    summary = {
+        "id": row_id,
+        "alpha": result.params.alpha,
+        "beta": result.params.beta,
+        "gamma": result.params.gamma,
+        "agreement": result.agreement,
+        "comm_gap": result.comm_gap,
+        "objective_gap": result.objective_gap,
+        "minlp_gap": result.minlp_gap,
+        "solve_seconds": result.minlp_seconds,
+        "fit_seconds": result.fit_seconds,
+        "num_windows": result.num_windows,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    typer.echo(
+        f"calibration {row_id}: alpha={result.params.alpha:g} beta={result.params.beta:.4g} "
+        f"gamma={result.params.gamma:.4g}; agreement {result.agreement:.1%}, comm gap {result.comm_gap:+.2%}, "
+        f"objective gap {result.objective_gap:+.2%}; MINLP gap {result.minlp_gap:.2%} in {result.minlp_seconds:.1f} s "
+        f"over {result.num_windows} windows"
+    )
+
+
 def main() -> None:
     app()
 

@@ -94,7 +94,7 @@ def solve_minlp(
         raise PlacementError(f"hint shape {list(start.shape)} is not [L, E, G] = {list(problem.shape)}")
     comm = problem.comm_cost() / copies[..., None]
     current = problem.current_hosts()
-    interchangeable = _interchangeable_gpus(problem) if options.symmetry_breaking else None
+    interchangeable = problem.interchangeable_gpus() if options.symmetry_breaking else None
 
     def solve(layer: int) -> _LayerSolution:
         return _solve_layer(
@@ -131,17 +131,6 @@ class _LayerSolution:
     bound: float
     status: str
     seconds: float
-
-
-def _interchangeable_gpus(problem: PlacementProblem) -> list[list[int]] | None:
-    """Classes of GPUs that no term of the objective tells apart (None if there are none of size > 1)."""
-    if problem.current is not None and problem.migration_cost.any():
-        return None
-    columns = problem.distance.T if problem.distance is not None else np.zeros((problem.num_gpus, 1))
-    _, label = np.unique(columns, axis=0, return_inverse=True)
-    classes = [np.flatnonzero(label.ravel() == c).tolist() for c in np.unique(label)]
-    classes = [c for c in classes if len(c) > 1]
-    return classes or None
 
 
 def _quantise(load: np.ndarray, copies: np.ndarray, resolution: int) -> tuple[np.ndarray, float]:

@@ -154,6 +154,16 @@ class PlacementProblem:
     def current_hosts(self) -> np.ndarray | None:
         return None if self.current is None else hosts_from_slots(self.current, self.num_experts)
 
+    def interchangeable_gpus(self) -> list[list[int]]:
+        """Classes (size > 1) of GPUs that no term of the objective tells apart: equal distance columns and
+        no migration term. Any relabelling within a class gives an equally good placement."""
+        if self.current is not None and self.migration_cost.any():
+            return []
+        columns = self.distance.T if self.distance is not None else np.zeros((self.num_gpus, 1))
+        _, label = np.unique(columns, axis=0, return_inverse=True)
+        classes = [np.flatnonzero(label.ravel() == c).tolist() for c in range(label.max() + 1)]
+        return [c for c in classes if len(c) > 1]
+
     def layer(self, index: int) -> PlacementProblem:
         """The single-layer sub-problem (the objective separates by layer)."""
         sl = slice(index, index + 1)
