@@ -17,8 +17,32 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.db import Placement, PlacementAssignment
-from shared.layout import layout_from_rows, layout_rows
 from shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
+from solver.placement import contiguous_slots
+
+
+def layout_rows(layout: np.ndarray) -> list[dict[str, int]]:
+    """`placement_assignments` rows for a slot map `[L, G, slots]` (empty slots included, so the shape round-trips)."""
+    layers, gpus, slots = np.indices(layout.shape).reshape(3, -1)
+    return [
+        {"layer": int(layer), "gpu": int(gpu), "slot": int(slot), "expert": int(expert)}
+        for layer, gpu, slot, expert in zip(layers, gpus, slots, layout.reshape(-1), strict=True)
+    ]
+
+
+def layout_from_rows(rows: list[tuple[int, int, int, int]], shape: tuple[int, int, int]) -> np.ndarray:
+    """Rebuild a slot map from `(layer, gpu, slot, expert)` rows; slots without a row are empty."""
+    layout = np.full(shape, -1, dtype=np.int32)
+    if rows:
+        index = np.array(rows, dtype=np.int64)
+        layout[index[:, 0], index[:, 1], index[:, 2]] = index[:, 3]
+    return layout
+
+
+def default_layout(num_layers: int, num_experts: int, num_gpus: int, slots_per_gpu: int | None = None) -> np.ndarray:
+    """What a group runs before Switchyard applied anything: vLLM's contiguous layout (expert e on GPU e // ⌈E/G⌉)."""
+    slots = -(-num_experts // num_gpus) if slots_per_gpu is None else slots_per_gpu
+    return contiguous_slots(num_layers, num_experts, num_gpus, slots).astype(np.int32)
 
 
 def to_datetime(ts: float) -> datetime:

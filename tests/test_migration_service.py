@@ -12,11 +12,11 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from services.history import default_layout
 from services.migration.service import run_migration
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus, rejected_count
 from shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
-from shared.layout import default_layout
 from shared.schemas import MigrateReply, MigrateRequest
 from shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled

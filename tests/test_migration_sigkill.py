@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 
 from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from services.history import default_layout
 from shared.bus import Bus
 from shared.db import Migration, MigrationMove, create_async_db, upgrade
-from shared.layout import default_layout
 from shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from services.history import default_layout
 from services.placement.decide import Policy, decide, distance_matrix
 from services.placement.window import DecayedLoad, drift
-from shared.layout import default_layout
 from shared.schemas import ExpertLoad
-from solver.placement import DEFAULT_PARAMS, contiguous_slots
+from solver.placement import DEFAULT_PARAMS
 
 
 def _window(end: float, counts: list[list[int]], sources: np.ndarray | None = None, engine: str = "e0") -> ExpertLoad:
@@ -50,10 +50,6 @@ def test_drift_is_total_variation() -> None:
     assert drift(a, a) == 0.0
     assert drift(a, np.array([[0.0, 0.0, 1.0]])) == 1.0
     assert drift(None, a) == 1.0
-
-
-def test_the_default_layout_is_the_solvers_contiguous_one() -> None:
-    np.testing.assert_array_equal(default_layout(3, 10, 4, 3), contiguous_slots(3, 10, 4, 3))
 
 
 def _hot_first_gpu(layers: int = 2, experts: int = 8) -> np.ndarray:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from engine_agents.sim.migration import ExpertLoadWindow, MigrationCost, SimExpertGroup, serve_migrate
-from services.history import add_placement, load_layout
+from services.history import add_placement, default_layout, load_layout
 from services.migration.service import run_migration
 from services.migration.settings import MigrationSettings
 from services.placement.service import PlacementService
@@ -21,7 +21,6 @@ from services.placement.settings import PlacementSettings
 from shared.bus import Bus, rejected_count
 from shared.codec import decode
 from shared.db import Placement, create_async_db, upgrade
-from shared.layout import default_layout
 from shared.schemas import PlacementPlan
 from shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan

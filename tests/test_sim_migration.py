@@ -15,13 +15,17 @@ from engine_agents.sim.migration import (
     expert_load_counts,
     serve_migrate,
 )
+from services.history import default_layout
+from services.migration.planner import plan_steps
 from shared.bus import Bus
 from shared.codec import decode, decode_reply, encode
 from shared.errors import RemoteError
-from shared.layout import default_layout
 from shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
 
-SWAP = np.array([[0, 0, 0, 0, 1, 0], [0, 2, 1, 0, 0, 0]], dtype=np.int32)  # layer 0: experts 0 and 2 trade places
+BASE = default_layout(4, 4, 2)  # every layer [[0, 1], [2, 3]]
+SWAPPED = BASE.copy()
+SWAPPED[0] = [[2, 1], [0, 3]]
+SWAP = plan_steps(BASE, SWAPPED)[0]  # layer 0: experts 0 and 2 trade GPUs, through the scratch slot
 
 
 def _request(step: int = 0, moves: np.ndarray = SWAP, version: int = 1, plan_id: str = "p1") -> MigrateRequest:
@@ -46,12 +50,12 @@ async def test_steps_apply_once_over_nats_and_duplicates_get_the_first_answer(bu
     subject = bus.subjects.migrate("e0")
     first = await bus.request(subject, _request(), MigrateReply, timeout=2)
     again = await bus.request(subject, _request(), MigrateReply, timeout=2)
-    assert first == again and first.applied == 2 and first.failure is None
+    assert first == again and first.applied == len(SWAP) and first.failure is None
     assert group.layout[0].tolist() == [[2, 1], [0, 3]]
     assert group.applied_keys() == [("p1", 0)] and group.requests == 2
     assert first.duration_s == pytest.approx(MigrationCost().step_seconds(4, first=True))
     again_as_new_step = await bus.request(subject, _request(step=1), MigrateReply)
-    assert "holds expert 2, not 0" in again_as_new_step.failure  # the swap's sources moved on
+    assert "does not hold it" in again_as_new_step.failure  # the swap's sources moved on
     assert group.layout[0].tolist() == [[2, 1], [0, 3]]
 
 
@@ -61,7 +65,7 @@ async def test_bad_steps_are_refused_and_leave_the_slots_alone(bus: Bus) -> None
     subject = bus.subjects.migrate("e0")
     wrong_source = np.array([[1, 3, 0, 0, 1, 1]], dtype=np.int32)
     reply = await bus.request(subject, _request(moves=wrong_source), MigrateReply)
-    assert reply.applied == 0 and "holds expert 0, not 3" in reply.failure
+    assert reply.applied == 0 and "source slot (0, 0) does not hold it" in reply.failure
     other = MigrateRequest(plan_id="p1", version=1, engine_group="g9", step=1, moves=SWAP)
     assert "not 'g9'" in (await bus.request(subject, other, MigrateReply)).failure
     np.testing.assert_array_equal(group.layout, default_layout(4, 4, 2))

@@ -1,9 +1,10 @@
 """Simulated expert migration and expert-load reporting for the simulated engines.
 
 - `SimExpertGroup` models the expert slots of one EP group. It changes only through `MigrateRequest`
-  steps, each applied atomically (`shared.layout.apply_moves`) after the time the seed measured, and exactly
-  once per `(plan_id, step)`: a retried or resumed step gets the first answer again. Every application
-  is recorded, so tests can prove that no move was applied twice or lost.
+  steps: a step's moves are checked and executed in order with the meaning `solver.placement.moves` gives
+  them (one scratch slot per GPU as the rearrangement buffer), all or nothing, after the time the seed
+  measured, and exactly once per `(plan_id, step)`: a retried or resumed step gets the first answer again.
+  Every application is recorded, so tests can prove that no move was applied twice or lost.
 - `serve_migrate` mounts it on `sy.engine.<id>.migrate` for one engine: a real protocol peer over NATS.
 - `expert_load_counts` / `ExpertLoadWindow` turn a batch's token→expert selections, with the source DP rank
   of each token, into the `A[L, S, E]` / `B[L, E]` windows of an `ExpertLoad` message.
@@ -27,8 +28,9 @@ import numpy as np
 from nats.aio.subscription import Subscription
 
 from shared.bus import Bus
-from shared.layout import LayoutError, apply_moves
 from shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
+from solver.placement import PlacementError
+from solver.placement.moves import apply_moves
 
 __all__ = [
     "Application",
@@ -134,8 +136,8 @@ class SimExpertGroup:
         if request.version < self._highest_version:
             return refuse(f"stale plan: version {request.version} < applied version {self._highest_version}")
         try:
-            new_layout = apply_moves(self.layout, request.moves)
-        except LayoutError as exc:
+            new_layout = apply_moves(self.layout, request.moves, buffer=True).astype(self.layout.dtype)
+        except PlacementError as exc:
             return refuse(str(exc))
         duration = self.cost.step_seconds(self.layout.shape[0], first=not self.applications)
         self.migrating = True

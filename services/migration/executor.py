@@ -30,14 +30,14 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.fleet import FleetView
-from services.history import applied_placement, load_layout, set_status
+from services.history import applied_placement, default_layout, load_layout, set_status
 from services.migration.planner import plan_steps, rollback_steps
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus
 from shared.db import Migration, MigrationMove, Placement
 from shared.errors import RemoteError
-from shared.layout import LayoutError, check_layout, default_layout
 from shared.schemas import MigrateReply, MigrateRequest
+from solver.placement import PlacementError
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,9 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", "placement has no stored layout")
             target = await load_layout(session, placement)
             try:
-                experts = check_layout(target)
-                base = await load_layout(session, current) if current is not None else _default_base(target, experts)
-                steps = plan_steps(base, target, self.config.buffer_slots)
-            except LayoutError as exc:
+                base = await load_layout(session, current) if current is not None else _default_base(target)
+                steps = plan_steps(base, target)
+            except PlacementError as exc:
                 return await self._finish(session, migration, "failed", "failed", f"cannot plan the moves: {exc}")
             if steps and coordinator is None:
                 no_engine = f"no live engine of group {group} said hello within {self.config.engine_wait_s:g} s"
@@ -219,18 +218,9 @@ class Executor:
         self, migration: Migration, applied: list[list[MigrationMove]], first_step: int, first_seq: int
     ) -> None:
         """Persist the inverse of every applied forward step, last first (step numbers after the forward ones)."""
+        inverses = rollback_steps([_moves(step_rows) for step_rows in applied])
+        engine = applied[0][0].engine_id if applied else ""
         async with self.sessions() as session, session.begin():
-            placement = await session.get(Placement, migration.placement_id)
-            assert placement is not None
-            target = await load_layout(session, placement)
-            if migration.base_placement_id is not None:
-                base_row = await session.get(Placement, migration.base_placement_id)
-                assert base_row is not None
-                base = await load_layout(session, base_row)
-            else:
-                base = _default_base(target, check_layout(target))
-            inverses = rollback_steps(base, [_moves(step_rows) for step_rows in applied])
-            engine = applied[0][0].engine_id if applied else ""
             seq = first_seq
             for offset, inverse in enumerate(inverses):
                 for move in inverse.tolist():
@@ -308,10 +298,10 @@ class Executor:
         return StepOutcome(applied=False, in_doubt=last_error)
 
 
-def _default_base(target: np.ndarray, num_experts: int) -> np.ndarray:
+def _default_base(target: np.ndarray) -> np.ndarray:
     """The layout a group runs before any placement was applied, shaped like `target`."""
     num_layers, num_gpus, slots = target.shape
-    return default_layout(num_layers, num_experts, num_gpus, slots_per_gpu=slots)
+    return default_layout(num_layers, int(target.max()) + 1, num_gpus, slots)
 
 
 def _move_row(migration_id: int, seq: int, step: int, kind: str, engine_id: str, move: list[int]) -> MigrationMove:

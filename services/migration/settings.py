@@ -15,8 +15,6 @@ class MigrationSettings(BaseSettings):
     max_attempts: int = Field(default=5, ge=1)
     #: Delay before the first resend; doubled per attempt up to 10 s.
     retry_backoff_s: float = Field(default=0.5, ge=0)
-    #: Experts one GPU can receive per step (the engines' staging buffer). None: a whole layer's slots.
-    buffer_slots: int | None = Field(default=None, ge=1)
     #: How long a new migration waits for a live engine of its group to say hello before it fails.
     engine_wait_s: float = Field(default=15.0, gt=0)
     #: Name of the durable JetStream consumer on the placement stream (prefixed by the subject prefix).

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.layout import diff_moves
 from solver.placement import GreedyParams, PlacementProblem, Weights, greedy, objective
+from solver.placement.moves import plan_moves
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def decide(
     cost = policy.weights.mig * float(after.mig.sum())
     improvement = before.total - (after.total - cost)
     threshold = policy.gain_threshold * before.total
-    moves = diff_moves(current.astype(np.int32), new)
+    moves = plan_moves(current, new, buffer=True).astype(np.int32)
     return Decision(
         placement=new,
         moves=moves,

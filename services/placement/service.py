@@ -37,6 +37,7 @@ from services.fleet import FleetView
 from services.history import (
     add_placement,
     applied_placement,
+    default_layout,
     load_layout,
     new_plan_id,
     next_version,
@@ -50,10 +51,10 @@ from services.runtime import decode_stream_message, ensure_schema
 from shared.bus import Bus
 from shared.db import Calibration, Engine, Placement, create_async_db
 from shared.db.types import utcnow
-from shared.layout import default_layout, diff_moves
 from shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from shared.settings import SwitchyardSettings
 from solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
+from solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
 
@@ -344,10 +345,19 @@ class PlacementService:
                 layout = await load_layout(session, row)
                 parent = await session.get(Placement, row.parent_id) if row.parent_id else None
                 before = await load_layout(session, parent) if parent is not None else None
-                moves = diff_moves(before, layout) if before is not None and before.shape == layout.shape else None
-                plans.append((row.id, plan_message(row, layout, moves if moves is not None else np.zeros((0, 6)))))
+                plans.append((row.id, plan_message(row, layout, _moves_between(before, layout))))
         for placement_id, plan in plans:
             await self._publish(plan, placement_id)
+
+
+def _moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray:
+    """The plan's informational moves from its parent's layout (none when unknown or incomparable)."""
+    if before is None:
+        return np.zeros((0, 6), np.int32)
+    try:
+        return plan_moves(before, after, buffer=True).astype(np.int32)
+    except PlacementError:
+        return np.zeros((0, 6), np.int32)
 
 
 async def run_placement(
