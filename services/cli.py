@@ -79,6 +79,24 @@ def placement(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_d
     run_until_signalled(lambda stop: run_placement(settings, stop))
 
 
+@app.command()
+def api(
+    nats_url: NatsUrl = None,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default SWITCHYARD_API_HOST, 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default SWITCHYARD_API_PORT, 8080).")] = None,
+) -> None:
+    """Serve the HTTP API (history, live engines, metrics; OpenAPI at /docs) until Ctrl-C / SIGTERM."""
+    from services.api.server import run_api
+    from services.api.settings import ApiSettings
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    config = ApiSettings(**{k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+    run_until_signalled(lambda stop: run_api(settings, stop, config))
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""

@@ -45,6 +45,7 @@ from services.history import (
     set_status,
 )
 from services.placement.decide import Decision, Policy, decide
+from services.placement.recalibrate import serve_calibration_requests
 from services.placement.settings import PlacementSettings
 from services.placement.window import DecayedLoad, drift
 from services.runtime import decode_stream_message, ensure_schema
@@ -94,6 +95,7 @@ class PlacementService:
             await self.fleet.subscribe(bus)
             await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
             await self._follow_expert_load()
+            calibrations = asyncio.create_task(serve_calibration_requests(self, stop), name="calibration-requests")
             log.info(
                 "placement service ready (period %.0f s, drift %.2f)", self.config.period_s, self.config.drift_threshold
             )
@@ -101,6 +103,7 @@ class PlacementService:
                 await self.tick()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.tick_s)
+            await calibrations
         finally:
             await bus.close()
             await engine.dispose()
