@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from engine_agents.sim.migration import ExpertLoadWindow
 from shared.bus import Bus
 from shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
 
@@ -90,3 +91,29 @@ async def eventually(probe: Callable[[], Awaitable[T]], timeout: float = 20.0, e
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s (last value {value!r})")
         await asyncio.sleep(every)
+
+
+async def publish_load(
+    bus: Bus, engine_id: str, group: str, dp_rank: int, hot: range, windows: int = 1, layers: int = 4, experts: int = 8
+) -> None:
+    """Windows in which this engine's tokens (source `dp_rank`) all pick experts from `hot`."""
+    clock = iter(time.time() + 0.01 * i for i in range(2 * windows + 2))
+    window = ExpertLoadWindow(engine_id, group, layers, experts, num_sources=2, clock=lambda: next(clock))
+    rng = np.random.default_rng(dp_rank)
+    for _ in range(windows):
+        selections = rng.choice(np.array(hot), size=(200, layers, 2))
+        window.add(selections, np.full(200, dp_rank))
+        message = window.flush()
+        await bus.js_publish(bus.subjects.expert_load(engine_id), message, msg_id=f"{engine_id}-{message.seq}")
+
+
+@contextlib.asynccontextmanager
+async def running(service: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncIterator[None]:
+    """Run `service(stop)` as a task while the block runs; then set `stop` and wait for it to finish."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(service(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)

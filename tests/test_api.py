@@ -20,6 +20,8 @@ from services.api.server import run_api
 from services.api.settings import ApiSettings
 from services.history import add_placement, default_layout
 from services.migration.planner import plan_steps
+from services.placement.service import PlacementService
+from services.placement.settings import PlacementSettings
 from shared.bus import Bus
 from shared.codec import decode, encode
 from shared.db import Calibration, Engine, Migration, MigrationMove, create_async_db, upgrade
@@ -27,9 +29,26 @@ from shared.embedded import free_port
 from shared.schemas import CalibrationRequest, ModelShape, PlacementPlan, RoutingArtifact, Telemetry
 from shared.settings import SwitchyardSettings
 from solver.placement.moves import apply_moves
-from tests.fleet_helpers import eventually, hello, plan, shuffled
+from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running, shuffled
 
 TOKEN = "s3cret-token"
+
+
+def old_engine() -> Engine:
+    """An engine known from an earlier hello but not heard since the API started."""
+    return Engine(
+        engine_id="old-e9",
+        role="decode",
+        ep_group="g9",
+        agent="sim",
+        model_name="m",
+        num_layers=2,
+        num_experts=8,
+        top_k=2,
+        hello={"dp_rank": 0, "gpus": ["x"]},
+    )
+
+
 LAYERS, EXPERTS, GPUS = 2, 8, 2
 
 
@@ -86,15 +105,35 @@ async def seed(sessions: async_sessionmaker[AsyncSession]) -> dict[str, int]:
         for step, moves in enumerate(plan_steps(base, first)):
             for seq, move in enumerate(moves.tolist()):
                 layer, expert, sg, ss, dg, ds = move
-                session.add(MigrationMove(
-                    migration_id=migration.id, seq=step * 100 + seq, step=step, engine_id="e0", layer=layer,
-                    expert=expert, src_gpu=sg, src_slot=ss, dst_gpu=dg, dst_slot=ds, state="applied", attempts=1,
-                ))  # fmt: skip
+                session.add(
+                    MigrationMove(
+                        migration_id=migration.id,
+                        seq=step * 100 + seq,
+                        step=step,
+                        engine_id="e0",
+                        layer=layer,
+                        expert=expert,
+                        src_gpu=sg,
+                        src_slot=ss,
+                        dst_gpu=dg,
+                        dst_slot=ds,
+                        state="applied",
+                        attempts=1,
+                    )
+                )
         for group in ("g0", None):
-            session.add(Calibration(engine_group=group, alpha=1.0, beta=0.5, gamma=1.0, agreement=0.85,
-                                    comm_gap=0.004, solve_seconds=3.2, num_windows=4))  # fmt: skip
-        session.add(Engine(engine_id="old-e9", role="decode", ep_group="g9", agent="sim", model_name="m",
-                           num_layers=2, num_experts=8, top_k=2, hello={"dp_rank": 0, "gpus": ["x"]}))  # fmt: skip
+            session.add(
+                Calibration(
+                    engine_group=group,
+                    alpha=1.0,
+                    beta=0.5,
+                    gamma=1.0,
+                    agreement=0.85,
+                    comm_gap=0.004,
+                    solve_seconds=3.2,
+                    num_windows=4,
+                )
+            )
         ids.update(v1=v1.id, v2=v2.id, v3=v3.id, migration=migration.id)
     return ids
 
@@ -122,8 +161,12 @@ async def test_history_reads(db_settings: SwitchyardSettings, sessions: async_se
         detail = (await api.get(f"/v1/placements/{ids['v3']}")).json()
         assert (detail["predecessor_id"], detail["diff_base"], detail["migration"]) == (ids["v1"], "predecessor", None)
         first = np.array((await api.get(f"/v1/placements/{ids['v1']}")).json()["layout"])
-        moves = np.array([[mv[c] for c in ("layer", "expert", "src_gpu", "src_slot", "dst_gpu", "dst_slot")]
-                          for mv in detail["diff"]])  # fmt: skip
+        moves = np.array(
+            [
+                [mv[c] for c in ("layer", "expert", "src_gpu", "src_slot", "dst_gpu", "dst_slot")]
+                for mv in detail["diff"]
+            ]
+        )
         np.testing.assert_array_equal(apply_moves(first, moves, buffer=True), np.array(detail["layout"]))
         rejected = (await api.get(f"/v1/placements/{ids['v2']}")).json()
         assert rejected["layout"] is None and rejected["diff"] is None
@@ -182,12 +225,48 @@ async def test_writes_need_the_token(
         assert invalid.status_code == 422
 
 
+async def test_a_triggered_calibration_is_recorded(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await bus.ensure_streams()
+    await publish_load(bus, "e0", "g0", 0, range(4))
+    await publish_load(bus, "e1", "g0", 1, range(2, 8))
+    placement = PlacementService(db_settings, PlacementSettings(period_s=3600, tick_s=0.05, warmup_s=3600))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    hellos = hello("e0", "g0", ["a", "b"], 0), hello("e1", "g0", ["c", "d"], 1)
+    async with announcing(bus, *hellos), running(placement.run), api_server(db_settings) as api:
+        await asyncio.wait_for(placement.caught_up.wait(), 10)
+        ok = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "g0", "time_limit_s": 0.2})
+        nothing = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "nowhere"})
+        wanted = {ok.json()["request_id"], nothing.json()["request_id"]}
+
+        async def recorded() -> dict | None:
+            rows = (await api.get("/v1/calibrations")).json()["items"]
+            found = {row["details"].get("request_id"): row for row in rows}
+            return found if wanted <= set(found) else None
+
+        rows = await eventually(recorded, timeout=60)
+    done, failed = rows[ok.json()["request_id"]], rows[nothing.json()["request_id"]]
+    assert (done["status"], done["engine_group"], done["num_windows"]) == ("succeeded", "g0", 1)
+    assert done["details"]["trigger"] == "api" and 0.0 <= done["agreement"] <= 1.0
+    assert failed["status"] == "failed" and "no expert-load window for nowhere" in failed["details"]["error"]
+
+
 async def test_live_engines_artifact_health_and_metrics(bus: Bus, db_settings: SwitchyardSettings) -> None:
     await seed_engine_row(db_settings)
     async with api_server(db_settings) as api:
         await bus.publish(bus.subjects.hello("e0"), hello("e0", "g0", ["a", "b"]))
-        telemetry = Telemetry(engine_id="e0", seq=7, ts=time.time(), kv_usage=0.4, num_running=3, num_waiting=1,
-                              waiting_prefill_tokens=10, remaining_prefill_tokens=5, step_time_ema=0.02)  # fmt: skip
+        telemetry = Telemetry(
+            engine_id="e0",
+            seq=7,
+            ts=time.time(),
+            kv_usage=0.4,
+            num_running=3,
+            num_waiting=1,
+            waiting_prefill_tokens=10,
+            remaining_prefill_tokens=5,
+            step_time_ema=0.02,
+        )
         await bus.publish(bus.subjects.telemetry("e0"), telemetry)
 
         async def live() -> list | None:
@@ -219,8 +298,7 @@ async def test_live_engines_artifact_health_and_metrics(bus: Bus, db_settings: S
 async def seed_engine_row(settings: SwitchyardSettings) -> None:
     engine, sessions = create_async_db(settings.resolved_database_url())
     async with sessions() as session, session.begin():
-        session.add(Engine(engine_id="old-e9", role="decode", ep_group="g9", agent="sim", model_name="m",
-                           num_layers=2, num_experts=8, top_k=2, hello={"dp_rank": 0, "gpus": ["x"]}))  # fmt: skip
+        session.add(old_engine())
     await engine.dispose()
 
 

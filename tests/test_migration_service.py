@@ -135,8 +135,14 @@ async def test_a_refused_step_rolls_the_group_back(bus: Bus, db_settings: Switch
 
     async def refuse_step_two(request: MigrateRequest) -> MigrateReply:
         if request.step == 2:
-            return MigrateReply(plan_id=request.plan_id, version=request.version, step=2, applied=0, duration_s=0.0,
-                                failure="simulated fault: NCCL timeout")  # fmt: skip
+            return MigrateReply(
+                plan_id=request.plan_id,
+                version=request.version,
+                step=2,
+                applied=0,
+                duration_s=0.0,
+                failure="simulated fault: NCCL timeout",
+            )
         return await group.apply(request)
 
     await bus.serve(bus.subjects.migrate("e2"), MigrateRequest, refuse_step_two)

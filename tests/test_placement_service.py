@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine_agents.sim.migration import ExpertLoadWindow, MigrationCost, SimExpertGroup, serve_migrate
+from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
 from services.history import add_placement, default_layout, load_layout
 from services.migration.service import run_migration
 from services.migration.settings import MigrationSettings
@@ -23,7 +21,7 @@ from shared.codec import decode
 from shared.db import Placement, create_async_db, upgrade
 from shared.schemas import PlacementPlan
 from shared.settings import SwitchyardSettings
-from tests.fleet_helpers import announcing, eventually, hello, plan
+from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
 
 LAYERS, EXPERTS = 4, 8
 QUICK = PlacementSettings(period_s=3600, min_interval_s=0, tick_s=0.05, warmup_s=3600)
@@ -40,29 +38,6 @@ async def sessions(db_settings: SwitchyardSettings) -> AsyncIterator[async_sessi
     engine, factory = create_async_db(db_settings.resolved_database_url())
     yield factory
     await engine.dispose()
-
-
-@contextlib.asynccontextmanager
-async def running(coroutine_factory) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(coroutine_factory(stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
-
-
-async def publish_load(bus: Bus, engine_id: str, group: str, dp_rank: int, hot: range, windows: int = 1) -> None:
-    """Windows in which this engine's tokens (source `dp_rank`) all pick experts from `hot`."""
-    clock = iter(time.time() + 0.01 * i for i in range(2 * windows + 2))
-    window = ExpertLoadWindow(engine_id, group, LAYERS, EXPERTS, num_sources=2, clock=lambda: next(clock))
-    rng = np.random.default_rng(dp_rank)
-    for _ in range(windows):
-        selections = rng.choice(np.array(hot), size=(200, LAYERS, 2))
-        window.add(selections, np.full(200, dp_rank))
-        message = window.flush()
-        await bus.js_publish(bus.subjects.expert_load(engine_id), message, msg_id=f"{engine_id}-{message.seq}")
 
 
 async def _placements(sessions: async_sessionmaker[AsyncSession], group: str) -> list[Placement]:
