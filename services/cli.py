@@ -195,6 +195,7 @@ def calibrate(
         "agreement": result.agreement,
         "comm_gap": result.comm_gap,
         "objective_gap": result.objective_gap,
+        "greedy": result.greedy,
         "minlp_gap": result.minlp_gap,
         "solve_seconds": result.minlp_seconds,
         "fit_seconds": result.fit_seconds,
@@ -206,7 +207,8 @@ def calibrate(
     typer.echo(
         f"calibration {row_id}: alpha={result.params.alpha:g} beta={result.params.beta:.4g} "
         f"gamma={result.params.gamma:.4g}; agreement {result.agreement:.1%}, comm gap {result.comm_gap:+.2%}, "
-        f"objective gap {result.objective_gap:+.2%}; MINLP gap {result.minlp_gap:.2%} in {result.minlp_seconds:.1f} s "
+        f"objective gap {result.objective_gap:+.2%} (greedy alone: agreement {result.greedy['agreement']:.1%}, "
+        f"comm gap {result.greedy['comm_gap']:+.2%}); MINLP gap {result.minlp_gap:.2%} in {result.minlp_seconds:.1f} s "
         f"over {result.num_windows} windows"
     )
 

@@ -7,6 +7,7 @@ import pytest
 
 from solver.placement import GreedyParams, MinlpOptions, greedy_hosts, hosts_from_slots, objective_of_hosts
 from solver.placement.calibrate import agreement, calibrate, fit_params
+from solver.placement.refine import place
 from tests.placement_cases import random_problem
 
 
@@ -33,21 +34,23 @@ def test_agreement_ignores_relabelling_of_interchangeable_gpus_only() -> None:
     assert agreement(located, hosts[:, :, [2, 3, 0, 1]], hosts) < 1.0  # swap the pairs: different comm
 
 
-def test_calibration_reports_agreement_and_gaps_of_the_fitted_greedy() -> None:
+def test_calibration_reports_agreement_and_gaps_of_the_online_placement_and_the_greedy() -> None:
     rng = np.random.default_rng(2)
     problems = [random_problem(rng, layers=3, experts=12, gpus=4, sources=4, migration=0.01) for _ in range(2)]
     result = calibrate(problems, MinlpOptions(time_limit_s=2.0, parallel_layers=2))
-    references = []
+    assert result.num_windows == 2 and len(result.references) == 2 and result.minlp_seconds > 0
+    references = [hosts_from_slots(r, 12) for r in result.references]
+    copies = [r.sum(axis=2) for r in references]
+    online = [hosts_from_slots(place(p, result.params, c), 12) for p, c in zip(problems, copies, strict=True)]
+    greedy = [greedy_hosts(p, result.params, c) for p, c in zip(problems, copies, strict=True)]
+    for summary, placements in ((vars(result), online), (result.greedy, greedy)):
+        cases = list(zip(problems, placements, references, strict=True))
+        matched = sum(agreement(p, h, r) * r.sum() for p, h, r in cases)
+        assert summary["agreement"] == pytest.approx(matched / sum(r.sum() for r in references))
+        comm = sum(objective_of_hosts(p, h).comm.sum() for p, h, _ in cases)
+        comm_minlp = sum(objective_of_hosts(p, r).comm.sum() for p, _, r in cases)
+        assert summary["comm_gap"] == pytest.approx(comm / comm_minlp - 1)
     for window in result.windows:
         assert window["shape"] == [3, 12, 4]
-        assert window["minlp"]["total"] <= window["fitted"]["total"] + 1e-9
-        references.append(window["minlp"])
-    fitted = [greedy_hosts(p, result.params) for p in problems]
-    comm = sum(objective_of_hosts(p, h).comm.sum() for p, h in zip(problems, fitted, strict=True))
-    comm_minlp = sum(r["comm"] for r in references)
-    assert result.comm_gap == pytest.approx((comm - comm_minlp) / comm_minlp)
-    assert 0.0 <= result.agreement <= 1.0 and result.num_windows == 2
-    assert result.objective_gap >= -1e-9 and result.minlp_seconds > 0
-    for window, problem, reference, hosts in zip(result.windows, problems, result.references, fitted, strict=True):
-        assert window["fitted"]["agreement"] == agreement(problem, hosts, hosts_from_slots(reference, 12))
+        assert window["minlp"]["total"] <= window["online"]["total"] + 1e-9  # the online placement is the hint
     assert result.details()["windows"] == list(result.windows)

@@ -16,6 +16,7 @@ from solver.placement.problem import (
     locality_distance,
     slots_from_hosts,
 )
+from solver.placement.refine import place, refine_swaps
 from solver.placement.replication import replica_counts
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "locality_distance",
     "objective",
     "objective_of_hosts",
+    "place",
+    "refine_swaps",
     "replica_counts",
     "slots_from_hosts",
     "solve_minlp",

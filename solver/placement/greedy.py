@@ -4,12 +4,13 @@ The score of putting the next copy (expert e, per-copy load b = B_e / r_e) on GP
 
     S(e, g) = α·comm(e, g) + β·load(e, g) + γ·mig(e, g)
 
-with each term the exact increase of the matching objective term (`objective.py`) that this one decision
-causes: comm(e, g) = Σ_s A_{s,e} D_{s,g} / r_e, load(e, g) = (L_g + b − L̄)² − (L_g − L̄)² and
-mig(e, g) = M_{e,g} (1 − 2 x⁰_{e,g}) (keeping an expert where it is refunds the cost of having moved it
-away). With α = β = γ = 1 the greedy is therefore a myopic descent on the true objective. It is myopic in
-one known direction: early, heavy copies cannot see the imbalance later ones will cause, so the weights
-are calibrated against the MINLP (`calibrate.py`) rather than left at 1.
+with each term the exact increase of the matching weighted objective term (`objective.py`) that this one
+decision causes: comm(e, g) = w_comm·Σ_s A_{s,e} D_{s,g} / r_e, load(e, g) = w_load·[(L_g + b − L̄)² −
+(L_g − L̄)²] and mig(e, g) = w_mig·M_{e,g} (1 − 2 x⁰_{e,g}) (keeping an expert where it is refunds the
+cost of having moved it away). With α = β = γ = 1 the greedy is therefore a myopic descent on the true
+objective (with the problem's weights all 1, S is the seed's score literally). It is myopic in one known
+direction: early, heavy copies cannot see the imbalance later ones will cause, so α, β, γ are calibrated
+against the MINLP (`calibrate.py`) rather than left at 1; `refine.place` then repairs what remains.
 
 Copies are placed in descending per-copy load (longest-processing-time order, which is what makes the
 load term work) and all layers advance together: the loop runs over the E + R positions of that order,
@@ -46,9 +47,10 @@ class GreedyParams:
 
 #: The seed's calibrated values (Gimbal, in its own units of load and communication).
 SEED_PARAMS = GreedyParams(alpha=1.0, beta=0.0025, gamma=1.0)
-#: The default in Switchyard's canonical units (mean GPU load = 1), from `switchyard calibrate` on the
-#: SGLang DeepSeek-V3 windows; see docs/placement.md for the run that produced it.
-DEFAULT_PARAMS = GreedyParams(alpha=1.0, beta=1.0, gamma=1.0)
+#: The default, relative to the problem's `Weights` in canonical units (mean GPU load = 1): fitted by
+#: `calibrate` on the SGLang DeepSeek-V3 windows at 48 x 128 x 4 (docs/placement.md has the run). The seed's
+#: values do not transfer: its units of load and communication are not these.
+DEFAULT_PARAMS = GreedyParams(alpha=1.0, beta=0.0625, gamma=2.0)
 
 
 def greedy(

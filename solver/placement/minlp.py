@@ -13,10 +13,11 @@ q_e is the per-copy load in units of u = (layer total) / `load_resolution` (u = 
 are integers that fit), so the model is exact on integer inputs and within rounding of one unit per
 expert otherwise; the reported objective of a solution is always recomputed exactly by `objective.py`.
 
-The greedy solution is the hint (CP-SAT starts from it, so a time-limited solve is never worse than the
-greedy in the model's objective). When the mig term cannot tell GPUs apart and their distance columns are
-equal, those GPUs are interchangeable and the model orders their loads (L_g >= L_g+1), which removes
-G!-fold symmetric copies of every solution from the search.
+The online placement (`refine.place`: the greedy and the current layout, both refined by swaps) is the
+hint; CP-SAT starts from it, so a time-limited solve is never worse than the online placement. When
+the mig term cannot tell GPUs apart and their distance columns are equal, those GPUs are interchangeable
+and the model orders their loads (L_g >= L_g+1), which removes G!-fold symmetric copies of every solution
+from the search.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
-from solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
+from solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, resolve_replicas
+from solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots, slots_from_hosts
+from solver.placement.refine import place
 
 
 @dataclass(frozen=True)
@@ -82,14 +84,16 @@ def solve_minlp(
     replicas: np.ndarray | None = None,
     hint: np.ndarray | None = None,
 ) -> MinlpResult:
-    """Solve every layer of `problem` to optimality or to the time limit; the greedy solution is the hint.
+    """Solve every layer of `problem` to optimality or to the time limit, starting from the online placement.
 
     `replicas` [L, E] fixes copy counts (default: `replica_counts`, as for the greedy); `hint` is an
-    optional host matrix [L, E, G] to start from instead of the greedy.
+    optional host matrix [L, E, G] to start from instead.
     """
     options = options or MinlpOptions()
     copies = resolve_replicas(problem, replicas)
-    start = greedy_hosts(problem, options.hint_params, copies) if hint is None else np.asarray(hint) > 0
+    if hint is None:
+        hint = hosts_from_slots(place(problem, options.hint_params, copies), problem.num_experts)
+    start = np.asarray(hint) > 0
     if start.shape != problem.shape:
         raise PlacementError(f"hint shape {list(start.shape)} is not [L, E, G] = {list(problem.shape)}")
     comm = problem.comm_cost() / copies[..., None]
