@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -20,11 +21,19 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=WireModel)
 
 
+_UPGRADE_LOCK = threading.Lock()
+
+
+def _upgrade(database_url: str) -> None:
+    with _UPGRADE_LOCK:  # Alembic's `context`/`op` are process globals: one upgrade at a time per process
+        upgrade(database_url)
+
+
 async def ensure_schema(database_url: str, attempts: int = 5) -> None:
-    """Bring the schema to head; retried because services started together may race to create it."""
+    """Bring the schema to head; retried because services in other processes may race to create it."""
     for attempt in range(1, attempts + 1):
         try:
-            await asyncio.to_thread(upgrade, database_url)
+            await asyncio.to_thread(_upgrade, database_url)
             return
         except Exception as exc:
             if attempt == attempts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import astuple
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from shared.codec import decode
 from shared.db import Placement, create_async_db, upgrade
 from shared.schemas import PlacementPlan
 from shared.settings import SwitchyardSettings
+from solver.placement import DEFAULT_PARAMS
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
 
 LAYERS, EXPERTS = 4, 8
@@ -67,7 +69,7 @@ async def test_load_to_applied_placement_and_a_restart_rebuilds_state(
         rows = await eventually(lambda: _applied(sessions, "g0"))
     v1 = rows[0]
     assert (v1.version, v1.source, v1.base_version, v1.parent_id) == (1, "greedy", None, None)
-    assert (v1.alpha, v1.beta, v1.gamma) == (1.0, 1.0, 1.0)  # the solver's defaults: no calibration yet
+    assert (v1.alpha, v1.beta, v1.gamma) == astuple(DEFAULT_PARAMS)  # no calibration yet
     assert v1.objective_load >= 0 and v1.predicted_gain > v1.objective_mig
     assert v1.details["trigger"] == "start" and v1.details["source_aware"] is True
     assert v1.details["engines"] == ["e0", "e1"] and v1.gpus == ["a", "b", "c", "d"]

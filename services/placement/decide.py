@@ -1,4 +1,4 @@
-"""Should the group move to the greedy's placement? A pure function of the load window and the current layout.
+"""Should the group move to the online placement? A pure function of the load window and the current layout.
 
     improvement = (w_load·load + w_comm·comm)(current) − (w_load·load + w_comm·comm)(new)
     cost        = w_mig·mig(new)                          (what the moves cost, in the same units)
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from solver.placement import GreedyParams, PlacementProblem, Weights, greedy, objective
+from solver.placement import GreedyParams, PlacementProblem, Weights, objective, place
 from solver.placement.moves import plan_moves
 
 
@@ -64,7 +64,8 @@ def decide(
     params: GreedyParams,
     policy: Policy,
 ) -> Decision:
-    """Run the greedy from `current` on the decayed window and weigh its gain against its migration cost."""
+    """Run the online placement (`solver.placement.place`: the greedy and the current layout, both refined by
+    swaps) from `current` on the decayed window, and weigh its gain against its migration cost."""
     _, num_gpus, slots = current.shape
     by_source = source_load is not None and gpu_ranks is not None and any(r is not None for r in gpu_ranks)
     problem = PlacementProblem.from_counts(
@@ -77,7 +78,7 @@ def decide(
         redundant_slots=policy.redundant_slots,
         weights=policy.weights,
     )
-    new = greedy(problem, params).astype(np.int32)
+    new = place(problem, params).astype(np.int32)
     before, after = objective(problem, current), objective(problem, new)
     cost = policy.weights.mig * float(after.mig.sum())
     improvement = before.total - (after.total - cost)

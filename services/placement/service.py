@@ -82,6 +82,8 @@ class PlacementService:
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
         self._engine_rows: dict[str, float] = {}
+        self._processed_seq = 0
+        self._catch_up_to = 2**63  # known once the replay consumer exists
 
     # ----- lifecycle -----
 
@@ -119,8 +121,11 @@ class PlacementService:
             deliver_policy=DeliverPolicy.BY_START_TIME,
             config=ConsumerConfig(opt_start_time=since),
         )
-        if (await subscription.consumer_info()).num_pending == 0:
-            self.caught_up.set()
+        info = await subscription.consumer_info()
+        if info.num_pending == 0:  # everything in range is on its way: caught up once we processed the last one
+            self._catch_up_to = info.delivered.stream_seq
+            if self._processed_seq >= self._catch_up_to:
+                self.caught_up.set()
 
     async def _on_expert_load(self, msg: Msg) -> None:
         subject = self.bus.subjects.all_expert_load
@@ -128,7 +133,8 @@ class PlacementService:
         if window is not None:
             self.windows.setdefault(window.ep_group, DecayedLoad(self.config.half_life_s)).add(window)
             WINDOWS.inc()
-        if msg.metadata.num_pending == 0:
+        self._processed_seq = msg.metadata.sequence.stream
+        if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
             self.caught_up.set()
 
     async def _record_engine(self, hello: Hello, _msg: Msg) -> None:
@@ -250,7 +256,9 @@ class PlacementService:
             return None
         started = time.perf_counter()
         try:
-            decision = decide(window.load, window.source_load, ranks, current, params, self.policy)
+            decision = await asyncio.to_thread(
+                decide, window.load, window.source_load, ranks, current, params, self.policy
+            )
         except PlacementError as exc:
             PLANS.labels("error").inc()
             log.warning("group %s: the greedy cannot place this window: %s", group, exc)

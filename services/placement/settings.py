@@ -23,8 +23,8 @@ class PlacementSettings(BaseSettings):
     #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.
     gain_threshold: float = Field(default=0.05, ge=0)
     #: Migration cost of changing whether one GPU hosts one expert, in the solver's canonical units
-    #: (mean GPU load = 1 per layer); charged at both ends of a move.
-    migration_cost: float = Field(default=0.01, ge=0)
+    #: (mean GPU load = 1 per layer); charged at both ends of a move. Same default as `switchyard calibrate`.
+    migration_cost: float = Field(default=0.005, ge=0)
     #: Extra expert copies per layer (EPLB-style replicas of hot experts); 0: one copy of each expert.
     redundant_slots: int = Field(default=0, ge=0)
     #: Objective weights (the MINLP's); greedy weights (α, β, γ) come from the latest calibration.
