@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.msg import Msg
+from prometheus_client import start_http_server
 
 from shared.bus import REJECTED
 from shared.codec import WireModel, decode
@@ -54,6 +56,21 @@ async def decode_stream_message(
         if acked:
             await msg.term()
         return None
+
+
+@contextlib.contextmanager
+def metrics_endpoint(port: int | None, host: str = "127.0.0.1") -> Iterator[None]:
+    """Serve this process's Prometheus metrics on `host:port` while the block runs (None: not at all)."""
+    if port is None:
+        yield
+        return
+    server, _thread = start_http_server(port, host)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

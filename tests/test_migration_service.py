@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import httpx
 import numpy as np
 import pytest
 from sqlalchemy import select
@@ -17,6 +18,7 @@ from services.migration.service import run_migration
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus, rejected_count
 from shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
+from shared.embedded import free_port
 from shared.schemas import MigrateReply, MigrateRequest
 from shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
@@ -77,9 +79,10 @@ async def test_a_plan_is_applied_step_by_step_exactly_once(bus: Bus, db_settings
     await serve_migrate(bus, "e0", group)
     await bus.ensure_streams()
     first, second = plan("g0", 1, shuffled(base, 1)), plan("g0", 2, shuffled(base, 2))
+    metrics_port = free_port()
     async with (
         announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
-        migration_service(db_settings) as sessions,
+        migration_service(db_settings, FAST.model_copy(update={"metrics_port": metrics_port})) as sessions,
     ):
         await bus.js_publish(bus.subjects.placement_plan, first, msg_id=first.plan_id)
         done = await eventually(lambda: _finished(sessions, first.plan_id))
@@ -109,6 +112,9 @@ async def test_a_plan_is_applied_step_by_step_exactly_once(bus: Bus, db_settings
         assert await _migration(sessions, older.plan_id) is None  # its version belongs to another plan
         async with sessions() as session:
             assert len((await session.scalars(select(Migration))).all()) == 3
+        async with httpx.AsyncClient() as client:  # the service's own metrics endpoint
+            metrics = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'switchyard_migration_steps_total{kind="forward",outcome="applied"}' in metrics
 
 
 async def test_stale_plans_are_refused(bus: Bus, db_settings: SwitchyardSettings) -> None:

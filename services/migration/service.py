@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client import Counter
@@ -23,7 +24,7 @@ from services.fleet import FleetView
 from services.history import add_placement
 from services.migration.executor import Executor
 from services.migration.settings import MigrationSettings
-from services.runtime import decode_stream_message, ensure_schema
+from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
 from shared.bus import Bus
 from shared.db import Migration, Placement, create_async_db
 from shared.schemas import PlacementPlan
@@ -83,36 +84,26 @@ class MigrationService:
         bus = await Bus.connect(self.settings, name="switchyard-migration")
         consumer = None
         try:
-            await bus.ensure_streams()
-            await self.fleet.subscribe(bus)
-            self.executor = Executor(self.sessions, bus, self.fleet, self.config)
-            subjects = bus.subjects
-            consumer = await bus.js.pull_subscribe(
-                subjects.placement_plan,
-                durable=self.config.consumer,
-                stream=subjects.placement_stream,
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1),
-            )
-            await self._resume()
-            log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
-            while not stop.is_set():
-                try:
-                    messages = await consumer.fetch(16, timeout=0.5)
-                except (NatsTimeoutError, TimeoutError):
-                    continue
-                for msg in messages:
-                    plan = await decode_stream_message(msg, PlacementPlan, subjects.placement_plan, bus.max_payload)
-                    if plan is None:
-                        continue
+            with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
+                await bus.ensure_streams()
+                await self.fleet.subscribe(bus)
+                self.executor = Executor(self.sessions, bus, self.fleet, self.config)
+                subjects = bus.subjects
+                consumer = await bus.js.pull_subscribe(
+                    subjects.placement_plan,
+                    durable=self.config.consumer,
+                    stream=subjects.placement_stream,
+                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1),
+                )
+                await self._resume()
+                log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
+                while not stop.is_set():
                     try:
-                        migration_id = await record_plan(self.sessions, plan)
-                    except Exception:
-                        log.exception("cannot record plan %s; it will be redelivered", plan.plan_id)
-                        await msg.nak(delay=2.0)
+                        messages = await consumer.fetch(16, timeout=0.5)
+                    except (NatsTimeoutError, TimeoutError):
                         continue
-                    await msg.ack()
-                    if migration_id is not None:
-                        self._kick(plan.engine_group)
+                    for msg in messages:
+                        await self._on_plan(bus, msg)
         finally:
             for task in self._workers.values():
                 task.cancel()
@@ -124,6 +115,21 @@ class MigrationService:
                     await consumer.unsubscribe()
             await bus.close()
             await engine.dispose()
+
+    async def _on_plan(self, bus: Bus, msg: Msg) -> None:
+        """Record the plan, then acknowledge it (a crash in between redelivers it: recording is idempotent)."""
+        plan = await decode_stream_message(msg, PlacementPlan, bus.subjects.placement_plan, bus.max_payload)
+        if plan is None:
+            return
+        try:
+            migration_id = await record_plan(self.sessions, plan)
+        except Exception:
+            log.exception("cannot record plan %s; it will be redelivered", plan.plan_id)
+            await msg.nak(delay=2.0)
+            return
+        await msg.ack()
+        if migration_id is not None:
+            self._kick(plan.engine_group)
 
     async def _resume(self) -> None:
         async with self.sessions() as session:

@@ -19,3 +19,6 @@ class MigrationSettings(BaseSettings):
     engine_wait_s: float = Field(default=15.0, gt=0)
     #: Name of the durable JetStream consumer on the placement stream (prefixed by the subject prefix).
     consumer: str = "migration"
+    #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"

@@ -48,7 +48,7 @@ from services.placement.decide import Decision, Policy, decide
 from services.placement.recalibrate import serve_calibration_requests
 from services.placement.settings import PlacementSettings
 from services.placement.window import DecayedLoad, drift
-from services.runtime import decode_stream_message, ensure_schema
+from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
 from shared.bus import Bus
 from shared.db import Calibration, Engine, Placement, create_async_db
 from shared.db.types import utcnow
@@ -93,19 +93,18 @@ class PlacementService:
         engine, self.sessions = create_async_db(database_url)
         self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement")
         try:
-            await bus.ensure_streams()
-            await self.fleet.subscribe(bus)
-            await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
-            await self._follow_expert_load()
-            calibrations = asyncio.create_task(serve_calibration_requests(self, stop), name="calibration-requests")
-            log.info(
-                "placement service ready (period %.0f s, drift %.2f)", self.config.period_s, self.config.drift_threshold
-            )
-            while not stop.is_set():
-                await self.tick()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.config.tick_s)
-            await calibrations
+            with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
+                await bus.ensure_streams()
+                await self.fleet.subscribe(bus)
+                await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
+                await self._follow_expert_load()
+                calibrations = asyncio.create_task(serve_calibration_requests(self, stop), name="calibrations")
+                log.info("placement service ready (period %.0f s)", self.config.period_s)
+                while not stop.is_set():
+                    await self.tick()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.config.tick_s)
+                await calibrations
         finally:
             await bus.close()
             await engine.dispose()

@@ -37,3 +37,6 @@ class PlacementSettings(BaseSettings):
     store_rejected_layouts: bool = False
     #: How often the service checks its triggers.
     tick_s: float = Field(default=1.0, gt=0)
+    #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
