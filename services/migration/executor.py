@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 STEPS = Counter("switchyard_migration_steps_total", "Migrate steps sent, by outcome.", ["kind", "outcome"])
 FINISHED = Counter("switchyard_migrations_finished_total", "Migrations that reached a final state.", ["state"])
-FINAL_STATES = ("succeeded", "failed", "rolled_back", "refused")
 
 
 @dataclass(frozen=True)
