@@ -1,0 +1,209 @@
+"""Routing-artifact persistence: a file, the `routing_artifacts` history table, and the JetStream KV bucket.
+
+The file and the KV value are the artifact's exact wire encoding (`shared.codec.encode`, msgpack), so a
+router reads any of them with the same validated `decode`. Reads verify the content hash, so a truncated
+or edited artifact is refused instead of routing traffic.
+
+Versions: a newly published artifact gets 1 + the highest version known to any destination given (the
+database table, the KV bucket's current value, an artifact already in the output file). The table's
+unique version column settles a race between two publishers: the loser retries with the next version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from shared.bus import Bus
+from shared.codec import decode, encode
+from shared.db import RoutingArtifactRow, create_async_db, upgrade
+from shared.errors import WireError
+from shared.schemas import RoutingArtifact
+from shared.settings import SwitchyardSettings
+from solver.eldr_fit import artifact_content_hash
+
+__all__ = [
+    "MAX_ARTIFACT_BYTES",
+    "ArtifactError",
+    "get_artifact_kv",
+    "latest_db_version",
+    "load_artifact",
+    "publish_artifact",
+    "publish_to",
+    "put_artifact_kv",
+    "read_artifact_file",
+    "store_artifact_db",
+    "write_artifact_file",
+]
+
+#: Files may be larger than a bus payload (K = 64 decoders × 48 × 128 float32 centroids is 1.5 MiB).
+MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be read or trusted (undecodable, wrong hash)."""
+
+
+def load_artifact(data: bytes, max_bytes: int = MAX_ARTIFACT_BYTES, where: str = "artifact") -> RoutingArtifact:
+    """Decode and verify an artifact's wire encoding."""
+    try:
+        artifact = decode(data, RoutingArtifact, max_bytes)
+    except WireError as exc:
+        raise ArtifactError(f"{where}: {exc}") from None
+    if artifact_content_hash(artifact) != artifact.content_hash:
+        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…")
+    return artifact
+
+
+def write_artifact_file(artifact: RoutingArtifact, path: str | Path) -> None:
+    """Write atomically (temp file + rename), so a reader never sees half an artifact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode(artifact))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_artifact_file(path: str | Path) -> RoutingArtifact:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ArtifactError(f"{path}: {exc.strerror or exc}") from None
+    if size > MAX_ARTIFACT_BYTES:
+        raise ArtifactError(f"{path}: {size} bytes exceed {MAX_ARTIFACT_BYTES}")
+    return load_artifact(path.read_bytes(), where=str(path))
+
+
+def _file_version(path: Path) -> int:
+    """Version of the artifact already at `path`; 0 if none or unreadable (it is simply replaced)."""
+    if not path.is_file():
+        return 0
+    try:
+        return read_artifact_file(path).version
+    except ArtifactError:
+        return 0
+
+
+async def latest_db_version(database_url: str) -> int:
+    """Highest artifact version in the table (0 if none). The schema must exist (`shared.db.upgrade`)."""
+    engine, sessions = create_async_db(database_url)
+    try:
+        async with sessions() as session:
+            return int(await session.scalar(select(func.coalesce(func.max(RoutingArtifactRow.version), 0))))
+    finally:
+        await engine.dispose()
+
+
+async def store_artifact_db(database_url: str, artifact: RoutingArtifact, report: dict[str, Any] | None = None) -> None:
+    """Append the artifact to the history table; raises IntegrityError if its version is taken."""
+    engine, sessions = create_async_db(database_url)
+    try:
+        async with sessions() as session, session.begin():
+            session.add(
+                RoutingArtifactRow(
+                    version=artifact.version,
+                    content_hash=artifact.content_hash,
+                    representation=artifact.representation,
+                    tau=artifact.tau,
+                    rho=artifact.rho,
+                    num_decoders=int(artifact.centroids.shape[0]),
+                    layer_mask=list(artifact.layer_mask),
+                    source="fit",
+                    payload=encode(artifact),
+                    report=report or {},
+                )
+            )
+    finally:
+        await engine.dispose()
+
+
+async def get_artifact_kv(bus: Bus) -> RoutingArtifact | None:
+    """The current artifact in the KV bucket, or None if none was ever published."""
+    kv = await bus.ensure_kv(bus.subjects.router_bucket)
+    try:
+        entry = await kv.get(bus.subjects.artifact_key)
+    except KeyNotFoundError:
+        return None
+    if entry.value is None:
+        return None
+    return load_artifact(entry.value, bus.max_payload, where=f"KV {bus.subjects.router_bucket}")
+
+
+async def put_artifact_kv(bus: Bus, artifact: RoutingArtifact) -> int:
+    """Make the artifact current; returns the KV revision."""
+    kv = await bus.ensure_kv(bus.subjects.router_bucket)
+    return await kv.put(bus.subjects.artifact_key, encode(artifact))
+
+
+async def publish_artifact(
+    artifact: RoutingArtifact,
+    report: dict[str, Any] | None = None,
+    *,
+    out: str | Path | None = None,
+    database_url: str | None = None,
+    bus: Bus | None = None,
+    attempts: int = 5,
+) -> RoutingArtifact:
+    """Give the artifact its version and write it to every destination given; returns the versioned copy.
+
+    The database is written first (its unique version settles races), then the KV bucket, then the file.
+    """
+    known = [0]
+    if out is not None:
+        known.append(await asyncio.to_thread(_file_version, Path(out)))
+    if bus is not None:
+        current = await get_artifact_kv(bus)
+        known.append(current.version if current else 0)
+    if database_url is not None:
+        known.append(await latest_db_version(database_url))
+    version = max(known) + 1
+    for attempt in range(attempts):
+        versioned = artifact.model_copy(update={"version": version})
+        if database_url is None:
+            break
+        try:
+            await store_artifact_db(database_url, versioned, report)
+            break
+        except IntegrityError:
+            if attempt == attempts - 1:
+                raise
+            version = max(version, await latest_db_version(database_url)) + 1
+    if bus is not None:
+        await put_artifact_kv(bus, versioned)
+    if out is not None:
+        await asyncio.to_thread(write_artifact_file, versioned, out)
+    return versioned
+
+
+async def publish_to(
+    artifact: RoutingArtifact,
+    report: dict[str, Any] | None,
+    settings: SwitchyardSettings,
+    *,
+    out: str | Path | None = None,
+    database_url: str | None = None,
+    nats_servers: list[str] | None = None,
+) -> RoutingArtifact:
+    """`publish_artifact` with connections made from settings: the schema is brought to head and the bus
+    connected only for the destinations asked for."""
+    if database_url is not None:
+        await asyncio.to_thread(upgrade, database_url)
+    bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers) if nats_servers else None
+    try:
+        return await publish_artifact(artifact, report, out=out, database_url=database_url, bus=bus)
+    finally:
+        if bus is not None:
+            await bus.close()

@@ -1,0 +1,175 @@
+"""The router's live view of the engine fleet, kept as numpy columns so policies never loop over engines.
+
+Hellos register engines (role, capacity); telemetry overwrites one row in place; decisions made since an
+engine's last report are added as in-flight compensation, because telemetry lags the router by up to one
+reporting interval and every replica routing on the same stale numbers would herd onto one engine.
+
+Sequence numbers are checked per engine (the lesson from Dynamo's router): a gap is counted, a message
+older than the last one is dropped, and a sequence that restarts from a low number means the engine
+restarted, so its in-flight compensation is cleared. An engine not heard from within `stale_after_s`
+drops out of the candidate set until it reports again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.schemas import Hello, Telemetry
+
+ROLES = ("prefill", "decode", "dp")
+_UNKNOWN_ROLE = -1
+
+
+@dataclass
+class FleetCounters:
+    telemetry_gaps: int = 0
+    telemetry_out_of_order: int = 0
+    engine_restarts: int = 0
+
+
+@dataclass
+class Fleet:
+    """Per-engine columns, indexed by a stable row number per engine id (rows are never reused)."""
+
+    stale_after_s: float = 1.0
+    inflight_grace_s: float = 0.05
+    capacity: int = 64
+    engine_ids: list[str] = field(default_factory=list)
+    counters: FleetCounters = field(default_factory=FleetCounters)
+
+    def __post_init__(self) -> None:
+        n = self.capacity
+        self.index: dict[str, int] = {}
+        self.role = np.full(n, _UNKNOWN_ROLE, np.int8)
+        self.ep_group: list[str] = []
+        self.max_running = np.ones(n)
+        self.kv_usage = np.zeros(n)
+        self.num_running = np.zeros(n)
+        self.num_waiting = np.zeros(n)
+        self.waiting_prefill = np.zeros(n)
+        self.remaining_prefill = np.zeros(n)
+        self.step_time = np.zeros(n)
+        self.expert_pressure = np.ones(n)
+        self.last_seen = np.full(n, -np.inf)
+        self.last_seq = np.full(n, -1, np.int64)
+        self.inflight = np.zeros(n)
+        self.inflight_tokens = np.zeros(n)
+        self._decisions: list[deque[tuple[float, float]]] = []
+
+    # ----- bookkeeping -----
+
+    def __len__(self) -> int:
+        return len(self.engine_ids)
+
+    def _grow(self) -> None:
+        for name in (
+            "role",
+            "max_running",
+            "kv_usage",
+            "num_running",
+            "num_waiting",
+            "waiting_prefill",
+            "remaining_prefill",
+            "step_time",
+            "expert_pressure",
+            "last_seen",
+            "last_seq",
+            "inflight",
+            "inflight_tokens",
+        ):
+            column = getattr(self, name)
+            fill = {
+                "role": _UNKNOWN_ROLE,
+                "last_seen": -np.inf,
+                "last_seq": -1,
+                "max_running": 1,
+                "expert_pressure": 1,
+            }.get(name, 0)
+            grown = np.full(len(column) * 2, fill, dtype=column.dtype)
+            grown[: len(column)] = column
+            setattr(self, name, grown)
+
+    def row(self, engine_id: str) -> int:
+        """The engine's row, registering it on first sight."""
+        row = self.index.get(engine_id)
+        if row is None:
+            row = len(self.engine_ids)
+            if row == len(self.role):
+                self._grow()
+            self.index[engine_id] = row
+            self.engine_ids.append(engine_id)
+            self.ep_group.append("")
+            self._decisions.append(deque())
+        return row
+
+    # ----- inputs -----
+
+    def on_hello(self, hello: Hello, now: float) -> None:
+        row = self.row(hello.engine_id)
+        self.role[row] = ROLES.index(hello.role)
+        self.ep_group[row] = hello.ep_group
+        self.max_running[row] = hello.capacity.max_running
+        self.last_seen[row] = max(self.last_seen[row], now)
+
+    def on_telemetry(self, t: Telemetry, now: float) -> None:
+        row = self.row(t.engine_id)
+        last = self.last_seq[row]
+        if last >= 0:
+            if t.seq <= last:
+                if t.seq < max(last // 2, last - 1000):  # sequence restarted: the engine restarted
+                    self.counters.engine_restarts += 1
+                    self._decisions[row].clear()
+                else:
+                    self.counters.telemetry_out_of_order += 1
+                    return
+            elif t.seq > last + 1:
+                self.counters.telemetry_gaps += 1
+        self.last_seq[row] = t.seq
+        self.kv_usage[row] = t.kv_usage
+        self.num_running[row] = t.num_running
+        self.num_waiting[row] = t.num_waiting
+        self.waiting_prefill[row] = t.waiting_prefill_tokens
+        self.remaining_prefill[row] = t.remaining_prefill_tokens
+        self.step_time[row] = t.step_time_ema
+        self.expert_pressure[row] = max(t.expert_pressure, 1.0)
+        self.last_seen[row] = now
+        self._expire_decisions(row, now - self.inflight_grace_s)
+
+    def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> None:
+        """A request was sent to this engine (by this or another replica) and is not yet in its telemetry."""
+        row = self.index.get(engine_id)
+        if row is None:
+            return
+        self._decisions[row].append((now, prompt_tokens))
+        self.inflight[row] += 1
+        self.inflight_tokens[row] += prompt_tokens
+
+    def _expire_decisions(self, row: int, before: float) -> None:
+        decisions = self._decisions[row]
+        while decisions and decisions[0][0] < before:
+            _, tokens = decisions.popleft()
+            self.inflight[row] -= 1
+            self.inflight_tokens[row] -= tokens
+        if not decisions:  # guard against float drift
+            self.inflight[row] = 0.0
+            self.inflight_tokens[row] = 0.0
+
+    # ----- outputs -----
+
+    def alive(self, role: str, now: float) -> np.ndarray:
+        """Boolean mask over rows: engines of this role heard from within `stale_after_s`."""
+        n = len(self.engine_ids)
+        return (self.role[:n] == ROLES.index(role)) & (now - self.last_seen[:n] <= self.stale_after_s)
+
+    def stale_count(self, now: float) -> int:
+        n = len(self.engine_ids)
+        known = self.role[:n] != _UNKNOWN_ROLE
+        return int(np.count_nonzero(known & (now - self.last_seen[:n] > self.stale_after_s)))
+
+    def load(self) -> np.ndarray:
+        """Requests on each engine as the router believes: running + waiting + in flight (a view, no copy)."""
+        n = len(self.engine_ids)
+        return self.num_running[:n] + self.num_waiting[:n] + self.inflight[:n]

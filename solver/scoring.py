@@ -1,0 +1,212 @@
+"""Online ELDR scoring: a request's prefill counts -> similarity to every decoder's centroid -> τ-band ->
+least-loaded decoder in the band (the seed's §4.3).
+
+Everything that depends only on the routing artifact is prepared once in a `Scorer` (mask as an index
+array, per-cell weights flattened, centroids contiguous float32), so a decision is a gather, a multiply,
+one [K, D] × [D] product and a few length-K operations. The router service and the simulator both call it.
+
+Similarity is cosine: sims = C · (w ⊙ c) / |w ⊙ c| with C the unit centroids, c the masked counts (or
+their indicator, for the binary representation) and w the artifact's per-cell weights (IDF or ones).
+A request with no masked activity has similarity 0 to every centroid, so its band is every decoder and
+the least-loaded one wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from shared.schemas import RoutingArtifact
+from solver.representations import ONLINE_REPRESENTATIONS
+
+__all__ = ["Decision", "Scorer", "ScoringError"]
+
+
+class ScoringError(ValueError):
+    """A signature, load vector or availability mask that does not fit the artifact."""
+
+
+def _check_counts(counts: np.ndarray) -> None:
+    if counts.dtype.kind not in "iu":
+        raise ScoringError(f"signature counts must be integers, got dtype {counts.dtype}")
+    if counts.dtype.kind == "i" and counts.size and counts.min() < 0:
+        raise ScoringError("signature counts must be non-negative")
+
+
+class Decision(NamedTuple):
+    """`index`: the chosen decoder (centroid row); `best`: the most similar one; `band_size`: decoders in
+    the τ-band; `similarity`: the chosen decoder's similarity."""
+
+    index: int
+    best: int
+    band_size: int
+    similarity: float
+
+
+class Scorer:
+    """The per-artifact state of online scoring; immutable after construction, safe to share."""
+
+    def __init__(
+        self,
+        layer_mask: Sequence[int],
+        weights: np.ndarray,
+        centroids: np.ndarray,
+        *,
+        num_layers: int,
+        tau: float = 0.1,
+        representation: str = "count_idf",
+    ) -> None:
+        if representation not in ONLINE_REPRESENTATIONS:
+            raise ScoringError(
+                f"representation {representation!r} cannot be scored from counts {ONLINE_REPRESENTATIONS}"
+            )
+        mask = np.asarray(layer_mask, dtype=np.intp)
+        if mask.ndim != 1 or mask.size == 0 or mask.min() < 0 or mask.max() >= num_layers:
+            raise ScoringError(f"layer mask must name layers in [0, {num_layers})")
+        weights = np.asarray(weights, dtype=np.float32)
+        if weights.ndim != 2 or weights.shape[0] != mask.size:
+            raise ScoringError(f"weights must be [{mask.size}, E], got {list(weights.shape)}")
+        centroids = np.asarray(centroids, dtype=np.float32)
+        if centroids.ndim != 2 or centroids.shape[1] != weights.size:
+            raise ScoringError(f"centroids must be [K, {weights.size}], got {list(centroids.shape)}")
+        if not 0.0 <= tau <= 2.0:
+            raise ScoringError(f"tau must lie in [0, 2], got {tau}")
+        self.num_layers = num_layers
+        self.num_experts = int(weights.shape[1])
+        self.num_decoders = int(centroids.shape[0])
+        self.tau = float(tau)
+        self.representation = representation
+        self.layer_mask = mask
+        self._mask_list = mask.tolist()
+        self._binary = representation == "binary"
+        self._weights = None if np.all(weights == 1.0) else np.ascontiguousarray(weights.ravel())
+        norms = np.linalg.norm(centroids, axis=1, keepdims=True)
+        self._centroids = np.ascontiguousarray(
+            np.divide(centroids, norms, out=np.zeros_like(centroids), where=norms > 0)
+        )
+
+    @classmethod
+    def from_artifact(cls, artifact: RoutingArtifact) -> Scorer:
+        return cls(
+            artifact.layer_mask,
+            artifact.idf,
+            artifact.centroids,
+            num_layers=artifact.model.num_layers,
+            tau=artifact.tau,
+            representation=artifact.representation,
+        )
+
+    # ----- signature -> vector -----
+
+    def _row_index(self, rows: int, layers: Sequence[int] | None) -> np.ndarray | None:
+        """Which rows of a signature whose rows are `layers` (None: all model layers) are the masked layers;
+        None when the signature already is exactly the masked layers in order."""
+        if layers is None:
+            if rows != self.num_layers:
+                raise ScoringError(f"signature has {rows} rows; without `layers` it needs {self.num_layers}")
+            return self.layer_mask
+        if list(layers) == self._mask_list:
+            return None
+        if len(layers) != rows:
+            raise ScoringError(f"{len(layers)} layers listed for a signature of {rows} rows")
+        listed = np.asarray(layers, dtype=np.intp)
+        if listed.size and (listed.min() < 0 or listed.max() >= self.num_layers):
+            raise ScoringError(f"signature layers must lie in [0, {self.num_layers})")
+        position = np.full(self.num_layers, -1, dtype=np.intp)
+        position[listed] = np.arange(listed.size)
+        index = position[self.layer_mask]
+        if (index < 0).any():
+            raise ScoringError(f"signature lacks the artifact's masked layers {self.layer_mask[index < 0].tolist()}")
+        return index
+
+    def _weighted(self, rows: np.ndarray) -> np.ndarray:
+        """[..., N, E] masked counts -> [..., N·E] float32 representation vectors (unnormalised)."""
+        flat = rows.reshape(*rows.shape[:-2], -1)
+        vectors = (flat > 0).astype(np.float32) if self._binary else flat.astype(np.float32)
+        if self._weights is not None:
+            vectors *= self._weights
+        return vectors
+
+    def vector(self, counts: np.ndarray, layers: Sequence[int] | None = None) -> np.ndarray:
+        """The weighted, unnormalised signature vector [N·E] float32 of one request's prefill counts."""
+        counts = np.asarray(counts)
+        if counts.ndim != 2 or counts.shape[1] != self.num_experts:
+            raise ScoringError(f"signature must be [layers, {self.num_experts}], got {list(counts.shape)}")
+        _check_counts(counts)
+        index = self._row_index(counts.shape[0], layers)
+        return self._weighted(counts if index is None else counts[index])
+
+    # ----- similarities, band, pick -----
+
+    def similarities(self, counts: np.ndarray, layers: Sequence[int] | None = None) -> np.ndarray:
+        """Cosine similarity of a request's signature to every centroid, [K] float32."""
+        vector = self.vector(counts, layers)
+        raw = self._centroids @ vector
+        norm = float(np.sqrt(vector @ vector))
+        if norm > 0:
+            raw /= norm
+        return raw
+
+    def similarities_batch(self, counts: np.ndarray, layers: Sequence[int] | None = None) -> np.ndarray:
+        """Similarities of many signatures [B, layers, E] at once -> [B, K] (for the simulator)."""
+        counts = np.asarray(counts)
+        if counts.ndim != 3 or counts.shape[2] != self.num_experts:
+            raise ScoringError(f"batch must be [B, layers, {self.num_experts}], got {list(counts.shape)}")
+        _check_counts(counts)
+        index = self._row_index(counts.shape[1], layers)
+        vectors = self._weighted(counts if index is None else counts[:, index])
+        norms = np.sqrt(np.einsum("bd,bd->b", vectors, vectors))[:, None]
+        out = np.zeros((counts.shape[0], self.num_decoders), dtype=np.float32)
+        return np.divide(vectors @ self._centroids.T, norms, out=out, where=norms > 0)
+
+    def pick(
+        self,
+        similarities: np.ndarray,
+        loads: np.ndarray,
+        available: np.ndarray | None = None,
+        tau: float | None = None,
+    ) -> Decision:
+        """Least-loaded decoder among those within τ of the best similarity; ties go to the more similar.
+
+        `loads` [K]: any load measure where lower is better (in-flight requests, KV usage...).
+        `available` [K] bool: decoders that may be chosen (stale or draining ones excluded).
+        """
+        k = self.num_decoders
+        if similarities.shape != (k,) or np.shape(loads) != (k,):
+            raise ScoringError(f"similarities and loads must both have {k} entries")
+        candidates = similarities
+        if available is not None:
+            if np.shape(available) != (k,):
+                raise ScoringError(f"available must have {k} entries")
+            if not np.any(available):
+                raise ScoringError("no decoder is available")
+            candidates = np.where(available, similarities, -np.inf)
+        best = int(candidates.argmax())
+        threshold = float(candidates[best]) - (self.tau if tau is None else tau)
+        # K is small (decoders, not experts): over K floats plain Python beats a chain of numpy calls,
+        # each of which costs ~0.5 µs of overhead at this size.
+        sims = candidates.tolist()
+        band = [i for i, s in enumerate(sims) if s >= threshold]
+        if len(band) == 1:
+            return Decision(best, best, 1, sims[best])
+        load = np.asarray(loads, dtype=np.float64).tolist()
+        band_loads = [load[i] for i in band]
+        total = sum(band_loads)
+        if total != total:
+            raise ScoringError("loads must not be NaN")
+        lightest = min(band_loads)
+        # least loaded; ties go to the most similar (then the lowest index)
+        chosen = max((i for i in band if load[i] == lightest), key=sims.__getitem__)
+        return Decision(chosen, best, len(band), sims[chosen])
+
+    def decide(
+        self,
+        counts: np.ndarray,
+        loads: np.ndarray,
+        layers: Sequence[int] | None = None,
+        available: np.ndarray | None = None,
+    ) -> Decision:
+        """The whole online decision for one request: similarities, τ-band, least-loaded pick."""
+        return self.pick(self.similarities(counts, layers), loads, available)
