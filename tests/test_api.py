@@ -236,6 +236,7 @@ async def test_a_triggered_calibration_is_recorded(
     hellos = hello("e0", "g0", ["a", "b"], 0), hello("e1", "g0", ["c", "d"], 1)
     async with announcing(bus, *hellos), running(placement.run), api_server(db_settings) as api:
         await asyncio.wait_for(placement.caught_up.wait(), 10)
+        await eventually(lambda: _known(placement, "g0"))  # the service needs g0's GPUs from the hellos
         ok = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "g0", "time_limit_s": 0.2})
         nothing = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "nowhere"})
         wanted = {ok.json()["request_id"], nothing.json()["request_id"]}
@@ -250,6 +251,10 @@ async def test_a_triggered_calibration_is_recorded(
     assert (done["status"], done["engine_group"], done["num_windows"]) == ("succeeded", "g0", 1)
     assert done["details"]["trigger"] == "api" and 0.0 <= done["agreement"] <= 1.0
     assert failed["status"] == "failed" and "no expert-load window for nowhere" in failed["details"]["error"]
+
+
+async def _known(service: PlacementService, group: str) -> bool:
+    return bool(service.fleet.group(group))
 
 
 async def test_live_engines_artifact_health_and_metrics(bus: Bus, db_settings: SwitchyardSettings) -> None:

@@ -65,38 +65,46 @@ async def serve_calibration_requests(service: PlacementService, stop: asyncio.Ev
         await consumer.unsubscribe()
 
 
-async def _windows(service: PlacementService, request: CalibrationRequest) -> tuple[list[Window], int]:
-    """The groups' decayed windows as calibration windows, and the GPU count most of them share."""
+async def _windows(service: PlacementService, request: CalibrationRequest) -> tuple[list[Window], int, list[str]]:
+    """The groups' decayed windows as calibration windows, the GPU count most of them share, and why not others."""
     groups = [request.engine_group] if request.engine_group else sorted(service.windows)
     windows: list[tuple[Window, int]] = []
+    skipped: list[str] = []
     for group in groups:
         decayed = service.windows.get(group)
         if decayed is None or decayed.load is None:
+            skipped.append(f"no expert-load window for {group} yet")
             continue
         async with service.sessions() as session:
             applied = await applied_placement(session, group)
             current = await load_layout(session, applied) if applied is not None else None
         topology = service._topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
+            skipped.append(f"no engine of {group} has said hello yet (its GPUs are unknown)")
             continue
         counts = decayed.source_load if decayed.source_load is not None else decayed.load[:, None, :]
         name = f"{group}@{decayed.end:.0f}"
         windows.append((Window(name=name, source_counts=counts, placement=current), len(topology[0])))
     if not windows:
-        return [], 0
+        return [], 0, skipped
     gpus = Counter(count for _, count in windows).most_common(1)[0][0]
-    return [w for w, count in windows if count == gpus], gpus
+    skipped += [f"{w.name} has {count} GPUs, not {gpus}" for w, count in windows if count != gpus]
+    return [w for w, count in windows if count == gpus], gpus, skipped
 
 
 async def calibrate(service: PlacementService, request: CalibrationRequest) -> int:
     """Calibrate for one request and record the outcome; returns the `calibrations` row id."""
     started = time.perf_counter()
-    windows, gpus = await _windows(service, request)
-    extra = {"request_id": request.request_id, "trigger": "api", "windows": [w.name for w in windows]}
+    windows, gpus, skipped = await _windows(service, request)
+    extra = {
+        "request_id": request.request_id,
+        "trigger": "api",
+        "windows": [w.name for w in windows],
+        "skipped": skipped,
+    }
     try:
         if not windows:
-            which = request.engine_group or "any group"
-            raise PlacementError(f"no expert-load window for {which} yet: nothing to calibrate on")
+            raise PlacementError("nothing to calibrate on: " + ("; ".join(skipped) or "no expert-load window yet"))
         result = await asyncio.to_thread(
             run_calibration,
             windows,
