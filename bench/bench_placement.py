@@ -11,7 +11,8 @@ Sections:
   greedy, the online placement (`place`) and the MINLP, each without and with replicas, all at equal
   slots per GPU; both for a fresh placement (no migration term) and rebalancing from contiguous.
 - calibration: `calibrate` on the three windows at 48 x 128 x 4: fitted weights, agreement and
-  communication gap against the MINLP, beside the defaults and the seed's weights.
+  communication gap against the MINLP of the online placement and of the greedy alone, beside the
+  uncalibrated greedy (α = β = γ = 1) and the seed's weights.
 
 Windows: each SGLang workload file plays one source DP rank (see services/calibration.py); 48 x 128 cuts
 are the first 48 MoE layers and the first 128 experts of the real counts. Results go to stdout (markdown)
@@ -188,7 +189,7 @@ def calibration(windows: list[Window], time_limit: float) -> dict:
         "minlp_seconds": result.minlp_seconds,
         "fit_seconds": result.fit_seconds,
     }
-    for name in ("greedy_default", "greedy_seed"):
+    for name in ("greedy_unit", "greedy_seed"):
         copies = sum(w[name]["copies"] for w in result.windows)
         comm_minlp = sum(w["minlp"]["comm"] for w in result.windows)
         total_minlp = sum(w["minlp"]["total"] for w in result.windows)
@@ -219,7 +220,9 @@ def main() -> None:
         report["calibration"] = calibration(windows, args.time_limit)
         print(json.dumps(report["calibration"], indent=1), flush=True)
     OUT.mkdir(exist_ok=True)
-    (OUT / "placement.json").write_text(json.dumps(report, indent=1))
+    path = OUT / "placement.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**previous, **report}, indent=1))  # a partial run keeps the other sections
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from solver.placement.greedy import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, greedy_hosts
+from solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts
 from solver.placement.minlp import MinlpOptions, solve_minlp
 from solver.placement.objective import objective_of_hosts
 from solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots
@@ -182,7 +182,8 @@ def calibrate(
             "minlp": objective_of_hosts(p, reference).totals(),
             "online": _versus(p, hosts_from_slots(place(p, params, copies), p.num_experts), reference),
         }
-        for name, candidate in (("greedy", params), ("greedy_default", DEFAULT_PARAMS), ("greedy_seed", SEED_PARAMS)):
+        # beside the fitted greedy: the uncalibrated one (exact marginals, α = β = γ = 1) and the seed's weights
+        for name, candidate in (("greedy", params), ("greedy_unit", GreedyParams()), ("greedy_seed", SEED_PARAMS)):
             window[name] = _versus(p, greedy_hosts(p, candidate, copies), reference)
         windows.append(window)
     online, greedy = _overall(windows, "online"), _overall(windows, "greedy")
