@@ -8,8 +8,9 @@ running ──engine refused a step──▶ rolling_back ──inverse steps ac
 running / rolling_back ──no acknowledgement after max_attempts──▶ failed  (the step stays `sent`: in doubt)
 ```
 
-A step's moves are marked `sent` (committed) before the request goes out and `applied` after the engine
-acknowledges it, so after a crash the service resends exactly the steps that were in flight; engines answer a
+A step's moves are marked `sent` (committed) before the request goes out, and `applied` once the engine
+acknowledged it, in the same transaction that marks the next step `sent` (or finishes the migration): one
+commit per step. After a crash the service resends exactly the steps still marked `sent`; engines answer a
 repeated `(plan_id, step)` from memory instead of applying it again. Rollback steps are numbered after the
 forward ones, so they have idempotency keys of their own.
 """
@@ -21,12 +22,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Any
 
 import numpy as np
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.fleet import FleetView
@@ -35,8 +37,9 @@ from services.migration.planner import plan_steps, rollback_steps
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus
 from shared.db import Migration, MigrationMove, Placement
+from shared.db.types import utcnow
 from shared.errors import RemoteError
-from shared.schemas import MigrateReply, MigrateRequest
+from shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
 from solver.placement import PlacementError
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ FINISHED = Counter("switchyard_migrations_finished_total", "Migrations that reac
 @dataclass(frozen=True)
 class StepOutcome:
     applied: bool
+    duration_s: float | None = None
     refusal: str | None = None  # the engine refused: nothing of the step was applied
     in_doubt: str | None = None  # no acknowledgement: the step may or may not have been applied
 
@@ -154,23 +158,22 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", no_engine)
             migration.base_placement_id = current.id if current is not None else None
             migration.state = "running"
-            seq = 0
-            for number, step in enumerate(steps):
-                for move in step.tolist():
-                    session.add(_move_row(migration.id, seq, number, "forward", coordinator or "", move))
-                    seq += 1
-            log.info("migration %d: %d moves in %d steps via %s", migration.id, seq, len(steps), coordinator)
+            count = await _insert_moves(session, migration.id, steps, "forward", coordinator or "")
+            log.info("migration %d: %d moves in %d steps via %s", migration.id, count, len(steps), coordinator)
             if not steps:
                 return await self._finish(session, migration, "succeeded", "applied", None)
             return "running"
 
     async def _forward(self, migration_id: int) -> str:
         migration, rows = await self._load(migration_id)
+        plan_id = await self._plan_id(migration)
+        settle: Settle = []
         for step, step_rows in _by_step([r for r in rows if r.kind == "forward"]):
             if all(r.state == "applied" for r in step_rows):
                 continue
-            outcome = await self._send(migration, step, step_rows, "forward")
+            outcome = await self._send(migration, plan_id, step, step_rows, "forward", settle)
             if outcome.applied:
+                settle.append((step_rows, {"state": "applied", "duration_s": outcome.duration_s, "error": None}))
                 continue
             async with self.sessions() as session, session.begin():
                 fresh = await session.get(Migration, migration_id, with_for_update=True)
@@ -178,10 +181,11 @@ class Executor:
                 if outcome.in_doubt:
                     error = f"step {step} in doubt: {outcome.in_doubt}"
                     return await self._finish(session, fresh, "failed", "failed", error)
-                await self._set_moves(session, step_rows, state="failed", error=outcome.refusal)
+                await _update(session, step_rows, state="failed", error=outcome.refusal)
                 fresh.state, fresh.error = "rolling_back", f"step {step} refused: {outcome.refusal}"
                 return "rolling_back"
         async with self.sessions() as session, session.begin():
+            await _settle(session, settle)
             fresh = await session.get(Migration, migration_id, with_for_update=True)
             assert fresh is not None
             return await self._finish(session, fresh, "succeeded", "applied", None)
@@ -194,21 +198,24 @@ class Executor:
         if not any(r.kind == "rollback" for r in rows):
             await self._plan_rollback(migration, [s for _, s in done], first_rollback_step, len(rows))
             migration, rows = await self._load(migration_id)
+        plan_id = await self._plan_id(migration)
         undone_order = list(reversed(done))
+        settle: Settle = []
         for step, step_rows in _by_step([r for r in rows if r.kind == "rollback"]):
             if all(r.state == "applied" for r in step_rows):
                 continue
-            outcome = await self._send(migration, step, step_rows, "rollback")
-            async with self.sessions() as session, session.begin():
-                fresh = await session.get(Migration, migration_id, with_for_update=True)
-                assert fresh is not None
-                if not outcome.applied:
-                    why = outcome.refusal or outcome.in_doubt
-                    error = f"{fresh.error}; rollback step {step} failed: {why}"
+            outcome = await self._send(migration, plan_id, step, step_rows, "rollback", settle)
+            if not outcome.applied:
+                async with self.sessions() as session, session.begin():
+                    fresh = await session.get(Migration, migration_id, with_for_update=True)
+                    assert fresh is not None
+                    error = f"{fresh.error}; rollback step {step} failed: {outcome.refusal or outcome.in_doubt}"
                     return await self._finish(session, fresh, "failed", "failed", error)
-                _, forward_rows = undone_order[step - first_rollback_step]
-                await self._set_moves(session, forward_rows, state="rolled_back")
+            _, undone = undone_order[step - first_rollback_step]
+            settle.append((step_rows, {"state": "applied", "duration_s": outcome.duration_s, "error": None}))
+            settle.append((undone, {"state": "rolled_back", "error": None}))
         async with self.sessions() as session, session.begin():
+            await _settle(session, settle)
             fresh = await session.get(Migration, migration_id, with_for_update=True)
             assert fresh is not None
             return await self._finish(session, fresh, "rolled_back", "failed", fresh.error)
@@ -220,11 +227,7 @@ class Executor:
         inverses = rollback_steps([_moves(step_rows) for step_rows in applied])
         engine = applied[0][0].engine_id if applied else ""
         async with self.sessions() as session, session.begin():
-            seq = first_seq
-            for offset, inverse in enumerate(inverses):
-                for move in inverse.tolist():
-                    session.add(_move_row(migration.id, seq, first_step + offset, "rollback", engine, move))
-                    seq += 1
+            await _insert_moves(session, migration.id, inverses, "rollback", engine, first_step, first_seq)
 
     # ----- steps -----
 
@@ -232,19 +235,8 @@ class Executor:
         async with self.sessions() as session:
             migration = await session.get(Migration, migration_id)
             assert migration is not None
-            rows = (
-                (await session.execute(select(MigrationMove).where(MigrationMove.migration_id == migration_id)))
-                .scalars()
-                .all()
-            )
-            return migration, list(rows)
-
-    async def _set_moves(
-        self, session: AsyncSession, rows: Sequence[MigrationMove], *, error: str | None = None, **values: object
-    ) -> None:
-        await session.execute(
-            update(MigrationMove).where(MigrationMove.id.in_([r.id for r in rows])).values(error=error, **values)
-        )
+            query = select(MigrationMove).where(MigrationMove.migration_id == migration_id)
+            return migration, list((await session.scalars(query)).all())
 
     async def _plan_id(self, migration: Migration) -> str:
         async with self.sessions() as session:
@@ -252,10 +244,16 @@ class Executor:
             assert placement is not None
             return placement.plan_id
 
-    async def _send(self, migration: Migration, step: int, rows: list[MigrationMove], kind: str) -> StepOutcome:
-        """Send one step until it is acknowledged or refused, at most `max_attempts` times."""
+    async def _send(
+        self, migration: Migration, plan_id: str, step: int, rows: list[MigrationMove], kind: str, settle: Settle
+    ) -> StepOutcome:
+        """Send one step until it is acknowledged or refused, at most `max_attempts` times.
+
+        The transaction that marks the step `sent` also records `settle` (the previous step's acknowledgement),
+        so each step costs one commit; a crash before it just resends that previous step.
+        """
         request = MigrateRequest(
-            plan_id=await self._plan_id(migration),
+            plan_id=plan_id,
             version=migration.plan_version,
             engine_group=migration.engine_group,
             step=step,
@@ -266,11 +264,8 @@ class Executor:
         for attempt in range(1, self.config.max_attempts + 1):
             engine = self.fleet.coordinator(migration.engine_group) or rows[0].engine_id
             async with self.sessions() as session, session.begin():
-                await session.execute(
-                    update(MigrationMove)
-                    .where(MigrationMove.id.in_([r.id for r in rows]))
-                    .values(state="sent", engine_id=engine, attempts=MigrationMove.attempts + 1)
-                )
+                await _settle(session, settle)
+                await _update(session, rows, state="sent", engine_id=engine, attempts=MigrationMove.attempts + 1)
             try:
                 reply = await self.bus.request(
                     self.bus.subjects.migrate(engine), request, MigrateReply, timeout=self.config.step_timeout_s
@@ -286,36 +281,62 @@ class Executor:
             except RemoteError as exc:
                 STEPS.labels(kind, "refused").inc()
                 return StepOutcome(applied=False, refusal=f"engine {engine}: {exc}")
-            if reply.failure is not None or (reply.plan_id, reply.step) != (request.plan_id, step):
+            if reply.failure is not None or (reply.plan_id, reply.step) != (plan_id, step):
                 STEPS.labels(kind, "refused").inc()
                 why = reply.failure or f"answered for plan {reply.plan_id} step {reply.step}"
                 return StepOutcome(applied=False, refusal=f"engine {engine}: {why}")
-            async with self.sessions() as session, session.begin():
-                await self._set_moves(session, rows, state="applied", duration_s=reply.duration_s)
             STEPS.labels(kind, "applied").inc()
-            return StepOutcome(applied=True)
+            return StepOutcome(applied=True, duration_s=reply.duration_s)
         return StepOutcome(applied=False, in_doubt=last_error)
+
+
+#: Move-row updates waiting to be written with the next transaction: (rows, column values).
+Settle = list[tuple[Sequence[MigrationMove], dict[str, Any]]]
+
+
+async def _update(session: AsyncSession, rows: Sequence[MigrationMove], **values: Any) -> None:
+    await session.execute(update(MigrationMove).where(MigrationMove.id.in_([r.id for r in rows])).values(**values))
+
+
+async def _settle(session: AsyncSession, settle: Settle) -> None:
+    for rows, values in settle:
+        await _update(session, rows, **values)
+    settle.clear()
+
+
+async def _insert_moves(
+    session: AsyncSession,
+    migration_id: int,
+    steps: list[np.ndarray],
+    kind: str,
+    engine_id: str,
+    first_step: int = 0,
+    first_seq: int = 0,
+) -> int:
+    """Insert the move rows of `steps` (numbered from `first_step`, `seq` from `first_seq`); returns how many."""
+    now = utcnow()
+    rows = [
+        {
+            "migration_id": migration_id,
+            "step": first_step + offset,
+            "kind": kind,
+            "engine_id": engine_id,
+            "state": "pending",
+            "attempts": 0,
+            "updated_at": now,
+            **dict(zip(MOVE_COLUMNS, move, strict=True)),
+        }
+        for offset, step in enumerate(steps)
+        for move in step.tolist()
+    ]
+    for seq, row in enumerate(rows, start=first_seq):
+        row["seq"] = seq
+    if rows:
+        await session.execute(insert(MigrationMove), rows)
+    return len(rows)
 
 
 def _default_base(target: np.ndarray) -> np.ndarray:
     """The layout a group runs before any placement was applied, shaped like `target`."""
     num_layers, num_gpus, slots = target.shape
     return default_layout(num_layers, int(target.max()) + 1, num_gpus, slots)
-
-
-def _move_row(migration_id: int, seq: int, step: int, kind: str, engine_id: str, move: list[int]) -> MigrationMove:
-    layer, expert, src_gpu, src_slot, dst_gpu, dst_slot = move
-    return MigrationMove(
-        migration_id=migration_id,
-        seq=seq,
-        step=step,
-        kind=kind,
-        engine_id=engine_id,
-        layer=layer,
-        expert=expert,
-        src_gpu=src_gpu,
-        src_slot=src_slot,
-        dst_gpu=dst_gpu,
-        dst_slot=dst_slot,
-        state="pending",
-    )
