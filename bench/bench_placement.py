@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import _single_core  # before numpy: one BLAS thread; and the machine line
 import numpy as np
 
 from services.calibration import Window, sglang_windows, window_problem
@@ -61,16 +62,12 @@ def problem_for(
         window, gpus, migration_cost=MIGRATION_COST, weights=Weights(), layers=layers, experts=experts
     )
     extra = -(-redundant // gpus)
-    return PlacementProblem(
-        load=problem.load,
-        num_gpus=gpus,
+    return replace(
+        problem,
         slots_per_gpu=problem.slots_per_gpu + extra,
-        source_load=problem.source_load,
-        distance=problem.distance,
         migration_cost=0.0 if fresh else problem.migration_cost,
         current=None if fresh else _pad(problem.current, extra),
         redundant_slots=redundant,
-        weights=problem.weights,
     )
 
 
@@ -85,30 +82,35 @@ def speed(windows: list[Window], repeats: int) -> dict:
     began = time.perf_counter()
     place(problem)
     place_ms = (time.perf_counter() - began) * 1e3
-    hosts_ms, slots_ms = [], []
+    hosts_ms, slots_ms, slots_cpu_ms = [], [], []
     for _ in range(repeats):
         began = time.perf_counter()
         greedy_hosts(problem)
         hosts_ms.append((time.perf_counter() - began) * 1e3)
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         greedy(problem)
         slots_ms.append((time.perf_counter() - began) * 1e3)
+        slots_cpu_ms.append((time.thread_time() - began_cpu) * 1e3)
     out = {
         "greedy_48x128x8_ms_median": statistics.median(slots_ms),
         "greedy_48x128x8_ms_p90": float(np.percentile(slots_ms, 90)),
+        "greedy_48x128x8_cpu_ms_median": statistics.median(slots_cpu_ms),
         "greedy_hosts_only_ms_median": statistics.median(hosts_ms),
         "place_48x128x8_ms": place_ms,
         "minlp_48x128x4": [],
     }
     problem = problem_for(decode, 4, layers=48, experts=128)
     for parallel, limit in ((1, 0.25), (2, 0.5)):
+        began_cpu = time.process_time()
         result = solve_minlp(problem, MinlpOptions(time_limit_s=limit, parallel_layers=parallel))
+        cpu = time.process_time() - began_cpu
         found = objective(problem, result.slot_map).total
         out["minlp_48x128x4"].append(
             {
                 "parallel_layers": parallel,
                 "time_limit_per_layer_s": limit,
                 "wall_s": result.wall_seconds,
+                "cpu_s": cpu,
                 "gap": result.gap,
                 "optimal_layers": result.optimal_layers,
                 "objective_vs_greedy": found / objective(problem, greedy(problem)).total - 1,
@@ -209,7 +211,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=SGLANG)
     args = parser.parse_args()
     windows = sglang_windows(args.data)
-    report: dict = {"machine": {"cpus": os.cpu_count()}, "windows": [w.name for w in windows]}
+    report: dict = {"machine": _single_core.machine(), "windows": [w.name for w in windows]}
+    print(report["machine"], flush=True)
     if "speed" in args.sections:
         report["speed"] = speed(windows, args.repeats)
         print(json.dumps(report["speed"], indent=1), flush=True)

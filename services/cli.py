@@ -298,6 +298,104 @@ def calibrate(
     )
 
 
+@app.command()
+def sim(
+    trace: Annotated[Path, typer.Option("--trace", help="Routing trace: the ESFT folder/npz or a Switchyard npz.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
+    requests: Annotated[
+        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+    ] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
+    ] = None,
+    prefill: Annotated[int, typer.Option("--prefill", help="Prefill engines (P).")] = 8,
+    decode: Annotated[int, typer.Option("--decode", help="Decode engines (D).")] = 16,
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated decode policies.")] = "rr,jsq,eldr",
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    gpu: Annotated[str, typer.Option("--gpu", help="H100 | H200 | MI300X")] = "H100",
+    gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs per engine (default: the model's).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
+    calib_fraction: Annotated[float, typer.Option(help="Share of trace requests kept for the ELDR fit.")] = 0.5,
+    prefill_fraction: Annotated[float, typer.Option(help="Prefill share of traces without phases.")] = 0.5,
+    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = 256,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
+    prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for JSON, CSV and PNG plots.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
+    import json
+
+    from engine_agents.sim.run import SimOptions, run_sim
+
+    opts = SimOptions(
+        trace=trace,
+        fmt=fmt,  # type: ignore[arg-type]
+        requests=requests,
+        time_scale=time_scale,
+        rate=rate,
+        prefill=prefill,
+        decode=decode,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        num_requests=num_requests,
+        seed=seed,
+        gpu=gpu,
+        gpus=gpus,
+        model=model,
+        calib_fraction=calib_fraction,
+        prefill_fraction=prefill_fraction,
+        max_running=max_running,
+        kv_blocks=kv_blocks,
+        prefill_policy=prefill_policy,
+        progress=progress,
+    )
+    try:
+        payload = run_sim(opts, json_path=json_out, out_dir=out)
+    except (ValueError, KeyError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts")
+    typer.echo(json.dumps(payload["config"]))
+    typer.echo(f"{'policy':14s} " + " ".join(f"{k:>22s}" for k in keys))
+    for name, s in payload["policies"].items():  # type: ignore[union-attr]
+        typer.echo(f"{name:14s} " + " ".join(f"{s[k]:22.6g}" for k in keys))
+
+
+@app.command()
+def report(
+    out: Annotated[Path | None, typer.Option("--out", help="Report folder (default: <data-dir>/report).")] = None,
+    quick: Annotated[bool, typer.Option(help="A small, fast version (seconds) of every experiment.")] = False,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Routing trace (default: the ESFT trace).")] = None,
+    requests: Annotated[Path | None, typer.Option("--requests", help="Request CSV (default: Azure conv).")] = None,
+    num_requests: Annotated[int | None, typer.Option("--num-requests", help="Requests per run.")] = None,
+    rates: Annotated[str | None, typer.Option("--rates", help="Comma-separated rates (req/s) of the sweep.")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU of every engine (default: the seed's MI300X).")] = "MI300X",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    data_dir: DataDir = None,
+    progress: Annotated[bool, typer.Option(help="Show progress.")] = True,
+) -> None:
+    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2) as Markdown + PNG."""
+    from engine_agents.sim.report import ReportOptions, build_report
+
+    settings = load_settings(data_dir=data_dir)
+    data = settings.shared_data_dir
+    opts = ReportOptions(
+        quick=quick,
+        trace=trace or data / "routing" / "esft_deepseek_v2_lite",
+        requests=requests or data / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+        num_requests=num_requests,
+        rates=tuple(float(r) for r in rates.split(",")) if rates else None,
+        gpu=gpu,
+        seed=seed,
+        progress=progress,
+    )
+    path = build_report(out or settings.data_dir / "report", opts)
+    typer.echo(f"report written to {path}")
+
+
 def main() -> None:
     app()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -42,18 +43,8 @@ def test_greedy_fills_every_gpu_within_capacity_with_the_chosen_copies(
     seed, experts, gpus, spare, redundant_share, alpha, gamma
 ) -> None:
     rng = np.random.default_rng(seed)
-    slots = -(-experts // gpus) + spare
-    room = min(gpus * slots - experts, experts * (gpus - 1))
-    redundant = int(redundant_share * room)
-    problem = random_problem(rng, experts=experts, gpus=gpus, spare_slots=spare, migration=0.1)
-    problem = PlacementProblem(
-        load=problem.load,
-        num_gpus=gpus,
-        slots_per_gpu=problem.slots_per_gpu + (redundant + experts > gpus * problem.slots_per_gpu),
-        source_load=problem.source_load,
-        distance=problem.distance,
-        redundant_slots=redundant,
-    )
+    redundant = int(redundant_share * experts * (gpus - 1))
+    problem = random_problem(rng, experts=experts, gpus=gpus, spare_slots=spare, redundant=redundant, migration=0.1)
     slot_map = greedy(problem, GreedyParams(alpha, 1.0, gamma))
     check_slot_map(slot_map, problem.num_layers, experts, gpus)  # every expert present, never twice on a GPU
     hosts = hosts_from_slots(slot_map, experts)
@@ -147,16 +138,7 @@ def test_the_weights_of_the_problem_scale_the_greedy_terms() -> None:
     """Greedy params multiply the problem's weights: doubling both leaves the placement unchanged."""
     rng = np.random.default_rng(8)
     base = random_problem(rng, layers=3, experts=16, gpus=4, sources=2, migration=0.03)
-    doubled = PlacementProblem(
-        load=base.load,
-        num_gpus=4,
-        slots_per_gpu=base.slots_per_gpu,
-        source_load=base.source_load,
-        distance=base.distance,
-        migration_cost=base.migration_cost,
-        current=base.current,
-        weights=Weights(load=2 * base.weights.load, comm=2 * base.weights.comm, mig=2 * base.weights.mig),
-    )
+    doubled = replace(base, weights=Weights(2 * base.weights.load, 2 * base.weights.comm, 2 * base.weights.mig))
     assert (greedy(base) == greedy(doubled)).all()
 
 

@@ -32,17 +32,9 @@ from tests.placement_cases import random_problem
 )
 def test_refinement_never_worsens_a_layer_and_keeps_copies_and_capacity(seed, experts, gpus, spare, redundant):
     rng = np.random.default_rng(seed)
-    base = random_problem(rng, layers=2, experts=experts, gpus=gpus, spare_slots=spare, migration=0.02)
-    redundant = min(redundant, base.num_gpus * base.slots_per_gpu - experts, experts * (gpus - 1))
-    problem = PlacementProblem(
-        load=base.load,
-        num_gpus=gpus,
-        slots_per_gpu=base.slots_per_gpu,
-        source_load=base.source_load,
-        distance=base.distance,
-        migration_cost=base.migration_cost,
-        current=base.current,
-        redundant_slots=redundant,
+    redundant = min(redundant, experts * (gpus - 1))
+    problem = random_problem(
+        rng, layers=2, experts=experts, gpus=gpus, spare_slots=spare, redundant=redundant, migration=0.02
     )
     start = greedy(problem, GreedyParams(0.0, 1.0, 0.0))  # load-only: room to improve comm and migration
     refined, _ = refine_swaps(problem, start)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
+from solver.placement.problem import PlacementError, PlacementProblem, check_weights, slots_from_hosts
 from solver.placement.replication import check_replicas, replica_counts
 
 
@@ -39,10 +39,7 @@ class GreedyParams:
     gamma: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
-            value = getattr(self, name)
-            if not np.isfinite(value) or value < 0:
-                raise PlacementError(f"greedy parameter {name} must be finite and >= 0, got {value}")
+        check_weights(self, ("alpha", "beta", "gamma"), "greedy parameter")
 
 
 #: The seed's calibrated values (Gimbal, in its own units of load and communication).

@@ -4,14 +4,16 @@ The objective separates by layer, so each layer is its own model, and layers are
 threads (CP-SAT releases the GIL while it searches). Per layer, with y[e, g] ∈ {0, 1} (GPU g hosts a copy
 of expert e) and r_e fixed copies:
 
-    Σ_g y[e, g] = r_e,   Σ_e y[e, g] <= slots,   L_g = Σ_e q_e y[e, g],   s_g = L_g²
-    minimise  w_load·u²·Σ_g s_g  +  Σ_{e,g} (w_comm·comm[e, g] + w_mig·M[e, g]·(1 − 2 x⁰[e, g])) y[e, g]
+    Σ_g y[e, g] = r_e,   Σ_e y[e, g] <= slots,   L_g = Σ_e q_e y[e, g],   d_g = G·L_g − Σ_h L_h,   s_g = d_g²
+    minimise  w_load·(u/G)²·Σ_g s_g  +  Σ_{e,g} (w_comm·comm[e, g] + w_mig·M[e, g]·(1 − 2 x⁰[e, g])) y[e, g]
 
-which equals the objective of `objective.py` up to constants (Σ_g (L_g − L̄)² = Σ_g L_g² − (Σ_g L_g)²/G
-because Σ_g L_g is fixed, and |y − x⁰| is linear in y for binary x⁰). Loads enter the square as integers:
-q_e is the per-copy load in units of u = (layer total) / `load_resolution` (u = 1 when the loads already
-are integers that fit), so the model is exact on integer inputs and within rounding of one unit per
-expert otherwise; the reported objective of a solution is always recomputed exactly by `objective.py`.
+which is the objective of `objective.py` up to a constant (Σ_g (L_g − L̄)² = Σ_g d_g² / G², and
+|y − x⁰| is linear in y for binary x⁰). The squares are `add_multiplication_equality` constraints plus
+tangent cuts s_g >= 2t·d_g − t² at a few deviations t: without the cuts the LP relaxation prices
+imbalance at nothing and the proven bound is useless. Loads enter as integers: q_e is the per-copy load
+in units of u = (layer total) / `load_resolution` (u = 1 when the loads already are integers that fit),
+so the model is exact on integer inputs and within rounding of one unit per expert otherwise;
+`MinlpResult.objective` and `.bound` are the model's, `objective(problem, result.slot_map)` the exact value.
 
 The online placement (`refine.place`: the greedy and the current layout, both refined by swaps) is the
 hint; CP-SAT starts from it, so a time-limited solve is never worse than the online placement. When
@@ -168,8 +170,8 @@ def _solve_layer(
     if current is not None:
         linear = linear + weights.mig * migration * (1 - 2 * current)
         constant += weights.mig * float((migration * current).sum())
-    # Deviation form: d_g = G·L_g − Σ_g L_g, so Σ_g (L_g − L̄)² = Σ_g d_g² / G². Its trivial bound (>= 0) is
-    # tight, where Σ_g L_g² − const would make CP-SAT prove a large quadratic lower bound first.
+    # Deviations rather than loads are squared: the bound of Σ d² (>= 0) needs no proof, where Σ L² would
+    # first need CP-SAT to prove Σ L² >= (Σ L)² / G.
     square_weight = weights.load * unit * unit / num_gpus**2
 
     model = cp_model.CpModel()
@@ -205,12 +207,8 @@ def _solve_layer(
         model.add_hint(deviation[g], hint_deviation)
         model.add_hint(squares[g], hint_deviation**2)
 
-    coefficients = linear.ravel().tolist()
-    model.minimize(
-        square_weight * sum(squares) + cp_model.LinearExpr.weighted_sum(list(y.ravel()), coefficients)
-        if square_weight > 0
-        else cp_model.LinearExpr.weighted_sum(list(y.ravel()), coefficients)
-    )
+    cost = cp_model.LinearExpr.weighted_sum(list(y.ravel()), linear.ravel().tolist())
+    model.minimize(cost + square_weight * sum(squares) if square_weight > 0 else cost)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s

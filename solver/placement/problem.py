@@ -20,7 +20,7 @@ the engines' layout contains only the moves the solver chose.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,10 +46,15 @@ class Weights:
     mig: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("load", "comm", "mig"):
-            value = getattr(self, name)
-            if not np.isfinite(value) or value < 0:
-                raise PlacementError(f"weight {name} must be finite and >= 0, got {value}")
+        check_weights(self, ("load", "comm", "mig"), "weight")
+
+
+def check_weights(obj: object, names: tuple[str, ...], what: str) -> None:
+    """Refuse weights that are not finite and non-negative (a negative weight rewards the cost it weighs)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not np.isfinite(value) or value < 0:
+            raise PlacementError(f"{what} {name} must be finite and >= 0, got {value}")
 
 
 def _as_float(name: str, array: object, ndim: int) -> np.ndarray:
@@ -167,16 +172,12 @@ class PlacementProblem:
     def layer(self, index: int) -> PlacementProblem:
         """The single-layer sub-problem (the objective separates by layer)."""
         sl = slice(index, index + 1)
-        return PlacementProblem(
+        return replace(
+            self,
             load=self.load[sl],
-            num_gpus=self.num_gpus,
-            slots_per_gpu=self.slots_per_gpu,
             source_load=None if self.source_load is None else self.source_load[sl],
-            distance=self.distance,
             migration_cost=self.migration_cost[sl],
             current=None if self.current is None else self.current[sl],
-            redundant_slots=self.redundant_slots,
-            weights=self.weights,
         )
 
     @classmethod

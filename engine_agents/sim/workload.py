@@ -1,0 +1,136 @@
+"""Request workloads for the simulator: when requests arrive, how long they are, which trace request they replay.
+
+Arrivals and token lengths come from a real request trace (the Azure LLM inference CSVs,
+`../shared/data/requests/`, with a time-compression factor) or, for rate sweeps without a CSV, from a
+Poisson process at a given rate with each replayed trace request's own prompt/output lengths. Which
+routing-trace request each simulated request replays is drawn with replacement from the replay pool,
+deterministically from the seed.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["RequestTrace", "Workload", "build_workload", "load_request_csv"]
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """A production request trace: arrival offsets (s, from the first request) and token counts."""
+
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    source: str
+
+    @property
+    def duration(self) -> float:
+        return float(self.arrival[-1] - self.arrival[0]) if len(self.arrival) else 0.0
+
+    @property
+    def rate(self) -> float:
+        return (len(self.arrival) - 1) / self.duration if self.duration > 0 else 0.0
+
+
+def load_request_csv(path: str | Path) -> RequestTrace:
+    """Azure LLM inference trace CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`), sorted by time."""
+    path = Path(path)
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = [h.strip() for h in next(reader)]
+        cols = {name: header.index(name) for name in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")}
+        rows = list(reader)
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    ts = np.array([r[cols["TIMESTAMP"]] for r in rows], dtype="datetime64[ns]")
+    order = np.argsort(ts, kind="stable")
+    t = (ts[order] - ts[order][0]).astype(np.int64) / 1e9
+    prompt = np.array([int(r[cols["ContextTokens"]]) for r in rows], dtype=np.int64)[order]
+    output = np.array([int(r[cols["GeneratedTokens"]]) for r in rows], dtype=np.int64)[order]
+    return RequestTrace(arrival=t, prompt=prompt, output=output, source=str(path))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """N simulated requests, sorted by arrival: times (s), prompt/output tokens, replayed bank row."""
+
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    replay: np.ndarray
+    description: str
+
+    @property
+    def size(self) -> int:
+        return int(self.arrival.shape[0])
+
+    @property
+    def offered_rate(self) -> float:
+        span = float(self.arrival[-1] - self.arrival[0]) if self.size > 1 else 0.0
+        return (self.size - 1) / span if span > 0 else 0.0
+
+
+def build_workload(
+    num_requests: int,
+    replay_pool: np.ndarray,
+    pool_prompt: np.ndarray,
+    pool_output: np.ndarray,
+    seed: int,
+    rate: float | None = None,
+    requests: RequestTrace | None = None,
+    time_scale: float = 1.0,
+    max_tokens: int | None = None,
+) -> Workload:
+    """Draw `num_requests` requests.
+
+    - `requests` and no `rate`: the first `num_requests` of the trace (cycled, shifted by the trace's span,
+      if more are asked for), arrival times divided by `time_scale`, its prompt/output lengths.
+    - `requests` and `rate`: Poisson arrivals at `rate` req/s with the trace's first `num_requests` lengths.
+    - `rate` only: Poisson arrivals with the replayed trace request's own lengths (`pool_prompt[i]`,
+      `pool_output[i]` for pool entry i). Beware: in a routing trace, length often follows the domain (ESFT
+      summaries decode ~8x longer than intents), so a locality policy then also segregates long requests.
+
+    `max_tokens` clips prompt + output (so each request fits a decode engine's KV cache), prompt first.
+    """
+    if num_requests <= 0:
+        raise ValueError("num_requests must be positive")
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(len(replay_pool), size=num_requests)
+    replay = np.asarray(replay_pool)[pick]
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive")
+    if rate is not None:
+        arrival = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
+        arrival -= arrival[0]
+    if requests is not None:
+        n = len(requests.arrival)
+        idx = np.arange(num_requests)
+        prompt = requests.prompt[idx % n].copy()
+        output = requests.output[idx % n].copy()
+        name = Path(requests.source).name
+        if rate is None:
+            if time_scale <= 0:
+                raise ValueError("time_scale must be positive")
+            span = requests.duration + (requests.duration / max(n - 1, 1))
+            arrival = (requests.arrival[idx % n] + (idx // n) * span) / time_scale
+            span_n = float(arrival[-1] - arrival[0]) if num_requests > 1 else 0.0
+            rate_n = (num_requests - 1) / span_n if span_n > 0 else 0.0
+            desc = f"{name}, first {num_requests} requests, time / {time_scale:g} ({rate_n:.1f} req/s)"
+        else:
+            desc = f"Poisson {rate:g} req/s, lengths of the first {num_requests} requests of {name}"
+    elif rate is not None:
+        prompt = np.asarray(pool_prompt)[pick].copy()
+        output = np.asarray(pool_output)[pick].copy()
+        desc = f"Poisson {rate:g} req/s, lengths of the replayed trace requests"
+    else:
+        raise ValueError("give a positive rate or a request trace")
+    prompt = np.maximum(prompt, 1)
+    output = np.maximum(output, 1)
+    if max_tokens is not None:
+        output = np.minimum(output, max_tokens - 1)
+        prompt = np.minimum(prompt, max_tokens - output)
+    return Workload(arrival=arrival, prompt=prompt, output=output, replay=replay, description=desc)
