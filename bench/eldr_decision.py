@@ -1,7 +1,8 @@
 """Online routing decision in process (budget: K = 32 decoders, signature 48 × 128, ≤ 20 µs median).
 
-One decision = `Scorer.decide`: select the artifact's masked rows of the request's [L, E] prefill counts,
-weight, cosine similarity to all K centroids, τ-band, least-loaded decoder in the band. The artifact is
+One decision = what the router service does per request: `Scorer.similarities` (select the artifact's
+masked rows of the request's [L, E] prefill counts, weight, cosine similarity to all K centroids), then the
+`eldr` policy of `solver.routing` (τ-band, least-loaded decoder in the band). The artifact is
 fitted on 1,000 SYNTHETIC 48 × 128 calibration requests resampled from ESFT (see eldr_data.py); the timed
 signatures are 5,000 other synthetic requests; loads are random in-flight counts 0..15. Cases:
   fitted mask, full signature   — the agent sends all 48 layers (`layers` = None);
@@ -24,12 +25,17 @@ import numpy as np
 from eldr_data import synthetic_counts
 
 from solver.eldr_fit import FitOptions, fit_routing_artifact
+from solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
 from solver.scoring import Scorer
 
 OUT = Path(__file__).resolve().parent / "out"
 
 
 def time_decisions(scorer: Scorer, signatures: np.ndarray, loads: np.ndarray, layers: list[int] | None) -> dict:
+    ids = [f"decode-{i:03d}" for i in range(scorer.num_decoders)]
+    snap = FleetSnapshot.build(ids)
+    tables = RoutingTables.build(snap.engine_ids, num_centroids=scorer.num_decoders, tau=scorer.tau)
+    policy, state = get_policy("eldr"), RouterState.seeded(0)
     best: dict | None = None
     for _ in range(3):
         elapsed = np.empty(len(signatures))
@@ -37,8 +43,10 @@ def time_decisions(scorer: Scorer, signatures: np.ndarray, loads: np.ndarray, la
         clock = time.perf_counter_ns
         cpu_start = time.thread_time()
         for n, (signature, load) in enumerate(zip(signatures, loads, strict=True)):
+            snap.load[:] = load  # the router refreshes loads in place from telemetry
             start = clock()
-            decision = scorer.decide(signature, load, layers)
+            query = RouteQuery(sims=scorer.similarities(signature, layers))
+            decision = policy(snap, query, state, tables)
             elapsed[n] = clock() - start
             bands[n] = decision.band_size
         cpu = time.thread_time() - cpu_start

@@ -182,6 +182,21 @@ def fit(
     typer.echo(f"artifact v{artifact.version} {artifact.content_hash[:16]} in {report['fit_seconds']:.2f} s")
 
 
+@app.command()
+def router(
+    nats_url: NatsUrl = None,
+    policy: Annotated[str | None, typer.Option(help="Decode policy (default: SWITCHYARD_ROUTER_POLICY, eldr).")] = None,
+) -> None:
+    """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
+    from services.router.service import RouterService
+    from services.router.settings import RouterSettings
+    from services.runner import run_service
+
+    settings = load_settings(nats_url)
+    router_settings = RouterSettings(**({"policy": policy} if policy else {}))
+    run_service(RouterService(settings, router_settings).run)
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""

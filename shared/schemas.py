@@ -28,6 +28,7 @@ from shared.codec import Array, ErrorReply, WireModel
 
 __all__ = [
     "MOVE_COLUMNS",
+    "Announce",
     "CalibrationRequest",
     "CalibrationSample",
     "Capacity",
@@ -40,6 +41,7 @@ __all__ = [
     "ObjectiveTerms",
     "PlacementParams",
     "PlacementPlan",
+    "RouteDecision",
     "RouteDecodeReply",
     "RouteDecodeRequest",
     "RouteDpReply",
@@ -187,6 +189,29 @@ class RouteDecodeReply(WireModel):
     decision_us: Seconds
     artifact_version: Count | None = None
     fallback: str | None = None
+
+
+class RouteDecision(WireModel):
+    """`sy.route.decided`: a replica announces where it sent a request, so every replica counts it in flight.
+
+    Without it, N replicas routing on the same (slightly stale) telemetry all pick the same "best" engine.
+    """
+
+    replica_id: Annotated[str, Field(min_length=1, max_length=64)]
+    kind: Literal["decode", "dp"]
+    request_id: RequestId
+    engine_id: EngineId
+    prompt_tokens: Count
+
+
+class Announce(WireModel):
+    """`sy.engine.announce`: a (re)starting service asks engines to publish their hello now, not in 5 s.
+
+    `engine_id` narrows the request to one engine (e.g. telemetry arrived from an engine never introduced).
+    """
+
+    requester: Annotated[str, Field(min_length=1, max_length=64)]
+    engine_id: EngineId | None = None
 
 
 class RouteDpRequest(WireModel):

@@ -41,6 +41,11 @@ class Subjects:
     def all_telemetry(self) -> str:
         return f"{self.prefix}.engine.*.telemetry"
 
+    @property
+    def announce(self) -> str:
+        """Control plane -> engines: publish your hello now (a service just started)."""
+        return f"{self.prefix}.engine.announce"
+
     # --- engine -> control plane (JetStream, must not be lost) ---
     def expert_load(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.expert_load"
@@ -74,6 +79,11 @@ class Subjects:
     @property
     def route_dp(self) -> str:
         return f"{self.prefix}.route.dp"
+
+    @property
+    def route_decided(self) -> str:
+        """Router replicas share their decisions here (in-flight compensation across replicas)."""
+        return f"{self.prefix}.route.decided"
 
     @property
     def router_queue(self) -> str:

@@ -1,9 +1,11 @@
-"""Online ELDR scoring: a request's prefill counts -> similarity to every decoder's centroid -> τ-band ->
-least-loaded decoder in the band (the seed's §4.3).
+"""Online ELDR scoring: a request's prefill counts -> similarity to every decoder's centroid (the seed's §4.3).
+
+The τ-band and the least-loaded pick are the ELDR policy in `solver.routing.decode`, shared by the router
+service and the simulator; this module only turns signatures into similarities.
 
 Everything that depends only on the routing artifact is prepared once in a `Scorer` (mask as an index
 array, per-cell weights flattened, centroids contiguous float32), so a decision is a gather, a multiply,
-one [K, D] × [D] product and a few length-K operations. The router service and the simulator both call it.
+one [K, D] × [D] product. The router service and the simulator both call it.
 
 Similarity is cosine: sims = C · (w ⊙ c) / |w ⊙ c| with C the unit centroids, c the masked counts (or
 their indicator, for the binary representation) and w the artifact's per-cell weights (IDF or ones).
@@ -14,14 +16,13 @@ the least-loaded one wins.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from shared.schemas import RoutingArtifact
 from solver.representations import ONLINE_REPRESENTATIONS
 
-__all__ = ["Decision", "Scorer", "ScoringError"]
+__all__ = ["Scorer", "ScoringError"]
 
 
 class ScoringError(ValueError):
@@ -33,16 +34,6 @@ def _check_counts(counts: np.ndarray) -> None:
         raise ScoringError(f"signature counts must be integers, got dtype {counts.dtype}")
     if counts.dtype.kind == "i" and counts.size and counts.min() < 0:
         raise ScoringError("signature counts must be non-negative")
-
-
-class Decision(NamedTuple):
-    """`index`: the chosen decoder (centroid row); `best`: the most similar one; `band_size`: decoders in
-    the τ-band; `similarity`: the chosen decoder's similarity."""
-
-    index: int
-    best: int
-    band_size: int
-    similarity: float
 
 
 class Scorer:
@@ -160,53 +151,3 @@ class Scorer:
         norms = np.sqrt(np.einsum("bd,bd->b", vectors, vectors))[:, None]
         out = np.zeros((counts.shape[0], self.num_decoders), dtype=np.float32)
         return np.divide(vectors @ self._centroids.T, norms, out=out, where=norms > 0)
-
-    def pick(
-        self,
-        similarities: np.ndarray,
-        loads: np.ndarray,
-        available: np.ndarray | None = None,
-        tau: float | None = None,
-    ) -> Decision:
-        """Least-loaded decoder among those within τ of the best similarity; ties go to the more similar.
-
-        `loads` [K]: any load measure where lower is better (in-flight requests, KV usage...).
-        `available` [K] bool: decoders that may be chosen (stale or draining ones excluded).
-        """
-        k = self.num_decoders
-        if similarities.shape != (k,) or np.shape(loads) != (k,):
-            raise ScoringError(f"similarities and loads must both have {k} entries")
-        candidates = similarities
-        if available is not None:
-            if np.shape(available) != (k,):
-                raise ScoringError(f"available must have {k} entries")
-            if not np.any(available):
-                raise ScoringError("no decoder is available")
-            candidates = np.where(available, similarities, -np.inf)
-        best = int(candidates.argmax())
-        threshold = float(candidates[best]) - (self.tau if tau is None else tau)
-        # K is small (decoders, not experts): over K floats plain Python beats a chain of numpy calls,
-        # each of which costs ~0.5 µs of overhead at this size.
-        sims = candidates.tolist()
-        band = [i for i, s in enumerate(sims) if s >= threshold]
-        if len(band) == 1:
-            return Decision(best, best, 1, sims[best])
-        load = np.asarray(loads, dtype=np.float64).tolist()
-        band_loads = [load[i] for i in band]
-        total = sum(band_loads)
-        if total != total:
-            raise ScoringError("loads must not be NaN")
-        lightest = min(band_loads)
-        # least loaded; ties go to the most similar (then the lowest index)
-        chosen = max((i for i in band if load[i] == lightest), key=sims.__getitem__)
-        return Decision(chosen, best, len(band), sims[chosen])
-
-    def decide(
-        self,
-        counts: np.ndarray,
-        loads: np.ndarray,
-        layers: Sequence[int] | None = None,
-        available: np.ndarray | None = None,
-    ) -> Decision:
-        """The whole online decision for one request: similarities, τ-band, least-loaded pick."""
-        return self.pick(self.similarities(counts, layers), loads, available)

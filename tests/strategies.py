@@ -215,7 +215,19 @@ def routing_artifacts(draw: st.DrawFn) -> s.RoutingArtifact:
     )
 
 
+route_decisions = st.builds(
+    s.RouteDecision,
+    replica_id=st.text(min_size=1, max_size=64),
+    kind=st.sampled_from(["decode", "dp"]),
+    request_id=request_ids,
+    engine_id=ids,
+    prompt_tokens=counts,
+)
+announces = st.builds(s.Announce, requester=st.text(min_size=1, max_size=64), engine_id=st.none() | ids)
+
 ALL_MESSAGES = {
+    s.RouteDecision: route_decisions,
+    s.Announce: announces,
     s.Hello: hellos,
     s.Telemetry: telemetries,
     s.ExpertLoad: expert_loads(),

@@ -39,26 +39,6 @@ def test_similarities_equal_cosine_of_the_fit_time_signature(representation: str
     np.testing.assert_allclose(scorer.similarities_batch(counts), reference, rtol=1e-5, atol=1e-6)
 
 
-def test_band_and_least_loaded_pick_by_hand() -> None:
-    scorer = Scorer([0], np.ones((1, 3)), np.eye(3), num_layers=1, tau=0.1, representation="count")
-    sims = np.array([0.9, 0.85, 0.7])
-    loads = np.array([5.0, 3.0, 0.0])
-    assert scorer.pick(sims, loads) == (1, 0, 2, 0.85)  # band {0, 1}: decoder 1 is lighter
-    assert scorer.pick(sims, loads, tau=0.0).index == 0  # pure top-1
-    assert scorer.pick(sims, loads, tau=1.0).index == 2  # pure least-loaded
-    assert scorer.pick(sims, np.array([3.0, 3.0, 0.0])).index == 0  # equal load: the more similar
-    assert scorer.pick(sims, loads, available=np.array([False, True, True])) == (1, 1, 1, 0.85)
-    with pytest.raises(ScoringError, match="no decoder"):
-        scorer.pick(sims, loads, available=np.zeros(3, bool))
-    with pytest.raises(ScoringError, match="NaN"):
-        scorer.pick(sims, np.array([np.nan, 1.0, 0.0]))
-    with pytest.raises(ScoringError, match="3 entries"):
-        scorer.pick(sims, np.ones(4))
-    # decide = similarities + pick; an empty signature is equally far from all: least loaded wins
-    assert scorer.decide(np.array([[0, 0, 0]]), loads).index == 2
-    assert scorer.decide(np.array([[7, 1, 0]]), np.zeros(3)).index == 0
-
-
 def test_scorer_from_a_fitted_artifact_sends_calibration_requests_to_their_own_cluster() -> None:
     rng = np.random.default_rng(1)
     domain = np.repeat([0, 1, 2], 20)

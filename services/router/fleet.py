@@ -21,6 +21,22 @@ from shared.schemas import Hello, Telemetry
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1
+_COLUMNS = (
+    "role",
+    "max_running",
+    "kv_usage",
+    "num_running",
+    "num_waiting",
+    "waiting_prefill",
+    "remaining_prefill",
+    "step_time",
+    "expert_pressure",
+    "last_seen",
+    "last_seq",
+    "inflight",
+    "inflight_tokens",
+)
+_FILL = {"role": _UNKNOWN_ROLE, "last_seen": -np.inf, "last_seq": -1, "max_running": 1, "expert_pressure": 1}
 
 
 @dataclass
@@ -42,6 +58,8 @@ class Fleet:
 
     def __post_init__(self) -> None:
         n = self.capacity
+        #: Bumped whenever an engine joins, leaves or changes role: per-role views rebuild on a change.
+        self.version = 0
         self.index: dict[str, int] = {}
         self.role = np.full(n, _UNKNOWN_ROLE, np.int8)
         self.ep_group: list[str] = []
@@ -103,13 +121,17 @@ class Fleet:
             self.engine_ids.append(engine_id)
             self.ep_group.append("")
             self._decisions.append(deque())
+            self.version += 1
         return row
 
     # ----- inputs -----
 
     def on_hello(self, hello: Hello, now: float) -> None:
         row = self.row(hello.engine_id)
-        self.role[row] = ROLES.index(hello.role)
+        role = ROLES.index(hello.role)
+        if self.role[row] != role:
+            self.role[row] = role
+            self.version += 1
         self.ep_group[row] = hello.ep_group
         self.max_running[row] = hello.capacity.max_running
         self.last_seen[row] = max(self.last_seen[row], now)
@@ -156,6 +178,32 @@ class Fleet:
         if not decisions:  # guard against float drift
             self.inflight[row] = 0.0
             self.inflight_tokens[row] = 0.0
+
+    def forget(self, now: float, silent_for_s: float) -> list[str]:
+        """Unregister engines silent for `silent_for_s` (rows are compacted); returns their ids."""
+        n = len(self.engine_ids)
+        gone = np.flatnonzero(now - self.last_seen[:n] > silent_for_s)
+        if len(gone) == 0:
+            return []
+        keep = np.setdiff1d(np.arange(n), gone)
+        forgotten = [self.engine_ids[i] for i in gone]
+        for name in _COLUMNS:
+            column = getattr(self, name)
+            column[: len(keep)] = column[keep]
+        self.engine_ids = [self.engine_ids[i] for i in keep]
+        self.ep_group = [self.ep_group[i] for i in keep]
+        self._decisions = [self._decisions[i] for i in keep]
+        self.index = {e: i for i, e in enumerate(self.engine_ids)}
+        for name, fill in _FILL.items():
+            getattr(self, name)[len(keep) : n] = fill
+        self.version += 1
+        return forgotten
+
+    def rows_of(self, role: str) -> np.ndarray:
+        """Rows of every known engine of `role` (live or not), ordered by engine id."""
+        n = len(self.engine_ids)
+        rows = np.flatnonzero(self.role[:n] == ROLES.index(role))
+        return rows[np.argsort([self.engine_ids[i] for i in rows], kind="stable")] if len(rows) else rows
 
     # ----- outputs -----
 

@@ -1,0 +1,29 @@
+"""Prometheus metrics of the router (one set per process, labelled by route kind and policy)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter(
+    "switchyard_router_decisions_total",
+    "Routing decisions, by kind (decode|dp), policy and fallback reason ('' when the policy ran as designed).",
+    ["kind", "policy", "fallback"],
+)
+DECISION_SECONDS = Histogram(
+    "switchyard_router_decision_seconds",
+    "In-process decision time (scoring + policy), by kind.",
+    ["kind"],
+    buckets=(2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3),
+)
+BAND_SIZE = Histogram(
+    "switchyard_router_band_size",
+    "Engines admitted by the locality filter (ELDR tau-band, Domain partition).",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+UNROUTABLE = Counter(
+    "switchyard_router_unroutable_total", "Requests answered with an error because no engine was live.", ["kind"]
+)
+STALE_ENGINES = Gauge("switchyard_router_stale_engines", "Known engines silent for longer than stale_after_s.")
+LIVE_ENGINES = Gauge("switchyard_router_live_engines", "Engines in the candidate set, by role.", ["role"])
+ARTIFACT_VERSION = Gauge("switchyard_router_artifact_version", "Version of the routing artifact in use (0: none).")
+TELEMETRY_GAPS = Counter("switchyard_router_telemetry_gaps_total", "Telemetry sequence gaps detected.")

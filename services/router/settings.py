@@ -1,0 +1,44 @@
+"""Router settings (`SWITCHYARD_ROUTER_*`)."""
+
+from __future__ import annotations
+
+import uuid
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from solver.routing import DECODE_POLICIES
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_ROUTER_", env_file=".env", extra="ignore")
+
+    #: Decode policy for `sy.route.decode`: random, rr, jsq, p2c, domain, eldr, eldr-vanilla, eldr-tau0.
+    policy: str = "eldr"
+    #: An engine silent for longer than this leaves the candidate set (telemetry arrives every ~100 ms).
+    stale_after_s: float = Field(default=1.0, gt=0)
+    #: An engine silent for this long is forgotten entirely (a new hello brings it back).
+    forget_after_s: float = Field(default=300.0, gt=0)
+    #: A decision stops counting as in flight once a telemetry received this long after it arrives.
+    inflight_grace_s: float = Field(default=0.05, ge=0)
+    #: Label -> traffic share, required by the oracle `domain` policy (a JSON object in the environment).
+    domain_shares: dict[str, float] = Field(default_factory=dict)
+    #: Identifies this replica on `sy.route.decided`.
+    replica_id: str = Field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
+    #: Seed of the replica's random choices (random, p2c, tie-breaks).
+    seed: int = 0
+    #: Serve Prometheus metrics on this port (0: don't).
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in DECODE_POLICIES:
+            raise ValueError(f"unknown decode policy {value!r}; choose one of {', '.join(DECODE_POLICIES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _domain_needs_shares(self) -> RouterSettings:
+        if self.policy == "domain" and not self.domain_shares:
+            raise ValueError("the domain policy needs SWITCHYARD_ROUTER_DOMAIN_SHARES (JSON label -> share)")
+        return self

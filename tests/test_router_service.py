@@ -1,0 +1,265 @@
+"""The router service over a real nats-server: live telemetry, staleness, hot reload, replicas, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+
+import msgpack
+import numpy as np
+import pytest
+
+from services.artifacts import put_artifact_kv
+from services.router.service import RouterService
+from services.router.settings import RouterSettings
+from shared.bus import Bus, rejected_count
+from shared.errors import RemoteError
+from shared.schemas import (
+    Announce,
+    Capacity,
+    Hello,
+    ModelShape,
+    RouteDecision,
+    RouteDecodeReply,
+    RouteDecodeRequest,
+    RouteDpReply,
+    RouteDpRequest,
+    RoutingArtifact,
+    Telemetry,
+)
+from shared.settings import SwitchyardSettings
+from solver.eldr_fit import artifact_content_hash
+
+SHAPE = ModelShape(name="toy", num_layers=2, num_experts=4, top_k=1)
+_seq = itertools.count()
+
+
+class Engines:
+    """Test-side engine agents speaking the real protocol: hello (also on announce) and telemetry."""
+
+    def __init__(self, bus: Bus, roles: dict[str, str]) -> None:
+        self.bus, self.roles = bus, roles
+        self.load = dict.fromkeys(roles, 0)
+        self.waiting_prefill = dict.fromkeys(roles, 0)
+
+    async def hello(self, engine_id: str) -> None:
+        await self.bus.publish(
+            self.bus.subjects.hello(engine_id),
+            Hello(
+                engine_id=engine_id,
+                role=self.roles[engine_id],
+                model=SHAPE,
+                ep_group="g0",
+                gpus=["0"],
+                capacity=Capacity(max_running=64, kv_blocks=1000, block_size=16),
+                ts=0.0,
+                agent="sim",
+            ),
+        )
+
+    async def answer_announces(self) -> None:
+        async def on_announce(message: Announce, _msg: object) -> None:
+            for engine_id in self.roles:
+                if message.engine_id in (None, engine_id):
+                    await self.hello(engine_id)
+
+        await self.bus.subscribe(self.bus.subjects.announce, Announce, on_announce)
+
+    async def report(self, *engine_ids: str) -> None:
+        for engine_id in engine_ids or tuple(self.roles):
+            await self.bus.publish(
+                self.bus.subjects.telemetry(engine_id),
+                Telemetry(
+                    engine_id=engine_id,
+                    seq=next(_seq),
+                    ts=0.0,
+                    kv_usage=0.1,
+                    num_running=self.load[engine_id],
+                    num_waiting=0,
+                    waiting_prefill_tokens=self.waiting_prefill[engine_id],
+                    remaining_prefill_tokens=0,
+                    step_time_ema=0.01,
+                ),
+            )
+        await self.bus.nc.flush()
+
+
+async def _start(settings: SwitchyardSettings, **router: object) -> RouterService:
+    service = RouterService(settings, RouterSettings(**router))
+    await service.start()
+    return service
+
+
+async def _route(bus: Bus, request_id: str = "r", signature: np.ndarray | None = None) -> RouteDecodeReply:
+    return await bus.request(
+        bus.subjects.route_decode,
+        RouteDecodeRequest(request_id=request_id, prompt_tokens=100, signature=signature),
+        RouteDecodeReply,
+        timeout=2,
+    )
+
+
+async def _settle() -> None:
+    await asyncio.sleep(0.15)
+
+
+async def test_routing_follows_live_telemetry(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"d0": "decode", "d1": "decode", "d2": "decode", "p0": "prefill"})
+    await engines.answer_announces()
+    router = await _start(settings, policy="jsq", inflight_grace_s=0.0)
+    try:
+        engines.load.update(d0=5, d1=0, d2=9)
+        await engines.report()
+        await _settle()
+        assert (await _route(bus)).engine_id == "d1"
+        engines.load.update(d0=5, d1=20, d2=0)
+        await engines.report()
+        await _settle()
+        reply = await _route(bus)
+        assert reply.engine_id == "d2" and reply.policy == "jsq"
+    finally:
+        await router.stop()
+
+
+async def test_silent_engine_receives_nothing_after_the_timeout(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"d0": "decode", "d1": "decode"})
+    await engines.answer_announces()
+    router = await _start(settings, policy="rr", stale_after_s=0.4)
+    try:
+        await engines.report()
+        await _settle()
+        first = Counter([(await _route(bus, f"a{i}")).engine_id for i in range(10)])
+        assert set(first) == {"d0", "d1"}
+        for _ in range(6):  # d1 keeps reporting, d0 has gone silent
+            await engines.report("d1")
+            await asyncio.sleep(0.1)
+        after = Counter([(await _route(bus, f"b{i}")).engine_id for i in range(20)])
+        assert after == Counter({"d1": 20})
+        await asyncio.sleep(0.5)  # now everyone is silent
+        with pytest.raises(RemoteError) as info:
+            await _route(bus, "c")
+        assert info.value.code == "unavailable"
+    finally:
+        await router.stop()
+
+
+def _artifact(version: int, decoder_ids: list[str]) -> RoutingArtifact:
+    centroids = np.array([[1, 0, 0, 0, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0, 1, 0]], np.float32) / np.sqrt(2)
+    fields = dict(
+        version=version,
+        content_hash="0" * 16,
+        created_at=0.0,
+        model=SHAPE,
+        representation="count",
+        layer_mask=[0, 1],
+        idf=np.ones((2, 4), np.float32),
+        centroids=centroids,
+        tau=0.1,
+        rho=0.5,
+        decoder_ids=decoder_ids,
+    )
+    draft = RoutingArtifact(**fields)
+    return RoutingArtifact(**{**fields, "content_hash": artifact_content_hash(draft)})
+
+
+async def test_artifact_update_changes_decisions_without_restart(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"d0": "decode", "d1": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, _artifact(1, ["d0", "d1"]))
+    router = await _start(settings, policy="eldr", inflight_grace_s=10.0)
+    try:
+        await engines.report()
+        await _settle()
+        near_first = np.array([[9, 0, 1, 0], [8, 1, 0, 0]], np.uint16)  # close to centroid 0
+        reply = await _route(bus, "x", near_first)
+        assert (reply.engine_id, reply.artifact_version, reply.fallback) == ("d0", 1, None)
+        await put_artifact_kv(bus, _artifact(2, ["d1", "d0"]))  # centroid 0 now belongs to d1
+        for _ in range(50):
+            if router.core.artifact is not None and router.core.artifact.version == 2:
+                break
+            await asyncio.sleep(0.05)
+        await engines.report()  # clears the in-flight count of the first decision
+        await _settle()
+        reply = await _route(bus, "y", near_first)
+        assert (reply.engine_id, reply.artifact_version) == ("d1", 2)
+        no_sig = await _route(bus, "z")
+        assert no_sig.fallback == "no_signature"
+    finally:
+        await router.stop()
+
+
+async def test_replicas_share_in_flight_decisions(bus: Bus, settings: SwitchyardSettings) -> None:
+    ids = [f"d{i}" for i in range(4)]
+    engines = Engines(bus, dict.fromkeys(ids, "decode"))
+    await engines.answer_announces()
+    a = await _start(settings, policy="jsq", replica_id="replica-a", inflight_grace_s=60.0)
+    b = await _start(settings, policy="jsq", replica_id="replica-b", inflight_grace_s=60.0)
+    deciders: Counter[str] = Counter()
+    await bus.subscribe(bus.subjects.route_decided, RouteDecision, lambda m, _: deciders.update([m.replica_id]))
+    try:
+        await engines.report()
+        await _settle()
+        replies = await asyncio.gather(*[_route(bus, f"burst{i}") for i in range(40)])
+        await asyncio.sleep(0.2)  # let the last shared decisions arrive
+        spread = Counter(r.engine_id for r in replies)
+        # both replicas answered, and each counts every decision in flight, its own and the other's
+        assert sum(spread.values()) == 40
+        assert set(deciders) == {"replica-a", "replica-b"} and deciders.total() == 40
+        for replica in (a, b):
+            inflight = {e: replica.core.fleet.inflight[replica.core.fleet.index[e]] for e in ids}
+            assert inflight == {e: spread[e] for e in ids}
+        assert max(spread.values()) - min(spread.values()) <= 4  # no herding onto one "best" engine
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_dp_dispatch_uses_pressure(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"dp0": "dp", "dp1": "dp", "dp2": "dp"})
+    await engines.answer_announces()
+    router = await _start(settings, inflight_grace_s=0.0)
+    try:
+        engines.waiting_prefill.update(dp0=4000, dp1=100, dp2=2500)
+        await engines.report()
+        await _settle()
+        reply = await bus.request(
+            bus.subjects.route_dp, RouteDpRequest(request_id="q", prompt_tokens=700), RouteDpReply, timeout=2
+        )
+        assert (reply.engine_id, reply.priority) == ("dp1", 700)
+    finally:
+        await router.stop()
+
+
+async def test_malformed_requests_get_error_replies_and_are_counted(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"d0": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, _artifact(1, ["d0", "d0"]))
+    router = await _start(settings, policy="eldr")
+    subject = bus.subjects.route_decode
+    try:
+        await engines.report()
+        await _settle()
+        before = rejected_count(subject, "not_msgpack"), rejected_count(subject, "schema")
+        msg = await bus.nc.request(subject, b"\xc1 definitely not msgpack", timeout=2)
+        assert msgpack.unpackb(msg.data)["error"]["code"] == "not_msgpack"
+        with pytest.raises(RemoteError) as info:  # 5 experts per row: the model has 4
+            await _route(bus, "bad", np.ones((2, 5), np.uint16))
+        assert info.value.code == "schema" and info.value.field == "signature"
+        assert rejected_count(subject, "not_msgpack") == before[0] + 1
+        assert rejected_count(subject, "schema") == before[1] + 1
+        assert (await _route(bus, "fine", np.ones((2, 4), np.uint16))).engine_id == "d0"  # still serving
+    finally:
+        await router.stop()
+
+
+async def test_telemetry_from_an_unknown_engine_triggers_an_announce(bus: Bus, settings: SwitchyardSettings) -> None:
+    asked: list[str | None] = []
+    await bus.subscribe(bus.subjects.announce, Announce, lambda m, _: asked.append(m.engine_id))
+    router = await _start(settings)
+    try:
+        await Engines(bus, {"new-engine": "decode"}).report()
+        await _settle()
+        assert "new-engine" in asked and None in asked  # the start-up broadcast and the targeted ask
+    finally:
+        await router.stop()
