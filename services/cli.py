@@ -59,6 +59,44 @@ def up(
     asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), duration=duration))
 
 
+@app.command()
+def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Run the migration service: placement plans in, ordered expert moves out, until Ctrl-C / SIGTERM."""
+    from services.migration.service import run_migration
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    run_until_signalled(lambda stop: run_migration(settings, stop))
+
+
+@app.command()
+def placement(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Run the placement service: expert-load windows in, versioned placement plans out, until Ctrl-C / SIGTERM."""
+    from services.placement.service import run_placement
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    run_until_signalled(lambda stop: run_placement(settings, stop))
+
+
+@app.command()
+def api(
+    nats_url: NatsUrl = None,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default SWITCHYARD_API_HOST, 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default SWITCHYARD_API_PORT, 8080).")] = None,
+) -> None:
+    """Serve the HTTP API (history, live engines, metrics; OpenAPI at /docs) until Ctrl-C / SIGTERM."""
+    from services.api.server import run_api
+    from services.api.settings import ApiSettings
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, database_url, data_dir)
+    config = ApiSettings(**{k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+    run_until_signalled(lambda stop: run_api(settings, stop, config))
+
+
 def _split_csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 

@@ -29,6 +29,7 @@ from shared.codec import Array, ErrorReply, WireModel
 __all__ = [
     "MOVE_COLUMNS",
     "Announce",
+    "CalibrationRequest",
     "CalibrationSample",
     "Capacity",
     "ErrorReply",
@@ -317,6 +318,20 @@ class CalibrationSample(WireModel):
                 f"{list(self.decode_counts.shape)} differ"
             )
         return self
+
+
+class CalibrationRequest(WireModel):
+    """`sy.placement.calibrate` (JetStream): ask the placement service to calibrate (α, β, γ) on its live windows.
+
+    Written by the API's `POST /v1/calibrations`; the result is a `calibrations` row whose details carry
+    `request_id`. `engine_group` None calibrates on every group's window (of the most common GPU count).
+    """
+
+    request_id: Annotated[str, Field(min_length=1, max_length=64)]
+    requested_at: Timestamp
+    engine_group: EngineId | None = None
+    time_limit_s: Annotated[float, Field(gt=0.0, le=600.0, allow_inf_nan=False)] = 1.0
+    layers: Annotated[int, Field(ge=1, le=4096)] | None = None
 
 
 class RoutingArtifact(WireModel):

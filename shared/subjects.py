@@ -66,6 +66,11 @@ class Subjects:
     def placement_plan(self) -> str:
         return f"{self.prefix}.placement.plan"
 
+    @property
+    def calibration_request(self) -> str:
+        """Calibration triggers (the API's `POST /v1/calibrations`), served by the placement service."""
+        return f"{self.prefix}.placement.calibrate"
+
     # --- request/reply served by router replicas (queue group `router`) ---
     @property
     def route_decode(self) -> str:
@@ -109,6 +114,6 @@ class Subjects:
         """Stream name -> subjects it captures; `shared.bus.Bus.ensure_streams` creates them all."""
         return {
             self.expert_load_stream: [self.all_expert_load],
-            self.placement_stream: [self.placement_plan],
+            self.placement_stream: [self.placement_plan, self.calibration_request],
             self.calibration_stream: [self.calibration_samples],
         }

@@ -71,7 +71,17 @@ def settings(nats_url: str, tmp_path: Path) -> SwitchyardSettings:
 async def bus(settings: SwitchyardSettings) -> AsyncIterator[Bus]:
     b = await Bus.connect(settings, name="test")
     yield b
+    await _delete_jetstream_state(b)
     await b.close()
+
+
+async def _delete_jetstream_state(b: Bus) -> None:
+    """Drop the test's streams and KV bucket: JetStream reserves each stream's `max_bytes` on disk until then."""
+    from nats.js.errors import NotFoundError
+
+    for name in [*b.subjects.streams(), f"KV_{b.subjects.router_bucket}"]:
+        with contextlib.suppress(NotFoundError):
+            await b.js.delete_stream(name)
 
 
 @pytest.fixture(scope="session")

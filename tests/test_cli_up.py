@@ -89,4 +89,12 @@ def test_db_upgrade_command(tmp_path: Path) -> None:
         [*SWITCHYARD, "db", "upgrade", "--database-url", url], capture_output=True, text=True, timeout=60, env=_env()
     )
     assert result.returncode == 0, result.stderr
-    assert "schema at 0001" in result.stdout
+    assert f"schema at {_head_revision()}" in result.stdout
+
+
+def _head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    from shared.db.engine import alembic_config
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

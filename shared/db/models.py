@@ -30,6 +30,8 @@ PLACEMENT_SOURCES = ("greedy", "minlp", "manual", "rollback")
 PLACEMENT_STATES = ("proposed", "published", "applied", "superseded", "rejected", "failed")
 MIGRATION_STATES = ("pending", "running", "succeeded", "failed", "rolling_back", "rolled_back", "refused")
 MOVE_STATES = ("pending", "sent", "applied", "failed", "rolled_back")
+#: A forward move takes the group towards the plan; a rollback move undoes an applied forward step.
+MOVE_KINDS = ("forward", "rollback")
 
 #: Integer primary keys: BIGINT on PostgreSQL, INTEGER (the rowid alias, so autoincrement works) on SQLite.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -148,6 +150,8 @@ class Migration(Base):
     placement_id: Mapped[int] = mapped_column(BigId, ForeignKey("placements.id", ondelete="CASCADE"), unique=True)
     engine_group: Mapped[str] = mapped_column(String(64), index=True)
     plan_version: Mapped[int]
+    #: The placement the group was in when the moves were planned (None: the default layout); rollback returns here.
+    base_placement_id: Mapped[int | None] = mapped_column(BigId, ForeignKey("placements.id", ondelete="SET NULL"))
     state: Mapped[str] = mapped_column(String(16), default="pending")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -173,6 +177,7 @@ class MigrationMove(Base):
     migration_id: Mapped[int] = mapped_column(BigId, ForeignKey("migrations.id", ondelete="CASCADE"))
     seq: Mapped[int]
     step: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16), default="forward", server_default="forward")
     engine_id: Mapped[str] = mapped_column(String(64))
     layer: Mapped[int]
     expert: Mapped[int]
@@ -191,6 +196,7 @@ class MigrationMove(Base):
     __table_args__ = (
         UniqueConstraint("migration_id", "seq", name="uq_migration_moves_seq"),
         _one_of("state", MOVE_STATES, "ck_migration_moves_state"),
+        _one_of("kind", MOVE_KINDS, "ck_migration_moves_kind"),
     )
 
 

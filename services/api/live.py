@@ -1,0 +1,130 @@
+"""Live routes: the engines as their hellos and telemetry describe them, the routing artifact, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Response, status
+from nats.js.errors import KeyNotFoundError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import select, text
+
+from services.api import models as m
+from services.api.deps import Session, State
+from shared.codec import decode_reply
+from shared.db import Engine
+from shared.errors import WireError
+from shared.schemas import RoutingArtifact
+
+router = APIRouter()
+
+
+def _when(ts: float | None) -> datetime | None:
+    return datetime.fromtimestamp(ts, UTC) if ts else None
+
+
+@router.get("/v1/engines", response_model=list[m.EngineOut], tags=["engines"])
+async def list_engines(
+    state: State,
+    session: Session,
+    ep_group: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = None,
+    role: Literal["prefill", "decode", "dp"] | None = None,
+) -> list[m.EngineOut]:
+    """Every engine heard live since the API started, plus those only known from earlier hellos (marked stale)."""
+    engines: dict[str, m.EngineOut] = {}
+    for s in state.fleet.engines.values():
+        hello = s.hello
+        engines[s.engine_id] = m.EngineOut(
+            engine_id=s.engine_id,
+            role=hello.role if hello else None,
+            ep_group=hello.ep_group if hello else None,
+            dp_rank=hello.dp_rank if hello else None,
+            gpus=list(hello.gpus) if hello else [],
+            model=m.ModelOut.model_validate(hello.model) if hello else None,
+            agent=hello.agent if hello else None,
+            live=True,
+            stale=state.fleet.is_stale(s),
+            last_seen=_when(s.last_seen),
+            telemetry=m.TelemetryOut.model_validate(s.telemetry) if s.telemetry else None,
+            telemetry_gaps=s.telemetry_gaps,
+            restarts=s.restarts,
+        )
+    for row in (await session.scalars(select(Engine))).all():
+        if row.engine_id in engines:
+            continue
+        engines[row.engine_id] = m.EngineOut(
+            engine_id=row.engine_id,
+            role=row.role,
+            ep_group=row.ep_group,
+            dp_rank=row.hello.get("dp_rank"),
+            gpus=list(row.hello.get("gpus", [])),
+            model=m.ModelOut(
+                name=row.model_name, num_layers=row.num_layers, num_experts=row.num_experts, top_k=row.top_k
+            ),
+            agent=row.agent,
+            live=False,
+            stale=True,
+            last_seen=row.last_seen,
+            telemetry=None,
+            telemetry_gaps=0,
+            restarts=0,
+        )
+    selected = [
+        e for e in engines.values() if (ep_group is None or e.ep_group == ep_group) and (role is None or e.role == role)
+    ]
+    return sorted(selected, key=lambda e: (e.ep_group or "", e.dp_rank or 0, e.engine_id))
+
+
+@router.get("/v1/router/artifact", response_model=m.ArtifactOut, tags=["router"])
+async def router_artifact(
+    state: State,
+    include_arrays: Annotated[bool, Query(description="Also return the IDF weights and centroids.")] = False,
+) -> m.ArtifactOut:
+    """The routing artifact the router replicas score against (KV bucket `sy-router`): metadata and shapes."""
+    try:
+        entry = await state.kv.get(state.bus.subjects.artifact_key)
+    except KeyNotFoundError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no routing artifact has been published yet") from None
+    try:
+        artifact = decode_reply(entry.value or b"", RoutingArtifact, state.bus.max_payload)
+    except (WireError, RuntimeError) as exc:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"the stored routing artifact is invalid: {exc}") from None
+    return m.ArtifactOut(
+        **artifact.model_dump(include=set(m.ArtifactOut.model_fields) - {"model", "idf", "centroids"}),
+        model=m.ModelOut.model_validate(artifact.model),
+        idf_shape=list(artifact.idf.shape),
+        centroids_shape=list(artifact.centroids.shape),
+        kv_revision=entry.revision or 0,
+        idf=artifact.idf.tolist() if include_arrays else None,
+        centroids=artifact.centroids.tolist() if include_arrays else None,
+    )
+
+
+@router.get("/healthz", response_model=m.Health, tags=["health"])
+async def healthz() -> m.Health:
+    """Liveness: the process serves HTTP."""
+    return m.Health(status="ok")
+
+
+@router.get("/readyz", response_model=m.Health, tags=["health"], responses={503: {"model": m.Health}})
+async def readyz(state: State, response: Response) -> m.Health:
+    """Readiness: the database answers and NATS is connected."""
+    checks = {"nats": "ok" if state.bus.nc.is_connected else "disconnected"}
+    try:
+        async with state.sessions() as session:
+            await asyncio.wait_for(session.execute(text("SELECT 1")), 2.0)
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"unavailable: {type(exc).__name__}"
+    ready = all(v == "ok" for v in checks.values())
+    if not ready:
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    return m.Health(status="ok" if ready else "unavailable", checks=checks)
+
+
+@router.get("/metrics", tags=["health"], response_class=Response)
+async def metrics() -> Response:
+    """Prometheus metrics of this process."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

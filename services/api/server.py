@@ -1,0 +1,44 @@
+"""Serve the API with uvicorn inside the caller's event loop (`switchyard api`, `switchyard up`, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import uvicorn
+
+from services.api.app import create_app
+from services.api.settings import ApiSettings
+from shared.settings import SwitchyardSettings
+
+
+class _InProcessServer(uvicorn.Server):
+    """uvicorn without its own signal handling: whoever runs the loop decides when to stop."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: ApiSettings | None = None) -> None:
+    """Serve the API until `stop` is set; raises if it cannot start (e.g. NATS or the database is unreachable)."""
+    config = config or ApiSettings()
+    server = _InProcessServer(
+        uvicorn.Config(
+            create_app(settings, config),
+            host=config.host,
+            port=config.port,
+            log_level=settings.log_level.lower(),
+            lifespan="on",
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        try:
+            await serving
+        except SystemExit as exc:  # uvicorn exits this way when the lifespan fails
+            raise RuntimeError(f"the API did not start (exit code {exc.code}); see the log above") from None
+    finally:
+        stopping.cancel()

@@ -1,0 +1,108 @@
+"""A live view of the engines, built from their hellos and telemetry (core NATS, latest value wins).
+
+The migration service asks it who coordinates an EP group, the placement service which GPUs and DP ranks a
+group has, and the API shows it as `/v1/engines`. An engine is *stale* when neither a hello nor telemetry
+arrived within `stale_intervals` of its own announced intervals, so a dead engine drops out by itself.
+Telemetry sequence numbers are checked per engine: a jump forward is a gap (lost messages), a jump back a
+restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.subscription import Subscription
+
+from shared.bus import Bus
+from shared.schemas import Hello, Telemetry
+
+
+@dataclass
+class EngineState:
+    engine_id: str
+    hello: Hello | None = None
+    hello_at: float | None = None
+    telemetry: Telemetry | None = None
+    telemetry_at: float | None = None
+    telemetry_gaps: int = 0
+    restarts: int = 0
+
+    @property
+    def last_seen(self) -> float:
+        return max(self.hello_at or 0.0, self.telemetry_at or 0.0)
+
+
+class FleetView:
+    """Engines by id, refreshed by `sy.engine.*.hello` and `sy.engine.*.telemetry`."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, stale_intervals: float = 3.0) -> None:
+        self.clock = clock
+        self.stale_intervals = stale_intervals
+        self.engines: dict[str, EngineState] = {}
+        self._changed = asyncio.Event()
+
+    async def subscribe(self, bus: Bus) -> list[Subscription]:
+        return [
+            await bus.subscribe(bus.subjects.all_hello, Hello, self.on_hello),
+            await bus.subscribe(bus.subjects.all_telemetry, Telemetry, self.on_telemetry),
+        ]
+
+    def _state(self, engine_id: str) -> EngineState:
+        return self.engines.setdefault(engine_id, EngineState(engine_id))
+
+    def on_hello(self, hello: Hello, _msg: object = None) -> None:
+        state = self._state(hello.engine_id)
+        state.hello, state.hello_at = hello, self.clock()
+        self._changed.set()
+
+    def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
+        state = self._state(telemetry.engine_id)
+        previous = state.telemetry
+        if previous is not None:
+            if telemetry.seq < previous.seq:
+                state.restarts += 1
+            elif telemetry.seq > previous.seq + 1:
+                state.telemetry_gaps += telemetry.seq - previous.seq - 1
+        state.telemetry, state.telemetry_at = telemetry, self.clock()
+
+    def is_stale(self, state: EngineState) -> bool:
+        """No hello within `stale_intervals` hello intervals and no telemetry within as many telemetry intervals."""
+        now = self.clock()
+        hello_interval = state.hello.hello_interval_s if state.hello else 5.0
+        telemetry_interval = state.hello.telemetry_interval_s if state.hello else 0.1
+        fresh_hello = state.hello_at is not None and now - state.hello_at <= self.stale_intervals * hello_interval
+        fresh_telemetry = (
+            state.telemetry_at is not None and now - state.telemetry_at <= self.stale_intervals * telemetry_interval
+        )
+        return not (fresh_hello or fresh_telemetry)
+
+    def group(self, ep_group: str, live_only: bool = True) -> list[EngineState]:
+        """The group's engines that said hello, in (dp_rank, engine_id) order."""
+        members = [
+            s
+            for s in self.engines.values()
+            if s.hello is not None and s.hello.ep_group == ep_group and not (live_only and self.is_stale(s))
+        ]
+        return sorted(members, key=lambda s: (s.hello.dp_rank, s.engine_id))  # type: ignore[union-attr]
+
+    def coordinator(self, ep_group: str) -> str | None:
+        """The live engine with the lowest DP rank: it receives the group's migrate steps (see README)."""
+        members = self.group(ep_group)
+        return members[0].engine_id if members else None
+
+    async def wait_for_coordinator(self, ep_group: str, timeout: float) -> str | None:  # noqa: ASYNC109
+        """The group's coordinator, waiting up to `timeout` seconds for one of its engines to say hello."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (engine := self.coordinator(ep_group)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+        return engine

@@ -1,0 +1,154 @@
+"""Placement history rows: written by the placement service, the migration service and the API alike.
+
+A placement's layout is stored as `placement_assignments` rows (one per layer, GPU and slot); its status
+moves `proposed → published → applied → superseded`, or ends `rejected` (not worth migrating), `failed`
+(its migration failed or was rolled back) or `superseded` (refused as stale). At most one placement per
+group is `applied`: the layout the group's engines run now.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from shared.db import Placement, PlacementAssignment
+from shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
+from solver.placement import contiguous_slots
+
+
+def layout_rows(layout: np.ndarray) -> list[dict[str, int]]:
+    """`placement_assignments` rows for a slot map `[L, G, slots]` (empty slots included, so the shape round-trips)."""
+    layers, gpus, slots = np.indices(layout.shape).reshape(3, -1)
+    return [
+        {"layer": int(layer), "gpu": int(gpu), "slot": int(slot), "expert": int(expert)}
+        for layer, gpu, slot, expert in zip(layers, gpus, slots, layout.reshape(-1), strict=True)
+    ]
+
+
+def layout_from_rows(rows: list[tuple[int, int, int, int]], shape: tuple[int, int, int]) -> np.ndarray:
+    """Rebuild a slot map from `(layer, gpu, slot, expert)` rows; slots without a row are empty."""
+    layout = np.full(shape, -1, dtype=np.int32)
+    if rows:
+        index = np.array(rows, dtype=np.int64)
+        layout[index[:, 0], index[:, 1], index[:, 2]] = index[:, 3]
+    return layout
+
+
+def default_layout(num_layers: int, num_experts: int, num_gpus: int, slots_per_gpu: int | None = None) -> np.ndarray:
+    """What a group runs before Switchyard applied anything: vLLM's contiguous layout (expert e on GPU e // ⌈E/G⌉)."""
+    slots = -(-num_experts // num_gpus) if slots_per_gpu is None else slots_per_gpu
+    return contiguous_slots(num_layers, num_experts, num_gpus, slots).astype(np.int32)
+
+
+def to_datetime(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def new_plan_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def next_version(session: AsyncSession, engine_group: str) -> int:
+    """One more than the group's highest version (rejected plans included, so versions never repeat)."""
+    latest = await session.scalar(select(func.max(Placement.version)).where(Placement.engine_group == engine_group))
+    return (latest or 0) + 1
+
+
+async def applied_placement(session: AsyncSession, engine_group: str) -> Placement | None:
+    """The placement the group runs now, or None while it still runs the default layout."""
+    query = (
+        select(Placement)
+        .where(Placement.engine_group == engine_group, Placement.status == "applied")
+        .order_by(Placement.version.desc())
+        .limit(1)
+    )
+    return await session.scalar(query)
+
+
+async def load_layout(session: AsyncSession, placement: Placement) -> np.ndarray:
+    a = PlacementAssignment
+    rows = await session.execute(select(a.layer, a.gpu, a.slot, a.expert).where(a.placement_id == placement.id))
+    shape = (placement.num_layers, placement.num_gpus, placement.slots_per_gpu)
+    return layout_from_rows([tuple(r) for r in rows], shape)
+
+
+async def add_placement(
+    session: AsyncSession,
+    plan: PlacementPlan,
+    status: str,
+    *,
+    parent_id: int | None = None,
+    window: tuple[float, float] | None = None,
+    details: dict[str, Any] | None = None,
+    store_layout: bool = True,
+) -> Placement:
+    """Insert a placement row for `plan` (and its assignments unless `store_layout` is False); flushes."""
+    num_layers, num_gpus, slots = plan.placement.shape
+    row = Placement(
+        plan_id=plan.plan_id,
+        engine_group=plan.engine_group,
+        version=plan.version,
+        base_version=plan.base_version,
+        parent_id=parent_id,
+        created_at=to_datetime(plan.created_at),
+        source=plan.source,
+        status=status,
+        alpha=plan.params.alpha,
+        beta=plan.params.beta,
+        gamma=plan.params.gamma,
+        objective_load=plan.objective.load,
+        objective_comm=plan.objective.comm,
+        objective_mig=plan.objective.mig,
+        objective_total=plan.objective.total,
+        predicted_gain=plan.predicted_gain,
+        window_start=to_datetime(window[0]) if window else None,
+        window_end=to_datetime(window[1]) if window else None,
+        num_layers=num_layers,
+        num_gpus=num_gpus,
+        slots_per_gpu=slots,
+        gpus=list(plan.gpus),
+        details={**(details or {}), "layout_stored": store_layout},
+    )
+    session.add(row)
+    await session.flush()
+    if store_layout:
+        await session.execute(
+            insert(PlacementAssignment), [{"placement_id": row.id, **r} for r in layout_rows(plan.placement)]
+        )
+    return row
+
+
+def plan_message(placement: Placement, layout: np.ndarray, moves: np.ndarray) -> PlacementPlan:
+    """The wire form of a stored placement (for re-publishing it)."""
+    return PlacementPlan(
+        plan_id=placement.plan_id,
+        version=placement.version,
+        engine_group=placement.engine_group,
+        base_version=placement.base_version,
+        created_at=placement.created_at.timestamp(),
+        source=placement.source,  # type: ignore[arg-type]
+        gpus=list(placement.gpus),
+        placement=layout.astype(np.int32),
+        moves=moves.astype(np.int32),
+        objective=ObjectiveTerms(
+            load=placement.objective_load,
+            comm=placement.objective_comm,
+            mig=placement.objective_mig,
+            total=placement.objective_total,
+        ),
+        params=PlacementParams(alpha=placement.alpha, beta=placement.beta, gamma=placement.gamma),
+        predicted_gain=placement.predicted_gain,
+    )
+
+
+async def set_status(session: AsyncSession, placement_id: int, status: str, *, only_if: tuple[str, ...] = ()) -> None:
+    """Change a placement's status; with `only_if`, only from those statuses (so a late writer never undoes)."""
+    query = update(Placement).where(Placement.id == placement_id)
+    if only_if:
+        query = query.where(Placement.status.in_(only_if))
+    await session.execute(query.values(status=status))

@@ -1,0 +1,186 @@
+"""The migration service: placement plans in (JetStream), ordered migrate steps out, every move's state in the DB.
+
+A plan is recorded (placement row if new, one `pending` migration per placement) before its JetStream
+message is acknowledged, so a plan is never lost and a redelivered plan is a no-op. Each engine group has
+one worker that runs the group's unfinished migrations one at a time, oldest version first; on start the
+service resumes every migration a previous run left `pending`, `running` or `rolling_back`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig
+from prometheus_client import Counter
+from sqlalchemy import case, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from services.fleet import FleetView
+from services.history import add_placement
+from services.migration.executor import Executor
+from services.migration.settings import MigrationSettings
+from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from shared.bus import Bus
+from shared.db import Migration, Placement, create_async_db
+from shared.schemas import PlacementPlan
+from shared.settings import SwitchyardSettings
+
+log = logging.getLogger(__name__)
+
+UNFINISHED = ("pending", "running", "rolling_back")
+PLANS = Counter("switchyard_migration_plans_total", "Placement plans received, by outcome.", ["outcome"])
+
+
+async def record_plan(sessions: async_sessionmaker[AsyncSession], plan: PlacementPlan) -> int | None:
+    """Make sure the plan has a placement row and a migration row; returns the migration id (None: conflict)."""
+    try:
+        async with sessions() as session, session.begin():
+            placement = await session.scalar(select(Placement).where(Placement.plan_id == plan.plan_id))
+            if placement is None:
+                placement = await add_placement(session, plan, "published", details={"recorded_by": "migration"})
+            elif (placement.engine_group, placement.version) != (plan.engine_group, plan.version):
+                log.warning("plan %s conflicts with its stored row (group/version differ); ignored", plan.plan_id)
+                return None
+            existing = await session.scalar(select(Migration.id).where(Migration.placement_id == placement.id))
+            if existing is not None:
+                PLANS.labels("duplicate").inc()
+                return existing
+            migration = Migration(
+                placement_id=placement.id, engine_group=plan.engine_group, plan_version=plan.version, state="pending"
+            )
+            session.add(migration)
+            await session.flush()
+            PLANS.labels("recorded").inc()
+            return migration.id
+    except IntegrityError as exc:  # another plan holds this (group, version), or a replica recorded it first
+        async with sessions() as session:
+            placement_id = await session.scalar(select(Placement.id).where(Placement.plan_id == plan.plan_id))
+            if placement_id is not None:
+                return await session.scalar(select(Migration.id).where(Migration.placement_id == placement_id))
+        PLANS.labels("conflict").inc()
+        log.warning("plan %s (group %s v%d) refused: %s", plan.plan_id, plan.engine_group, plan.version, exc.orig)
+        return None
+
+
+class MigrationService:
+    """Start with `await service.run(stop)`; returns once `stop` is set and the workers have stopped."""
+
+    def __init__(self, settings: SwitchyardSettings, config: MigrationSettings | None = None) -> None:
+        self.settings = settings
+        self.config = config or MigrationSettings()
+        self.fleet = FleetView()
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        database_url = self.settings.resolved_database_url()
+        await ensure_schema(database_url)
+        engine, self.sessions = create_async_db(database_url)
+        bus = await Bus.connect(self.settings, name="switchyard-migration")
+        consumer = None
+        try:
+            with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
+                await bus.ensure_streams()
+                await self.fleet.subscribe(bus)
+                self.executor = Executor(self.sessions, bus, self.fleet, self.config)
+                subjects = bus.subjects
+                consumer = await bus.js.pull_subscribe(
+                    subjects.placement_plan,
+                    durable=self.config.consumer,
+                    stream=subjects.placement_stream,
+                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1),
+                )
+                await self._resume()
+                log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
+                while not stop.is_set():
+                    try:
+                        messages = await consumer.fetch(16, timeout=0.5)
+                    except (NatsTimeoutError, TimeoutError):
+                        continue
+                    for msg in messages:
+                        await self._on_plan(bus, msg)
+        finally:
+            for task in self._workers.values():
+                task.cancel()
+            for task in self._workers.values():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if consumer is not None:  # unfetched messages would otherwise hold up draining the connection
+                with contextlib.suppress(Exception):
+                    await consumer.unsubscribe()
+            await bus.close()
+            await engine.dispose()
+
+    async def _on_plan(self, bus: Bus, msg: Msg) -> None:
+        """Record the plan, then acknowledge it (a crash in between redelivers it: recording is idempotent)."""
+        plan = await decode_stream_message(msg, PlacementPlan, bus.subjects.placement_plan, bus.max_payload)
+        if plan is None:
+            return
+        try:
+            migration_id = await record_plan(self.sessions, plan)
+        except Exception:
+            log.exception("cannot record plan %s; it will be redelivered", plan.plan_id)
+            await msg.nak(delay=2.0)
+            return
+        await msg.ack()
+        if migration_id is not None:
+            self._kick(plan.engine_group)
+
+    async def _resume(self) -> None:
+        async with self.sessions() as session:
+            groups = await session.scalars(
+                select(Migration.engine_group).where(Migration.state.in_(UNFINISHED)).distinct()
+            )
+            for group in groups:
+                log.info("resuming unfinished migrations of group %s", group)
+                self._kick(group)
+
+    def _kick(self, group: str) -> None:
+        """Make sure the group's worker runs (again) and sees newly recorded migrations."""
+        self._wake.setdefault(group, asyncio.Event()).set()
+        task = self._workers.get(group)
+        if task is None or task.done():
+            self._workers[group] = asyncio.create_task(self._drain(group), name=f"migration-{group}")
+
+    async def _next(self, group: str) -> int | None:
+        """The group's next migration: one already in flight first, then the oldest pending version."""
+        in_flight_first = case((Migration.state == "pending", 1), else_=0)
+        async with self.sessions() as session:
+            return await session.scalar(
+                select(Migration.id)
+                .where(Migration.engine_group == group, Migration.state.in_(UNFINISHED))
+                .order_by(in_flight_first, Migration.plan_version)
+                .limit(1)
+            )
+
+    async def _drain(self, group: str) -> None:
+        wake = self._wake[group]
+        backoff = 1.0
+        while True:
+            wake.clear()
+            try:
+                migration_id = await self._next(group)
+                if migration_id is None:
+                    if wake.is_set():
+                        continue
+                    return
+                await self.executor.run(migration_id)
+                backoff = 1.0
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # e.g. the database is briefly unreachable: the state is durable, try again
+                log.exception("migration worker for group %s failed; retrying in %.0f s", group, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+
+async def run_migration(
+    settings: SwitchyardSettings, stop: asyncio.Event, config: MigrationSettings | None = None
+) -> None:
+    """Run the migration service until `stop` is set."""
+    await MigrationService(settings, config).run(stop)

@@ -1,0 +1,24 @@
+"""Migration service settings, from `SWITCHYARD_MIGRATION_*` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MigrationSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_MIGRATION_", env_file=".env", extra="ignore")
+
+    #: How long to wait for an engine to acknowledge one step (one layer; ~15 ms simulated, 0.36 s more the first time).
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    #: Sends of one step before it is declared in doubt and the migration fails (every resend is idempotent).
+    max_attempts: int = Field(default=5, ge=1)
+    #: Delay before the first resend; doubled per attempt up to 10 s.
+    retry_backoff_s: float = Field(default=0.5, ge=0)
+    #: How long a new migration waits for a live engine of its group to say hello before it fails.
+    engine_wait_s: float = Field(default=15.0, gt=0)
+    #: Name of the durable JetStream consumer on the placement stream (prefixed by the subject prefix).
+    consumer: str = "migration"
+    #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"

@@ -1,0 +1,139 @@
+"""Calibration on demand: the placement service answers `sy.placement.calibrate` (the API's `POST /v1/calibrations`).
+
+It calibrates the greedy's (α, β, γ) against the MINLP on the windows it holds right now (each group's
+decayed load, with the group's applied placement as x⁰), using the offline job's code (`services.calibration`,
+`switchyard calibrate`), and appends the result to `calibrations` with the request id in its details. The
+next planning run picks the new weights up. A request that cannot be served (no window yet, an infeasible
+instance) is recorded as a `failed` row saying why, so the operator who asked sees the answer either way.
+Requests come through a durable JetStream consumer and are acknowledged after their row is written, so a
+restart mid-calibration runs it again rather than losing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from services.calibration import Window, persist, run_calibration
+from services.history import applied_placement, load_layout
+from services.runtime import decode_stream_message
+from shared.db import Calibration
+from shared.schemas import CalibrationRequest
+from solver.placement import MinlpOptions, PlacementError
+
+if TYPE_CHECKING:
+    from services.placement.service import PlacementService
+
+log = logging.getLogger(__name__)
+CONSUMER = "placement-calibrate"
+
+
+async def serve_calibration_requests(service: PlacementService, stop: asyncio.Event) -> None:
+    """Run calibration requests one at a time until `stop` is set."""
+    bus = service.bus
+    subject = bus.subjects.calibration_request
+    consumer = await bus.js.pull_subscribe(
+        subject,
+        durable=CONSUMER,
+        stream=bus.subjects.placement_stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=3600.0, max_deliver=3),
+    )
+    try:
+        while not stop.is_set():
+            try:
+                messages = await consumer.fetch(1, timeout=0.5)
+            except (NatsTimeoutError, TimeoutError):
+                continue
+            for msg in messages:
+                request = await decode_stream_message(msg, CalibrationRequest, subject, bus.max_payload)
+                if request is None:
+                    continue
+                try:
+                    await calibrate(service, request)
+                except Exception:  # e.g. the database is down: JetStream redelivers it (at most 3 times)
+                    log.exception("calibration request %s failed unexpectedly", request.request_id)
+                    await msg.nak(delay=5.0)
+                    continue
+                await msg.ack()
+    finally:
+        await consumer.unsubscribe()
+
+
+async def _windows(service: PlacementService, request: CalibrationRequest) -> tuple[list[Window], int, list[str]]:
+    """The groups' decayed windows as calibration windows, the GPU count most of them share, and why not others."""
+    groups = [request.engine_group] if request.engine_group else sorted(service.windows)
+    windows: list[tuple[Window, int]] = []
+    skipped: list[str] = []
+    for group in groups:
+        decayed = service.windows.get(group)
+        if decayed is None or decayed.load is None:
+            skipped.append(f"no expert-load window for {group} yet")
+            continue
+        async with service.sessions() as session:
+            applied = await applied_placement(session, group)
+            current = await load_layout(session, applied) if applied is not None else None
+        topology = service._topology(group, list(applied.gpus) if applied is not None else None)
+        if topology is None:
+            skipped.append(f"no engine of {group} has said hello yet (its GPUs are unknown)")
+            continue
+        counts = decayed.source_load if decayed.source_load is not None else decayed.load[:, None, :]
+        name = f"{group}@{decayed.end:.0f}"
+        windows.append((Window(name=name, source_counts=counts, placement=current), len(topology[0])))
+    if not windows:
+        return [], 0, skipped
+    gpus = Counter(count for _, count in windows).most_common(1)[0][0]
+    skipped += [f"{w.name} has {count} GPUs, not {gpus}" for w, count in windows if count != gpus]
+    return [w for w, count in windows if count == gpus], gpus, skipped
+
+
+async def calibrate(service: PlacementService, request: CalibrationRequest) -> int:
+    """Calibrate for one request and record the outcome; returns the `calibrations` row id."""
+    started = time.perf_counter()
+    windows, gpus, skipped = await _windows(service, request)
+    extra = {
+        "request_id": request.request_id,
+        "trigger": "api",
+        "windows": [w.name for w in windows],
+        "skipped": skipped,
+    }
+    try:
+        if not windows:
+            raise PlacementError("nothing to calibrate on: " + ("; ".join(skipped) or "no expert-load window yet"))
+        result = await asyncio.to_thread(
+            run_calibration,
+            windows,
+            gpus,
+            MinlpOptions(time_limit_s=request.time_limit_s),
+            migration_cost=service.policy.migration_cost,
+            weights=service.policy.weights,
+            layers=request.layers,
+        )
+        url = service.settings.resolved_database_url()
+        row_id = await asyncio.to_thread(persist, url, result, engine_group=request.engine_group, extra=extra)
+        log.info("calibration %d for request %s: agreement %.3f", row_id, request.request_id, result.agreement)
+        return row_id
+    except PlacementError as exc:
+        log.warning("calibration request %s failed: %s", request.request_id, exc)
+        async with service.sessions() as session, session.begin():
+            params, _ = await service._params(session, request.engine_group or "")
+            row = Calibration(
+                engine_group=request.engine_group,
+                status="failed",
+                alpha=params.alpha,
+                beta=params.beta,
+                gamma=params.gamma,
+                agreement=0.0,
+                comm_gap=0.0,
+                solve_seconds=time.perf_counter() - started,
+                num_windows=len(windows),
+                details={**extra, "error": str(exc)},
+            )
+            session.add(row)
+            await session.flush()
+            return row.id

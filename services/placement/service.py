@@ -1,0 +1,377 @@
+"""The placement service: expert-load windows in, versioned placement plans out, every decision in the database.
+
+- **Load**: an ordered JetStream consumer on `sy.engine.*.expert_load`, started `warmup_s` back in the stream,
+  so a restart rebuilds the same decayed window per engine group (`window.DecayedLoad`) instead of starting
+  cold. Planning waits until that replay has caught up.
+- **Groups**: the unit of placement is the EP group (`ExpertLoad.ep_group`). In an xPyD fleet each decoder is
+  its own EP group, so each decoder gets a placement from its own load alone (ELDR §7).
+- **Triggers**: a group is planned when it has never been planned by this process, every `period_s`, or
+  early when its load distribution drifts by `drift_threshold` (at most every `min_interval_s`), and never
+  while its last published plan is still being migrated.
+- **Decision**: `decide.decide` runs the solver's greedy from the group's current placement (the last
+  `applied` one in the database, else vLLM's contiguous default) with the latest calibrated (α, β, γ).
+- **Outbox**: a plan worth publishing is stored `proposed` (with its layout), then published to JetStream with
+  msg-id = plan_id, then marked `published`; each tick republishes `proposed` rows (also the API's
+  rollbacks), so a crash between the two never loses a plan. Rejected plans are stored `rejected` with
+  their terms, parameters and reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter, Histogram
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.fleet import FleetView
+from services.history import (
+    add_placement,
+    applied_placement,
+    default_layout,
+    load_layout,
+    new_plan_id,
+    next_version,
+    plan_message,
+    set_status,
+)
+from services.placement.decide import Decision, Policy, decide
+from services.placement.recalibrate import serve_calibration_requests
+from services.placement.settings import PlacementSettings
+from services.placement.window import DecayedLoad, drift
+from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from shared.bus import Bus
+from shared.db import Calibration, Engine, Placement, create_async_db
+from shared.db.types import utcnow
+from shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
+from shared.settings import SwitchyardSettings
+from solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
+from solver.placement.moves import plan_moves
+
+log = logging.getLogger(__name__)
+
+PLANS = Counter("switchyard_placement_plans_total", "Placement decisions, by outcome.", ["outcome"])
+WINDOWS = Counter("switchyard_placement_windows_total", "Expert-load windows folded into the decayed state.")
+RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
+ENGINE_ROW_EVERY_S = 30.0
+
+
+class PlacementService:
+    """Start with `await service.run(stop)`; `plan_group` runs one decision on demand (tests, operators)."""
+
+    def __init__(self, settings: SwitchyardSettings, config: PlacementSettings | None = None) -> None:
+        self.settings = settings
+        self.config = config or PlacementSettings()
+        self.policy = Policy(
+            gain_threshold=self.config.gain_threshold,
+            migration_cost=self.config.migration_cost,
+            redundant_slots=self.config.redundant_slots,
+            weights=Weights(load=self.config.weight_load, comm=self.config.weight_comm, mig=self.config.weight_mig),
+        )
+        self.fleet = FleetView()
+        self.windows: dict[str, DecayedLoad] = {}
+        self.caught_up = asyncio.Event()
+        self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
+        self._engine_rows: dict[str, float] = {}
+        self._processed_seq = 0
+        self._catch_up_to = 2**63  # known once the replay consumer exists
+
+    # ----- lifecycle -----
+
+    async def run(self, stop: asyncio.Event) -> None:
+        database_url = self.settings.resolved_database_url()
+        await ensure_schema(database_url)
+        engine, self.sessions = create_async_db(database_url)
+        self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement")
+        try:
+            with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
+                await bus.ensure_streams()
+                await self.fleet.subscribe(bus)
+                await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
+                await self._follow_expert_load()
+                calibrations = asyncio.create_task(serve_calibration_requests(self, stop), name="calibrations")
+                log.info("placement service ready (period %.0f s)", self.config.period_s)
+                while not stop.is_set():
+                    await self.tick()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.config.tick_s)
+                await calibrations
+        finally:
+            await bus.close()
+            await engine.dispose()
+
+    async def _follow_expert_load(self) -> None:
+        subjects = self.bus.subjects
+        since = datetime.now(UTC) - timedelta(seconds=self.config.warmup_s)
+        subscription = await self.bus.js.subscribe(
+            subjects.all_expert_load,
+            stream=subjects.expert_load_stream,
+            cb=self._on_expert_load,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            config=ConsumerConfig(opt_start_time=since),
+        )
+        info = await subscription.consumer_info()
+        if info.num_pending == 0:  # everything in range is on its way: caught up once we processed the last one
+            self._catch_up_to = info.delivered.stream_seq
+            if self._processed_seq >= self._catch_up_to:
+                self.caught_up.set()
+
+    async def _on_expert_load(self, msg: Msg) -> None:
+        subject = self.bus.subjects.all_expert_load
+        window = await decode_stream_message(msg, ExpertLoad, subject, self.bus.max_payload, acked=False)
+        if window is not None:
+            self.windows.setdefault(window.ep_group, DecayedLoad(self.config.half_life_s)).add(window)
+            WINDOWS.inc()
+        self._processed_seq = msg.metadata.sequence.stream
+        if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
+            self.caught_up.set()
+
+    async def _record_engine(self, hello: Hello, _msg: Msg) -> None:
+        """Keep the `engines` table (every engine that ever said hello) fresh, at most every 30 s per engine."""
+        now = time.monotonic()
+        if now - self._engine_rows.get(hello.engine_id, -ENGINE_ROW_EVERY_S) < ENGINE_ROW_EVERY_S:
+            return
+        self._engine_rows[hello.engine_id] = now
+        fields = {
+            "role": hello.role,
+            "ep_group": hello.ep_group,
+            "agent": hello.agent,
+            "model_name": hello.model.name,
+            "num_layers": hello.model.num_layers,
+            "num_experts": hello.model.num_experts,
+            "top_k": hello.model.top_k,
+            "last_seen": utcnow(),
+            "hello": hello.model_dump(mode="json"),
+        }
+        with contextlib.suppress(IntegrityError):  # another replica inserted it first
+            async with self.sessions() as session, session.begin():
+                row = await session.get(Engine, hello.engine_id)
+                if row is None:
+                    session.add(Engine(engine_id=hello.engine_id, **fields))
+                else:
+                    for key, value in fields.items():
+                        setattr(row, key, value)
+
+    # ----- triggers -----
+
+    async def tick(self) -> None:
+        await self.republish_proposed()
+        if not self.caught_up.is_set():
+            return
+        for group in list(self.windows):
+            trigger = self._trigger(group)
+            if trigger is not None:
+                try:
+                    await self.plan_group(group, trigger)
+                except Exception:  # one group's trouble never stops the others
+                    PLANS.labels("error").inc()
+                    log.exception("planning group %s failed", group)
+
+    def _trigger(self, group: str) -> str | None:
+        last = self._last_run.get(group)
+        if last is None:
+            return "start"
+        elapsed = time.monotonic() - last[0]
+        if elapsed >= self.config.period_s:
+            return "period"
+        moved = drift(last[1], self.windows[group].distribution())
+        if elapsed >= self.config.min_interval_s and moved >= self.config.drift_threshold:
+            return f"drift {moved:.3f}"
+        return None
+
+    # ----- planning -----
+
+    async def _in_flight(self, session: AsyncSession, group: str) -> bool:
+        recent = utcnow() - timedelta(seconds=self.config.inflight_timeout_s)
+        query = select(Placement.id).where(
+            Placement.engine_group == group,
+            Placement.status.in_(("proposed", "published")),
+            Placement.created_at > recent,
+        )
+        return (await session.scalar(query.limit(1))) is not None
+
+    async def _params(self, session: AsyncSession, group: str) -> tuple[GreedyParams, int | None]:
+        """The greedy weights of the latest successful calibration for this group (or for all groups)."""
+        query = (
+            select(Calibration)
+            .where(
+                Calibration.status == "succeeded",
+                or_(Calibration.engine_group == group, Calibration.engine_group.is_(None)),
+            )
+            .order_by(Calibration.created_at.desc(), Calibration.id.desc())
+            .limit(1)
+        )
+        calibration = await session.scalar(query)
+        if calibration is None:
+            return DEFAULT_PARAMS, None
+        try:
+            return GreedyParams(calibration.alpha, calibration.beta, calibration.gamma), calibration.id
+        except PlacementError as exc:
+            log.warning("calibration %d unusable (%s); using defaults", calibration.id, exc)
+            return DEFAULT_PARAMS, None
+
+    def _topology(self, group: str, gpus: list[str] | None) -> tuple[list[str], list[int | None]] | None:
+        """The group's GPU names (the stored order wins) and the DP rank owning each, from the hellos."""
+        members = self.fleet.group(group, live_only=False)
+        owner = {gpu: state.hello.dp_rank for state in members for gpu in state.hello.gpus}  # type: ignore[union-attr]
+        if gpus is None:
+            gpus = [gpu for state in members for gpu in state.hello.gpus]  # type: ignore[union-attr]
+        return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
+
+    async def plan_group(self, group: str, trigger: str) -> Placement | None:
+        """Run the greedy for one group and persist (and maybe publish) the plan; None if it cannot plan now."""
+        window = self.windows.get(group)
+        if window is None or window.load is None:
+            return None
+        async with self.sessions() as session:
+            if await self._in_flight(session, group):
+                return None
+            applied = await applied_placement(session, group)
+            current = await load_layout(session, applied) if applied is not None else None
+            params, calibration_id = await self._params(session, group)
+        topology = self._topology(group, list(applied.gpus) if applied is not None else None)
+        if topology is None:
+            log.info("group %s: no engine has said hello yet; cannot place its experts", group)
+            return None
+        gpus, ranks = topology
+        num_layers, num_experts = window.load.shape
+        if current is None:
+            slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
+            current = default_layout(num_layers, num_experts, len(gpus), slots)
+        if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
+            log.warning(
+                "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
+            )
+            return None
+        started = time.perf_counter()
+        try:
+            decision = await asyncio.to_thread(
+                decide, window.load, window.source_load, ranks, current, params, self.policy
+            )
+        except PlacementError as exc:
+            PLANS.labels("error").inc()
+            log.warning("group %s: the greedy cannot place this window: %s", group, exc)
+            self._last_run[group] = (time.monotonic(), window.distribution())
+            return None
+        RUN_SECONDS.observe(time.perf_counter() - started)
+        self._last_run[group] = (time.monotonic(), window.distribution())
+        row, plan = await self._store(group, trigger, window, applied, gpus, params, calibration_id, decision)
+        PLANS.labels("published" if decision.publish else "rejected").inc()
+        log.info("group %s v%d (%s): %s", group, row.version, trigger, decision.reason)
+        if decision.publish:
+            await self._publish(plan, row.id)
+        return row
+
+    async def _store(
+        self,
+        group: str,
+        trigger: str,
+        window: DecayedLoad,
+        applied: Placement | None,
+        gpus: list[str],
+        params: GreedyParams,
+        calibration_id: int | None,
+        decision: Decision,
+    ) -> tuple[Placement, PlacementPlan]:
+        details: dict[str, Any] = {
+            "trigger": trigger,
+            "decision": decision.reason,
+            "improvement": decision.improvement,
+            "migration_cost": decision.cost,
+            "threshold": decision.threshold,
+            "current_objective": decision.current,
+            "num_moves": len(decision.moves),
+            "calibration_id": calibration_id,
+            "weights": {
+                "load": self.policy.weights.load,
+                "comm": self.policy.weights.comm,
+                "mig": self.policy.weights.mig,
+            },
+            "migration_cost_per_host": self.policy.migration_cost,
+            "gain_threshold": self.policy.gain_threshold,
+            "half_life_s": self.config.half_life_s,
+            "windows": window.windows,
+            "engines": sorted(window.engines),
+            "roles": sorted({s.hello.role for s in self.fleet.group(group, live_only=False) if s.hello}),
+            "source_aware": window.source_load is not None,
+        }
+        for attempt in range(3):  # versions race with the API's rollbacks: take the next one and retry
+            try:
+                async with self.sessions() as session, session.begin():
+                    plan = PlacementPlan(
+                        plan_id=new_plan_id(),
+                        version=await next_version(session, group),
+                        engine_group=group,
+                        base_version=applied.version if applied is not None else None,
+                        created_at=time.time(),
+                        source="greedy",
+                        gpus=gpus,
+                        placement=decision.placement,
+                        moves=decision.moves,
+                        objective=ObjectiveTerms(**decision.new),
+                        params=PlacementParams(alpha=params.alpha, beta=params.beta, gamma=params.gamma),
+                        predicted_gain=decision.improvement,
+                    )
+                    row = await add_placement(
+                        session,
+                        plan,
+                        "proposed" if decision.publish else "rejected",
+                        parent_id=applied.id if applied is not None else None,
+                        window=(window.start or 0.0, window.end or 0.0),
+                        details=details,
+                        store_layout=decision.publish or self.config.store_rejected_layouts,
+                    )
+                    return row, plan
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _publish(self, plan: PlacementPlan, placement_id: int) -> None:
+        try:
+            await self.bus.js_publish(self.bus.subjects.placement_plan, plan, msg_id=plan.plan_id)
+        except Exception as exc:  # stays `proposed`; the next tick republishes it
+            log.warning("plan %s not published yet (%s); will retry", plan.plan_id, exc)
+            return
+        async with self.sessions() as session, session.begin():
+            await set_status(session, placement_id, "published", only_if=("proposed",))
+
+    async def republish_proposed(self) -> None:
+        """Publish every stored plan still `proposed` (idempotent: the stream de-duplicates by plan_id)."""
+        async with self.sessions() as session:
+            rows = (await session.scalars(select(Placement).where(Placement.status == "proposed"))).all()
+            plans = []
+            for row in rows:
+                layout = await load_layout(session, row)
+                parent = await session.get(Placement, row.parent_id) if row.parent_id else None
+                before = await load_layout(session, parent) if parent is not None else None
+                plans.append((row.id, plan_message(row, layout, _moves_between(before, layout))))
+        for placement_id, plan in plans:
+            await self._publish(plan, placement_id)
+
+
+def _moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray:
+    """The plan's informational moves from its parent's layout (none when unknown or incomparable)."""
+    if before is None:
+        return np.zeros((0, 6), np.int32)
+    try:
+        return plan_moves(before, after, buffer=True).astype(np.int32)
+    except PlacementError:
+        return np.zeros((0, 6), np.int32)
+
+
+async def run_placement(
+    settings: SwitchyardSettings, stop: asyncio.Event, config: PlacementSettings | None = None
+) -> None:
+    """Run the placement service until `stop` is set."""
+    await PlacementService(settings, config).run(stop)

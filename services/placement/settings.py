@@ -1,0 +1,42 @@
+"""Placement service settings, from `SWITCHYARD_PLACEMENT_*` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PlacementSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_PLACEMENT_", env_file=".env", extra="ignore")
+
+    #: Run the greedy for every engine group at least this often.
+    period_s: float = Field(default=30.0, gt=0)
+    #: Run early when the group's expert-load distribution has moved this far (total variation, 0..1, mean
+    #: over layers) from the one the last run saw.
+    drift_threshold: float = Field(default=0.1, gt=0, le=1)
+    #: Never run one group more often than this, whatever the drift.
+    min_interval_s: float = Field(default=5.0, ge=0)
+    #: Half-life of the decayed load window: a window this old weighs half as much as a fresh one.
+    half_life_s: float = Field(default=300.0, gt=0)
+    #: On start, rebuild the decayed window from this much of the expert-load stream.
+    warmup_s: float = Field(default=1800.0, ge=0)
+    #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.
+    gain_threshold: float = Field(default=0.05, ge=0)
+    #: Migration cost of changing whether one GPU hosts one expert, in the solver's canonical units
+    #: (mean GPU load = 1 per layer); charged at both ends of a move. Same default as `switchyard calibrate`.
+    migration_cost: float = Field(default=0.005, ge=0)
+    #: Extra expert copies per layer (EPLB-style replicas of hot experts); 0: one copy of each expert.
+    redundant_slots: int = Field(default=0, ge=0)
+    #: Objective weights (the MINLP's); greedy weights (α, β, γ) come from the latest calibration.
+    weight_load: float = Field(default=50.0, ge=0)
+    weight_comm: float = Field(default=1.0, ge=0)
+    weight_mig: float = Field(default=1.0, ge=0)
+    #: Do not plan a group while its last published plan is unresolved, unless it is older than this.
+    inflight_timeout_s: float = Field(default=600.0, gt=0)
+    #: Store the slot layout of rejected plans too (each is L x G x slots rows).
+    store_rejected_layouts: bool = False
+    #: How often the service checks its triggers.
+    tick_s: float = Field(default=1.0, gt=0)
+    #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"

@@ -1,0 +1,90 @@
+"""What every Switchyard service does the same way: schema setup, signals, JetStream message decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+from nats.aio.msg import Msg
+from prometheus_client import start_http_server
+
+from shared.bus import REJECTED
+from shared.codec import WireModel, decode
+from shared.db.engine import upgrade
+from shared.errors import WireError
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=WireModel)
+
+
+_UPGRADE_LOCK = threading.Lock()
+
+
+def _upgrade(database_url: str) -> None:
+    with _UPGRADE_LOCK:  # Alembic's `context`/`op` are process globals: one upgrade at a time per process
+        upgrade(database_url)
+
+
+async def ensure_schema(database_url: str, attempts: int = 5) -> None:
+    """Bring the schema to head; retried because services in other processes may race to create it."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await asyncio.to_thread(_upgrade, database_url)
+            return
+        except Exception as exc:
+            if attempt == attempts:
+                raise
+            log.warning("schema upgrade failed (%s); retrying", exc)
+            await asyncio.sleep(0.2 * attempt)
+
+
+async def decode_stream_message(
+    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True
+) -> M | None:
+    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered."""
+    try:
+        return decode(msg.data, schema, max_payload)
+    except WireError as exc:
+        REJECTED.labels(label, exc.code).inc()
+        log.warning("rejected message on %s: %s", label, exc)
+        if acked:
+            await msg.term()
+        return None
+
+
+@contextlib.contextmanager
+def metrics_endpoint(port: int | None, host: str = "127.0.0.1") -> Iterator[None]:
+    """Serve this process's Prometheus metrics on `host:port` while the block runs (None: not at all)."""
+    if port is None:
+        yield
+        return
+    server, _thread = start_http_server(port, host)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run `main(stop)` until SIGINT/SIGTERM sets `stop` (the CLI entry point of every service)."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await main(stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    asyncio.run(runner())

@@ -1,0 +1,187 @@
+"""The migration service in-process, against real NATS, real databases and simulated engines as protocol peers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from services.history import default_layout
+from services.migration.service import run_migration
+from services.migration.settings import MigrationSettings
+from shared.bus import Bus, rejected_count
+from shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
+from shared.embedded import free_port
+from shared.schemas import MigrateReply, MigrateRequest
+from shared.settings import SwitchyardSettings
+from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+
+FAST = MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, engine_wait_s=5.0)
+LAYERS, EXPERTS, GPUS = 4, 8, 2
+
+
+@contextlib.asynccontextmanager
+async def migration_service(
+    settings: SwitchyardSettings, config: MigrationSettings = FAST
+) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """The service as an asyncio task, plus a session factory on its database for the test to look with."""
+    upgrade(settings.resolved_database_url())
+    engine, sessions = create_async_db(settings.resolved_database_url())
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_migration(settings, stop, config))
+    try:
+        yield sessions
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await engine.dispose()
+
+
+async def _migration(sessions: async_sessionmaker[AsyncSession], plan_id: str) -> Migration | None:
+    async with sessions() as session:
+        placement_id = select(Placement.id).where(Placement.plan_id == plan_id).scalar_subquery()
+        return await session.scalar(select(Migration).where(Migration.placement_id == placement_id))
+
+
+async def _finished(sessions: async_sessionmaker[AsyncSession], plan_id: str) -> Migration | None:
+    migration = await _migration(sessions, plan_id)
+    return (
+        migration if migration is not None and migration.state not in ("pending", "running", "rolling_back") else None
+    )
+
+
+async def _moves(sessions: async_sessionmaker[AsyncSession], migration_id: int) -> list[MigrationMove]:
+    async with sessions() as session:
+        query = select(MigrationMove).where(MigrationMove.migration_id == migration_id).order_by(MigrationMove.seq)
+        return list((await session.scalars(query)).all())
+
+
+async def _status(sessions: async_sessionmaker[AsyncSession], plan_id: str) -> str:
+    async with sessions() as session:
+        return await session.scalar(select(Placement.status).where(Placement.plan_id == plan_id))
+
+
+@pytest.fixture
+def db_settings(settings: SwitchyardSettings, database_url: str) -> SwitchyardSettings:
+    return settings.model_copy(update={"database_url": database_url})
+
+
+async def test_a_plan_is_applied_step_by_step_exactly_once(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.0))
+    await serve_migrate(bus, "e0", group)
+    await bus.ensure_streams()
+    first, second = plan("g0", 1, shuffled(base, 1)), plan("g0", 2, shuffled(base, 2))
+    metrics_port = free_port()
+    async with (
+        announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
+        migration_service(db_settings, FAST.model_copy(update={"metrics_port": metrics_port})) as sessions,
+    ):
+        await bus.js_publish(bus.subjects.placement_plan, first, msg_id=first.plan_id)
+        done = await eventually(lambda: _finished(sessions, first.plan_id))
+        assert done.state == "succeeded" and done.error is None
+        np.testing.assert_array_equal(group.layout, first.placement)
+        moves = await _moves(sessions, done.id)
+        assert moves and {m.state for m in moves} == {"applied"} and {m.engine_id for m in moves} == {"e0"}
+        steps = sorted({m.step for m in moves})
+        assert group.applied_keys() == [(first.plan_id, s) for s in steps]  # each step once, in order
+        assert await _status(sessions, first.plan_id) == "applied"
+
+        # The next plan starts from where the first left the group, and the first becomes history.
+        await bus.js_publish(bus.subjects.placement_plan, second, msg_id=second.plan_id)
+        assert (await eventually(lambda: _finished(sessions, second.plan_id))).state == "succeeded"
+        np.testing.assert_array_equal(group.layout, second.placement)
+        assert [await _status(sessions, p.plan_id) for p in (first, second)] == ["superseded", "applied"]
+
+        # A redelivered plan is a no-op, and a plan claiming a version another plan holds is refused.
+        requests = group.requests
+        await bus.js_publish(bus.subjects.placement_plan, second, msg_id="redelivery")
+        older = plan("g0", 2, shuffled(base, 4), plan_id="g0-other-v2")
+        await bus.js_publish(bus.subjects.placement_plan, older, msg_id=older.plan_id)
+        probe = plan("g0", 3, second.placement, plan_id="g0-probe")  # same layout: succeeds with no moves
+        await bus.js_publish(bus.subjects.placement_plan, probe, msg_id=probe.plan_id)
+        assert (await eventually(lambda: _finished(sessions, probe.plan_id))).state == "succeeded"
+        assert group.requests == requests
+        assert await _migration(sessions, older.plan_id) is None  # its version belongs to another plan
+        async with sessions() as session:
+            assert len((await session.scalars(select(Migration))).all()) == 3
+        async with httpx.AsyncClient() as client:  # the service's own metrics endpoint
+            metrics = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'switchyard_migration_steps_total{kind="forward",outcome="applied"}' in metrics
+
+
+async def test_stale_plans_are_refused(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g1", base.copy(), MigrationCost(time_scale=0.0))
+    await serve_migrate(bus, "e1", group)
+    await bus.ensure_streams()
+    newer, older = plan("g1", 5, shuffled(base, 5)), plan("g1", 3, shuffled(base, 6))
+    async with announcing(bus, hello("e1", "g1", ["a", "b"])), migration_service(db_settings) as sessions:
+        await bus.js_publish(bus.subjects.placement_plan, newer, msg_id=newer.plan_id)
+        assert (await eventually(lambda: _finished(sessions, newer.plan_id))).state == "succeeded"
+        requests = group.requests
+        await bus.js_publish(bus.subjects.placement_plan, older, msg_id=older.plan_id)
+        refused = await eventually(lambda: _finished(sessions, older.plan_id))
+        assert refused.state == "refused" and "stale plan: version 3 <= applied version 5" in refused.error
+        assert await _status(sessions, older.plan_id) == "superseded"
+        assert group.requests == requests
+        np.testing.assert_array_equal(group.layout, newer.placement)
+
+
+async def test_a_refused_step_rolls_the_group_back(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g2", base.copy(), MigrationCost(time_scale=0.0))
+
+    async def refuse_step_two(request: MigrateRequest) -> MigrateReply:
+        if request.step == 2:
+            return MigrateReply(
+                plan_id=request.plan_id,
+                version=request.version,
+                step=2,
+                applied=0,
+                duration_s=0.0,
+                failure="simulated fault: NCCL timeout",
+            )
+        return await group.apply(request)
+
+    await bus.serve(bus.subjects.migrate("e2"), MigrateRequest, refuse_step_two)
+    await bus.ensure_streams()
+    doomed = plan("g2", 1, shuffled(base, 7))
+    async with announcing(bus, hello("e2", "g2", ["a", "b"])), migration_service(db_settings) as sessions:
+        await bus.js_publish(bus.subjects.placement_plan, doomed, msg_id=doomed.plan_id)
+        done = await eventually(lambda: _finished(sessions, doomed.plan_id))
+        assert done.state == "rolled_back" and "NCCL timeout" in done.error
+        np.testing.assert_array_equal(group.layout, base)  # back where it started
+        moves = await _moves(sessions, done.id)
+        states = {(m.kind, m.step): m.state for m in moves}
+        assert states[("forward", 0)] == states[("forward", 1)] == "rolled_back"
+        assert states[("forward", 2)] == "failed" and states[("forward", 3)] == "pending"
+        rollback = sorted({m.step for m in moves if m.kind == "rollback"})
+        assert len(rollback) == 2 and all(states[("rollback", s)] == "applied" for s in rollback)
+        assert [key[1] for key in group.applied_keys()] == [0, 1, *rollback]
+        assert await _status(sessions, doomed.plan_id) == "failed"
+
+
+async def test_an_unanswered_step_fails_in_doubt_and_bad_plans_are_counted(
+    bus: Bus, db_settings: SwitchyardSettings
+) -> None:
+    await bus.ensure_streams()
+    silent = plan("g3", 1, shuffled(default_layout(LAYERS, EXPERTS, GPUS), 8))
+    config = FAST.model_copy(update={"step_timeout_s": 0.2, "max_attempts": 2})
+    subject = bus.subjects.placement_plan
+    before = rejected_count(subject, "not_msgpack")
+    async with announcing(bus, hello("e3", "g3", ["a", "b"])), migration_service(db_settings, config) as sessions:
+        await bus.js.publish(subject, b"\xc1 not a plan")
+        await bus.js_publish(subject, silent, msg_id=silent.plan_id)  # nobody serves e3's migrate subject
+        done = await eventually(lambda: _finished(sessions, silent.plan_id))
+        assert done.state == "failed" and "step 0 in doubt" in done.error
+        first_step = [m for m in await _moves(sessions, done.id) if m.step == 0]
+        assert {(m.state, m.attempts) for m in first_step} == {("sent", 2)}
+    assert rejected_count(subject, "not_msgpack") == before + 1
