@@ -190,11 +190,11 @@ def router(
     """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
     from services.router.service import RouterService
     from services.router.settings import RouterSettings
-    from services.runner import run_service
+    from services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
     router_settings = RouterSettings(**({"policy": policy} if policy else {}))
-    run_service(RouterService(settings, router_settings).run)
+    run_until_signalled(RouterService(settings, router_settings).run)
 
 
 @db_app.command("upgrade")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from nats.aio.subscription import Subscription
 
 from shared.bus import Bus
-from shared.schemas import Hello, Telemetry
+from shared.schemas import Announce, Hello, Telemetry
 
 
 @dataclass
@@ -45,11 +45,14 @@ class FleetView:
         self.engines: dict[str, EngineState] = {}
         self._changed = asyncio.Event()
 
-    async def subscribe(self, bus: Bus) -> list[Subscription]:
-        return [
+    async def subscribe(self, bus: Bus, requester: str = "fleet-view") -> list[Subscription]:
+        """Follow hellos and telemetry, and ask every engine to say hello now rather than in up to 5 s."""
+        subscriptions = [
             await bus.subscribe(bus.subjects.all_hello, Hello, self.on_hello),
             await bus.subscribe(bus.subjects.all_telemetry, Telemetry, self.on_telemetry),
         ]
+        await bus.publish(bus.subjects.announce, Announce(requester=requester))
+        return subscriptions
 
     def _state(self, engine_id: str) -> EngineState:
         return self.engines.setdefault(engine_id, EngineState(engine_id))

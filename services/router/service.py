@@ -15,11 +15,11 @@ import logging
 import time
 
 from nats.aio.msg import Msg
-from prometheus_client import start_http_server
 
 from services.artifacts import ArtifactError, load_artifact
 from services.router.core import Routed, RouterCore
 from services.router.settings import RouterSettings
+from services.runtime import metrics_endpoint
 from shared.bus import Bus
 from shared.codec import WireModel, encode
 from shared.schemas import Announce, Hello, RouteDecision, RouteDecodeRequest, RouteDpRequest, Telemetry
@@ -117,8 +117,6 @@ class RouterService:
         await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue)
         await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue)
         await bus.nc.flush()
-        if self.router.metrics_port:
-            start_http_server(self.router.metrics_port)
         log.info(
             "router %s serving %s and %s (policy %s)",
             self.router.replica_id,
@@ -137,8 +135,9 @@ class RouterService:
             await self.bus.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
-        await self.start(servers)
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()
+        with metrics_endpoint(self.router.metrics_port, self.router.metrics_host):
+            await self.start(servers)
+            try:
+                await stop.wait()
+            finally:
+                await self.stop()

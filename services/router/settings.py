@@ -27,8 +27,9 @@ class RouterSettings(BaseSettings):
     replica_id: str = Field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
     #: Seed of the replica's random choices (random, p2c, tie-breaks).
     seed: int = 0
-    #: Serve Prometheus metrics on this port (0: don't).
-    metrics_port: int = Field(default=0, ge=0, le=65535)
+    #: Serve Prometheus metrics on this port (unset: don't; 0: any free port).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     @field_validator("policy")
     @classmethod
