@@ -1,0 +1,490 @@
+"""`sy.route.decode` over a real nats-server: round trip against a bare echo, and routes per second per replica.
+
+Budgets (DESIGN.md, issue 5): round trip ≤ 1.3× a bare nats-py echo of the same payload sizes at p50 and p99
+(and ≤ 1 ms p99); ≥ 5,000 routes/s per router replica.
+
+Set-up, every part in its own process, so no two share an event loop:
+
+- a private nats-server (`shared.embedded.EmbeddedNats`);
+- the routing artifact: `fit_routing_artifact` on the real ESFT trace (DeepSeek-V2-Lite, 26 layers × 64
+  experts, 213 requests), K = 16 decoders named `decode-00..15`, put into the KV bucket;
+- 16 decode engines (`--role engines`): hello on start, on announce and every 5 s; telemetry every 100 ms
+  with a random walk of running requests;
+- router replicas: `switchyard router` subprocesses (policy eldr), configured by environment only;
+- an echo responder (`--role echo`): a plain nats-py subscription that answers every request with a fixed
+  payload of the router's reply size;
+- the client: this process. Requests are the ESFT requests' real prefill counts, the full [26, 64] uint16
+  matrix (`layers` None, as a prefill agent that does not know the artifact sends them), encoded once
+  (3.4 KiB each); the echo gets the very same bytes.
+
+Round trip: one request in flight, router and echo alternating request by request (so load drift on this
+shared machine hits both alike), `nc.request` timed with perf_counter_ns; p50/p99 of each and their ratio.
+Every router reply is decoded afterwards and must name an engine with the artifact in use.
+
+Throughput: C client tasks each keep one request in flight for `--duration` seconds; routes/s, latency
+percentiles, and the CPU time the router process(es), nats-server and client spent during the window (from
+/proc), so "CPU µs per route" tells what one replica costs a core even when the 2 cores are shared.
+
+Usage: .venv/bin/python bench/router_bus.py [--rtt-requests 2000] [--duration 5] [--concurrency 16,64]
+                                            [--replicas 1,2] [--profile DIR] [--json PATH]
+`--profile DIR` runs each router under cProfile and writes DIR/router-<i>.prof when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _single_core
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = Path(__file__).resolve().parent / "out"
+DECODERS = 16
+PREFIX = "bench"
+ECHO_SUBJECT = f"{PREFIX}.echo"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def decoder_ids() -> list[str]:
+    return [f"decode-{i:02d}" for i in range(DECODERS)]
+
+
+# ----- helper processes ------------------------------------------------------------------------------------
+
+
+async def run_engines(url: str, model: dict) -> None:
+    """16 decode engines on one connection: hello (start, announce, every 5 s), telemetry every 100 ms."""
+    from shared.bus import Bus
+    from shared.schemas import Announce, Capacity, Hello, ModelShape, Telemetry
+    from shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-engines")
+    shape = ModelShape(**model)
+    ids = decoder_ids()
+    rng = random.Random(0)
+    running = dict.fromkeys(ids, 4)
+
+    async def hello(engine_id: str) -> None:
+        capacity = Capacity(max_running=64, kv_blocks=4096, block_size=16)
+        message = Hello(
+            engine_id=engine_id,
+            role="decode",
+            model=shape,
+            ep_group=engine_id,
+            gpus=["0"],
+            capacity=capacity,
+            ts=time.time(),
+            agent="sim",
+        )
+        await bus.publish(bus.subjects.hello(engine_id), message)
+
+    async def on_announce(message: Announce, _msg: object) -> None:
+        for engine_id in ids:
+            if message.engine_id in (None, engine_id):
+                await hello(engine_id)
+
+    await bus.subscribe(bus.subjects.announce, Announce, on_announce)
+    seq = 0
+    while True:
+        if seq % 50 == 0:
+            for engine_id in ids:
+                await hello(engine_id)
+        for engine_id in ids:
+            running[engine_id] = min(32, max(0, running[engine_id] + rng.choice((-1, 0, 1))))
+            await bus.publish(
+                bus.subjects.telemetry(engine_id),
+                Telemetry(
+                    engine_id=engine_id,
+                    seq=seq,
+                    ts=time.time(),
+                    kv_usage=running[engine_id] / 64,
+                    num_running=running[engine_id],
+                    num_waiting=0,
+                    waiting_prefill_tokens=0,
+                    remaining_prefill_tokens=0,
+                    step_time_ema=0.02,
+                ),
+            )
+        seq += 1
+        await asyncio.sleep(0.1)
+
+
+async def run_echo(url: str, reply_size: int) -> None:
+    """A bare nats-py responder: every request gets the same `reply_size` bytes back."""
+    import nats
+
+    nc = await nats.connect(url, name="bench-echo")
+    reply = b"x" * reply_size
+
+    async def on_request(msg) -> None:
+        await msg.respond(reply)
+
+    await nc.subscribe(ECHO_SUBJECT, cb=on_request)
+    await asyncio.Event().wait()
+
+
+# ----- process bookkeeping -----------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, cwd=REPO, stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+    def cpu(self, names: list[str]) -> float:
+        return sum(cpu_seconds(self.procs[n].pid) for n in names)
+
+
+def helper(role: str, *args: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--role", role, *args]
+
+
+def router_command(profile_dir: Path | None, index: int) -> list[str]:
+    switchyard = str(Path(sys.executable).parent / "switchyard")
+    if profile_dir is None:
+        return [switchyard, "router"]
+    return [sys.executable, "-m", "cProfile", "-o", str(profile_dir / f"router-{index}.prof"), switchyard, "router"]
+
+
+def percentiles(ns: np.ndarray) -> dict[str, float]:
+    p50, p90, p99, p999 = np.percentile(ns, [50, 90, 99, 99.9]) / 1e3
+    return {"p50_us": p50, "p90_us": p90, "p99_us": p99, "p999_us": p999, "mean_us": float(ns.mean() / 1e3)}
+
+
+# ----- the client --------------------------------------------------------------------------------------------
+
+
+def esft_requests() -> tuple[list[bytes], object]:
+    """The artifact fitted on ESFT (K = 16) and one encoded RouteDecodeRequest per ESFT request."""
+    from eldr_data import esft_counts
+
+    from shared.codec import encode
+    from shared.schemas import RouteDecodeRequest
+    from solver.eldr_fit import fit_routing_artifact
+
+    counts = esft_counts()
+    artifact, _ = fit_routing_artifact(counts, DECODERS, decoder_ids=decoder_ids())
+    tokens = counts.prefill_tokens
+    assert counts.prefill.max() < 1 << 16
+    payloads = [
+        encode(
+            RouteDecodeRequest(
+                request_id=f"esft-{i:04d}", prompt_tokens=int(tokens[i]), signature=counts.prefill[i].astype("<u2")
+            )
+        )
+        for i in range(counts.num_requests)
+    ]
+    return payloads, artifact
+
+
+async def wait_routing(nc, subject: str, payload: bytes, within_s: float = 60.0) -> bytes:
+    """Send requests until a router answers with the artifact in use; returns that reply."""
+    from nats import errors as nats_errors
+
+    from shared.codec import decode_reply
+    from shared.errors import RemoteError
+    from shared.schemas import RouteDecodeReply
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            msg = await nc.request(subject, payload, timeout=1)
+            reply = decode_reply(msg.data, RouteDecodeReply)
+            if reply.artifact_version is not None and reply.fallback is None:
+                return msg.data
+        except (RemoteError, nats_errors.Error):  # no responders yet, no live engine yet
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("no router answered with the artifact in use")
+
+
+async def wait_replica(nc, subjects, replica_id: str, payloads: list[bytes], within_s: float = 60.0) -> None:
+    """Route until a decision of `replica_id` shows up on sy.route.decided (it joined the queue group)."""
+    seen = asyncio.Event()
+
+    async def on_decided(msg) -> None:
+        if replica_id.encode() in msg.data:
+            seen.set()
+
+    sub = await nc.subscribe(subjects.route_decided, cb=on_decided)
+    deadline = time.monotonic() + within_s
+    i = 0
+    while not seen.is_set():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {replica_id} never routed")
+        await wait_routing(nc, subjects.route_decode, payloads[i % len(payloads)])
+        i += 1
+        await asyncio.sleep(0.02)
+    await sub.unsubscribe()
+
+
+def check_replies(replies: list[bytes]) -> dict:
+    from shared.codec import decode_reply
+    from shared.schemas import RouteDecodeReply
+
+    decoded = [decode_reply(r, RouteDecodeReply) for r in replies]
+    bad = [r for r in decoded if r.artifact_version is None or r.fallback is not None]
+    engines = {r.engine_id for r in decoded}
+    return {
+        "replies": len(decoded),
+        "with_fallback": len(bad),
+        "engines_used": len(engines),
+        "mean_band": float(np.mean([r.band_size for r in decoded])),
+        "server_decision_us_p50": float(np.median([r.decision_us for r in decoded])),
+    }
+
+
+async def measure_rtt(nc, route_subject: str, payloads: list[bytes], n: int) -> dict:
+    clock = time.perf_counter_ns
+    subjects = (route_subject, ECHO_SUBJECT)
+    times = {s: np.empty(n, dtype=np.int64) for s in subjects}
+    replies: list[bytes] = []
+    for i in range(-200, n):  # 200 warm-up rounds
+        payload = payloads[i % len(payloads)]
+        order = subjects if i % 2 == 0 else subjects[::-1]
+        for subject in order:
+            start = clock()
+            msg = await nc.request(subject, payload, timeout=2)
+            elapsed = clock() - start
+            if i >= 0:
+                times[subject][i] = elapsed
+                if subject == route_subject:
+                    replies.append(msg.data)
+    route, echo = percentiles(times[route_subject]), percentiles(times[ECHO_SUBJECT])
+    return {
+        "route": route,
+        "echo": echo,
+        "ratio_p50": route["p50_us"] / echo["p50_us"],
+        "ratio_p99": route["p99_us"] / echo["p99_us"],
+        "check": check_replies(replies),
+    }
+
+
+async def measure_throughput(
+    nc,
+    subject: str,
+    payloads: list[bytes],
+    concurrency: int,
+    duration: float,
+    procs: Procs,
+    routers: list[str],
+) -> dict:
+    clock = time.perf_counter_ns
+    latencies: list[int] = []
+    replies: list[bytes] = []
+    errors = 0
+    stop_at = 0.0
+
+    async def worker(w: int) -> None:
+        nonlocal errors
+        i = w
+        while time.monotonic() < stop_at:
+            start = clock()
+            try:
+                msg = await nc.request(subject, payloads[i % len(payloads)], timeout=5)
+            except Exception:
+                errors += 1
+                continue
+            latencies.append(clock() - start)
+            if len(replies) < 2000:
+                replies.append(msg.data)
+            i += concurrency
+
+    stop_at = time.monotonic() + 0.5  # warm-up
+    await asyncio.gather(*[worker(w) for w in range(concurrency)])
+    latencies.clear()
+    replies.clear()
+    cpu_before = {name: procs.cpu([name]) for name in [*routers, "nats"]}
+    client_before = time.process_time()
+    wall_start = time.perf_counter()
+    stop_at = time.monotonic() + duration
+    await asyncio.gather(*[worker(w) for w in range(concurrency)])
+    wall = time.perf_counter() - wall_start
+    client_cpu = time.process_time() - client_before
+    cpu = {name: procs.cpu([name]) - before for name, before in cpu_before.items()}
+    routes = len(latencies)
+    router_cpu = sum(cpu[r] for r in routers)
+    return {
+        "concurrency": concurrency,
+        "replicas": len(routers),
+        "routes": routes,
+        "errors": errors,
+        "wall_s": wall,
+        "routes_per_s": routes / wall,
+        "routes_per_s_per_replica": routes / wall / len(routers),
+        "latency": percentiles(np.asarray(latencies, dtype=np.int64)),
+        "router_cpu_share": router_cpu / wall / len(routers),  # cores, per replica
+        "router_cpu_us_per_route": router_cpu / routes * 1e6,
+        "nats_cpu_us_per_route": cpu["nats"] / routes * 1e6,
+        "client_cpu_us_per_route": client_cpu / routes * 1e6,
+        "check": check_replies(replies),
+    }
+
+
+def load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def print_rtt(rtt: dict, n: int) -> None:
+    r, e, c = rtt["route"], rtt["echo"], rtt["check"]
+    print(f"\nround trip, 1 in flight, {n} requests each, interleaved ({rtt['load']})")
+    print(f"  {'':20s} {'p50 µs':>8s} {'p90 µs':>8s} {'p99 µs':>8s} {'p99.9 µs':>9s}")
+    for name, p in (("sy.route.decode", r), ("bare nats-py echo", e)):
+        print(f"  {name:20s} {p['p50_us']:8.0f} {p['p90_us']:8.0f} {p['p99_us']:8.0f} {p['p999_us']:9.0f}")
+    print(
+        f"  ratio route/echo: p50 {rtt['ratio_p50']:.2f}×, p99 {rtt['ratio_p99']:.2f}× (budget ≤ 1.3×); "
+        f"in-router decision p50 {c['server_decision_us_p50']:.1f} µs; {c['engines_used']} engines used, "
+        f"mean band {c['mean_band']:.1f}, {c['with_fallback']} fallbacks"
+    )
+
+
+def print_throughput(t: dict, duration: float) -> None:
+    lat = t["latency"]
+    print(
+        f"\n{t['replicas']} replica(s), {t['concurrency']} in flight, {duration:.0f} s ({t['load']}): "
+        f"{t['routes_per_s']:,.0f} routes/s ({t['routes_per_s_per_replica']:,.0f} per replica), {t['errors']} errors\n"
+        f"  latency p50 {lat['p50_us']:.0f} µs, p90 {lat['p90_us']:.0f}, p99 {lat['p99_us']:.0f}, "
+        f"p99.9 {lat['p999_us']:.0f}\n"
+        f"  CPU per route: router {t['router_cpu_us_per_route']:.0f} µs "
+        f"(one core: {1e6 / t['router_cpu_us_per_route']:,.0f} routes/s per replica), "
+        f"nats-server {t['nats_cpu_us_per_route']:.0f} µs, client {t['client_cpu_us_per_route']:.0f} µs; "
+        f"each router busy {t['router_cpu_share']:.0%} of a core; {t['check']['with_fallback']} fallbacks"
+    )
+
+
+def start_router(procs: Procs, env: dict[str, str], profile: Path | None, routers: list[str]) -> str:
+    name = f"router-{len(routers)}"
+    procs.start(name, router_command(profile, len(routers)), {**env, "SWITCHYARD_ROUTER_REPLICA_ID": name})
+    routers.append(name)
+    return name
+
+
+async def bench(args: argparse.Namespace, tmp: Path, profile: Path | None) -> dict:
+    import nats
+
+    from services.artifacts import put_artifact_kv
+    from shared.bus import Bus
+    from shared.embedded import EmbeddedNats
+    from shared.settings import SwitchyardSettings
+    from shared.subjects import Subjects
+
+    payloads, artifact = esft_requests()
+    subjects = Subjects(PREFIX)
+    results: dict = {"machine": _single_core.machine(), "request_bytes": len(payloads[0])}
+    procs = Procs()
+    with EmbeddedNats(tmp / "nats") as server:
+        procs.procs["nats"] = server.process  # type: ignore[assignment]
+        env = {
+            "SWITCHYARD_NATS_SERVERS": server.url,
+            "SWITCHYARD_SUBJECT_PREFIX": PREFIX,
+            "SWITCHYARD_DATA_DIR": str(tmp / "data"),
+            "SWITCHYARD_LOG_LEVEL": "WARNING",
+            "SWITCHYARD_ROUTER_POLICY": "eldr",
+        }
+        nc = await nats.connect(server.url, name="bench-client")
+        try:
+            bus = Bus(nc, SwitchyardSettings(nats_servers=[server.url], subject_prefix=PREFIX))
+            await put_artifact_kv(bus, artifact)
+            procs.start("engines", helper("engines", server.url, json.dumps(artifact.model.model_dump())))
+            routers: list[str] = []
+            name = start_router(procs, env, profile, routers)
+            reply = await wait_routing(nc, subjects.route_decode, payloads[0])
+            await wait_replica(nc, subjects, name, payloads)
+            await asyncio.sleep(0.3)  # every engine's telemetry has arrived
+            results["reply_bytes"] = len(reply)
+            procs.start("echo", helper("echo", server.url, str(len(reply))))
+            for _ in range(100):
+                try:
+                    await nc.request(ECHO_SUBJECT, b"", timeout=0.5)
+                    break
+                except nats.errors.Error:
+                    await asyncio.sleep(0.1)
+            print(results["machine"])
+            print(f"request {results['request_bytes']} B (ESFT [26, 64] uint16 signature), reply {len(reply)} B")
+
+            if args.rtt_requests:
+                rtt = await measure_rtt(nc, subjects.route_decode, payloads, args.rtt_requests)
+                results["rtt"] = rtt = {**rtt, "load": load()}
+                print_rtt(rtt, args.rtt_requests)
+
+            results["throughput"] = []
+            for replicas in args.replicas:
+                while len(routers) < replicas:
+                    name = start_router(procs, env, profile, routers)
+                    await wait_replica(nc, subjects, name, payloads)
+                    await asyncio.sleep(0.3)
+                for concurrency in args.concurrency:
+                    t = await measure_throughput(
+                        nc, subjects.route_decode, payloads, concurrency, args.duration, procs, routers
+                    )
+                    t["load"] = load()
+                    results["throughput"].append(t)
+                    print_throughput(t, args.duration)
+        finally:
+            await nc.close()
+            procs.procs.pop("nats", None)
+            procs.stop_all()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["bench", "engines", "echo"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--rtt-requests", type=int, default=2000)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--profile", help="run routers under cProfile, writing DIR/router-<i>.prof")
+    parser.add_argument("--json", help="also write the figures here (default bench/out/router_bus.json)")
+    args, rest = parser.parse_known_args()
+    if args.role == "engines":
+        asyncio.run(run_engines(rest[0], json.loads(rest[1])))
+        return
+    if args.role == "echo":
+        asyncio.run(run_echo(rest[0], int(rest[1])))
+        return
+    profile = Path(args.profile).resolve() if args.profile else None
+    if profile:
+        profile.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = asyncio.run(bench(args, Path(tmp), profile))
+    path = Path(args.json) if args.json else OUT / "router_bus.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
