@@ -141,6 +141,50 @@ def test_eldr_with_named_decoders_and_more_engines_than_centroids() -> None:
     assert snap.engine_ids[d.index] == "c" and d.band_size == 2
 
 
+def _eldr_by_definition(snap: FleetSnapshot, sims: np.ndarray, tables: RoutingTables) -> tuple[int, int] | None:
+    """The ELDR pick written out over whole arrays: (index, band size), or None when the band has no live engine."""
+    assert tables.members is not None
+    engine_sim = np.where(tables.members, sims[:, None], -np.inf).max(axis=0)
+    band = (engine_sim >= sims.max() - tables.tau) & snap.alive
+    load = np.where(band, snap.load, np.inf)
+    if load.min() == np.inf:
+        return None
+    return int(np.argmax(np.where(load == load.min(), engine_sim, -np.inf))), int(band.sum())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    load=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    alive_bits=st.integers(0, 4095),
+    sims=st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.55, 0.9, 1.0]), min_size=1, max_size=8),
+    tau=st.sampled_from([0.0, 0.05, 0.1, 0.25, 2.0]),
+    named=st.booleans(),
+)
+def test_eldr_matches_its_definition(
+    load: list[int], alive_bits: int, sims: list[float], tau: float, named: bool
+) -> None:
+    """Ties in load and similarity are frequent here: the pick must be the definition's, index for index."""
+    d, k = len(load), len(sims)
+    alive = [(alive_bits >> i) & 1 == 1 for i in range(d)]
+    ids = [f"e{i:02d}" for i in range(d)]
+    snap = _snap([float(x) for x in load], alive, ids)
+    decoders = [ids[i % d] for i in range(k)] if named else None
+    tables = RoutingTables.build(snap.engine_ids, num_centroids=k, decoder_ids=decoders, tau=tau)
+    similarities = np.array(sims, dtype=np.float32)
+    query = RouteQuery(sims=similarities)
+    if not any(alive):
+        with pytest.raises(LookupError):
+            get_policy("eldr")(snap, query, RouterState(), tables)
+        return
+    decision = get_policy("eldr")(snap, query, RouterState(), tables)
+    expected = _eldr_by_definition(snap, similarities, tables)
+    if expected is None:
+        assert decision.fallback == "band_empty"
+        assert snap.load[decision.index] == min(x for x, a in zip(load, alive, strict=True) if a)
+    else:
+        assert (decision.index, decision.band_size, decision.fallback) == (*expected, None)
+
+
 def test_domain_partition_is_proportional_and_covers_every_engine() -> None:
     ids = [f"d{i:02d}" for i in range(16)]
     parts = domain_partition({"intent": 0.6, "law": 0.15, "summary": 0.06, "translation": 0.19}, ids)

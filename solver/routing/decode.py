@@ -32,6 +32,7 @@ Centroid → engine mapping (`centroid_members`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -260,16 +261,23 @@ def _eldr(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: Ro
     # An engine is in the band iff its most similar centroid is: one gather (or [K, D] max) gives both the
     # band and the tie-break key.
     if tables.engine_centroid is not None:
-        engine_sim = sims[tables.engine_centroid]
+        engine_sim = sims.take(tables.engine_centroid)
     else:
         engine_sim = np.where(members, sims[:, None], -np.inf).max(axis=0)
-    mask = (engine_sim >= sims.max() - tau) & snap.alive
-    load = np.where(mask, snap.load, np.inf)
-    best = load.min()
-    if best == np.inf:
+    mask = engine_sim >= sims.max() - tau
+    mask &= snap.alive
+    # The band is a handful of engines: picking among them in Python costs less than more numpy calls.
+    band = mask.nonzero()[0]
+    size = len(band)
+    loads = snap.load.take(band).tolist()
+    best = min(loads, default=math.inf)
+    if best == math.inf:
         return replace(route_jsq(snap, query, state, tables), fallback="band_empty")
-    i = int(np.argmax(np.where(load == best, engine_sim, -np.inf)))
-    return Decision(i, band_size=int(np.count_nonzero(mask)))
+    ties = [k for k, load in enumerate(loads) if load == best]
+    if len(ties) > 1:  # the most similar of the least loaded (the first of equals)
+        band_sims = engine_sim.take(band).tolist()
+        ties = [max(ties, key=band_sims.__getitem__)]
+    return Decision(int(band[ties[0]]), band_size=size)
 
 
 def route_eldr(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
