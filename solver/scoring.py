@@ -15,6 +15,7 @@ the least-loaded one wins.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -114,7 +115,7 @@ class Scorer:
 
     def _weighted(self, rows: np.ndarray) -> np.ndarray:
         """[..., N, E] masked counts -> [..., N·E] float32 representation vectors (unnormalised)."""
-        flat = rows.reshape(*rows.shape[:-2], -1)
+        flat = rows.reshape(*rows.shape[:-2], -1) if rows.ndim > 2 else rows.reshape(-1)
         vectors = (flat > 0).astype(np.float32) if self._binary else flat.astype(np.float32)
         if self._weights is not None:
             vectors *= self._weights
@@ -127,7 +128,7 @@ class Scorer:
             raise ScoringError(f"signature must be [layers, {self.num_experts}], got {list(counts.shape)}")
         _check_counts(counts)
         index = self._row_index(counts.shape[0], layers)
-        return self._weighted(counts if index is None else counts[index])
+        return self._weighted(counts if index is None else counts.take(index, axis=0))
 
     # ----- similarities, band, pick -----
 
@@ -135,7 +136,7 @@ class Scorer:
         """Cosine similarity of a request's signature to every centroid, [K] float32."""
         vector = self.vector(counts, layers)
         raw = self._centroids @ vector
-        norm = float(np.sqrt(vector @ vector))
+        norm = math.sqrt(np.dot(vector, vector))
         if norm > 0:
             raw /= norm
         return raw
