@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from shared import schemas as s
-from shared.codec import MAX_ARRAY_ELEMENTS, ErrorReply, array_to_wire, decode, decode_reply, encode
+from shared.codec import (
+    MAX_ARRAY_ELEMENTS,
+    ErrorBody,
+    ErrorReply,
+    _is_flat,
+    array_to_wire,
+    decode,
+    decode_reply,
+    encode,
+)
 from shared.errors import (
     ArrayMismatch,
     NotMsgpack,
@@ -54,6 +63,25 @@ def test_every_schema_round_trips(schema: type) -> None:
         assert_same(message, decode(data, schema))
 
     check()
+
+
+@pytest.mark.parametrize("schema", [*ALL_MESSAGES, ErrorReply], ids=lambda c: c.__name__)
+def test_encoding_is_the_packed_model_dump(schema: type) -> None:
+    """`encode` packs flat messages straight from their fields: the bytes must be model_dump's, exactly."""
+    errors = st.builds(ErrorReply, error=st.builds(ErrorBody, code=st.text(), field=st.text(), message=st.text()))
+    strategy = ALL_MESSAGES.get(schema, errors)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(strategy)
+    def check(message: Any) -> None:
+        assert encode(message) == msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+
+    check()
+
+
+def test_flat_messages_take_the_fast_path() -> None:
+    assert _is_flat(s.RouteDecodeReply) and _is_flat(s.RouteDecisions) and _is_flat(s.Telemetry)
+    assert not _is_flat(s.RouteDecodeRequest) and not _is_flat(s.Hello) and not _is_flat(ErrorReply)
 
 
 def test_arrays_travel_as_dtype_shape_bytes_not_lists() -> None:
