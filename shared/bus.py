@@ -114,19 +114,29 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, settings: SwitchyardSettings, name: str = "switchyard", servers: list[str] | None = None
+        cls,
+        settings: SwitchyardSettings,
+        name: str = "switchyard",
+        servers: list[str] | None = None,
+        *,
+        no_echo: bool = False,
     ) -> Bus:
-        """Connect, retrying with capped exponential backoff for `nats_initial_connect_s` seconds."""
+        """Connect, retrying with capped exponential backoff for `nats_initial_connect_s` seconds.
+
+        `no_echo`: the server does not deliver this connection's own publishes to its own subscriptions.
+        """
         servers = servers or settings.nats_servers
         if not servers:
             raise ValueError("no NATS server configured: set SWITCHYARD_NATS_SERVERS or pass --nats-url")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1
-        options = {**connect_options(settings, servers), **_quiet_callbacks(name)}
+        options = {**connect_options(settings, servers), **_quiet_callbacks(name), "no_echo": no_echo}
         # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
-        # one quick attempt per round and do the backing off here.
+        # one quick attempt per round and do the backing off here (closing the probe is no disconnection
+        # worth logging).
         probe = {**options, "allow_reconnect": False, "max_reconnect_attempts": 1, "reconnect_time_wait": 0}
+        del probe["disconnected_cb"], probe["reconnected_cb"]
         while True:
             try:
                 nc = await nats.connect(name=name, **probe)

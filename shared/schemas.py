@@ -19,7 +19,7 @@ K = decoders (centroids), N = masked layers:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.codec import Array, ErrorReply, WireModel
 
 __all__ = [
+    "MAX_SHARED_DECISIONS",
     "MOVE_COLUMNS",
     "Announce",
     "CalibrationRequest",
@@ -41,7 +42,7 @@ __all__ = [
     "ObjectiveTerms",
     "PlacementParams",
     "PlacementPlan",
-    "RouteDecision",
+    "RouteDecisions",
     "RouteDecodeReply",
     "RouteDecodeRequest",
     "RouteDpReply",
@@ -66,6 +67,9 @@ IntCube = Annotated[np.ndarray, Array("iu", ndim=3)]
 FloatMatrix = Annotated[np.ndarray, Array("f", ndim=2)]
 SignedMatrix = Annotated[np.ndarray, Array("i", ndim=2)]
 SignedCube = Annotated[np.ndarray, Array("i", ndim=3)]
+
+#: Most decisions one `RouteDecisions` message may carry (a sender splits larger batches).
+MAX_SHARED_DECISIONS = 4096
 
 #: Columns of a moves array (`PlacementPlan.moves`, `MigrateRequest.moves`). A src of -1 means the expert
 #: is copied in as a new replica rather than moved; a dst of -1 means the slot is freed.
@@ -191,17 +195,31 @@ class RouteDecodeReply(WireModel):
     fallback: str | None = None
 
 
-class RouteDecision(WireModel):
-    """`sy.route.decided`: a replica announces where it sent a request, so every replica counts it in flight.
+class RouteDecisions(WireModel):
+    """`sy.route.decided`: the decisions one replica made since its previous message (≤ a few ms' worth).
 
-    Without it, N replicas routing on the same (slightly stale) telemetry all pick the same "best" engine.
+    Every replica counts them in flight on the chosen engines until telemetry shows them; without that,
+    N replicas routing on the same (slightly stale) telemetry all pick the same "best" engine. One entry
+    per decision, as parallel columns. Version 2: version 1 carried one decision per message.
     """
 
+    VERSION: ClassVar[int] = 2
+
     replica_id: Annotated[str, Field(min_length=1, max_length=64)]
-    kind: Literal["decode", "dp"]
-    request_id: RequestId
-    engine_id: EngineId
-    prompt_tokens: Count
+    kinds: Annotated[list[Literal["decode", "dp"]], Field(max_length=MAX_SHARED_DECISIONS)]
+    request_ids: Annotated[list[RequestId], Field(max_length=MAX_SHARED_DECISIONS)]
+    engine_ids: Annotated[list[EngineId], Field(max_length=MAX_SHARED_DECISIONS)]
+    prompt_tokens: Annotated[list[Count], Field(max_length=MAX_SHARED_DECISIONS)]
+
+    @model_validator(mode="after")
+    def _same_length(self) -> RouteDecisions:
+        n = len(self.engine_ids)
+        if not len(self.kinds) == len(self.request_ids) == len(self.prompt_tokens) == n:
+            raise ValueError(
+                f"columns differ in length: kinds {len(self.kinds)}, request_ids {len(self.request_ids)}, "
+                f"engine_ids {n}, prompt_tokens {len(self.prompt_tokens)}"
+            )
+        return self
 
 
 class Announce(WireModel):

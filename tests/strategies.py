@@ -215,18 +215,22 @@ def routing_artifacts(draw: st.DrawFn) -> s.RoutingArtifact:
     )
 
 
-route_decisions = st.builds(
-    s.RouteDecision,
-    replica_id=st.text(min_size=1, max_size=64),
-    kind=st.sampled_from(["decode", "dp"]),
-    request_id=request_ids,
-    engine_id=ids,
-    prompt_tokens=counts,
-)
+@st.composite
+def route_decisions(draw: st.DrawFn) -> s.RouteDecisions:
+    n = draw(st.integers(0, 8))
+    return s.RouteDecisions(
+        replica_id=draw(st.text(min_size=1, max_size=64)),
+        kinds=draw(st.lists(st.sampled_from(["decode", "dp"]), min_size=n, max_size=n)),
+        request_ids=draw(st.lists(request_ids, min_size=n, max_size=n)),
+        engine_ids=draw(st.lists(ids, min_size=n, max_size=n)),
+        prompt_tokens=draw(st.lists(counts, min_size=n, max_size=n)),
+    )
+
+
 announces = st.builds(s.Announce, requester=st.text(min_size=1, max_size=64), engine_id=st.none() | ids)
 
 ALL_MESSAGES = {
-    s.RouteDecision: route_decisions,
+    s.RouteDecisions: route_decisions(),
     s.Announce: announces,
     s.Hello: hellos,
     s.Telemetry: telemetries,

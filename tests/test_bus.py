@@ -43,6 +43,22 @@ def test_embedded_server_starts_and_stops(tmp_path) -> None:
         os.kill(pid, 0)
 
 
+async def test_no_echo_connection_does_not_receive_its_own_publishes(bus: Bus, settings: SwitchyardSettings) -> None:
+    quiet = await Bus.connect(settings, name="quiet", no_echo=True)
+    try:
+        got: list[int] = []
+        await quiet.subscribe(bus.subjects.all_telemetry, s.Telemetry, lambda m, _: got.append(m.seq))
+        await quiet.nc.flush()
+        await quiet.publish(bus.subjects.telemetry("e1"), _telemetry(1))  # its own: not delivered back
+        await bus.publish(bus.subjects.telemetry("e1"), _telemetry(2))  # another connection's: delivered
+        await quiet.nc.flush()
+        await bus.nc.flush()
+        await asyncio.sleep(0.1)
+        assert got == [2]
+    finally:
+        await quiet.close()
+
+
 async def test_publish_subscribe_delivers_decoded_messages(bus: Bus) -> None:
     got: list[s.Telemetry] = []
     done = asyncio.Event()

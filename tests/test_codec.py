@@ -334,3 +334,22 @@ def test_artifact_shapes_are_cross_checked() -> None:
     ):
         with pytest.raises(ValueError):
             s.RoutingArtifact(**{**good, **bad})
+
+
+def test_shared_decisions_are_columns_of_one_length_and_version_2() -> None:
+    columns: dict[str, list[Any]] = {
+        "kinds": ["decode", "dp"],
+        "request_ids": ["a", "b"],
+        "engine_ids": ["d0", "d1"],
+        "prompt_tokens": [1, 2],
+    }
+    batch = s.RouteDecisions(replica_id="r", **columns)
+    assert decode(encode(batch), s.RouteDecisions) == batch and msgpack.unpackb(encode(batch))["v"] == 2
+    ragged = msgpack.packb({"v": 2, "replica_id": "r", **columns, "prompt_tokens": [1]})
+    with pytest.raises(SchemaMismatch, match="columns differ in length"):
+        decode(ragged, s.RouteDecisions)
+    one_decision = msgpack.packb(  # what version 1 sent: one decision per message
+        {"v": 1, "replica_id": "r", "kind": "decode", "request_id": "a", "engine_id": "d0", "prompt_tokens": 1}
+    )
+    with pytest.raises(UnknownSchemaVersion):
+        decode(one_decision, s.RouteDecisions)

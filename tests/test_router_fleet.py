@@ -1,9 +1,12 @@
-"""The router's columnar fleet view: liveness, sequence checks, in-flight compensation."""
+"""The router's columnar fleet view: liveness, sequence checks, in-flight compensation, the cached role view."""
 
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from services.router.core import RoleView
 from services.router.fleet import Fleet
 from shared.schemas import Capacity, Hello, ModelShape, Telemetry
 
@@ -96,3 +99,75 @@ def test_columns_grow_past_initial_capacity() -> None:
     assert len(fleet) == 9
     np.testing.assert_array_equal(fleet.load(), np.arange(9))
     assert fleet.alive("decode", 0.0).all()
+
+
+_ENGINES = ["d0", "d1", "d2", "p0"]
+_events = st.one_of(
+    st.tuples(st.just("tick"), st.just(""), st.sampled_from([0.0, 0.01, 0.3, 0.7, 1.0, 1.5, -0.2, -1.0])),
+    st.tuples(st.just("hello"), st.sampled_from(_ENGINES), st.sampled_from(["decode", "decode", "prefill"])),
+    st.tuples(st.just("telemetry"), st.sampled_from(_ENGINES), st.sampled_from([1, 1, 1, 5, -1, -100])),
+    st.tuples(st.just("route"), st.just(""), st.integers(0, 7)),
+    st.tuples(st.just("shared"), st.sampled_from([*_ENGINES, "unknown"]), st.just(0)),
+    st.tuples(st.just("forget"), st.just(""), st.just(0)),
+    st.tuples(st.just("look"), st.just(""), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(_events, min_size=10, max_size=80), running=st.lists(st.integers(0, 9), min_size=80, max_size=80)
+)
+def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running: list[int]) -> None:
+    """The router's cached decode view (re-read only on data changes, liveness re-checked only when an engine
+    may have expired, its own decisions applied in place) always shows what reading the fleet afresh shows."""
+    fleet = Fleet(stale_after_s=1.0, inflight_grace_s=0.05, capacity=2)
+    view = RoleView(fleet, "decode")
+    now, seq = 10.0, dict.fromkeys(_ENGINES, 0)
+
+    def look() -> None:
+        view.rebuild()
+        snap = view.refresh(now, 1.0)
+        fresh = RoleView(fleet, "decode")
+        expected = fresh.refresh(now, 1.0)
+        assert snap.engine_ids == expected.engine_ids
+        np.testing.assert_array_equal(snap.load, expected.load)
+        np.testing.assert_array_equal(snap.kv_usage, expected.kv_usage)
+        np.testing.assert_array_equal(snap.alive, expected.alive)
+        assert view.any_alive == bool(expected.alive.any())
+
+    for n, (kind, engine, x) in enumerate(events):
+        if kind == "tick":
+            now += x
+        elif kind == "hello":
+            fleet.on_hello(hello(engine, x), now)
+        elif kind == "telemetry":
+            seq[engine] = max(seq[engine] + x, 0)  # forward, gaps, reordering, restarts
+            fleet.on_telemetry(telemetry(engine, seq[engine], running=running[n], kv=running[n] / 10), now)
+        elif kind == "route":  # what RouterCore.route_decode does around its policy
+            view.rebuild()
+            snap = view.refresh(now, 1.0)
+            live = np.flatnonzero(snap.alive)
+            if len(live):
+                row = int(view.rows[live[x % len(live)]])
+                fleet.on_decision_row(row, 100, now)
+                view.record_decision(row)
+        elif kind == "shared":  # another replica's decision
+            row = fleet.on_decision(engine, 50, now)
+            if row >= 0:
+                view.record_decision(row)
+        elif kind == "forget":
+            fleet.forget(now, 2.0)
+        else:
+            look()
+    look()
+
+
+def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> None:
+    fleet = Fleet(stale_after_s=1.0)
+    fleet.on_hello(hello("d0"), 10.0)
+    view = RoleView(fleet, "decode")
+    view.rebuild()
+    assert view.refresh(10.9995, 1.0).alive.tolist() == [True]
+    assert view.refresh(11.0005, 1.0).alive.tolist() == [False] and not view.any_alive
+    assert view.refresh(10.5, 1.0).alive.tolist() == [True] and view.any_alive  # a caller's clock went back
+    assert view.refresh(10.5, 0.1).alive.tolist() == [False]  # another staleness limit

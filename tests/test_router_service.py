@@ -20,7 +20,7 @@ from shared.schemas import (
     Capacity,
     Hello,
     ModelShape,
-    RouteDecision,
+    RouteDecisions,
     RouteDecodeReply,
     RouteDecodeRequest,
     RouteDpReply,
@@ -196,7 +196,9 @@ async def test_replicas_share_in_flight_decisions(bus: Bus, settings: Switchyard
     a = await _start(settings, policy="jsq", replica_id="replica-a", inflight_grace_s=60.0)
     b = await _start(settings, policy="jsq", replica_id="replica-b", inflight_grace_s=60.0)
     deciders: Counter[str] = Counter()
-    await bus.subscribe(bus.subjects.route_decided, RouteDecision, lambda m, _: deciders.update([m.replica_id]))
+    await bus.subscribe(
+        bus.subjects.route_decided, RouteDecisions, lambda m, _: deciders.update({m.replica_id: len(m.engine_ids)})
+    )
     try:
         await engines.report()
         await _settle()
@@ -213,6 +215,31 @@ async def test_replicas_share_in_flight_decisions(bus: Bus, settings: Switchyard
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_decisions_are_shared_in_batches_and_none_is_lost_on_stop(bus: Bus, settings: SwitchyardSettings) -> None:
+    engines = Engines(bus, {"d0": "decode", "d1": "decode", "d2": "decode"})
+    await engines.answer_announces()
+    router = await _start(settings, policy="jsq", replica_id="replica-a", share_interval_s=0.05)
+    batches: list[RouteDecisions] = []
+    await bus.subscribe(bus.subjects.route_decided, RouteDecisions, lambda m, _: batches.append(m))
+    try:
+        await engines.report()
+        await _settle()
+        replies = await asyncio.gather(*[_route(bus, f"r{i}") for i in range(30)])
+        await asyncio.sleep(0.2)
+        shared = {r: (k, e) for b in batches for k, r, e in zip(b.kinds, b.request_ids, b.engine_ids, strict=True)}
+        assert shared == {r.request_id: ("decode", r.engine_id) for r in replies}  # each decision, once
+        assert sum(len(b.request_ids) for b in batches) == 30 and len(batches) < 30
+        assert {b.replica_id for b in batches} == {"replica-a"}
+        assert router.core.fleet.inflight[: len(router.core.fleet)].sum() == 30  # counted once, when made
+        batches.clear()
+        await _route(bus, "last")
+        await router.stop()  # well within the 50 ms interval: the pending decision is flushed, not dropped
+        await asyncio.sleep(0.2)
+        assert [r for b in batches for r in b.request_ids] == ["last"]
+    finally:
+        await router.stop()
 
 
 async def test_dp_dispatch_uses_pressure(bus: Bus, settings: SwitchyardSettings) -> None:

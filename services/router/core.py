@@ -1,8 +1,8 @@
 """The router's decision logic, free of NATS: fleet state in, decisions out.
 
 `RouterCore` keeps the fleet view (`services.router.fleet.Fleet`), one sorted `FleetSnapshot` per routed
-role, refreshed in place before each decision (no rebuild, no per-engine Python loop), the routing
-artifact's `Scorer` and tables, and the policy state. The service (`services.router.service`) feeds it bus
+role kept in step with it in place (re-read only after telemetry; no rebuild, no per-engine Python loop), the
+routing artifact's `Scorer` and tables, and the policy state. The service (`services.router.service`) feeds it bus
 messages and sends back what it returns; tests drive it directly.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from shared.codec import ErrorBody, ErrorReply
 from shared.errors import SchemaMismatch
 from shared.schemas import (
     Hello,
-    RouteDecision,
+    RouteDecisions,
     RouteDecodeReply,
     RouteDecodeRequest,
     RouteDpReply,
@@ -34,12 +35,23 @@ from solver.scoring import Scorer, ScoringError
 
 
 class RoleView:
-    """The engines of one role as a `FleetSnapshot` (sorted ids), refreshed in place from the fleet columns."""
+    """The engines of one role as a `FleetSnapshot` (sorted ids), kept in step with the fleet columns.
+
+    `refresh` re-reads the columns only when the fleet's data changed since the last read, and re-checks
+    liveness only when the earliest-expiring live engine may have gone stale (or the clock went back), so
+    between telemetry messages a decision costs no per-engine work. A decision recorded through
+    `record_decision` right after the fleet counted it is applied in place (load + 1): the snapshot then
+    equals what a full re-read would give (loads are integer-valued), without one.
+    """
+
+    #: Re-check liveness this long before the earliest live engine's deadline (guards float rounding).
+    _MARGIN_S = 1e-6
 
     def __init__(self, fleet: Fleet, role: str) -> None:
         self.fleet = fleet
         self.role = role
         self.version = -1
+        self.any_alive = False
         self.rebuild()
 
     def rebuild(self) -> bool:
@@ -50,17 +62,55 @@ class RoleView:
         ids = tuple(self.fleet.engine_ids[i] for i in self.rows)
         d = len(ids)
         self.snap = FleetSnapshot(ids, np.zeros(d), np.zeros(d), np.zeros(d, dtype=bool), version=self.fleet.version)
+        self.position = {int(row): i for i, row in enumerate(self.rows)}
         self.version = self.fleet.version
+        self._synced = -1  # fleet.data_version the snapshot reflects
+        self._last_seen = np.zeros(d)
+        self._checked_at = np.inf  # when liveness was last evaluated
+        self._alive_until = -np.inf  # liveness holds while now < this
+        self._stale_after_s = np.nan  # ... for this staleness limit
         return True
 
     def refresh(self, now: float, stale_after_s: float) -> FleetSnapshot:
-        f, rows, snap = self.fleet, self.rows, self.snap
-        np.take(f.num_running, rows, out=snap.load)
-        snap.load += f.num_waiting[rows]
-        snap.load += f.inflight[rows]
-        np.take(f.kv_usage, rows, out=snap.kv_usage)
-        np.less_equal(now - f.last_seen[rows], stale_after_s, out=snap.alive)
+        f, snap = self.fleet, self.snap
+        if self._synced != f.data_version:
+            rows = self.rows
+            np.take(f.num_running, rows, out=snap.load)
+            snap.load += f.num_waiting[rows]
+            snap.load += f.inflight[rows]
+            np.take(f.kv_usage, rows, out=snap.kv_usage)
+            np.take(f.last_seen, rows, out=self._last_seen)
+            self._synced = f.data_version
+            self._check_alive(now, stale_after_s)
+        elif not self._checked_at <= now < self._alive_until or stale_after_s != self._stale_after_s:
+            self._check_alive(now, stale_after_s)
         return snap
+
+    def _check_alive(self, now: float, stale_after_s: float) -> None:
+        alive = np.less_equal(now - self._last_seen, stale_after_s, out=self.snap.alive)
+        self.any_alive = bool(alive.any())
+        self._checked_at, self._stale_after_s = now, stale_after_s
+        # A live engine turns stale at last_seen + stale_after_s; a stale one only revives by reporting
+        # (a data change). Without a live engine nothing can expire.
+        earliest = float(np.minimum.reduce(self._last_seen[alive])) if self.any_alive else np.inf
+        self._alive_until = earliest + stale_after_s - self._MARGIN_S
+
+    def record_decision(self, row: int) -> None:
+        """The fleet has just counted one more request in flight on `row` (`Fleet.on_decision*`)."""
+        if self._synced == self.fleet.data_version - 1:  # in step until that decision: follow it in place
+            i = self.position.get(row)
+            if i is not None:
+                self.snap.load[i] += 1
+            self._synced = self.fleet.data_version
+
+
+class Decided(NamedTuple):
+    """One decision to share with the other replicas (an entry of `RouteDecisions`)."""
+
+    kind: str
+    request_id: str
+    engine_id: str
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -68,7 +118,7 @@ class Routed:
     """A reply plus, when an engine was chosen, the decision to share with the other replicas."""
 
     reply: RouteDecodeReply | RouteDpReply | ErrorReply
-    decision: RouteDecision | None
+    decision: Decided | None
 
 
 def _unavailable(kind: str, role: str, known: int) -> Routed:
@@ -90,6 +140,15 @@ class RouterCore:
         self.scorer: Scorer | None = None
         self.tables = RoutingTables()
         self._tables_for = -1
+        # Metric children resolved once: `.labels(...)` costs a lock and a dict lookup per call.
+        self._seconds = {kind: metrics.DECISION_SECONDS.labels(kind) for kind in ("decode", "dp")}
+        self._counted: dict[tuple[str, str], Any] = {}
+
+    def _count(self, kind: str, policy: str, fallback: str) -> None:
+        child = self._counted.get((kind, fallback))
+        if child is None:
+            child = self._counted[kind, fallback] = metrics.DECISIONS.labels(kind, policy, fallback)
+        child.inc()
 
     # ----- inputs -----
 
@@ -104,9 +163,17 @@ class RouterCore:
             metrics.TELEMETRY_GAPS.inc()
         return self.fleet.role[self.fleet.index[telemetry.engine_id]] >= 0
 
-    def on_decision(self, decision: RouteDecision, now: float) -> None:
-        if decision.replica_id != self.settings.replica_id:
-            self.fleet.on_decision(decision.engine_id, decision.prompt_tokens, now)
+    def on_decisions(self, decisions: RouteDecisions, now: float) -> None:
+        """Another replica's decisions: count them in flight here too (our own are counted when made)."""
+        if decisions.replica_id != self.settings.replica_id:
+            for engine_id, prompt_tokens in zip(decisions.engine_ids, decisions.prompt_tokens, strict=True):
+                self._record(self.fleet.on_decision(engine_id, prompt_tokens, now))
+
+    def _record(self, row: int) -> None:
+        """Keep the role views in step with a decision the fleet just counted (row -1: unknown engine)."""
+        if row >= 0:
+            self.decode.record_decision(row)
+            self.dp.record_decision(row)
 
     def set_artifact(self, artifact: RoutingArtifact | None) -> None:
         """Swap the routing artifact (hot reload); the next decision uses it."""
@@ -142,11 +209,13 @@ class RouterCore:
     def route_decode(self, request: RouteDecodeRequest, now: float) -> Routed:
         start = time.perf_counter()
         tables = self._decode_tables()
-        snap = self.decode.refresh(now, self.settings.stale_after_s)
-        if not snap.alive.any():
+        view = self.decode
+        snap = view.refresh(now, self.settings.stale_after_s)
+        if not view.any_alive:
             return _unavailable("decode", "decode", snap.size)
         sims, fallback = None, None
-        if "similarity" in self.policy.needs:
+        policy = self.policy
+        if "similarity" in policy.needs:
             if self.scorer is None:
                 fallback = "no_artifact"
             elif request.signature is None:
@@ -156,33 +225,28 @@ class RouterCore:
                     sims = self.scorer.similarities(request.signature, request.layers)
                 except ScoringError as exc:
                     raise SchemaMismatch("signature", str(exc)) from None
-        query = RouteQuery(sims=sims, label=request.label, prompt_tokens=request.prompt_tokens)
-        decision = self.policy(snap, query, self.state, tables)
-        engine_id = snap.engine_ids[decision.index]
-        self.fleet.on_decision(engine_id, request.prompt_tokens, now)
+        decision = policy(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
+        index = decision.index
+        engine_id = snap.engine_ids[index]
+        row = int(view.rows[index])
+        self.fleet.on_decision_row(row, request.prompt_tokens, now)
+        self._record(row)
         elapsed = time.perf_counter() - start
         fallback = fallback or decision.fallback
-        metrics.DECISIONS.labels("decode", self.policy.name, fallback or "").inc()
-        metrics.DECISION_SECONDS.labels("decode").observe(elapsed)
+        self._count("decode", policy.name, fallback or "")
+        self._seconds["decode"].observe(elapsed)
         if decision.band_size:
             metrics.BAND_SIZE.observe(decision.band_size)
         reply = RouteDecodeReply(
             request_id=request.request_id,
             engine_id=engine_id,
-            policy=self.policy.name,
+            policy=policy.name,
             band_size=decision.band_size,
             decision_us=elapsed * 1e6,
             artifact_version=self.artifact.version if self.artifact is not None else None,
             fallback=fallback,
         )
-        shared = RouteDecision(
-            replica_id=self.settings.replica_id,
-            kind="decode",
-            request_id=request.request_id,
-            engine_id=engine_id,
-            prompt_tokens=request.prompt_tokens,
-        )
-        return Routed(reply, shared)
+        return Routed(reply, Decided("decode", request.request_id, engine_id, request.prompt_tokens))
 
     def route_dp(self, request: RouteDpRequest, now: float) -> Routed:
         start = time.perf_counter()
@@ -202,21 +266,16 @@ class RouterCore:
         if index < 0:
             return _unavailable("dp", "dp", snap.size)
         engine_id = snap.engine_ids[index]
-        self.fleet.on_decision(engine_id, request.prompt_tokens, now)
+        row = int(rows[index])
+        self.fleet.on_decision_row(row, request.prompt_tokens, now)
+        self._record(row)
         elapsed = time.perf_counter() - start
-        metrics.DECISIONS.labels("dp", "gimbal", "").inc()
-        metrics.DECISION_SECONDS.labels("dp").observe(elapsed)
+        self._count("dp", "gimbal", "")
+        self._seconds["dp"].observe(elapsed)
         reply = RouteDpReply(
             request_id=request.request_id,
             engine_id=engine_id,
             priority=request.prompt_tokens,
             decision_us=elapsed * 1e6,
         )
-        shared = RouteDecision(
-            replica_id=self.settings.replica_id,
-            kind="dp",
-            request_id=request.request_id,
-            engine_id=engine_id,
-            prompt_tokens=request.prompt_tokens,
-        )
-        return Routed(reply, shared)
+        return Routed(reply, Decided("dp", request.request_id, engine_id, request.prompt_tokens))

@@ -8,6 +8,9 @@ Sequence numbers are checked per engine (the lesson from Dynamo's router): a gap
 older than the last one is dropped, and a sequence that restarts from a low number means the engine
 restarted, so its in-flight compensation is cleared. An engine not heard from within `stale_after_s`
 drops out of the candidate set until it reports again.
+
+Two counters let readers cache what they derive: `version` changes when membership or a role changes,
+`data_version` whenever any column changes (every input below bumps it, a decision by exactly one).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Fleet:
         n = self.capacity
         #: Bumped whenever an engine joins, leaves or changes role: per-role views rebuild on a change.
         self.version = 0
+        #: Bumped by every change to any column (hello, telemetry, decision, forget): derived views re-read.
+        self.data_version = 0
         self.index: dict[str, int] = {}
         self.role = np.full(n, _UNKNOWN_ROLE, np.int8)
         self.ep_group: list[str] = []
@@ -122,6 +127,7 @@ class Fleet:
             self.ep_group.append("")
             self._decisions.append(deque())
             self.version += 1
+            self.data_version += 1
         return row
 
     # ----- inputs -----
@@ -135,6 +141,7 @@ class Fleet:
         self.ep_group[row] = hello.ep_group
         self.max_running[row] = hello.capacity.max_running
         self.last_seen[row] = max(self.last_seen[row], now)
+        self.data_version += 1
 
     def on_telemetry(self, t: Telemetry, now: float) -> None:
         row = self.row(t.engine_id)
@@ -158,16 +165,25 @@ class Fleet:
         self.step_time[row] = t.step_time_ema
         self.expert_pressure[row] = max(t.expert_pressure, 1.0)
         self.last_seen[row] = now
+        self.data_version += 1
         self._expire_decisions(row, now - self.inflight_grace_s)
 
-    def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> None:
-        """A request was sent to this engine (by this or another replica) and is not yet in its telemetry."""
+    def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> int:
+        """A request was sent to this engine (by this or another replica) and is not yet in its telemetry.
+
+        Returns the engine's row, or -1 for an unknown engine (nothing changes then)."""
         row = self.index.get(engine_id)
         if row is None:
-            return
+            return -1
+        self.on_decision_row(row, prompt_tokens, now)
+        return row
+
+    def on_decision_row(self, row: int, prompt_tokens: float, now: float) -> None:
+        """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly)."""
         self._decisions[row].append((now, prompt_tokens))
         self.inflight[row] += 1
         self.inflight_tokens[row] += prompt_tokens
+        self.data_version += 1
 
     def _expire_decisions(self, row: int, before: float) -> None:
         decisions = self._decisions[row]
@@ -197,6 +213,7 @@ class Fleet:
         for name, fill in _FILL.items():
             getattr(self, name)[len(keep) : n] = fill
         self.version += 1
+        self.data_version += 1
         return forgotten
 
     def rows_of(self, role: str) -> np.ndarray:

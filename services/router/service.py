@@ -5,6 +5,11 @@ routing artifact in the KV bucket (hot reload, no restart), and answers `sy.rout
 in the queue group `<prefix>-router`, so replicas can be added and removed freely. On start it asks every
 engine to announce itself, so a restarted replica routes again as soon as the first telemetry arrives
 (~100 ms) instead of waiting for the next periodic hello.
+
+Decisions are shared after the reply is sent, in batches (`RouteDecisions`, one message per
+`share_interval_s`): one publish per request, and one message per decision received by every other replica,
+would cost each replica more than the decision itself. The connection is `no_echo`, so a replica never
+receives its own batches back.
 """
 
 from __future__ import annotations
@@ -15,19 +20,68 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from services.artifacts import ArtifactError, load_artifact
-from services.router.core import Routed, RouterCore
+from services.router.core import Decided, Routed, RouterCore
 from services.router.settings import RouterSettings
 from services.runtime import metrics_endpoint
 from shared.bus import Bus
-from shared.codec import WireModel, encode
-from shared.schemas import Announce, Hello, RouteDecision, RouteDecodeRequest, RouteDpRequest, Telemetry
+from shared.codec import WireModel
+from shared.schemas import (
+    MAX_SHARED_DECISIONS,
+    Announce,
+    Hello,
+    RouteDecisions,
+    RouteDecodeRequest,
+    RouteDpRequest,
+    Telemetry,
+)
 from shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 1.0
+
+
+class DecisionSharer:
+    """Collects this replica's decisions and publishes them as `RouteDecisions`, one message per interval.
+
+    The first decision after a flush wakes the task, which waits `interval_s` (0: one event-loop turn, so
+    the replies of the burst being handled go out first) and publishes everything collected meanwhile.
+    """
+
+    def __init__(self, bus: Bus, replica_id: str, interval_s: float) -> None:
+        self.bus, self.replica_id, self.interval_s = bus, replica_id, interval_s
+        self.pending: list[Decided] = []
+        self.batches = 0
+        self._wake = asyncio.Event()
+
+    def add(self, decided: Decided) -> None:
+        self.pending.append(decided)
+        if len(self.pending) == 1:
+            self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for start in range(0, len(pending), MAX_SHARED_DECISIONS):
+            kinds, request_ids, engine_ids, tokens = zip(*pending[start : start + MAX_SHARED_DECISIONS], strict=True)
+            batch = RouteDecisions(
+                replica_id=self.replica_id,
+                kinds=list(kinds),
+                request_ids=list(request_ids),
+                engine_ids=list(engine_ids),
+                prompt_tokens=list(tokens),
+            )
+            await self.bus.publish(self.bus.subjects.route_decided, batch)
+            self.batches += 1
 
 
 class RouterService:
@@ -36,7 +90,9 @@ class RouterService:
         self.router = router or RouterSettings()
         self.core = RouterCore(self.router)
         self.bus: Bus | None = None
+        self.sharer: DecisionSharer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._serving: list[Subscription] = []
         self.ready = asyncio.Event()
 
     # ----- bus handlers (sync where possible: no task per message) -----
@@ -50,19 +106,19 @@ class RouterService:
                 self.bus.subjects.announce, Announce(requester=self.router.replica_id, engine_id=telemetry.engine_id)
             )
 
-    def _on_decision(self, decision: RouteDecision, _msg: Msg) -> None:
-        self.core.on_decision(decision, time.monotonic())
+    def _on_decisions(self, decisions: RouteDecisions, _msg: Msg) -> None:
+        self.core.on_decisions(decisions, time.monotonic())
 
-    async def _share(self, routed: Routed) -> WireModel:
-        if routed.decision is not None and self.bus is not None:
-            await self.bus.nc.publish(self.bus.subjects.route_decided, encode(routed.decision))
+    def _share(self, routed: Routed) -> WireModel:
+        if routed.decision is not None and self.sharer is not None:
+            self.sharer.add(routed.decision)
         return routed.reply
 
-    async def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
-        return await self._share(self.core.route_decode(request, time.monotonic()))
+    def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
+        return self._share(self.core.route_decode(request, time.monotonic()))
 
-    async def _route_dp(self, request: RouteDpRequest) -> WireModel:
-        return await self._share(self.core.route_dp(request, time.monotonic()))
+    def _route_dp(self, request: RouteDpRequest) -> WireModel:
+        return self._share(self.core.route_dp(request, time.monotonic()))
 
     # ----- artifact -----
 
@@ -105,17 +161,24 @@ class RouterService:
     # ----- lifecycle -----
 
     async def start(self, servers: list[str] | None = None) -> None:
-        self.bus = bus = await Bus.connect(self.settings, name=self.router.replica_id, servers=servers)
+        self.bus = bus = await Bus.connect(self.settings, name=self.router.replica_id, servers=servers, no_echo=True)
         s = bus.subjects
+        self.sharer = DecisionSharer(bus, self.router.replica_id, self.router.share_interval_s)
         await bus.subscribe(s.all_hello, Hello, self._on_hello)
         await bus.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
-        await bus.subscribe(s.route_decided, RouteDecision, self._on_decision)
-        self._tasks = [asyncio.create_task(self._watch_artifact()), asyncio.create_task(self._housekeeping())]
+        await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)
+        self._tasks = [
+            asyncio.create_task(self._watch_artifact()),
+            asyncio.create_task(self._housekeeping()),
+            asyncio.create_task(self.sharer.run()),
+        ]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout=5)
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
-        await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue)
-        await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue)
+        self._serving = [
+            await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue),
+            await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue),
+        ]
         await bus.nc.flush()
         log.info(
             "router %s serving %s and %s (policy %s)",
@@ -126,12 +189,18 @@ class RouterService:
         )
 
     async def stop(self) -> None:
+        for sub in self._serving:  # answer what has arrived, take nothing more
+            with contextlib.suppress(Exception):
+                await sub.drain()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.bus is not None:
+            if self.sharer is not None:  # the last decisions still count on the other replicas
+                with contextlib.suppress(Exception):
+                    await self.sharer.flush()
             await self.bus.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
