@@ -261,10 +261,18 @@ class Bus:
         schema: type[M],
         handler: Callable[[M], Awaitable[WireModel] | WireModel],
         queue: str = "",
+        *,
+        idle: Callable[[], Awaitable[None]] | None = None,
     ) -> Subscription:
-        """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply."""
+        """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply.
+
+        `idle`, if given, is awaited after a reply when no further request is waiting on this subscription
+        (the end of a burst). It runs before nats-py's flusher, so what it publishes leaves in the same socket
+        write as the burst's replies; a failure in it is logged and counted, never fatal.
+        """
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
+        subscription: list[Subscription] = []  # bound once subscribed (a request may be handled before that)
 
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
@@ -272,19 +280,26 @@ class Bus:
                 return
             request = decode_one(msg.data)
             if isinstance(request, WireError):
-                await msg.respond(encode(ErrorReply.from_exception(request)))
-                return
-            try:
-                result = handler(request)
-                answer = await result if is_async else result  # type: ignore[misc]
-                payload = encode(answer)  # type: ignore[arg-type]
-            except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
-                REJECTED.labels(subject, exc.code).inc()
-                payload = encode(ErrorReply.from_exception(exc))
-            except Exception as exc:
-                HANDLER_ERRORS.labels(subject).inc()
-                log.exception("handler for %s failed", subject)
-                payload = encode(ErrorReply.from_exception(exc))
+                payload = encode(ErrorReply.from_exception(request))
+            else:
+                try:
+                    result = handler(request)
+                    answer = await result if is_async else result  # type: ignore[misc]
+                    payload = encode(answer)  # type: ignore[arg-type]
+                except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
+                    REJECTED.labels(subject, exc.code).inc()
+                    payload = encode(ErrorReply.from_exception(exc))
+                except Exception as exc:
+                    HANDLER_ERRORS.labels(subject).inc()
+                    log.exception("handler for %s failed", subject)
+                    payload = encode(ErrorReply.from_exception(exc))
             await msg.respond(payload)
+            if idle is not None and (not subscription or subscription[0].pending_msgs == 0):
+                try:
+                    await idle()
+                except Exception:
+                    HANDLER_ERRORS.labels(subject).inc()
+                    log.exception("idle hook of %s failed", subject)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=_on_request)
+        subscription.append(await self.nc.subscribe(subject, queue=queue, cb=_on_request))
+        return subscription[0]

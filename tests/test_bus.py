@@ -59,6 +59,30 @@ async def test_no_echo_connection_does_not_receive_its_own_publishes(bus: Bus, s
         await quiet.close()
 
 
+async def test_serve_calls_idle_after_each_burst_and_survives_its_failure(bus: Bus) -> None:
+    handled: list[str] = []
+    idle_after: list[int] = []
+
+    def handler(request: s.RouteDpRequest) -> s.RouteDpReply:
+        handled.append(request.request_id)
+        return s.RouteDpReply(request_id=request.request_id, engine_id="e1", priority=1, decision_us=1.0)
+
+    async def idle() -> None:
+        idle_after.append(len(handled))
+        if len(idle_after) == 1:
+            raise RuntimeError("the first idle call fails")
+
+    subject = bus.subjects.route_dp
+    await bus.serve(subject, s.RouteDpRequest, handler, idle=idle)
+    await bus.request(subject, s.RouteDpRequest(request_id="alone", prompt_tokens=1), s.RouteDpReply, timeout=2)
+    requests = [s.RouteDpRequest(request_id=f"r{i}", prompt_tokens=1) for i in range(30)]
+    replies = await asyncio.gather(*[bus.request(subject, r, s.RouteDpReply, timeout=2) for r in requests])
+    assert len(replies) == 30  # still serving after the hook failed
+    assert idle_after[0] == 1 and idle_after[-1] == 31 and len(idle_after) <= 31
+    await bus.nc.request(subject, b"not msgpack", timeout=2)  # an error reply ends a burst too
+    assert idle_after[-1] == 31 and len(idle_after) >= 3
+
+
 async def test_publish_subscribe_delivers_decoded_messages(bus: Bus) -> None:
     got: list[s.Telemetry] = []
     done = asyncio.Event()

@@ -22,6 +22,7 @@ from shared.codec import (
     decode,
     decode_reply,
     encode,
+    encode_unchecked,
 )
 from shared.errors import (
     ArrayMismatch,
@@ -77,6 +78,23 @@ def test_encoding_is_the_packed_model_dump(schema: type) -> None:
         assert encode(message) == msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
 
     check()
+
+
+@pytest.mark.parametrize("schema", [c for c in ALL_MESSAGES if _is_flat(c)], ids=lambda c: c.__name__)
+def test_unchecked_encoding_of_flat_messages_is_encode(schema: type) -> None:
+    @settings(max_examples=40, deadline=None)
+    @given(ALL_MESSAGES[schema])
+    def check(message: Any) -> None:
+        fields = {k: v for k, v in message.__dict__.items() if k != "v"}
+        assert encode_unchecked(schema, fields) == encode(message)
+        defaults_left_out = {k: v for k, v in fields.items() if schema.model_fields[k].is_required()}
+        assert decode(encode_unchecked(schema, defaults_left_out), schema).model_dump().keys() == fields.keys() | {"v"}
+
+    check()
+    with pytest.raises(KeyError):
+        encode_unchecked(schema, {})
+    with pytest.raises(TypeError):
+        encode_unchecked(s.RouteDecodeRequest, {"request_id": "r", "prompt_tokens": 1})
 
 
 def test_flat_messages_take_the_fast_path() -> None:

@@ -227,17 +227,18 @@ async def test_decisions_are_shared_in_batches_and_none_is_lost_on_stop(bus: Bus
         await engines.report()
         await _settle()
         replies = await asyncio.gather(*[_route(bus, f"r{i}") for i in range(30)])
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the interval's timer publishes what the last bursts left
         shared = {r: (k, e) for b in batches for k, r, e in zip(b.kinds, b.request_ids, b.engine_ids, strict=True)}
         assert shared == {r.request_id: ("decode", r.engine_id) for r in replies}  # each decision, once
         assert sum(len(b.request_ids) for b in batches) == 30 and len(batches) < 30
         assert {b.replica_id for b in batches} == {"replica-a"}
         assert router.core.fleet.inflight[: len(router.core.fleet)].sum() == 30  # counted once, when made
         batches.clear()
-        await _route(bus, "last")
-        await router.stop()  # well within the 50 ms interval: the pending decision is flushed, not dropped
+        await _route(bus, "first")  # more than 50 ms since the last batch: shared with its reply
+        await _route(bus, "second")  # within 50 ms of that: waits for the interval...
+        await router.stop()  # ...which a stop does not wait out, nor drop
         await asyncio.sleep(0.2)
-        assert [r for b in batches for r in b.request_ids] == ["last"]
+        assert [r for b in batches for r in b.request_ids] == ["first", "second"]
     finally:
         await router.stop()
 

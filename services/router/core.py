@@ -9,7 +9,6 @@ messages and sends back what it returns; tests drive it directly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -113,8 +112,7 @@ class Decided(NamedTuple):
     prompt_tokens: int
 
 
-@dataclass(frozen=True)
-class Routed:
+class Routed(NamedTuple):
     """A reply plus, when an engine was chosen, the decision to share with the other replicas."""
 
     reply: RouteDecodeReply | RouteDpReply | ErrorReply
@@ -140,8 +138,10 @@ class RouterCore:
         self.scorer: Scorer | None = None
         self.tables = RoutingTables()
         self._tables_for = -1
-        # Metric children resolved once: `.labels(...)` costs a lock and a dict lookup per call.
-        self._seconds = {kind: metrics.DECISION_SECONDS.labels(kind) for kind in ("decode", "dp")}
+        # Metric children resolved once (`.labels(...)` costs a lock and a dict lookup per call); histogram
+        # observations are folded in bulk by `housekeeping`.
+        self._seconds = {kind: metrics.Batched(metrics.DECISION_SECONDS.labels(kind)) for kind in ("decode", "dp")}
+        self._band = metrics.Batched(metrics.BAND_SIZE)
         self._counted: dict[tuple[str, str], Any] = {}
 
     def _count(self, kind: str, policy: str, fallback: str) -> None:
@@ -182,8 +182,14 @@ class RouterCore:
         self._tables_for = -1
         metrics.ARTIFACT_VERSION.set(artifact.version if artifact is not None else 0)
 
+    def flush_metrics(self) -> None:
+        """Fold the decisions' batched histogram observations into the Prometheus histograms."""
+        for batched in (*self._seconds.values(), self._band):
+            batched.flush()
+
     def housekeeping(self, now: float) -> None:
-        """Periodic: forget long-silent engines, export liveness gauges."""
+        """Periodic: forget long-silent engines, export liveness gauges and the batched observations."""
+        self.flush_metrics()
         self.fleet.forget(now, self.settings.forget_after_s)
         metrics.STALE_ENGINES.set(self.fleet.stale_count(now))
         for role in ("prefill", "decode", "dp"):
@@ -236,7 +242,7 @@ class RouterCore:
         self._count("decode", policy.name, fallback or "")
         self._seconds["decode"].observe(elapsed)
         if decision.band_size:
-            metrics.BAND_SIZE.observe(decision.band_size)
+            self._band.observe(decision.band_size)
         reply = RouteDecodeReply(
             request_id=request.request_id,
             engine_id=engine_id,

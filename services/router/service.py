@@ -6,10 +6,9 @@ in the queue group `<prefix>-router`, so replicas can be added and removed freel
 engine to announce itself, so a restarted replica routes again as soon as the first telemetry arrives
 (~100 ms) instead of waiting for the next periodic hello.
 
-Decisions are shared after the reply is sent, in batches (`RouteDecisions`, one message per
-`share_interval_s`): one publish per request, and one message per decision received by every other replica,
-would cost each replica more than the decision itself. The connection is `no_echo`, so a replica never
-receives its own batches back.
+Decisions are shared after their replies, in batches (`RouteDecisions`, see `DecisionSharer`): one publish
+per request, and one message per decision received by every other replica, would cost each replica more
+than the decision itself. The connection is `no_echo`, so a replica never receives its own batches back.
 """
 
 from __future__ import annotations
@@ -17,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.artifacts import ArtifactError, load_artifact
-from services.router.core import Decided, Routed, RouterCore
+from services.router.core import Decided, RouterCore
 from services.router.settings import RouterSettings
 from services.runtime import metrics_endpoint
 from shared.bus import Bus
-from shared.codec import WireModel
+from shared.codec import WireModel, encode_unchecked
 from shared.schemas import (
     MAX_SHARED_DECISIONS,
     Announce,
@@ -45,43 +45,62 @@ HOUSEKEEPING_S = 1.0
 
 
 class DecisionSharer:
-    """Collects this replica's decisions and publishes them as `RouteDecisions`, one message per interval.
+    """Collects this replica's decisions and publishes them as `RouteDecisions`.
 
-    The first decision after a flush wakes the task, which waits `interval_s` (0: one event-loop turn, so
-    the replies of the burst being handled go out first) and publishes everything collected meanwhile.
+    `idle` runs at the end of each burst of requests (`Bus.serve`'s hook): the batch is published there, in
+    the same socket write as the burst's replies, unless the previous batch left less than `interval_s` ago;
+    then a timer publishes it when the interval is up (unless a later burst does first). So each decision is
+    shared after its reply, at most `interval_s` late, in at most one message per `interval_s`.
     """
 
     def __init__(self, bus: Bus, replica_id: str, interval_s: float) -> None:
         self.bus, self.replica_id, self.interval_s = bus, replica_id, interval_s
         self.pending: list[Decided] = []
         self.batches = 0
-        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._last = -math.inf  # loop time of the last publication
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, decided: Decided) -> None:
         self.pending.append(decided)
-        if len(self.pending) == 1:
-            self._wake.set()
 
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(self.interval_s)
+    async def idle(self) -> None:
+        if not self.pending:
+            return
+        due = self._last + self.interval_s
+        if self._loop.time() >= due:
             await self.flush()
+        elif self._timer is None:
+            self._timer = self._loop.call_at(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.pending:
+            task = self._loop.create_task(self.flush())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def flush(self) -> None:
+        """Publish everything pending now (values validated on their way in: no re-validation)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._last = self._loop.time()
         pending, self.pending = self.pending, []
         for start in range(0, len(pending), MAX_SHARED_DECISIONS):
             kinds, request_ids, engine_ids, tokens = zip(*pending[start : start + MAX_SHARED_DECISIONS], strict=True)
-            batch = RouteDecisions(
-                replica_id=self.replica_id,
-                kinds=list(kinds),
-                request_ids=list(request_ids),
-                engine_ids=list(engine_ids),
-                prompt_tokens=list(tokens),
-            )
-            await self.bus.publish(self.bus.subjects.route_decided, batch)
+            columns = {"kinds": kinds, "request_ids": request_ids, "engine_ids": engine_ids, "prompt_tokens": tokens}
+            payload = encode_unchecked(RouteDecisions, {"replica_id": self.replica_id, **columns})
+            await self.bus.nc.publish(self.bus.subjects.route_decided, payload)
             self.batches += 1
+
+    async def close(self) -> None:
+        """Publish what is pending and stop the timer (the replica is going away)."""
+        await self.flush()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 class RouterService:
@@ -109,16 +128,17 @@ class RouterService:
     def _on_decisions(self, decisions: RouteDecisions, _msg: Msg) -> None:
         self.core.on_decisions(decisions, time.monotonic())
 
-    def _share(self, routed: Routed) -> WireModel:
-        if routed.decision is not None and self.sharer is not None:
-            self.sharer.add(routed.decision)
-        return routed.reply
-
     def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
-        return self._share(self.core.route_decode(request, time.monotonic()))
+        reply, decided = self.core.route_decode(request, time.monotonic())
+        if decided is not None and self.sharer is not None:
+            self.sharer.add(decided)
+        return reply
 
     def _route_dp(self, request: RouteDpRequest) -> WireModel:
-        return self._share(self.core.route_dp(request, time.monotonic()))
+        reply, decided = self.core.route_dp(request, time.monotonic())
+        if decided is not None and self.sharer is not None:
+            self.sharer.add(decided)
+        return reply
 
     # ----- artifact -----
 
@@ -167,17 +187,14 @@ class RouterService:
         await bus.subscribe(s.all_hello, Hello, self._on_hello)
         await bus.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)
-        self._tasks = [
-            asyncio.create_task(self._watch_artifact()),
-            asyncio.create_task(self._housekeeping()),
-            asyncio.create_task(self.sharer.run()),
-        ]
+        self._tasks = [asyncio.create_task(self._watch_artifact()), asyncio.create_task(self._housekeeping())]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout=5)
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
+        share = self.sharer.idle
         self._serving = [
-            await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue),
-            await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue),
+            await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue, idle=share),
+            await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue, idle=share),
         ]
         await bus.nc.flush()
         log.info(
@@ -200,7 +217,7 @@ class RouterService:
         if self.bus is not None:
             if self.sharer is not None:  # the last decisions still count on the other replicas
                 with contextlib.suppress(Exception):
-                    await self.sharer.flush()
+                    await self.sharer.close()
             await self.bus.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
