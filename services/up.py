@@ -44,7 +44,7 @@ from services.router.settings import RouterSettings
 from shared.bus import Bus
 from shared.db import Migration, Placement, create_async_db
 from shared.db.engine import upgrade
-from shared.embedded import EmbeddedNats
+from shared.embedded import EmbeddedNats, free_port
 from shared.schemas import RoutingArtifact
 from shared.settings import SwitchyardSettings
 from solver.eldr_fit import FitOptions, fit_routing_artifact
@@ -305,6 +305,8 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
         update={"nats_servers": [infra.nats_url], "database_url": infra.database_url}
     )
     api = ApiSettings(**({"port": options.api_port} if options.api_port is not None else {}))
+    if api.port == 0:  # any free port, but one we can print
+        api = api.model_copy(update={"port": free_port(api.host)})
     stop_services = asyncio.Event()
     router = RouterService(services_settings, RouterSettings(policy=options.policy, seed=options.seed))
     await router.start()
