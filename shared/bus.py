@@ -189,10 +189,13 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Every stream of the bus contract (see `Subjects.streams`)."""
+        # Bounded by age and count, never by `max_bytes`: JetStream reserves a stream's max_bytes on disk up
+        # front, which would make the streams refuse to exist on a small disk.
+        week = 7 * 24 * 3600.0
         limits = {
-            self.subjects.expert_load_stream: {"max_age": 7 * 24 * 3600.0, "max_bytes": 2 << 30},
+            self.subjects.expert_load_stream: {"max_age": week, "max_msgs": 1_000_000},
             self.subjects.placement_stream: {"max_msgs": 100_000},
-            self.subjects.calibration_stream: {"max_msgs": 200_000, "max_bytes": 4 << 30},
+            self.subjects.calibration_stream: {"max_age": week, "max_msgs": 50_000},
         }
         for name, subjects in self.subjects.streams().items():
             await self.ensure_stream(name, subjects, **limits.get(name, {}))
