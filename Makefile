@@ -22,6 +22,14 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## bench: the benchmarks, each printing its figures (long ones have their own options; see docs/)
+bench: $(STAMP)
+	$(BIN)/python bench/eldr_decision.py --calls 2000
+	$(BIN)/python bench/bench_routing.py --n 5000
+	$(BIN)/python bench/eldr_fit_time.py --repeats 1
+	$(BIN)/python bench/bench_placement.py --sections speed
+	$(BIN)/python bench/bench_sim.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

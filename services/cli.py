@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from engine_agents.sim.live import LiveFleetConfig
 
 app = typer.Typer(
     name="switchyard",
@@ -51,12 +55,42 @@ def up(
     nats_url: NatsUrl = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
-    duration: Annotated[float | None, typer.Option(help="Stop after this many seconds.")] = None,
+    duration: Annotated[float, typer.Option(help="Seconds of simulated load (0: until Ctrl-C).")] = 60.0,
+    policy: Annotated[str, typer.Option(help="Decode policy: eldr, jsq, p2c, rr, random, eldr-tau0, ...")] = "eldr",
+    prefill: Annotated[int, typer.Option(min=1, help="Simulated prefill engines.")] = 2,
+    decode: Annotated[int, typer.Option(min=1, help="Simulated decode engines.")] = 4,
+    gpus_per_decoder: Annotated[int, typer.Option(min=1, help="Expert-parallel GPUs per decoder.")] = 2,
+    gpu: Annotated[str, typer.Option(help="GPU preset of the simulated engines (H100, H200, MI300X).")] = "H100",
+    speed: Annotated[float, typer.Option(min=0.01, help="Simulated seconds per wall second.")] = 1.0,
+    time_scale: Annotated[float, typer.Option(help="Compress the Azure trace's arrival times by this.")] = 10.0,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate instead (req/s).")] = None,
+    refit: Annotated[bool, typer.Option(help="Fit a new routing artifact even if one exists.")] = False,
+    api_port: Annotated[int | None, typer.Option(help="API port (default SWITCHYARD_API_PORT, 8080).")] = None,
+    services_only: Annotated[bool, typer.Option(help="Only the control plane: no simulated fleet or load.")] = False,
+    seed: int = 0,
 ) -> None:
-    """Run the control plane (embedded NATS + SQLite unless told otherwise) until Ctrl-C."""
-    from services.up import run_up
+    """Run the whole control plane and a simulated fleet (embedded NATS + SQLite unless told otherwise)."""
+    from services.up import UpOptions, run_up
+    from solver.routing import DECODE_POLICIES
 
-    asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), duration=duration))
+    if policy not in DECODE_POLICIES:
+        raise typer.BadParameter(f"unknown policy {policy!r}; choose from {', '.join(DECODE_POLICIES)}")
+    options = UpOptions(
+        duration_s=duration or None,
+        policy=policy,
+        prefill=prefill,
+        decode=decode,
+        gpus_per_decoder=gpus_per_decoder,
+        gpu=gpu,
+        speed=speed,
+        time_scale=time_scale,
+        rate=rate,
+        refit=refit,
+        api_port=api_port,
+        services_only=services_only,
+        seed=seed,
+    )
+    asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), options))
 
 
 @app.command()
@@ -195,6 +229,75 @@ def router(
     settings = load_settings(nats_url)
     router_settings = RouterSettings(**({"policy": policy} if policy else {}))
     run_until_signalled(RouterService(settings, router_settings).run)
+
+
+FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]
+TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: the shipped ESFT trace).")]
+
+
+def _fleet_config(
+    name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float
+) -> LiveFleetConfig:
+    from engine_agents.sim.live import LiveFleetConfig
+
+    return LiveFleetConfig(
+        prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name
+    )
+
+
+@app.command()
+def fleet(
+    nats_url: NatsUrl = None,
+    trace: TracePath = None,
+    name: FleetName = "sim",
+    prefill: Annotated[int, typer.Option(min=1)] = 2,
+    decode: Annotated[int, typer.Option(min=1)] = 4,
+    gpus_per_decoder: Annotated[int, typer.Option(min=1)] = 2,
+    gpu: str = "H100",
+    speed: Annotated[float, typer.Option(min=0.01, help="Simulated seconds per wall second.")] = 1.0,
+    seed: int = 0,
+) -> None:
+    """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol)."""
+    from engine_agents.sim.processes import run_fleet
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url)
+    config = _fleet_config(name, prefill, decode, gpus_per_decoder, gpu, speed)
+    path = trace or settings.shared_data_dir / "routing" / "esft_deepseek_v2_lite"
+    run_until_signalled(lambda stop: run_fleet(settings, config, path, seed, stop))
+
+
+@app.command()
+def loadgen(
+    nats_url: NatsUrl = None,
+    trace: TracePath = None,
+    name: FleetName = "sim",
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill engines of the target fleet.")] = 2,
+    decode: Annotated[int, typer.Option(min=1, help="Decode engines of the target fleet.")] = 4,
+    gpus_per_decoder: Annotated[int, typer.Option(min=1)] = 2,
+    gpu: str = "H100",
+    speed: Annotated[float, typer.Option(min=0.01)] = 1.0,
+    num_requests: Annotated[int, typer.Option(min=1)] = 1000,
+    requests: Annotated[Path | None, typer.Option(help="Azure-format request CSV (arrivals and lengths).")] = None,
+    time_scale: float = 10.0,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate (req/s).")] = None,
+    seed: int = 0,
+) -> None:
+    """Replay a request trace against a running simulated fleet and print TTFT/TPOT as JSON."""
+    from engine_agents.sim.processes import run_loadgen
+    from services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url)
+    config = _fleet_config(name, prefill, decode, gpus_per_decoder, gpu, speed)
+    path = trace or settings.shared_data_dir / "routing" / "esft_deepseek_v2_lite"
+    if requests is None and rate is None:
+        requests = settings.shared_data_dir / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+
+    async def main(stop: asyncio.Event) -> None:
+        result = await run_loadgen(settings, config, path, seed, num_requests, requests, time_scale, rate, stop)
+        typer.echo(json.dumps(result))
+
+    run_until_signalled(main)
 
 
 @db_app.command("upgrade")

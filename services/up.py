@@ -1,26 +1,55 @@
-"""`switchyard up`: the whole control plane on one machine.
+"""`switchyard up`: the whole control plane, and a simulated fleet to control, on one machine.
 
 With no external servers given it starts a private nats-server (JetStream) and uses a SQLite file, both
-under the data dir; it creates the bus contract's streams and KV bucket, brings the schema to head, prints
-where everything is, and runs until Ctrl-C / SIGTERM (or `--duration`), then stops in reverse order.
+under the data dir, then:
+
+1. fits the ELDR routing artifact on the calibration part of the shipped ESFT routing trace, unless the KV
+   bucket already holds one for this fleet's decoders (file, database row and KV bucket, as `switchyard fit`);
+2. starts the router, placement, migration and API services (each also deployable alone: `switchyard router`,
+   `placement`, `migration`, `api`);
+3. starts a live simulated xPyD fleet (`engine_agents.sim.live`) replaying the trace's held-out requests,
+   and a load generator replaying the Azure conversation trace against it for `--duration` seconds;
+4. shows a live table of per-engine load (from the engines' telemetry on the bus) and running TTFT/TPOT,
+   then a summary; Ctrl-C or SIGTERM stops everything in reverse order, leaving no process behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from sqlalchemy import func, select
 
+from engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from engine_agents.sim.loadgen import LoadGenerator
+from engine_agents.sim.scenario import Scenario, prepare
+from engine_agents.sim.workload import load_request_csv
+from services.api.server import run_api
+from services.api.settings import ApiSettings
+from services.artifacts import get_artifact_kv, publish_artifact
+from services.fleet import FleetView
+from services.migration.service import run_migration
+from services.placement.service import run_placement
+from services.router.service import RouterService
+from services.router.settings import RouterSettings
 from shared.bus import Bus
+from shared.db import Migration, Placement, create_async_db
 from shared.db.engine import upgrade
-from shared.embedded import EmbeddedNats
+from shared.embedded import EmbeddedNats, free_port
+from shared.schemas import RoutingArtifact
 from shared.settings import SwitchyardSettings
+from solver.eldr_fit import FitOptions, fit_routing_artifact
 
+log = logging.getLogger(__name__)
 console = Console()
 
 
@@ -58,7 +87,30 @@ async def infrastructure(settings: SwitchyardSettings) -> AsyncIterator[Infrastr
             await asyncio.to_thread(embedded.stop)
 
 
-def _describe(infra: Infrastructure, settings: SwitchyardSettings) -> Table:
+@dataclass
+class UpOptions:
+    duration_s: float | None = 60.0
+    policy: str = "eldr"
+    prefill: int = 2
+    decode: int = 4
+    gpus_per_decoder: int = 2
+    gpu: str = "H100"
+    #: Simulated seconds per wall second for the fleet (lower it on a slow machine).
+    speed: float = 1.0
+    #: Request arrivals and lengths: the Azure conversation trace, its time divided by `time_scale`.
+    time_scale: float = 10.0
+    rate: float | None = None
+    requests_csv: Path | None = None
+    trace: Path | None = None
+    seed: int = 0
+    refit: bool = False
+    api_port: int | None = None
+    #: Only the control plane (no simulated fleet, no load): what operators run beside real engines.
+    services_only: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _describe(infra: Infrastructure, settings: SwitchyardSettings, api_url: str | None) -> Table:
     table = Table(title="Switchyard control plane", show_header=False)
     nats_kind = "embedded" if infra.embedded_nats else "external"
     table.add_row("NATS", f"{infra.nats_url} ({nats_kind})")
@@ -75,22 +127,289 @@ def _describe(infra: Infrastructure, settings: SwitchyardSettings) -> Table:
     )
     table.add_row("streams", ", ".join(subjects.streams()))
     table.add_row("KV bucket", subjects.router_bucket)
+    if api_url:
+        table.add_row("API", f"{api_url}/docs (OpenAPI), {api_url}/v1/engines, {api_url}/metrics")
     return table
 
 
-async def run_up(settings: SwitchyardSettings, duration: float | None = None) -> None:
+async def ensure_artifact(
+    infra: Infrastructure,
+    scenario: Scenario,
+    decoder_ids: list[str],
+    settings: SwitchyardSettings,
+    refit: bool,
+    seed: int,
+) -> tuple[RoutingArtifact, bool]:
+    """The KV bucket's artifact if it was fitted for these decoders and this model; else fit and publish one."""
+    current = await get_artifact_kv(infra.bus)
+    model = scenario.model
+    if (
+        current is not None
+        and not refit
+        and current.decoder_ids == decoder_ids
+        and (current.model.num_layers, current.model.num_experts) == (model.moe_layers, model.num_experts)
+    ):
+        return current, False
+    calibration = scenario.counts.subset(scenario.calib)
+    artifact, report = await asyncio.to_thread(
+        fit_routing_artifact, calibration, len(decoder_ids), FitOptions(seed=seed), decoder_ids=decoder_ids
+    )
+    versioned = await publish_artifact(
+        artifact,
+        report,
+        out=settings.data_dir / "routing-artifact.msgpack",
+        database_url=infra.database_url,
+        bus=infra.bus,
+    )
+    return versioned, True
+
+
+def _ms(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}"  # NaN-safe
+
+
+def _live_table(view: FleetView, loadgen: LoadGenerator, fleet: LiveFleet, started: float) -> Group:
+    engines = Table(title="engines (from their telemetry on the bus)")
+    for column in ("engine", "role", "running", "waiting", "KV %", "step ms", "expert pressure", "migrating"):
+        engines.add_column(column, justify="right" if column not in ("engine", "role") else "left")
+    for engine_id in sorted(view.engines):
+        state = view.engines[engine_id]
+        t, hello = state.telemetry, state.hello
+        if t is None or hello is None:
+            continue
+        stale = " (stale)" if view.is_stale(state) else ""
+        engines.add_row(
+            engine_id + stale,
+            hello.role,
+            str(t.num_running),
+            str(t.num_waiting),
+            f"{t.kv_usage * 100:.0f}",
+            f"{t.step_time_ema * 1e3:.2f}",
+            f"{t.expert_pressure:.2f}",
+            "yes" if t.migrating else "",
+        )
+    done = loadgen.completions
+    recent, overall = done.summary(recent=200), done.summary()
+    latency = Table(title=f"requests: {loadgen.sent} sent, {len(done)} done, {time.monotonic() - started:.0f} s")
+    for column in ("window", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
+        latency.add_column(column, justify="right")
+    for name, s in (("last 200", recent), ("all", overall)):
+        latency.add_row(
+            name, _ms(s["ttft_p50_ms"]), _ms(s["ttft_p99_ms"]), _ms(s["tpot_p50_ms"]), _ms(s["tpot_p99_ms"])
+        )
+    behind = fleet.behind_s()
+    note = (
+        f"fleet keeps up with the wall clock (behind {behind * 1e3:.1f} ms)"
+        if behind < 0.05
+        else (f"[yellow]fleet is {behind:.2f} s behind the wall clock: lower --speed[/yellow]")
+    )
+    return Group(engines, latency, note)
+
+
+async def _history_counts(database_url: str) -> dict[str, int]:
+    engine, sessions = create_async_db(database_url)
+    try:
+        async with sessions() as session:
+            placements = (
+                await session.execute(select(Placement.status, func.count()).group_by(Placement.status))
+            ).all()
+            migrations = (await session.execute(select(Migration.state, func.count()).group_by(Migration.state))).all()
+        counts = {f"placements {status}": n for status, n in placements}
+        counts.update({f"migrations {state}": n for state, n in migrations})
+        return counts
+    finally:
+        await engine.dispose()
+
+
+def _summary(
+    options: UpOptions,
+    loadgen: LoadGenerator,
+    fleet: LiveFleet,
+    artifact: RoutingArtifact,
+    history: dict[str, int],
+    elapsed: float,
+) -> Table:
+    s = loadgen.completions.summary()
+    table = Table(title=f"summary: policy {options.policy}, {options.prefill}P{options.decode}D", show_header=False)
+    table.add_row("workload", loadgen.workload.description)
+    table.add_row(
+        "requests",
+        f"{loadgen.sent} sent, {len(loadgen.completions)} completed, {fleet.counters.rejected} rejected by the fleet",
+    )
+    table.add_row(
+        "throughput",
+        f"{len(loadgen.completions) / max(elapsed, 1e-9):.1f} req/s, "
+        f"{loadgen.completions.tokens / max(elapsed, 1e-9):.0f} output tokens/s (wall)",
+    )
+    table.add_row("TTFT p50 / p99", f"{_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p99_ms'])} ms (simulated time)")
+    table.add_row("TPOT p50 / p99", f"{_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p99_ms'])} ms (simulated time)")
+    table.add_row(
+        "routing artifact",
+        f"v{artifact.version}, K={artifact.centroids.shape[0]}, "
+        f"{len(artifact.layer_mask)} layers, rho {artifact.rho:.3f}, mean band {s['mean_band_size']:.2f}",
+    )
+    by_engine = loadgen.completions.by_engine
+    table.add_row("requests per decoder", ", ".join(f"{e} {by_engine[e]}" for e in sorted(by_engine)))
+    fallbacks = dict(loadgen.completions.fallbacks)
+    table.add_row("routing fallbacks", ", ".join(f"{k} {v}" for k, v in fallbacks.items()) or "none")
+    table.add_row("history", ", ".join(f"{k} {v}" for k, v in sorted(history.items())) or "no placements yet")
+    return table
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`; True if `stop` was set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    return stop.is_set()
+
+
+def _log_to_console_and_file(settings: SwitchyardSettings) -> Path:
+    """Warnings to the console (through rich, so they don't tear the live table), everything to a file."""
+    from rich.logging import RichHandler
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.data_dir / "switchyard.log"
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_file.setLevel(settings.log_level)
+    to_console = RichHandler(console=console, show_path=False)
+    to_console.setLevel(logging.WARNING)
+    root.addHandler(to_file)
+    root.addHandler(to_console)
+    root.setLevel(min(logging.getLevelName(settings.log_level), logging.WARNING))
+    return path
+
+
+async def run_up(settings: SwitchyardSettings, options: UpOptions | None = None) -> None:
+    options = options or UpOptions()
+    log_path = _log_to_console_and_file(settings)
+    console.print(f"logs: {log_path}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         async with infrastructure(settings) as infra:
-            console.print(_describe(infra, settings))
-            console.print("[green]up[/green] - Ctrl-C to stop")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=duration)
-            console.print("stopping...")
+            await _run(settings, options, infra, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     console.print("[green]stopped cleanly[/green]")
+
+
+async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastructure, stop: asyncio.Event) -> None:
+    services_settings = settings.model_copy(
+        update={"nats_servers": [infra.nats_url], "database_url": infra.database_url}
+    )
+    api = ApiSettings(**({"port": options.api_port} if options.api_port is not None else {}))
+    if api.port == 0:  # any free port, but one we can print
+        api = api.model_copy(update={"port": free_port(api.host)})
+    stop_services = asyncio.Event()
+    router = RouterService(services_settings, RouterSettings(policy=options.policy, seed=options.seed))
+    await router.start()
+    tasks = [
+        asyncio.create_task(run_placement(services_settings, stop_services), name="placement"),
+        asyncio.create_task(run_migration(services_settings, stop_services), name="migration"),
+        asyncio.create_task(run_api(services_settings, stop_services, api), name="api"),
+    ]
+    console.print(_describe(infra, settings, f"http://{api.host}:{api.port}"))
+    try:
+        if options.services_only:
+            console.print("[green]up[/green] - control plane only; Ctrl-C to stop")
+            await _wait(stop, options.duration_s if options.duration_s is not None else float("inf"))
+        else:
+            await _run_fleet(settings, options, infra, stop, tasks)
+        console.print("stopping...")
+    finally:
+        await router.stop()
+        stop_services.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for task, result in zip(tasks, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                console.print(f"[red]{task.get_name()} service failed: {result}[/red]")
+
+
+async def _run_fleet(
+    settings: SwitchyardSettings,
+    options: UpOptions,
+    infra: Infrastructure,
+    stop: asyncio.Event,
+    services: list[asyncio.Task[None]],
+) -> None:
+    data = settings.shared_data_dir
+    trace = options.trace or data / "routing" / "esft_deepseek_v2_lite"
+    csv_path = options.requests_csv or data / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    scenario = await asyncio.to_thread(prepare, trace, gpu=options.gpu, seed=options.seed)
+    config = LiveFleetConfig(
+        prefill=options.prefill,
+        decode=options.decode,
+        gpus_per_decoder=options.gpus_per_decoder,
+        gpu=options.gpu,
+        speed=options.speed,
+    )
+    artifact, fitted = await ensure_artifact(
+        infra, scenario, config.decode_ids(), settings, options.refit, options.seed
+    )
+    console.print(
+        f"routing artifact v{artifact.version} ({'fitted now' if fitted else 'reused'}): "
+        f"K={artifact.centroids.shape[0]} decoders, {len(artifact.layer_mask)} of "
+        f"{artifact.model.num_layers} layers, {artifact.representation}, rho {artifact.rho:.3f}"
+    )
+    fleet = LiveFleet(scenario, config)
+    await fleet.start(infra.bus)
+    view = FleetView()
+    await view.subscribe(infra.bus, requester="switchyard-up")
+    requests = await asyncio.to_thread(load_request_csv, csv_path)
+    duration = options.duration_s if options.duration_s is not None else 3600.0
+    expected = int((options.rate or requests.rate * options.time_scale) * duration * options.speed) + 100
+    workload = scenario.workload(
+        expected,
+        seed=options.seed + 1,
+        rate=options.rate,
+        requests=requests,
+        time_scale=options.time_scale,
+        max_tokens=fleet.max_tokens,
+    )
+    loadgen = LoadGenerator(infra.bus, workload, config.prefill_ids(), speed=options.speed)
+    await loadgen.listen()
+    console.print(
+        f"fleet {config.prefill}P{config.decode}D ({scenario.model.name} on {options.gpu}, "
+        f"{config.gpus_per_decoder} GPUs per decoder), policy {options.policy}; load: {workload.description}"
+    )
+    started = time.monotonic()
+    sending = asyncio.create_task(loadgen.run(duration))
+    interactive = console.is_terminal
+    try:
+        with (
+            Live(_live_table(view, loadgen, fleet, started), console=console, refresh_per_second=2, transient=False)
+            if interactive
+            else contextlib.nullcontext() as live
+        ):
+            last_print = 0.0
+            while not sending.done() and not stop.is_set():
+                if any(t.done() for t in services):
+                    break  # a service died: stop and report it
+                await _wait(stop, 0.5)
+                if live is not None:
+                    live.update(_live_table(view, loadgen, fleet, started))
+                elif time.monotonic() - last_print >= 10:
+                    last_print = time.monotonic()
+                    s = loadgen.completions.summary(recent=200)
+                    console.print(
+                        f"{time.monotonic() - started:5.0f} s: {loadgen.sent} sent, "
+                        f"{len(loadgen.completions)} done; TTFT p50 {_ms(s['ttft_p50_ms'])} ms, "
+                        f"TPOT p50 {_ms(s['tpot_p50_ms'])} ms (last 200)"
+                    )
+        if not stop.is_set():
+            await loadgen.drain(timeout_s=30.0)
+        elapsed = time.monotonic() - started
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        await fleet.stop()
+    history = await _history_counts(infra.database_url)
+    console.print(_summary(options, loadgen, fleet, artifact, history, elapsed))

@@ -87,14 +87,18 @@ def connect_options(settings: SwitchyardSettings, servers: list[str]) -> dict[st
     return {k: v for k, v in options.items() if v is not None}
 
 
-def _quiet_callbacks(name: str) -> dict[str, Any]:
-    """One log line per connection event instead of nats-py's default tracebacks."""
+def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
+    """One log line per connection event instead of nats-py's default tracebacks.
+
+    `closing[0]` is set when we close the connection ourselves, which is not worth a warning.
+    """
 
     async def on_error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
 
     async def on_disconnected() -> None:
-        log.warning("%s: disconnected from NATS, reconnecting", name)
+        if not closing[0]:
+            log.warning("%s: disconnected from NATS, reconnecting", name)
 
     async def on_reconnected() -> None:
         log.info("%s: reconnected to NATS", name)
@@ -111,6 +115,7 @@ class Bus:
         self.settings = settings
         self.subjects: Subjects = settings.subjects
         self.max_payload = settings.max_payload_bytes
+        self._closing = [False]  # shared with the connection's callbacks: our own close is not an outage
 
     @classmethod
     async def connect(
@@ -131,12 +136,18 @@ class Bus:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1
-        options = {**connect_options(settings, servers), **_quiet_callbacks(name), "no_echo": no_echo}
+        closing = [False]
+        options = {**connect_options(settings, servers), **_quiet_callbacks(name, closing), "no_echo": no_echo}
         # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
-        # one quick attempt per round and do the backing off here (closing the probe is no disconnection
-        # worth logging).
-        probe = {**options, "allow_reconnect": False, "max_reconnect_attempts": 1, "reconnect_time_wait": 0}
-        del probe["disconnected_cb"], probe["reconnected_cb"]
+        # one quick attempt per round and do the backing off here.
+        probe_closing = [False]
+        probe = {
+            **options,
+            **_quiet_callbacks(name, probe_closing),
+            "allow_reconnect": False,
+            "max_reconnect_attempts": 1,
+            "reconnect_time_wait": 0,
+        }
         while True:
             try:
                 nc = await nats.connect(name=name, **probe)
@@ -147,12 +158,16 @@ class Bus:
                 log.warning("NATS not reachable yet (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
+        probe_closing[0] = True
         await nc.close()
         # Reconnect with the real options: from here on nats-py reconnects forever and buffers publishes.
         nc = await nats.connect(name=name, **options)
-        return cls(nc, settings)
+        bus = cls(nc, settings)
+        bus._closing = closing
+        return bus
 
     async def close(self) -> None:
+        self._closing[0] = True
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
@@ -182,10 +197,13 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Every stream of the bus contract (see `Subjects.streams`)."""
+        # Bounded by age and count, never by `max_bytes`: JetStream reserves a stream's max_bytes on disk up
+        # front, which would make the streams refuse to exist on a small disk.
+        week = 7 * 24 * 3600.0
         limits = {
-            self.subjects.expert_load_stream: {"max_age": 7 * 24 * 3600.0, "max_bytes": 2 << 30},
+            self.subjects.expert_load_stream: {"max_age": week, "max_msgs": 1_000_000},
             self.subjects.placement_stream: {"max_msgs": 100_000},
-            self.subjects.calibration_stream: {"max_msgs": 200_000, "max_bytes": 4 << 30},
+            self.subjects.calibration_stream: {"max_age": week, "max_msgs": 50_000},
         }
         for name, subjects in self.subjects.streams().items():
             await self.ensure_stream(name, subjects, **limits.get(name, {}))

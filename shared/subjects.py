@@ -89,6 +89,16 @@ class Subjects:
     def router_queue(self) -> str:
         return f"{self.prefix}-router"
 
+    # --- simulated fleet only (engine_agents/sim): requests in, completions out ---
+    def sim_submit(self, engine_id: str) -> str:
+        """Load generator -> a simulated prefill engine: a new request (a real deployment's proxy does this)."""
+        return f"{self.prefix}.sim.submit.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def sim_completed(self) -> str:
+        """Simulated decode engines -> load generator / dashboards: a finished request and its latencies."""
+        return f"{self.prefix}.sim.completed"
+
     # --- JetStream streams and KV buckets (names may not contain dots) ---
     @property
     def expert_load_stream(self) -> str:

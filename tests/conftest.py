@@ -76,7 +76,7 @@ async def bus(settings: SwitchyardSettings) -> AsyncIterator[Bus]:
 
 
 async def _delete_jetstream_state(b: Bus) -> None:
-    """Drop the test's streams and KV bucket: JetStream reserves each stream's `max_bytes` on disk until then."""
+    """Drop the test's streams and KV bucket, so a long session does not pile up JetStream state on disk."""
     from nats.js.errors import NotFoundError
 
     for name in [*b.subjects.streams(), f"KV_{b.subjects.router_bucket}"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, text
 
 SWITCHYARD = [sys.executable, "-m", "services.cli"]
 
@@ -26,29 +27,54 @@ def _env() -> dict[str, str]:
     return {**env, "COLUMNS": "200"}
 
 
-def test_up_runs_for_a_duration_and_stops_cleanly(tmp_path: Path) -> None:
-    data = tmp_path / "state"
-    result = subprocess.run(
-        [*SWITCHYARD, "up", "--data-dir", str(data), "--duration", "2"],
+def _up(data: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", "0", *args],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=180,
         env=_env(),
     )
-    assert result.returncode == 0, result.stderr
-    assert "embedded" in result.stdout and "stopped cleanly" in result.stdout
+
+
+def test_up_runs_the_whole_loop_and_keeps_its_state_across_restarts(tmp_path: Path) -> None:
+    data = tmp_path / "state"
+    first = _up(data, "--duration", "6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = first.stdout
+    assert "embedded" in out and "stopped cleanly" in out
+    assert "routing artifact v1 (fitted now)" in out
+    sent, completed = re.search(r"(\d+) sent, (\d+) completed", out).groups()  # type: ignore[union-attr]
+    assert int(sent) > 50 and completed == sent  # every request of the load came back
+    assert re.search(r"TPOT p50 / p99 +│ [0-9.]+ / [0-9.]+ ms", out)
     engine = create_engine(f"sqlite:///{data / 'switchyard.sqlite'}")
-    assert "placements" in inspect(engine).get_table_names()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM routing_artifacts")).scalar_one() == 1
+        placements = conn.execute(text("SELECT count(*) FROM placements")).scalar_one()
     engine.dispose()
-    assert (data / "nats" / "jetstream").is_dir()
+    assert (data / "nats" / "jetstream").is_dir() and (data / "switchyard.log").is_file()
     assert _nats_children(data) == []
+    second = _up(data, "--duration", "2", "--policy", "jsq")  # JetStream KV and SQLite survived the restart
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "routing artifact v1 (reused)" in second.stdout and "policy jsq" in second.stdout
+    engine = create_engine(f"sqlite:///{data / 'switchyard.sqlite'}")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM placements")).scalar_one() >= placements
+    engine.dispose()
+    assert _nats_children(data) == []
+
+
+def test_up_services_only(tmp_path: Path) -> None:
+    result = _up(tmp_path / "state", "--services-only", "--duration", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "control plane only" in result.stdout and "stopped cleanly" in result.stdout
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_up_stops_on_signal_with_no_process_left(tmp_path: Path, sig: signal.Signals) -> None:
     data = tmp_path / "state"
     proc = subprocess.Popen(
-        [*SWITCHYARD, "up", "--data-dir", str(data)],
+        [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -69,7 +95,10 @@ def test_up_stops_on_signal_with_no_process_left(tmp_path: Path, sig: signal.Sig
 def test_killed_up_takes_its_nats_server_with_it(tmp_path: Path) -> None:
     data = tmp_path / "state"
     proc = subprocess.Popen(
-        [*SWITCHYARD, "up", "--data-dir", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env()
+        [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
     )
     deadline = time.monotonic() + 60
     while not _nats_children(data) and time.monotonic() < deadline:

@@ -28,6 +28,7 @@ async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: Api
             host=config.host,
             port=config.port,
             log_level=settings.log_level.lower(),
+            log_config=None,  # uvicorn's loggers go through the process's own handlers (up: file + console)
             lifespan="on",
         )
     )

@@ -1,0 +1,79 @@
+"""The control-plane duties of one engine, as every Switchyard engine agent performs them.
+
+An agent says hello on start, every `hello_interval_s`, and whenever a service asks on `sy.engine.announce`
+(a restarted router then knows the fleet within one telemetry interval); it publishes telemetry every
+`telemetry_interval_s` with a per-engine sequence number that starts at 0 on every start, so consumers can
+tell lost messages from a restart. The simulated engines use this class; the vLLM agent speaks the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.subscription import Subscription
+
+from shared.bus import Bus
+from shared.schemas import Announce, Hello, Telemetry
+
+log = logging.getLogger(__name__)
+
+#: What an engine reports each interval: the Telemetry fields other than engine_id, seq and ts.
+TelemetrySource = Callable[[], dict[str, float | int | bool]]
+
+
+class EngineAgent:
+    def __init__(self, bus: Bus, hello: Hello, telemetry: TelemetrySource) -> None:
+        self.bus = bus
+        self.hello = hello
+        self.telemetry = telemetry
+        self.seq = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscription: Subscription | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self.hello.engine_id
+
+    async def say_hello(self) -> None:
+        await self.bus.publish(
+            self.bus.subjects.hello(self.engine_id), self.hello.model_copy(update={"ts": time.time()})
+        )
+
+    async def _on_announce(self, request: Announce, _msg: object) -> None:
+        if request.engine_id in (None, self.engine_id):
+            await self.say_hello()
+
+    async def _hello_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.hello.hello_interval_s)
+            await self.say_hello()
+
+    async def _telemetry_loop(self) -> None:
+        subject = self.bus.subjects.telemetry(self.engine_id)
+        while True:
+            try:
+                message = Telemetry(engine_id=self.engine_id, seq=self.seq, ts=time.time(), **self.telemetry())
+                await self.bus.publish(subject, message)
+                self.seq += 1
+            except Exception:  # a bad reading must not silence the engine
+                log.exception("%s: telemetry failed", self.engine_id)
+            await asyncio.sleep(self.hello.telemetry_interval_s)
+
+    async def start(self) -> None:
+        self._subscription = await self.bus.subscribe(self.bus.subjects.announce, Announce, self._on_announce)
+        await self.say_hello()
+        self._tasks = [asyncio.create_task(self._hello_loop()), asyncio.create_task(self._telemetry_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()

@@ -1,0 +1,516 @@
+"""A live simulated xPyD fleet: many simulated MoE engines in one process, on the real bus, in scaled real time.
+
+Each engine runs the simulator's engine model (`engine_agents.sim.engine`) with its physics: a step's
+duration is computed, slept (divided by `speed`), then its tokens are emitted. Around it, each engine is a
+full protocol peer, exactly as the vLLM agent will be:
+
+- hello / announce / telemetry (`EngineAgent`);
+- decoders publish expert-load windows (JetStream) from the expert selections they replay, a sample of
+  finished requests' (prefill signature, decode pattern) pairs for the offline fit (JetStream), and serve
+  `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.migration`): each decoder is its own EP
+  group of `gpus_per_decoder` ranks, and its step time follows the experts of the busiest rank, so the
+  placement service's per-decoder placements change its speed; while a migration step runs it is slower;
+- prefill engines take requests on `sy.sim.submit.<id>`, prefill them, and at the handoff ask the router
+  (`sy.route.decode`) which decoder takes the request, sending the request's real prefill expert counts as
+  its signature; the KV transfer then takes its physics time before the decoder queues the request. If the
+  router does not answer in time the engine picks the least-loaded decoder itself (counted as a fallback),
+  so a router outage slows nothing down;
+- finished requests are reported on `sy.sim.completed` with TTFT and TPOT in simulated seconds.
+
+What a request replays (its prefill signature, its decode experts) comes from a real routing trace through
+`Scenario`; nothing is drawn from a made-up distribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from engine_agents.sim.agent import EngineAgent
+from engine_agents.sim.engine import DecodeEngine, PrefillEngine
+from engine_agents.sim.experts import rank_masks, token_counts
+from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from engine_agents.sim.physics import cost_model
+from engine_agents.sim.protocol import SimCompleted, SimSubmit
+from engine_agents.sim.scenario import Scenario
+from services.history import default_layout
+from shared.bus import Bus
+from shared.errors import RemoteError
+from shared.schemas import (
+    CalibrationSample,
+    Capacity,
+    ExpertLoad,
+    Hello,
+    ModelShape,
+    RouteDecodeReply,
+    RouteDecodeRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LiveFleetConfig:
+    prefill: int = 2
+    decode: int = 4
+    #: Expert-parallel ranks per decoder (each decoder is its own EP group, placed from its own load).
+    gpus_per_decoder: int = 2
+    gpu: str = "H100"
+    #: Simulated seconds per wall second (0.5: half speed, for slow machines).
+    speed: float = 1.0
+    max_running: int = 256
+    prefill_token_budget: int = 8192
+    telemetry_interval_s: float = 0.1
+    hello_interval_s: float = 5.0
+    load_window_s: float = 2.0
+    #: Fraction of finished requests published as calibration samples.
+    calibration_fraction: float = 0.1
+    route_timeout_s: float = 0.5
+    name: str = "sim"
+    migration: MigrationCost = field(default_factory=MigrationCost)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1 or self.gpus_per_decoder < 1:
+            raise ValueError("a fleet needs at least one prefill engine, one decoder and one GPU per decoder")
+        if self.speed <= 0:
+            raise ValueError("speed must be positive")
+
+    def prefill_ids(self) -> list[str]:
+        return [f"{self.name}-p{i}" for i in range(self.prefill)]
+
+    def decode_ids(self) -> list[str]:
+        return [f"{self.name}-d{i}" for i in range(self.decode)]
+
+
+@dataclass
+class LiveRequest:
+    request_id: str
+    replay: int
+    prompt: int
+    output: int
+    sent_at: float  # unix time the load generator sent it
+    sent_v: float  # the same instant on the fleet's virtual clock
+    prefill_engine: str
+    decode_engine: str = ""
+    routed_by: str = ""
+    fallback: str | None = None
+    band_size: int = 0
+    first_token_v: float = -1.0
+
+
+@dataclass
+class FleetCounters:
+    submitted: int = 0
+    completed: int = 0
+    rejected: int = 0
+    route_fallbacks: int = 0
+
+
+def _rank_of_expert(layout: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, G, slots] slot map -> [L, E] rank holding each expert (the one with the lowest index if replicated)."""
+    layers = layout.shape[0]
+    rank = np.full((layers, num_experts), -1, dtype=np.int64)
+    layer_idx, gpu_idx, _ = np.indices(layout.shape).reshape(3, -1)
+    expert = layout.reshape(-1)
+    used = expert >= 0
+    order = np.argsort(-gpu_idx[used], kind="stable")  # lowest gpu written last, so it wins
+    rank[layer_idx[used][order], expert[used][order]] = gpu_idx[used][order]
+    if (rank < 0).any():
+        raise ValueError("the layout leaves some expert without a GPU")
+    return rank
+
+
+class _Engine:
+    """Shared parts of a live engine: its agent, its step loop's wake-up event, its clock.
+
+    Each engine keeps a virtual clock `vt` (simulated seconds since the fleet started) that advances by
+    exactly each step's physics duration; the loop sleeps until the wall time that corresponds to the end of
+    the step. An event loop that wakes late (a millisecond of `epoll` granularity, another engine's work)
+    therefore delays the next step's *start* on the wall clock but not the simulated timeline: latencies are
+    measured on `vt`, so they reflect the physics and not the machine running the simulation. `behind_s`
+    says how far the wall clock has run ahead of an engine (0 when the fleet keeps up).
+    """
+
+    def __init__(self, fleet: LiveFleet, hello: Hello) -> None:
+        self.fleet = fleet
+        self.engine_id = hello.engine_id
+        self.agent = EngineAgent(fleet.bus, hello, self.telemetry)
+        self.wake = asyncio.Event()
+        self.step_time_ema = 0.0
+        self.vt = 0.0
+        self.behind_s = 0.0
+
+    async def _idle(self) -> None:
+        """Wait for work; an idle engine's clock catches up with the present."""
+        self.wake.clear()
+        await self.wake.wait()
+        self.vt = max(self.vt, self.fleet.now_v())
+
+    async def _run_for(self, duration: float) -> float:
+        """Advance the virtual clock by `duration` and sleep until the wall clock gets there; returns the new vt."""
+        self.vt += duration
+        delay = self.fleet.wall_delay(self.vt)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.behind_s = max(0.0, -self.fleet.wall_delay(self.vt))
+        return self.vt
+
+    def telemetry(self) -> dict[str, float | int | bool]:
+        raise NotImplementedError
+
+    def _observe_step(self, duration: float) -> None:
+        self.step_time_ema = duration if self.step_time_ema == 0 else 0.9 * self.step_time_ema + 0.1 * duration
+
+
+class LiveDecoder(_Engine):
+    def __init__(self, fleet: LiveFleet, hello: Hello) -> None:
+        super().__init__(fleet, hello)
+        scenario, config = fleet.scenario, fleet.config
+        self.model = scenario.model
+        self.cost = cost_model(self.model, config.gpu, config.gpus_per_decoder)
+        layout = default_layout(self.model.moe_layers, self.model.num_experts, config.gpus_per_decoder)
+        self.group = SimExpertGroup(self.engine_id, layout, config.migration)
+        self._layout = self.group.layout
+        masks = self._masks() if config.gpus_per_decoder > 1 else None
+        self.engine = DecodeEngine(self.cost, scenario.bank, max_running=config.max_running, rank_masks=masks)
+        self.window = np.zeros((self.model.moe_layers, self.model.num_experts), dtype=np.uint32)
+        self.window_start = time.time()
+        self.window_seq = 0
+        self.rids: dict[int, LiveRequest] = {}
+
+    def _masks(self) -> np.ndarray:
+        ranks = _rank_of_expert(self.group.layout, self.model.num_experts)
+        return rank_masks(self.model.moe_layers, self.model.num_experts, self.fleet.config.gpus_per_decoder, ranks)
+
+    @property
+    def load(self) -> int:
+        return self.engine.num_running + self.engine.num_waiting
+
+    def expert_pressure(self) -> float:
+        """Busiest EP rank's expert load over the mean rank's, averaged over layers (1 = balanced)."""
+        g = self.fleet.config.gpus_per_decoder
+        total = self.window.sum()
+        if g == 1 or total == 0:
+            return 1.0
+        ranks = _rank_of_expert(self.group.layout, self.model.num_experts)
+        per_rank = np.zeros((self.window.shape[0], g))
+        np.add.at(per_rank, (np.arange(self.window.shape[0])[:, None], ranks), self.window)
+        mean = per_rank.mean(axis=1)
+        busy = mean > 0
+        return float((per_rank.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
+
+    def telemetry(self) -> dict[str, float | int | bool]:
+        return {
+            "kv_usage": min(self.engine.kv_usage, 1.0),
+            "num_running": self.engine.num_running,
+            "num_waiting": self.engine.num_waiting,
+            "waiting_prefill_tokens": 0,
+            "remaining_prefill_tokens": 0,
+            "step_time_ema": self.step_time_ema,
+            "expert_pressure": self.expert_pressure(),
+            "migrating": self.group.migrating,
+        }
+
+    def submit(self, rid: int, request: LiveRequest) -> None:
+        self.rids[rid] = request
+        self.engine.add(rid, request.replay, request.prompt, request.output)
+        self.wake.set()
+
+    async def run(self) -> None:
+        bank, experts = self.fleet.scenario.bank, self.model.num_experts
+        while True:
+            if self.group.layout is not self._layout:  # a migration step landed: new expert-to-rank map
+                self._layout = self.group.layout
+                if self.engine.rank_masks is not None:
+                    self.engine.rank_masks = self._masks()
+            plan = self.engine.begin_step()
+            if plan is None:
+                await self._idle()
+                continue
+            self.window += token_counts(bank.decode_bits[plan.rows], experts).astype(np.uint32)
+            duration = plan.duration * self.group.step_time_factor
+            self._observe_step(duration)
+            now = await self._run_for(duration)
+            out = self.engine.end_step()
+            for rid in out.first:
+                self.rids[rid].first_token_v = now
+            for rid, tokens in zip(out.finished, out.finished_tokens, strict=True):
+                self.fleet.finish(self.rids.pop(rid), tokens, now)
+
+    def flush_window(self) -> ExpertLoad:
+        end = time.time()
+        message = ExpertLoad(
+            engine_id=self.engine_id,
+            ep_group=self.group.group_id,
+            seq=self.window_seq,
+            window_start=self.window_start,
+            window_end=max(end, self.window_start),
+            expert_counts=self.window,
+            source_counts=self.window[:, None, :],
+        )
+        self.window = np.zeros_like(self.window)
+        self.window_start = end
+        self.window_seq += 1
+        return message
+
+
+class LivePrefill(_Engine):
+    def __init__(self, fleet: LiveFleet, hello: Hello) -> None:
+        super().__init__(fleet, hello)
+        scenario, config = fleet.scenario, fleet.config
+        self.engine = PrefillEngine(scenario.cost, scenario.bank, token_budget=config.prefill_token_budget)
+        self.rids: dict[int, LiveRequest] = {}
+        self._handoffs: set[asyncio.Task[None]] = set()
+
+    def telemetry(self) -> dict[str, float | int | bool]:
+        queued = self.engine.queued_tokens
+        return {
+            "kv_usage": 0.0,
+            "num_running": int(self.engine.busy),
+            "num_waiting": len(self.engine.queue),
+            "waiting_prefill_tokens": queued,
+            "remaining_prefill_tokens": 0,
+            "step_time_ema": self.step_time_ema,
+        }
+
+    def submit(self, rid: int, request: LiveRequest) -> None:
+        self.rids[rid] = request
+        self.engine.add(rid, request.replay, request.prompt)
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            plan = self.engine.begin_step()
+            if plan is None:
+                await self._idle()
+                continue
+            self._observe_step(plan.duration)
+            await self._run_for(plan.duration)
+            for rid in self.engine.end_step():
+                task = asyncio.create_task(self.handoff(int(rid), self.rids.pop(int(rid))))
+                self._handoffs.add(task)
+                task.add_done_callback(self._handoffs.discard)
+
+    async def handoff(self, rid: int, request: LiveRequest) -> None:
+        """Ask the router for a decoder, move the KV cache there, queue the request on it."""
+        fleet = self.fleet
+        decoder = None
+        try:
+            reply = await fleet.bus.request(
+                fleet.bus.subjects.route_decode,
+                RouteDecodeRequest(
+                    request_id=request.request_id,
+                    prompt_tokens=request.prompt,
+                    signature=fleet.signatures[request.replay],
+                    prefill_engine_id=self.engine_id,
+                ),
+                RouteDecodeReply,
+                timeout=fleet.config.route_timeout_s,
+            )
+            decoder = fleet.decoders.get(reply.engine_id)
+            request.routed_by, request.fallback, request.band_size = reply.policy, reply.fallback, reply.band_size
+            if decoder is None:
+                request.fallback = f"unknown_engine:{reply.engine_id}"
+        except (RemoteError, NatsTimeoutError, NoRespondersError, TimeoutError) as exc:
+            request.fallback = f"router_unavailable:{type(exc).__name__}"
+        if decoder is None:
+            fleet.counters.route_fallbacks += 1
+            decoder = min(fleet.decoders.values(), key=lambda d: d.load)
+            request.routed_by = request.routed_by or "local-jsq"
+        request.decode_engine = decoder.engine_id
+        await asyncio.sleep(float(fleet.scenario.cost.kv_transfer_time(request.prompt)) / fleet.config.speed)
+        decoder.submit(rid, request)
+
+
+class LiveFleet:
+    """P prefill and D decode engines of one model, replaying `scenario`'s real routing trace."""
+
+    def __init__(self, scenario: Scenario, config: LiveFleetConfig | None = None) -> None:
+        self.scenario = scenario
+        self.config = config or LiveFleetConfig()
+        self.counters = FleetCounters()
+        self.bus: Bus = None  # type: ignore[assignment]  # set by start()
+        counts = scenario.counts.prefill[scenario.replay]
+        if counts.max(initial=0) > np.iinfo(np.uint16).max:
+            raise ValueError("prefill counts exceed uint16")
+        #: Each replay row's signature: its real prefill top-k counts [L, E].
+        self.signatures = counts.astype(np.uint16)
+        self.decoders: dict[str, LiveDecoder] = {}
+        self.prefills: dict[str, LivePrefill] = {}
+        self._next_rid = 0
+        self._rng = np.random.default_rng(scenario.seed)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._publishes: set[asyncio.Task[None]] = set()
+        self._boot = ""
+        self._unix0 = time.time()
+        decode_cost = cost_model(scenario.model, self.config.gpu, self.config.gpus_per_decoder)
+        #: Largest prompt + output a decoder's KV cache holds (the load generator clips to it).
+        self.max_tokens = decode_cost.kv_capacity_blocks * decode_cost.block_size
+
+    def _hello(self, engine_id: str, role: str, gpus: int) -> Hello:
+        model = self.scenario.model
+        cost = cost_model(model, self.config.gpu, gpus)
+        return Hello(
+            engine_id=engine_id,
+            role=role,  # type: ignore[arg-type]
+            model=ModelShape(
+                name=model.name, num_layers=model.moe_layers, num_experts=model.num_experts, top_k=model.top_k
+            ),
+            ep_group=engine_id,
+            gpus=[f"{engine_id}-gpu{g}" for g in range(gpus)],
+            capacity=Capacity(
+                max_running=self.config.max_running,
+                kv_blocks=max(cost.kv_capacity_blocks, 1),
+                block_size=cost.block_size,
+            ),
+            ts=time.time(),
+            agent="sim",
+            agent_version="live-1",
+            hello_interval_s=self.config.hello_interval_s,
+            telemetry_interval_s=self.config.telemetry_interval_s,
+        )
+
+    # ----- requests -----
+
+    async def _on_submit(self, submit: SimSubmit, msg: object) -> None:
+        subject = getattr(msg, "subject", "")
+        prefill = self.prefills.get(subject.rsplit(".", 1)[-1])
+        if prefill is None or submit.replay >= self.scenario.bank.num_requests:
+            self.counters.rejected += 1
+            log.warning("rejected %s: unknown prefill engine or replay row %d", submit.request_id, submit.replay)
+            return
+        total = submit.prompt_tokens + submit.output_tokens
+        if total > self.max_tokens:
+            self.counters.rejected += 1
+            log.warning(
+                "rejected %s: %d tokens exceed a decoder's KV cache (%d)", submit.request_id, total, self.max_tokens
+            )
+            return
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        self.counters.submitted += 1
+        prefill.submit(
+            rid,
+            LiveRequest(
+                submit.request_id,
+                submit.replay,
+                submit.prompt_tokens,
+                submit.output_tokens,
+                submit.sent_at,
+                min(self.to_v(submit.sent_at), self.now_v()),  # never in the future (clock skew)
+                prefill.engine_id,
+            ),
+        )
+
+    # ----- clocks -----
+
+    def now_v(self) -> float:
+        """The present on the fleet's virtual clock (simulated seconds since start)."""
+        return (time.time() - self._unix0) * self.config.speed
+
+    def to_v(self, unix: float) -> float:
+        return (unix - self._unix0) * self.config.speed
+
+    def wall_delay(self, v: float) -> float:
+        """Wall seconds until virtual time `v` (negative: it has passed)."""
+        return self._unix0 + v / self.config.speed - time.time()
+
+    def behind_s(self) -> float:
+        """How far the slowest engine lags the wall clock (simulated seconds; ~0 when the machine keeps up)."""
+        engines = [*self.prefills.values(), *self.decoders.values()]
+        return max((e.behind_s for e in engines), default=0.0)
+
+    def finish(self, request: LiveRequest, tokens: int, now: float) -> None:
+        """`now`: the decoder's virtual clock at the end of the request's last step."""
+        first = request.first_token_v if request.first_token_v >= 0 else now
+        message = SimCompleted(
+            request_id=request.request_id,
+            prefill_engine=request.prefill_engine,
+            decode_engine=request.decode_engine,
+            prompt_tokens=request.prompt,
+            output_tokens=tokens,
+            ttft_s=max(first - request.sent_v, 0.0),
+            tpot_s=(now - first) / (tokens - 1) if tokens > 1 else 0.0,
+            routed_by=request.routed_by,
+            route_fallback=request.fallback,
+            band_size=request.band_size,
+            sent_at=request.sent_at,
+        )
+        self.counters.completed += 1
+        self._spawn(self.bus.publish(self.bus.subjects.sim_completed, message))
+        if self._rng.random() < self.config.calibration_fraction:
+            trace_request = int(self.scenario.replay[request.replay])
+            sample = CalibrationSample(
+                engine_id=request.decode_engine,
+                request_id=request.request_id,
+                ts=time.time(),
+                prompt_tokens=request.prompt,
+                decode_tokens=tokens,
+                prefill_counts=self.signatures[request.replay],
+                decode_counts=self.scenario.counts.decode[trace_request].astype(np.uint16),
+                label=None,
+            )
+            self._spawn(self.bus.js_publish(self.bus.subjects.calibration_samples, sample))
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+        self._publishes.add(task)
+        task.add_done_callback(self._publishes.discard)
+
+    # ----- expert load -----
+
+    async def _publish_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_window_s)
+            for decoder in self.decoders.values():
+                window = decoder.flush_window()
+                if window.expert_counts.any():
+                    try:
+                        await self.bus.js_publish(
+                            self.bus.subjects.expert_load(decoder.engine_id),
+                            window,
+                            msg_id=f"{decoder.engine_id}-{self._boot}-{window.seq}",
+                        )
+                    except Exception as exc:  # JetStream briefly unavailable: this window is lost, not the engine
+                        log.warning("%s: expert-load window %d not published: %s", decoder.engine_id, window.seq, exc)
+
+    # ----- lifecycle -----
+
+    async def start(self, bus: Bus) -> None:
+        self.bus = bus
+        self._unix0 = time.time()
+        self._boot = f"{self._unix0:.0f}"
+        await bus.ensure_streams()
+        for engine_id in self.config.decode_ids():
+            self.decoders[engine_id] = LiveDecoder(self, self._hello(engine_id, "decode", self.config.gpus_per_decoder))
+        for engine_id in self.config.prefill_ids():
+            self.prefills[engine_id] = LivePrefill(self, self._hello(engine_id, "prefill", 1))
+        for decoder in self.decoders.values():
+            await serve_migrate(bus, decoder.engine_id, decoder.group)
+        engines: list[_Engine] = [*self.prefills.values(), *self.decoders.values()]
+        for engine in engines:
+            await engine.agent.start()
+        await bus.subscribe(f"{bus.subjects.prefix}.sim.submit.*", SimSubmit, self._on_submit)
+        self._tasks = [asyncio.create_task(e.run()) for e in engines]
+        self._tasks.append(asyncio.create_task(self._publish_load()))
+        await bus.nc.flush()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for engine in [*self.prefills.values(), *self.decoders.values()]:
+            await engine.agent.stop()
+        if self._publishes:
+            await asyncio.wait(self._publishes, timeout=2)
+
+    def in_flight(self) -> int:
+        return self.counters.submitted - self.counters.completed

@@ -1,0 +1,75 @@
+"""Entry points that run the live simulated fleet and the load generator as their own processes.
+
+`switchyard fleet` and `switchyard loadgen` (and `switchyard up`, in one process) call these. Both sides
+build the same `Scenario` from the same trace and seed, so a load generator's replay rows mean the same
+requests to the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from engine_agents.sim.loadgen import LoadGenerator
+from engine_agents.sim.scenario import prepare
+from engine_agents.sim.workload import load_request_csv
+from shared.bus import Bus
+from shared.settings import SwitchyardSettings
+
+log = logging.getLogger(__name__)
+
+
+async def run_fleet(
+    settings: SwitchyardSettings, config: LiveFleetConfig, trace: Path, seed: int, stop: asyncio.Event
+) -> None:
+    """Serve a live simulated fleet until `stop` is set."""
+    scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
+    bus = await Bus.connect(settings, name=f"{config.name}-fleet")
+    fleet = LiveFleet(scenario, config)
+    try:
+        await fleet.start(bus)
+        log.info("fleet %s: prefill %s, decode %s", config.name, config.prefill_ids(), config.decode_ids())
+        await stop.wait()
+    finally:
+        await fleet.stop()
+        await bus.close()
+    log.info("fleet %s stopped: %s", config.name, fleet.counters)
+
+
+async def run_loadgen(
+    settings: SwitchyardSettings,
+    config: LiveFleetConfig,
+    trace: Path,
+    seed: int,
+    num_requests: int,
+    requests_csv: Path | None,
+    time_scale: float,
+    rate: float | None,
+    stop: asyncio.Event,
+) -> dict[str, float]:
+    """Send `num_requests` to a fleet configured as `config`, wait for them, return TTFT/TPOT percentiles."""
+    scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
+    requests = await asyncio.to_thread(load_request_csv, requests_csv) if requests_csv else None
+    fleet_limit = LiveFleet(scenario, config).max_tokens
+    workload = scenario.workload(
+        num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit
+    )
+    bus = await Bus.connect(settings, name="loadgen")
+    try:
+        loadgen = LoadGenerator(bus, workload, config.prefill_ids(), speed=config.speed)
+        await loadgen.listen()
+        sending = asyncio.create_task(loadgen.run())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        sending.cancel()
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        if not stop.is_set():
+            await loadgen.drain(timeout_s=60.0)
+        return {"sent": float(loadgen.sent), **loadgen.completions.summary()}
+    finally:
+        await bus.close()
