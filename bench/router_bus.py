@@ -52,6 +52,7 @@ OUT = Path(__file__).resolve().parent / "out"
 DECODERS = 16
 PREFIX = "bench"
 ECHO_SUBJECT = f"{PREFIX}.echo"
+FLOOR_SUBJECT = f"{PREFIX}.floor"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -130,6 +131,29 @@ async def run_echo(url: str, reply_size: int) -> None:
         await msg.respond(reply)
 
     await nc.subscribe(ECHO_SUBJECT, cb=on_request)
+    await asyncio.Event().wait()
+
+
+async def run_floor(url: str) -> None:
+    """Switchyard's bus layer alone: `Bus.serve` (decode and validate the request, encode the reply) answering
+    a constant decision shaped like the router's, so the round trip splits into bus layer and decision."""
+    from shared.bus import Bus
+    from shared.schemas import RouteDecodeReply, RouteDecodeRequest
+    from shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-floor")
+
+    def answer(request: RouteDecodeRequest) -> RouteDecodeReply:
+        return RouteDecodeReply(
+            request_id=request.request_id,
+            engine_id="decode-07",
+            policy="eldr",
+            band_size=6,
+            decision_us=12.345678,
+            artifact_version=1,
+        )
+
+    await bus.serve(FLOOR_SUBJECT, RouteDecodeRequest, answer)
     await asyncio.Event().wait()
 
 
@@ -267,30 +291,37 @@ def check_replies(replies: list[bytes]) -> dict:
     }
 
 
-async def measure_rtt(nc, route_subject: str, payloads: list[bytes], n: int) -> dict:
+async def measure_rtt(nc, targets: dict[str, tuple[str, str]], payloads: list[bytes], n: int, procs: Procs) -> dict:
+    """`targets`: label -> (subject, process name). One request in flight; the targets take turns, in an order
+    that rotates every round, so drifting machine load hits each alike."""
     clock = time.perf_counter_ns
-    subjects = (route_subject, ECHO_SUBJECT)
-    times = {s: np.empty(n, dtype=np.int64) for s in subjects}
+    labels = list(targets)
+    times = {label: np.empty(n, dtype=np.int64) for label in labels}
     replies: list[bytes] = []
+    cpu_before: dict[str, float] = {}
     for i in range(-200, n):  # 200 warm-up rounds
+        if i == 0:
+            cpu_before = {label: procs.cpu([name]) for label, (_, name) in targets.items()}
         payload = payloads[i % len(payloads)]
-        order = subjects if i % 2 == 0 else subjects[::-1]
-        for subject in order:
+        shift = i % len(labels)
+        for label in labels[shift:] + labels[:shift]:
             start = clock()
-            msg = await nc.request(subject, payload, timeout=2)
+            msg = await nc.request(targets[label][0], payload, timeout=2)
             elapsed = clock() - start
             if i >= 0:
-                times[subject][i] = elapsed
-                if subject == route_subject:
+                times[label][i] = elapsed
+                if label == "route":
                     replies.append(msg.data)
-    route, echo = percentiles(times[route_subject]), percentiles(times[ECHO_SUBJECT])
-    return {
-        "route": route,
-        "echo": echo,
-        "ratio_p50": route["p50_us"] / echo["p50_us"],
-        "ratio_p99": route["p99_us"] / echo["p99_us"],
-        "check": check_replies(replies),
+    result: dict = {label: percentiles(times[label]) for label in labels}
+    result["cpu_us_per_request"] = {
+        label: (procs.cpu([name]) - cpu_before[label]) / n * 1e6 for label, (_, name) in targets.items()
     }
+    for label in labels:
+        if label != "echo":
+            result[f"{label}_ratio_p50"] = result[label]["p50_us"] / result["echo"]["p50_us"]
+            result[f"{label}_ratio_p99"] = result[label]["p99_us"] / result["echo"]["p99_us"]
+    result["check"] = check_replies(replies)
+    return result
 
 
 async def measure_throughput(
@@ -359,15 +390,27 @@ def load() -> str:
 
 
 def print_rtt(rtt: dict, n: int) -> None:
-    r, e, c = rtt["route"], rtt["echo"], rtt["check"]
-    print(f"\nround trip, 1 in flight, {n} requests each, interleaved ({rtt['load']})")
-    print(f"  {'':20s} {'p50 µs':>8s} {'p90 µs':>8s} {'p99 µs':>8s} {'p99.9 µs':>9s}")
-    for name, p in (("sy.route.decode", r), ("bare nats-py echo", e)):
-        print(f"  {name:20s} {p['p50_us']:8.0f} {p['p90_us']:8.0f} {p['p99_us']:8.0f} {p['p999_us']:9.0f}")
+    c, cpu = rtt["check"], rtt["cpu_us_per_request"]
+    print(f"\nround trip, 1 in flight, {n} requests to each, interleaved ({rtt['load']})")
+    head = f"{'p50 µs':>7s} {'p90 µs':>7s} {'p99 µs':>7s} {'p99.9 µs':>8s}  {'÷ echo p50':>10s} {'p99':>5s}"
+    print(f"  {'':28s} {head}  CPU/req")
+    rows = (
+        ("route", "sy.route.decode (router)"),
+        ("floor", "Bus.serve, constant reply"),
+        ("echo", "bare nats-py echo"),
+    )
+    for label, name in rows:
+        p = rtt[label]
+        ratios = (
+            f"{rtt[label + '_ratio_p50']:9.2f}× {rtt[label + '_ratio_p99']:4.2f}×" if label != "echo" else f"{'':16s}"
+        )
+        print(
+            f"  {name:28s} {p['p50_us']:7.0f} {p['p90_us']:7.0f} {p['p99_us']:7.0f} {p['p999_us']:8.0f}  {ratios}"
+            f"  {cpu[label]:4.0f} µs"
+        )
     print(
-        f"  ratio route/echo: p50 {rtt['ratio_p50']:.2f}×, p99 {rtt['ratio_p99']:.2f}× (budget ≤ 1.3×); "
-        f"in-router decision p50 {c['server_decision_us_p50']:.1f} µs; {c['engines_used']} engines used, "
-        f"mean band {c['mean_band']:.1f}, {c['with_fallback']} fallbacks"
+        f"  budget: router ≤ 1.3× echo at p50 and p99. In-router decision p50 {c['server_decision_us_p50']:.1f} µs; "
+        f"{c['engines_used']} engines used, mean band {c['mean_band']:.1f}, {c['with_fallback']} fallbacks"
     )
 
 
@@ -420,23 +463,31 @@ async def bench(args: argparse.Namespace, tmp: Path, profile: Path | None) -> di
             await put_artifact_kv(bus, artifact)
             procs.start("engines", helper("engines", server.url, json.dumps(artifact.model.model_dump())))
             routers: list[str] = []
-            name = start_router(procs, env, profile, routers)
-            reply = await wait_routing(nc, subjects.route_decode, payloads[0])
-            await wait_replica(nc, subjects, name, payloads)
+            start_router(procs, env, profile, routers)
+            reply = await wait_routing(nc, subjects.route_decode, payloads[0])  # the only replica: it answered
             await asyncio.sleep(0.3)  # every engine's telemetry has arrived
             results["reply_bytes"] = len(reply)
             procs.start("echo", helper("echo", server.url, str(len(reply))))
-            for _ in range(100):
-                try:
-                    await nc.request(ECHO_SUBJECT, b"", timeout=0.5)
-                    break
-                except nats.errors.Error:
-                    await asyncio.sleep(0.1)
+            procs.start("floor", helper("floor", server.url))
+            for subject, payload in ((ECHO_SUBJECT, b""), (FLOOR_SUBJECT, payloads[0])):
+                for _ in range(300):
+                    try:
+                        await nc.request(subject, payload, timeout=0.5)
+                        break
+                    except nats.errors.Error:
+                        await asyncio.sleep(0.1)
             print(results["machine"])
             print(f"request {results['request_bytes']} B (ESFT [26, 64] uint16 signature), reply {len(reply)} B")
 
             if args.rtt_requests:
-                rtt = await measure_rtt(nc, subjects.route_decode, payloads, args.rtt_requests)
+                pids = ", ".join(f"{name} {procs.procs[name].pid}" for name in ("router-0", "floor", "echo"))
+                print(f"(pids, to attach a profiler: {pids})", flush=True)
+                targets = {
+                    "route": (subjects.route_decode, "router-0"),
+                    "floor": (FLOOR_SUBJECT, "floor"),
+                    "echo": (ECHO_SUBJECT, "echo"),
+                }
+                rtt = await measure_rtt(nc, targets, payloads, args.rtt_requests, procs)
                 results["rtt"] = rtt = {**rtt, "load": load()}
                 print_rtt(rtt, args.rtt_requests)
 
@@ -462,7 +513,9 @@ async def bench(args: argparse.Namespace, tmp: Path, profile: Path | None) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["bench", "engines", "echo"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", choices=["bench", "engines", "echo", "floor"], default="bench", help=argparse.SUPPRESS
+    )
     parser.add_argument("--rtt-requests", type=int, default=2000)
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
@@ -475,6 +528,9 @@ def main() -> None:
         return
     if args.role == "echo":
         asyncio.run(run_echo(rest[0], int(rest[1])))
+        return
+    if args.role == "floor":
+        asyncio.run(run_floor(rest[0]))
         return
     profile = Path(args.profile).resolve() if args.profile else None
     if profile:
