@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import solver.routing.decode as decode_policies
 from solver.routing import (
     DECODE_POLICIES,
     FleetSnapshot,
@@ -156,33 +159,51 @@ def _eldr_by_definition(snap: FleetSnapshot, sims: np.ndarray, tables: RoutingTa
 @given(
     load=st.lists(st.integers(0, 3), min_size=1, max_size=12),
     alive_bits=st.integers(0, 4095),
-    sims=st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.55, 0.9, 1.0]), min_size=1, max_size=8),
+    sims=st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.3, 0.5, 0.55, 0.9, 1.0]), min_size=1, max_size=8),
     tau=st.sampled_from([0.0, 0.05, 0.1, 0.25, 2.0]),
     named=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    arrays=st.booleans(),
 )
 def test_eldr_matches_its_definition(
-    load: list[int], alive_bits: int, sims: list[float], tau: float, named: bool
+    load: list[int], alive_bits: int, sims: list[float], tau: float, named: bool, dtype: type, arrays: bool
 ) -> None:
-    """Ties in load and similarity are frequent here: the pick must be the definition's, index for index."""
+    """Ties in load and similarity are frequent here: the pick must be the definition's, index for index, on
+    both of the policy's code paths (the per-engine loop for small fleets, numpy beyond)."""
     d, k = len(load), len(sims)
     alive = [(alive_bits >> i) & 1 == 1 for i in range(d)]
     ids = [f"e{i:02d}" for i in range(d)]
     snap = _snap([float(x) for x in load], alive, ids)
     decoders = [ids[i % d] for i in range(k)] if named else None
     tables = RoutingTables.build(snap.engine_ids, num_centroids=k, decoder_ids=decoders, tau=tau)
-    similarities = np.array(sims, dtype=np.float32)
+    similarities = np.array(sims, dtype=dtype)
     query = RouteQuery(sims=similarities)
-    if not any(alive):
-        with pytest.raises(LookupError):
-            get_policy("eldr")(snap, query, RouterState(), tables)
-        return
-    decision = get_policy("eldr")(snap, query, RouterState(), tables)
+    with mock.patch.object(decode_policies, "LOOP_MAX_ENGINES", 0 if arrays else decode_policies.LOOP_MAX_ENGINES):
+        if not any(alive):
+            with pytest.raises(LookupError):
+                get_policy("eldr")(snap, query, RouterState(), tables)
+            return
+        decision = get_policy("eldr")(snap, query, RouterState(), tables)
     expected = _eldr_by_definition(snap, similarities, tables)
     if expected is None:
         assert decision.fallback == "band_empty"
         assert snap.load[decision.index] == min(x for x, a in zip(load, alive, strict=True) if a)
     else:
         assert (decision.index, decision.band_size, decision.fallback) == (*expected, None)
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_eldr_band_edge_is_computed_in_the_similarities_dtype(arrays: bool) -> None:
+    snap = _snap([1.0, 0.0])
+    tables = RoutingTables.build(snap.engine_ids, num_centroids=2, tau=0.1)
+    limit = 0 if arrays else decode_policies.LOOP_MAX_ENGINES
+    with mock.patch.object(decode_policies, "LOOP_MAX_ENGINES", limit):
+        # float64: 0.3 - 0.1 = 0.19999999999999998 <= 0.2, so engine 1 is in the band...
+        wide = get_policy("eldr")(snap, RouteQuery(sims=np.array([0.3, 0.2])), RouterState(), tables)
+        # ...float32: 0.3f - 0.1f rounds to just above 0.2f, so it is not
+        narrow = get_policy("eldr")(snap, RouteQuery(sims=np.array([0.3, 0.2], np.float32)), RouterState(), tables)
+    assert (wide.index, wide.band_size) == (1, 2)
+    assert (narrow.index, narrow.band_size) == (0, 1)
 
 
 def test_domain_partition_is_proportional_and_covers_every_engine() -> None:

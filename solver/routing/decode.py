@@ -100,6 +100,12 @@ class RoutingTables:
     domains: Mapping[str, np.ndarray] = field(default_factory=dict)
     tau: float = DEFAULT_TAU
     engine_centroid: np.ndarray | None = None
+    #: `engine_centroid` as a tuple of ints, for the ELDR pick's per-engine loop.
+    centroid_of: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.engine_centroid is not None:
+            object.__setattr__(self, "centroid_of", tuple(int(k) for k in self.engine_centroid))
 
     @classmethod
     def build(
@@ -254,30 +260,57 @@ def route_domain(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tab
     return Decision(_least_loaded(snap, mask, state), band_size=int(mask.sum()))
 
 
-def _eldr(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables, tau: float) -> Decision:
-    sims, members = query.sims, tables.members
-    if sims is None or members is None:
-        return replace(route_jsq(snap, query, state, tables), fallback="no_signature")
+#: Up to this many engines the ELDR pick is one Python pass over the engines; beyond, numpy over arrays. For
+#: small fleets the pass costs less than the dozen numpy calls (far less when the caches are cold, as on a
+#: router woken by each request); both give the same pick (tests/test_routing_decode.py).
+LOOP_MAX_ENGINES = 64
+
+
+def _eldr_loop(snap: FleetSnapshot, sims: np.ndarray, centroid_of: tuple[int, ...], tau: float) -> Decision | None:
+    # The threshold exactly as the array path compares it, in the similarities' dtype (as a double, exactly).
+    threshold = float(sims.dtype.type(sims.max() - tau))
+    sim, alive, load = sims.tolist(), snap.alive.tolist(), snap.load.tolist()
+    band, best, best_load, best_sim = 0, -1, math.inf, -math.inf
+    for i, k in enumerate(centroid_of):
+        if alive[i] and sim[k] >= threshold:
+            band += 1
+            if load[i] < best_load or (load[i] == best_load and sim[k] > best_sim):
+                best, best_load, best_sim = i, load[i], sim[k]
+    return Decision(best, band_size=band) if best_load != math.inf else None
+
+
+def _eldr_arrays(snap: FleetSnapshot, sims: np.ndarray, tables: RoutingTables, tau: float) -> Decision | None:
     # An engine is in the band iff its most similar centroid is: one gather (or [K, D] max) gives both the
     # band and the tie-break key.
     if tables.engine_centroid is not None:
         engine_sim = sims.take(tables.engine_centroid)
     else:
-        engine_sim = np.where(members, sims[:, None], -np.inf).max(axis=0)
+        engine_sim = np.where(tables.members, sims[:, None], -np.inf).max(axis=0)
     mask = engine_sim >= sims.max() - tau
     mask &= snap.alive
-    # The band is a handful of engines: picking among them in Python costs less than more numpy calls.
     band = mask.nonzero()[0]
-    size = len(band)
     loads = snap.load.take(band).tolist()
     best = min(loads, default=math.inf)
     if best == math.inf:
-        return replace(route_jsq(snap, query, state, tables), fallback="band_empty")
+        return None
     ties = [k for k, load in enumerate(loads) if load == best]
     if len(ties) > 1:  # the most similar of the least loaded (the first of equals)
         band_sims = engine_sim.take(band).tolist()
         ties = [max(ties, key=band_sims.__getitem__)]
-    return Decision(int(band[ties[0]]), band_size=size)
+    return Decision(int(band[ties[0]]), band_size=len(band))
+
+
+def _eldr(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables, tau: float) -> Decision:
+    sims = query.sims
+    if sims is None or tables.members is None:
+        return replace(route_jsq(snap, query, state, tables), fallback="no_signature")
+    if tables.centroid_of is not None and snap.size <= LOOP_MAX_ENGINES:
+        decision = _eldr_loop(snap, sims, tables.centroid_of, tau)
+    else:
+        decision = _eldr_arrays(snap, sims, tables, tau)
+    if decision is None:  # no live engine in the band (or none with a finite load)
+        return replace(route_jsq(snap, query, state, tables), fallback="band_empty")
+    return decision
 
 
 def route_eldr(snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
