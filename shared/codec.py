@@ -54,6 +54,25 @@ def _array_error(reason: str) -> PydanticCustomError:
     return PydanticCustomError("array", reason)
 
 
+_dtypes: dict[str, np.dtype] = {}  # dtype strings seen on the wire (at most a few dozen: short, numeric)
+
+
+def _wire_dtype(dtype_str: Any) -> np.dtype:
+    dtype = _dtypes.get(dtype_str) if isinstance(dtype_str, str) else None
+    if dtype is not None:
+        return dtype
+    if not isinstance(dtype_str, str) or len(dtype_str) > 4:
+        raise _array_error(f"dtype must be a short numpy type string like '<u2', got {dtype_str!r}")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:
+        raise _array_error(f"unknown dtype {dtype_str!r}") from None
+    if dtype.kind not in _ALLOWED_KINDS:
+        raise _array_error(f"dtype {dtype_str!r} is not numeric (allowed kinds: bool, int, uint, float)")
+    _dtypes[dtype_str] = dtype
+    return dtype
+
+
 def array_from_wire(obj: Any, kinds: str = "biuf", ndim: int | None = None) -> np.ndarray:
     """Decode and check one wire array; raises `PydanticCustomError('array', ...)` on any mismatch."""
     if isinstance(obj, np.ndarray):  # constructing a model in-process
@@ -61,24 +80,17 @@ def array_from_wire(obj: Any, kinds: str = "biuf", ndim: int | None = None) -> n
     else:
         if not isinstance(obj, dict):
             raise _array_error(f"expected an array map {{dtype, shape, data}}, got {type(obj).__name__}")
-        missing = {"dtype", "shape", "data"} - obj.keys()
-        if missing:
-            raise _array_error(f"array map lacks {sorted(missing)}")
-        dtype_str, shape, data = obj["dtype"], obj["shape"], obj["data"]
-        if not isinstance(dtype_str, str) or len(dtype_str) > 4:
-            raise _array_error(f"dtype must be a short numpy type string like '<u2', got {dtype_str!r}")
         try:
-            dtype = np.dtype(dtype_str)
-        except TypeError:
-            raise _array_error(f"unknown dtype {dtype_str!r}") from None
-        if dtype.kind not in _ALLOWED_KINDS:
-            raise _array_error(f"dtype {dtype_str!r} is not numeric (allowed kinds: bool, int, uint, float)")
+            dtype_str, shape, data = obj["dtype"], obj["shape"], obj["data"]
+        except KeyError:
+            raise _array_error(f"array map lacks {sorted({'dtype', 'shape', 'data'} - obj.keys())}") from None
+        dtype = _wire_dtype(dtype_str)
         if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
             raise _array_error(f"shape must be a list of at most {_MAX_NDIM} sizes, got {shape!r}")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-            raise _array_error(f"shape entries must be non-negative integers, got {shape!r}")
         count = 1
         for n in shape:
+            if type(n) is not int or n < 0:  # bool is not int here
+                raise _array_error(f"shape entries must be non-negative integers, got {shape!r}")
             count *= n
         if count > MAX_ARRAY_ELEMENTS:
             raise _array_error(f"{count} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
@@ -88,7 +100,7 @@ def array_from_wire(obj: Any, kinds: str = "biuf", ndim: int | None = None) -> n
             raise _array_error(
                 f"data holds {len(data)} bytes but dtype {dtype_str} x shape {shape} needs {count * dtype.itemsize}"
             )
-        array = np.frombuffer(data, dtype=dtype).reshape(shape)
+        array = np.ndarray(shape, dtype, buffer=data)  # zero-copy, read-only (bytes are immutable)
     if array.dtype.kind not in kinds:
         raise _array_error(f"dtype {array.dtype.str} not allowed here (allowed kinds: {kinds!r})")
     if ndim is not None and array.ndim != ndim:

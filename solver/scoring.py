@@ -72,6 +72,9 @@ class Scorer:
         self.representation = representation
         self.layer_mask = mask
         self._mask_list = mask.tolist()
+        # Flat positions of the masked cells in a full [num_layers, E] signature: one take() selects them.
+        experts = int(weights.shape[1])
+        self._full_cells = (mask[:, None] * experts + np.arange(experts)).ravel()
         self._binary = representation == "binary"
         self._weights = None if np.all(weights == 1.0) else np.ascontiguousarray(weights.ravel())
         norms = np.linalg.norm(centroids, axis=1, keepdims=True)
@@ -126,7 +129,14 @@ class Scorer:
         counts = np.asarray(counts)
         if counts.ndim != 2 or counts.shape[1] != self.num_experts:
             raise ScoringError(f"signature must be [layers, {self.num_experts}], got {list(counts.shape)}")
-        _check_counts(counts)
+        if counts.dtype.kind != "u":  # unsigned counts need no further check
+            _check_counts(counts)
+        if layers is None and counts.shape[0] == self.num_layers:  # the full signature: the common case
+            cells = counts.take(self._full_cells)
+            vector = (cells > 0).astype(np.float32) if self._binary else cells.astype(np.float32)
+            if self._weights is not None:
+                vector *= self._weights
+            return vector
         index = self._row_index(counts.shape[0], layers)
         return self._weighted(counts if index is None else counts.take(index, axis=0))
 
