@@ -48,9 +48,11 @@ class DecisionSharer:
     """Collects this replica's decisions and publishes them as `RouteDecisions`.
 
     `idle` runs at the end of each burst of requests (`Bus.serve`'s hook): the batch is published there, in
-    the same socket write as the burst's replies, unless the previous batch left less than `interval_s` ago;
-    then a timer publishes it when the interval is up (unless a later burst does first). So each decision is
-    shared after its reply, at most `interval_s` late, in at most one message per `interval_s`.
+    the same socket write as the burst's replies, unless the previous batch left less than `interval_s` ago.
+    What such bursts leave waits for the next burst end past the interval, or, if traffic pauses, for a timer
+    one interval later (a publication of its own costs a socket write and a wake-up of the server, so it is
+    only the fallback). So decisions are shared after their replies, at most one message per `interval_s`,
+    and none waits more than twice that.
     """
 
     def __init__(self, bus: Bus, replica_id: str, interval_s: float) -> None:
@@ -72,7 +74,7 @@ class DecisionSharer:
         if self._loop.time() >= due:
             await self.flush()
         elif self._timer is None:
-            self._timer = self._loop.call_at(due, self._on_timer)
+            self._timer = self._loop.call_at(due + self.interval_s, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

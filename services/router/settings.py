@@ -23,8 +23,9 @@ class RouterSettings(BaseSettings):
     inflight_grace_s: float = Field(default=0.05, ge=0)
     #: Label -> traffic share, required by the oracle `domain` policy (a JSON object in the environment).
     domain_shares: dict[str, float] = Field(default_factory=dict)
-    #: Decisions are shared with the other replicas (`sy.route.decided`) at the end of each burst of requests,
-    #: in the replies' socket write, but at most one message per this interval (0: every burst).
+    #: Decisions are shared with the other replicas (`sy.route.decided`) at the end of a burst of requests, in
+    #: the replies' socket write, at most one message per this interval; none waits more than twice it
+    #: (0: at the end of every burst).
     share_interval_s: float = Field(default=0.002, ge=0, le=0.1)
     #: Identifies this replica on `sy.route.decided`.
     replica_id: str = Field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
