@@ -61,7 +61,8 @@ class RoleView:
         ids = tuple(self.fleet.engine_ids[i] for i in self.rows)
         d = len(ids)
         self.snap = FleetSnapshot(ids, np.zeros(d), np.zeros(d), np.zeros(d, dtype=bool), version=self.fleet.version)
-        self.position = {int(row): i for i, row in enumerate(self.rows)}
+        self.row_of = tuple(int(row) for row in self.rows)  # position -> fleet row, as Python ints
+        self.position = {row: i for i, row in enumerate(self.row_of)}
         self.version = self.fleet.version
         self._synced = -1  # fleet.data_version the snapshot reflects
         self._last_seen = np.zeros(d)
@@ -231,10 +232,10 @@ class RouterCore:
                     sims = self.scorer.similarities(request.signature, request.layers)
                 except ScoringError as exc:
                     raise SchemaMismatch("signature", str(exc)) from None
-        decision = policy(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
+        decision = policy.fn(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
         index = decision.index
         engine_id = snap.engine_ids[index]
-        row = int(view.rows[index])
+        row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
         self._record(row)
         elapsed = time.perf_counter() - start
@@ -272,7 +273,7 @@ class RouterCore:
         if index < 0:
             return _unavailable("dp", "dp", snap.size)
         engine_id = snap.engine_ids[index]
-        row = int(rows[index])
+        row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
         self._record(row)
         elapsed = time.perf_counter() - start
