@@ -209,16 +209,20 @@ def test_kv_first_rule_fires_in_a_kv_bound_fleet(esft: Scenario) -> None:
 
 
 def test_mla_kv_is_replicated_over_tensor_parallel_ranks(esft: Scenario) -> None:
-    """DeepSeek's latent KV cannot be split by heads: TP=2 doubles no KV capacity; Qwen3's GQA KV splits."""
-    mla = DPCost(esft.cost, ep_ranks=2)
-    assert mla.kv_shards == 1
-    qwen2, qwen1 = (
-        DPCost(cost_model("qwen3-30b-a3b", "H100", gpus=2), 2),
-        DPCost(cost_model("qwen3-30b-a3b", "H200"), 1),
-    )
-    assert qwen2.kv_shards == 2
-    # 2 x H100 with split KV hold more tokens per engine than one H100 would beside the same per-GPU weights
-    assert qwen2.kv_capacity_blocks > 0 and qwen1.kv_capacity_blocks > 0
+    """DeepSeek's latent KV cannot be split by heads, so each TP rank holds all of it; Qwen3's GQA KV splits."""
+
+    def by_hand(cost: DPCost, shards: int) -> int:
+        m, g = cost.cost.model, cost.cost.gpu
+        experts = m.moe_layers * m.num_experts * m.expert_bytes
+        weights = (m.weight_bytes - experts) / cost.tp + experts / cost.ep_ranks
+        return int((0.9 * g.hbm_bytes - weights) // (16 * m.kv_bytes_per_token / shards))
+
+    mla = DPCost(esft.cost, ep_ranks=4)
+    gqa = DPCost(cost_model("qwen3-30b-a3b", "H100", gpus=2), ep_ranks=4)
+    assert (mla.kv_shards, gqa.kv_shards) == (1, 2)
+    assert mla.kv_capacity_blocks == by_hand(mla, 1)
+    assert gqa.kv_capacity_blocks == by_hand(gqa, 2)
+    assert mla.kv_capacity_blocks < esft.cost.kv_capacity_blocks, "fewer tokens than a split cache would hold"
     with pytest.raises(ValueError, match="multiple"):
         DPCost(esft.cost, ep_ranks=3)
 

@@ -150,6 +150,8 @@ class DPSimOptions:
     token_budget: int = 8192
     kv_blocks: int | None = None
     window_s: float = 10.0
+    telemetry_interval_s: float = 0.1
+    inflight_grace_s: float = 0.05
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -160,6 +162,8 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         max_running=opts.max_running,
         token_budget=opts.token_budget,
         kv_blocks=opts.kv_blocks,
+        telemetry_interval_s=opts.telemetry_interval_s,
+        inflight_grace_s=opts.inflight_grace_s,
     )
 
 
