@@ -12,9 +12,10 @@ Sections:
 - `sensitivity`: one load per trace at the baseline's knee, changing one thing at a time: independent
   engines, DP=4, telemetry every 10 ms, and a KV cache the size the seed's Qwen3-30B-A3B would leave.
 
-Writes `results.json`, `runs.csv`, `report.md` and PNGs into `--out` (default docs/results/gimbal).
-Run: `.venv/bin/python bench/gimbal_dp.py [--jobs 2] [--quick]`; `--report-only` rebuilds the report from
-`results.json`.
+Writes `runs.csv` (one row per run), `results.json` (how it was run), `report.md` and PNGs into `--out`
+(default docs/results/gimbal). Run: `.venv/bin/python bench/gimbal_dp.py [--jobs 2] [--quick]`;
+`--sections sensitivity` reruns one section and keeps the other's rows; `--report-only` rebuilds the report
+and figures from the files.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def variants() -> dict[str, dict[str, object]]:
         "independent engines (EP2 each)": {"coupled": False},
         "DP=4 (TP2, EP8, lock-step)": {"engines": 4},
         "telemetry every 10 ms": {"telemetry_interval_s": 0.01, "inflight_grace_s": 0.005},
+        "telemetry in phase across engines": {"telemetry_aligned": True},
         f"KV cache of Qwen3-30B-A3B ({seed_kv_blocks():,} blocks)": {"kv_blocks": seed_kv_blocks()},
     }
 
@@ -174,7 +176,9 @@ def write_report(payload: dict, out: Path) -> Path:
         "largest per-seed change. Times in ms.",
         "",
         f"Fleet: {payload['fleet']}. Model physics: DeepSeek-V2-Lite (the routing trace's model) on H100.",
-        f"Machine: {payload['machine']}; {payload['wall_s']:.0f} s.",
+        f"Machine: {payload['machine']}; "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(payload["wall_s"].items()))
+        + " (wall, 2 processes).",
         "",
     ]
     for trace in ("code", "conv"):
@@ -328,6 +332,17 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in keys})
 
 
+def read_csv(path: Path) -> list[dict]:
+    text = {"section", "variant", "trace", "combo", "fleet"}
+    rows = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            row: dict = {k: (v if k in text else float(v)) for k, v in r.items()}
+            row["seed"] = int(row["seed"])
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "gimbal")
@@ -335,31 +350,34 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sections", default="main,sensitivity")
     ap.add_argument("--quick", action="store_true", help="1,500 requests, two loads per trace (minutes)")
-    ap.add_argument("--report-only", action="store_true", help="rebuild report and figures from results.json")
+    ap.add_argument("--report-only", action="store_true", help="rebuild report and figures from the files")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    meta_path, csv_path = args.out / "results.json", args.out / "runs.csv"
     if args.report_only:
-        payload = json.loads((args.out / "results.json").read_text())
+        meta = json.loads(meta_path.read_text())
+        rows = read_csv(csv_path)
     else:
         seeds = [int(s) for s in args.seeds.split(",")]
-        todo = tasks(seeds, args.quick, set(args.sections.split(",")))
+        sections = set(args.sections.split(","))
+        todo = tasks(seeds, args.quick, sections)
         print(f"{len(todo)} workloads on {args.jobs} processes", flush=True)
         t0 = time.perf_counter()
-        rows: list[dict] = []
+        rows = []
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             for part in pool.map(run_task, todo):
                 rows += part
-        payload = {
-            "machine": _single_core.machine(),
-            "wall_s": time.perf_counter() - t0,
-            "seeds": seeds,
-            "quick": args.quick,
-            "fleet": "DP2 TP2 EP4 lock-step (vLLM DP+EP), H100",
-            "loads": LOADS,
-            "rows": rows,
-        }
-        (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
-        write_csv(rows, args.out / "runs.csv")
+        wall = {",".join(sorted(sections)): time.perf_counter() - t0}
+        meta = {"machine": _single_core.machine(), "wall_s": wall, "seeds": seeds, "quick": args.quick}
+        if csv_path.exists() and meta_path.exists() and not args.quick:  # keep the sections not rerun
+            old = json.loads(meta_path.read_text())
+            if not old.get("quick"):
+                rows = [r for r in read_csv(csv_path) if r["section"] not in sections] + rows
+                meta["wall_s"] = {**old.get("wall_s", {}), **wall}
+        meta.update(fleet="DP2 TP2 EP4 lock-step (vLLM DP+EP), H100", loads=LOADS, knee=KNEE)
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+        write_csv(rows, csv_path)
+    payload = {**meta, "rows": rows}
     path = write_report(payload, args.out)
     plot(payload, args.out)
     print(f"report: {path}", file=sys.stderr)

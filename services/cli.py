@@ -512,6 +512,12 @@ def sim_dp(
     max_running: Annotated[int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")] = 1024,
     token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = 8192,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: what fits).")] = None,
+    telemetry_ms: Annotated[
+        float, typer.Option(help="Engine telemetry period, ms (in-flight grace: min(50, period/2)).")
+    ] = 100.0,
+    aligned_telemetry: Annotated[
+        bool, typer.Option(help="Every engine reports at the same instants (default: a random phase each).")
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -537,6 +543,9 @@ def sim_dp(
         max_running=max_running,
         token_budget=token_budget,
         kv_blocks=kv_blocks,
+        telemetry_interval_s=telemetry_ms / 1e3,
+        inflight_grace_s=min(0.05, telemetry_ms / 2e3),
+        telemetry_aligned=aligned_telemetry,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)

@@ -246,6 +246,7 @@ def test_prompt_throughput_gap_and_trace_window(esft: Scenario) -> None:
     res = _run(esft, wl, _fleet(esft), "rr")
     gap, cov = prompt_throughput_gap(res, window_s=2.0)
     assert gap > 0 and 0 < cov < 2
+    assert summarize_dp(res)["dispatch_run_mean"] == 1.0, "round robin over two engines strictly alternates"
     one = _run(esft, wl, _fleet(esft, engines=1), "rr")
     assert prompt_throughput_gap(one, window_s=2.0) == (0.0, 0.0), "one engine has no cross-engine gap"
 

@@ -20,7 +20,8 @@ What each dispatch rule sees (the delays are the real systems'):
   per choice since the snapshot (vLLM's local increment). `vllm-main`: the snapshot with KV usage, and the
   client's exact in-flight count.
 - `gimbal`: each engine's telemetry (KV usage, remaining and waiting prefill tokens, expert pressure), sent
-  every 100 ms at an engine-specific phase (the bus contract's `sy.engine.<id>.telemetry`), plus the router's
+  every 100 ms at an engine-specific phase (the bus contract's `sy.engine.<id>.telemetry`; `telemetry_aligned`
+  puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
   in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
   least `inflight_grace_s` after them (`services.router.fleet`'s rule and default).
 """
@@ -68,6 +69,7 @@ class DPFleetConfig:
     telemetry_interval_s: float = 0.1  # bus contract: sy.engine.<id>.telemetry ~every 100 ms
     coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
     inflight_grace_s: float = 0.05  # router default SWITCHYARD_ROUTER_INFLIGHT_GRACE_S
+    telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
     params: GimbalParams = field(default_factory=GimbalParams)
 
     def __post_init__(self) -> None:
@@ -246,6 +248,8 @@ def simulate_dp(
     disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s)
     rng = np.random.default_rng(seed)
     phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
+    if fleet.telemetry_aligned:
+        phases[:] = phases[0]
 
     arrival, prompt, output, replay = workload.arrival, workload.prompt, workload.output, workload.replay
     eng_of = np.full(n_req, -1, dtype=np.int64)

@@ -11,6 +11,9 @@ Metrics (seconds, tokens/s):
   logging interval) over the arrival span, each engine's prefill tokens per second; the gap is max − min
   over engines, averaged over windows. `prompt_tput_cov`: the same windows' coefficient of variation.
 - `mean_running`: running requests per engine, time-weighted over the run, averaged over engines.
+- `dispatch_run_mean`: mean length of the runs of consecutive arrivals sent to the same engine (1 = strict
+  alternation between engines). In lock-step DP+EP, runs put several new prompts on one engine in the same
+  step, and that engine's dense and attention time sets the step for everyone.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
     n = res.fleet.engines
     running = np.bincount(res.step_engine, weights=res.step_running * res.step_duration, minlength=n)
     kv_blocks = res.fleet.engine_kv_blocks
+    e = res.engine
+    runs = np.diff(np.flatnonzero(np.r_[True, e[1:] != e[:-1], True])) if len(e) else np.zeros(1)
     return {
         "dispatch": res.dispatch,
         "order": res.order,
@@ -110,6 +115,7 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
         "max_kv_usage": float(res.engine_max_kv_blocks.max() / kv_blocks),
         "kv_first_decisions": int(res.kv_first_decisions),
         "aged_admissions": int(res.engine_aged_admissions.sum()),
+        "dispatch_run_mean": float(runs.mean()),
         "makespan_s": span,
         "per_engine": {
             "requests": res.engine_requests.tolist(),
@@ -152,6 +158,7 @@ class DPSimOptions:
     window_s: float = 10.0
     telemetry_interval_s: float = 0.1
     inflight_grace_s: float = 0.05
+    telemetry_aligned: bool = False
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -164,6 +171,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         kv_blocks=opts.kv_blocks,
         telemetry_interval_s=opts.telemetry_interval_s,
         inflight_grace_s=opts.inflight_grace_s,
+        telemetry_aligned=opts.telemetry_aligned,
     )
 
 
@@ -231,6 +239,7 @@ def run_sim_dp(
         "token_budget": fleet.token_budget,
         "telemetry_interval_s": fleet.telemetry_interval_s,
         "inflight_grace_s": fleet.inflight_grace_s,
+        "telemetry_aligned": fleet.telemetry_aligned,
         "age_threshold_s": fleet.params.age_threshold_s,
         "window_s": opts.window_s,
     }

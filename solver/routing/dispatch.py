@@ -22,13 +22,13 @@ Baselines, the same shape (per-engine arrays in, an index out, -1 when no engine
 
 - `pick_round_robin`: the next live engine after the previous choice.
 - `pick_jsq`: fewest outstanding requests (dispatched, not finished), as a proxy counting its own requests sees.
-- `pick_vllm`: vLLM's internal DP load balancer (`DPLBAsyncMPClient.get_core_engine_for_request`,
-  `vllm/v1/engine/core_client.py`, in releases from v0.9 on; e.g. commit 364631ab): score = 4·waiting +
-  running from the DP coordinator's snapshot, which it publishes at most every 100 ms
-  (`vllm/v1/engine/coordinator.py`, `min_stats_update_interval_ms = 100`); the scan starts at the client's
-  index and keeps the first minimum; after each choice the client adds one to its local copy of that engine's
-  waiting count, which the next snapshot overwrites.
-- `pick_vllm_main`: the rule on vLLM's main branch at the time of writing (commit 00080ee1): score =
+- `pick_vllm`: vLLM V1's internal DP load balancer (`DPLBAsyncMPClient.get_core_engine_for_request` in
+  `vllm/v1/engine/core_client.py`, read at commit 364631ab): score = 4·waiting + running from the DP
+  coordinator's snapshot, which the coordinator publishes at most every 100 ms while counts change
+  (`vllm/v1/engine/coordinator.py`, `min_stats_update_interval_ms = 100`, read at commit 0090ad12); the scan
+  starts at the client's index and keeps the first minimum; after each choice the client adds one to its
+  local copy of that engine's waiting count, which the next snapshot overwrites.
+- `pick_vllm_main`: the newer rule read on vLLM's main branch (commit 00080ee1): score =
   max(in-flight, waiting + running) + 6·waiting·max(0, kv − 0.5), where in-flight is the client's exact
   count of its unfinished requests on the engine; the scan start rotates by one after every choice.
 """
@@ -126,7 +126,7 @@ DISPATCH_POLICIES: tuple[str, ...] = ("rr", "jsq", "vllm", "vllm-main", "gimbal"
 """Names of the data-parallel dispatch rules (the simulator's `--dispatch` choices)."""
 
 VLLM_WAITING_WEIGHT = 4.0
-"""vLLM's DP load balancer weighs a waiting request 4x a running one (core_client.py, releases from v0.9)."""
+"""vLLM's DP load balancer weighs a waiting request 4x a running one (core_client.py at commit 364631ab)."""
 
 
 def _first_min_from(scores: np.ndarray, alive: np.ndarray, start: int) -> int:
