@@ -482,6 +482,84 @@ def sim(
         typer.echo(f"{name:14s} " + " ".join(f"{s[k]:22.6g}" for k in keys))
 
 
+@app.command("sim-dp")
+def sim_dp(
+    requests: Annotated[
+        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+    ] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
+    ] = None,
+    start: Annotated[int, typer.Option("--start", help="First CSV request to replay (another stretch).")] = 0,
+    engines: Annotated[int, typer.Option("--engines", min=1, help="DP engines.")] = 2,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="GPUs per DP engine (tensor parallel).")] = 2,
+    coupled: Annotated[
+        bool, typer.Option("--coupled/--independent", help="Experts over all engines, lock-step (vLLM DP+EP).")
+    ] = True,
+    dispatch: Annotated[
+        str, typer.Option("--dispatch", help="Comma-separated: rr, jsq, vllm, vllm-main, gimbal.")
+    ] = "vllm,gimbal",
+    order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 2000,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    gpu: Annotated[str, typer.Option("--gpu", help="H100 | H200 | MI300X")] = "H100",
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Routing trace for expert selections (default: ESFT).")
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
+    max_running: Annotated[int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")] = 1024,
+    token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = 8192,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: what fits).")] = None,
+    telemetry_ms: Annotated[
+        float, typer.Option(help="Engine telemetry period, ms (in-flight grace: min(50, period/2)).")
+    ] = 100.0,
+    aligned_telemetry: Annotated[
+        bool, typer.Option(help="Every engine reports at the same instants (default: a random phase each).")
+    ] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
+) -> None:
+    """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
+    from engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
+    from shared.settings import DEFAULT_SHARED_DATA
+
+    orders = ("fcfs", "sjf-aging") if order == "both" else (order,)
+    opts = DPSimOptions(
+        trace=trace or DEFAULT_SHARED_DATA / "routing" / "esft_deepseek_v2_lite",
+        requests=requests,
+        time_scale=time_scale,
+        rate=rate,
+        start=start,
+        engines=engines,
+        tp=tp,
+        coupled=coupled,
+        dispatch=tuple(d.strip() for d in dispatch.split(",") if d.strip()),
+        orders=orders,
+        num_requests=num_requests,
+        seed=seed,
+        gpu=gpu,
+        model=model,
+        max_running=max_running,
+        token_budget=token_budget,
+        kv_blocks=kv_blocks,
+        telemetry_interval_s=telemetry_ms / 1e3,
+        inflight_grace_s=min(0.05, telemetry_ms / 2e3),
+        telemetry_aligned=aligned_telemetry,
+    )
+    try:
+        payload = run_sim_dp(opts, json_path=json_out)
+    except (ValueError, KeyError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    ms = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")
+    typer.echo(json.dumps(payload["config"]))
+    head = " ".join(f"{k + ' ms':>14s}" for k in ms)
+    typer.echo(f"{'dispatch+order':20s} {head} {'tok/s':>10s} {'gap tok/s':>10s}")
+    for name, s in payload["runs"].items():  # type: ignore[union-attr]
+        cells = " ".join(f"{s[k] * 1e3:14.2f}" for k in ms)
+        typer.echo(f"{name:20s} {cells} {s['throughput']:10.0f} {s['prompt_tput_gap']:10.0f}")
+
+
 @app.command()
 def report(
     out: Annotated[Path | None, typer.Option("--out", help="Report folder (default: <data-dir>/report).")] = None,

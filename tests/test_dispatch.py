@@ -8,7 +8,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from solver.routing.dispatch import GimbalParams, kv_penalty, pick_dp_engine, pressure_scores, queue_order
+from solver.routing.dispatch import (
+    GimbalParams,
+    kv_first_applies,
+    kv_penalty,
+    pick_dp_engine,
+    pick_jsq,
+    pick_round_robin,
+    pick_vllm,
+    pick_vllm_main,
+    pressure_scores,
+    queue_order,
+)
 
 P = GimbalParams()
 
@@ -94,3 +105,71 @@ def test_queue_order_is_a_permutation() -> None:
     assert sorted(order.tolist()) == list(range(200))
     fresh = order[~(waited[order] > P.age_threshold_s)]
     assert np.all(np.diff(tokens[fresh]) >= 0)
+
+
+def test_kv_first_applies_only_above_the_threshold_with_a_spread() -> None:
+    alive = np.array([True, True, True])
+    assert kv_first_applies(alive, np.array([0.91, 0.75, 0.85]), P)
+    assert not kv_first_applies(alive, np.array([0.89, 0.10, 0.50]), P), "no cache above 90 %"
+    assert not kv_first_applies(alive, np.array([0.95, 0.93, 0.91]), P), "spread within 10 %"
+    # a dead engine's empty cache does not create a spread
+    assert not kv_first_applies(np.array([True, True, False]), np.array([0.95, 0.93, 0.0]), P)
+
+
+def test_round_robin_cycles_over_live_engines() -> None:
+    alive = np.array([True, False, True, True])
+    picks, prev = [], -1
+    for _ in range(6):
+        prev = pick_round_robin(alive, prev)
+        picks.append(prev)
+    assert picks == [0, 2, 3, 0, 2, 3]
+    assert pick_round_robin(np.zeros(3, dtype=bool), 0) == -1
+
+
+def test_jsq_picks_fewest_outstanding_lowest_index_on_ties() -> None:
+    assert pick_jsq(np.ones(4, dtype=bool), np.array([3, 1, 1, 2])) == 1
+    assert pick_jsq(np.array([True, False, True, True]), np.array([3, 0, 5, 2])) == 3
+
+
+def test_vllm_weighs_waiting_four_times_running_and_scans_from_start() -> None:
+    alive = np.ones(3, dtype=bool)
+    # scores 4*1+0 = 4, 0*4+5 = 5, 4*0+4 = 4: first minimum from index 0 is engine 0, from 1 it is engine 2
+    waiting, running = np.array([1, 0, 0]), np.array([0, 5, 4])
+    assert pick_vllm(alive, waiting, running, start=0) == 0
+    assert pick_vllm(alive, waiting, running, start=1) == 2
+    assert pick_vllm(np.array([False, True, True]), waiting, running, start=0) == 2
+
+
+def test_vllm_main_uses_inflight_floor_and_kv_pressure_on_waiting() -> None:
+    alive = np.ones(2, dtype=bool)
+    # equal snapshots, but the client knows 5 requests of its own are still on engine 0
+    assert pick_vllm_main(alive, np.zeros(2), np.zeros(2), np.zeros(2), np.array([5, 0])) == 1
+    # same waiting + running; engine 0's queue sits on a 95 % full cache: 2 + 2*6*0.45 = 7.4 > 4
+    w, r = np.array([2, 0]), np.array([0, 4])
+    assert pick_vllm_main(alive, w, r, np.array([0.95, 0.2]), np.zeros(2)) == 1
+    assert pick_vllm_main(alive, w, r, np.array([0.4, 0.2]), np.zeros(2)) == 0  # no penalty below 50 %
+
+
+@given(
+    hnp.arrays(np.float64, 5, elements=st.floats(0, 1e4)),
+    hnp.arrays(np.float64, 5, elements=st.floats(0, 1e4)),
+    hnp.arrays(np.bool_, 5),
+    st.integers(-1, 9),
+)
+def test_every_baseline_returns_a_live_engine(
+    waiting: np.ndarray, running: np.ndarray, alive: np.ndarray, start: int
+) -> None:
+    picks = [
+        pick_round_robin(alive, start),
+        pick_jsq(alive, running),
+        pick_vllm(alive, waiting, running, start % 5),
+        pick_vllm_main(alive, waiting, running, waiting / 1e4, running, start % 5),
+    ]
+    for choice in picks:
+        assert (choice == -1) == (not alive.any())
+        if choice >= 0:
+            assert alive[choice]
+    if alive.any():
+        scores = 4 * waiting + running
+        assert scores[picks[2]] == scores[alive].min()
+        assert running[picks[1]] == running[alive].min()

@@ -17,6 +17,20 @@ the mean (1 = perfectly balanced experts).
 
 Ordering (Algorithm 2): shortest prefill first, except that requests waiting longer than the aging
 threshold are promoted ahead of everything, oldest first, so long prompts cannot starve.
+
+Baselines, the same shape (per-engine arrays in, an index out, -1 when no engine is alive):
+
+- `pick_round_robin`: the next live engine after the previous choice.
+- `pick_jsq`: fewest outstanding requests (dispatched, not finished), as a proxy counting its own requests sees.
+- `pick_vllm`: vLLM V1's internal DP load balancer (`DPLBAsyncMPClient.get_core_engine_for_request` in
+  `vllm/v1/engine/core_client.py`, read at commit 364631ab): score = 4·waiting + running from the DP
+  coordinator's snapshot, which the coordinator publishes at most every 100 ms while counts change
+  (`vllm/v1/engine/coordinator.py`, `min_stats_update_interval_ms = 100`, read at commit 0090ad12); the scan
+  starts at the client's index and keeps the first minimum; after each choice the client adds one to its
+  local copy of that engine's waiting count, which the next snapshot overwrites.
+- `pick_vllm_main`: the newer rule read on vLLM's main branch (commit 00080ee1): score =
+  max(in-flight, waiting + running) + 6·waiting·max(0, kv − 0.5), where in-flight is the client's exact
+  count of its unfinished requests on the engine; the scan start rotates by one after every choice.
 """
 
 from __future__ import annotations
@@ -69,6 +83,15 @@ def pressure_scores(
     )
 
 
+def kv_first_applies(alive: np.ndarray, kv_usage: np.ndarray, params: GimbalParams) -> bool:
+    """Algorithm 1's KV-first rule: some live cache is nearly full and live caches are unevenly used."""
+    if not alive.any():
+        return False
+    live_kv = kv_usage[alive]
+    top = float(live_kv.max())
+    return top > params.kv_high and top - float(live_kv.min()) > params.kv_spread
+
+
 def pick_dp_engine(
     alive: np.ndarray,
     kv_usage: np.ndarray,
@@ -81,8 +104,7 @@ def pick_dp_engine(
     """Index of the engine that should take the next request; -1 when no engine is alive."""
     if not alive.any():
         return -1
-    live_kv = kv_usage[alive]
-    if live_kv.max() > params.kv_high and live_kv.max() - live_kv.min() > params.kv_spread:
+    if kv_first_applies(alive, kv_usage, params):
         return int(np.argmin(np.where(alive, kv_usage, np.inf)))
     scores = pressure_scores(kv_usage, remaining_prefill, waiting_prefill, comp_tokens, expert_pressure, params)
     return int(np.argmin(np.where(alive, scores, np.inf)))
@@ -98,3 +120,59 @@ def queue_order(prefill_tokens: np.ndarray, waited_s: np.ndarray, params: Gimbal
     position = np.arange(len(prefill_tokens))
     within = np.where(aged, -waited_s, prefill_tokens.astype(np.float64))
     return np.lexsort((position, within, ~aged))
+
+
+DISPATCH_POLICIES: tuple[str, ...] = ("rr", "jsq", "vllm", "vllm-main", "gimbal")
+"""Names of the data-parallel dispatch rules (the simulator's `--dispatch` choices)."""
+
+VLLM_WAITING_WEIGHT = 4.0
+"""vLLM's DP load balancer weighs a waiting request 4x a running one (core_client.py at commit 364631ab)."""
+
+
+def _first_min_from(scores: np.ndarray, alive: np.ndarray, start: int) -> int:
+    """Index of the first live minimum scanning from `start` (wrapping), as vLLM's loop does; -1 if none."""
+    n = len(scores)
+    if n == 0 or not alive.any():
+        return -1
+    scan = (start + np.arange(n)) % n
+    masked = np.where(alive[scan], scores[scan], np.inf)
+    return int(scan[int(np.argmin(masked))])
+
+
+def pick_round_robin(alive: np.ndarray, previous: int) -> int:
+    """The first live engine after `previous` (pass -1 to start at engine 0)."""
+    return _first_min_from(np.zeros(len(alive)), alive, previous + 1)
+
+
+def pick_jsq(alive: np.ndarray, outstanding: np.ndarray) -> int:
+    """Join the shortest queue: fewest outstanding requests; ties go to the lowest index."""
+    return _first_min_from(np.asarray(outstanding, dtype=np.float64), alive, 0)
+
+
+def pick_vllm(alive: np.ndarray, waiting: np.ndarray, running: np.ndarray, start: int = 0) -> int:
+    """vLLM's default DP load balancing: argmin of 4·waiting + running, first minimum from `start`.
+
+    `waiting` is the coordinator snapshot plus the client's own increments since (see the module docstring);
+    the caller adds one to the chosen engine's waiting count.
+    """
+    scores = VLLM_WAITING_WEIGHT * np.asarray(waiting, dtype=np.float64) + np.asarray(running, dtype=np.float64)
+    return _first_min_from(scores, alive, start)
+
+
+def pick_vllm_main(
+    alive: np.ndarray,
+    waiting: np.ndarray,
+    running: np.ndarray,
+    kv_usage: np.ndarray,
+    inflight: np.ndarray,
+    start: int = 0,
+    client_count: int = 1,
+) -> int:
+    """vLLM main's DP load balancing: max(clients·in-flight, waiting + running) plus a KV-pressure term on waiting.
+
+    The caller rotates `start` by one after each choice and adds one to the chosen engine's waiting count.
+    """
+    w = np.asarray(waiting, dtype=np.float64)
+    load = np.maximum(client_count * np.asarray(inflight, dtype=np.float64), w + np.asarray(running, dtype=np.float64))
+    scores = load + w * 6.0 * np.maximum(0.0, np.asarray(kv_usage, dtype=np.float64) - 0.5)
+    return _first_min_from(scores, alive, start)

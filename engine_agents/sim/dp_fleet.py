@@ -1,0 +1,408 @@
+"""Discrete-event simulation of a data-parallel (DP) MoE fleet: a dispatcher in front of N aggregated engines.
+
+Every request arrives at the dispatcher, which picks a DP engine with one of the dispatch rules of
+`solver.routing.dispatch` from what that rule can know at that instant; the engine queues it and serves it
+with chunked prefill and continuous batching (`dp_engine.MixedEngine`), in FCFS or SJF-with-aging order.
+
+Two deployments:
+
+- `coupled=True` (default; vLLM's DP+EP, the Gimbal seed's DP=2 TP=2 EP=4): experts are spread over all the
+  engines' GPUs, so every MoE layer is a collective across DP engines and the engines step in lock-step (an
+  engine with nothing to do runs a dummy batch). A step lasts the slowest engine's dense/attention part plus
+  the MoE part of all engines' tokens together: their expert union on the busiest EP rank, their compute
+  spread over every rank.
+- `coupled=False`: independent engines, experts parallel over each engine's own GPUs only.
+
+What each dispatch rule sees (the delays are the real systems'):
+
+- `rr`: nothing. `jsq`: its own exact count of outstanding (dispatched, unfinished) requests per engine.
+- `vllm`: the DP coordinator's (waiting, running) snapshot, published every 100 ms, plus one waiting request
+  per choice since the snapshot (vLLM's local increment). `vllm-main`: the snapshot with KV usage, and the
+  client's exact in-flight count.
+- `gimbal`: each engine's telemetry (KV usage, remaining and waiting prefill tokens, expert pressure), sent
+  every 100 ms at an engine-specific phase (the bus contract's `sy.engine.<id>.telemetry`; `telemetry_aligned`
+  puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
+  in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
+  least `inflight_grace_s` after them (`services.router.fleet`'s rule and default).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTables, MixedEngine, MixedStep, QueueOrder
+from engine_agents.sim.experts import ReplayBank
+from engine_agents.sim.physics import CostModel
+from engine_agents.sim.workload import Workload
+from solver.routing.dispatch import (
+    DISPATCH_POLICIES,
+    GimbalParams,
+    kv_first_applies,
+    pick_dp_engine,
+    pick_jsq,
+    pick_round_robin,
+    pick_vllm,
+    pick_vllm_main,
+)
+
+__all__ = ["DPFleetConfig", "DPSimResult", "Dispatcher", "simulate_dp"]
+
+_STEP_END, _TELEMETRY, _COORDINATOR = 0, 1, 2
+_GLOBAL = -1
+
+
+@dataclass(frozen=True)
+class DPFleetConfig:
+    """N DP engines of one model on `cost.gpus` (= TP) GPUs each; vLLM V1 defaults for an H100-class GPU."""
+
+    engines: int
+    cost: CostModel
+    coupled: bool = True
+    max_running: int = 1024  # vLLM max_num_seqs default for the API server on GPUs with >= 70 GiB
+    token_budget: int = 8192  # vLLM max_num_batched_tokens default, same condition
+    kv_blocks: int | None = None  # per engine; default: what the weights leave
+    telemetry_interval_s: float = 0.1  # bus contract: sy.engine.<id>.telemetry ~every 100 ms
+    coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
+    inflight_grace_s: float = 0.05  # router default SWITCHYARD_ROUTER_INFLIGHT_GRACE_S
+    telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
+    params: GimbalParams = field(default_factory=GimbalParams)
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("need at least one engine")
+
+    @cached_property
+    def dp_cost(self) -> DPCost:
+        ranks = self.engines * self.cost.gpus if self.coupled else self.cost.gpus
+        return DPCost(self.cost, ep_ranks=ranks)
+
+    @property
+    def engine_kv_blocks(self) -> int:
+        return int(self.kv_blocks if self.kv_blocks is not None else self.dp_cost.kv_capacity_blocks)
+
+    @property
+    def label(self) -> str:
+        tp = self.cost.gpus
+        ep = f"EP{self.dp_cost.ep_ranks}" + (" lock-step" if self.coupled else "")
+        return f"DP{self.engines} TP{tp} {ep}"
+
+
+class Dispatcher:
+    """One dispatch rule with the view of the fleet that rule has (see the module docstring)."""
+
+    def __init__(self, policy: str, engines: int, params: GimbalParams, grace_s: float) -> None:
+        if policy not in DISPATCH_POLICIES:
+            raise ValueError(f"unknown dispatch policy {policy!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+        self.policy = policy
+        self.n = engines
+        self.params = params
+        self.grace_s = grace_s
+        self.alive = np.ones(engines, dtype=bool)
+        self.outstanding = np.zeros(engines)  # exact: dispatched and not finished
+        self.prev = -1
+        self.start = 0
+        # vLLM coordinator view
+        self.snap_waiting = np.zeros(engines)
+        self.snap_running = np.zeros(engines)
+        self.snap_kv = np.zeros(engines)
+        # Gimbal telemetry view
+        self.kv = np.zeros(engines)
+        self.remaining = np.zeros(engines)
+        self.waiting_tokens = np.zeros(engines)
+        self.pressure = np.ones(engines)
+        self.comp = np.zeros(engines)
+        self._decisions: list[deque[tuple[float, int]]] = [deque() for _ in range(engines)]
+        self.kv_first = 0
+
+    @property
+    def needs_telemetry(self) -> bool:
+        return self.policy == "gimbal"
+
+    @property
+    def needs_coordinator(self) -> bool:
+        return self.policy in ("vllm", "vllm-main")
+
+    def choose(self, now: float, prompt_tokens: int) -> int:
+        p = self.policy
+        if p == "rr":
+            i = pick_round_robin(self.alive, self.prev)
+        elif p == "jsq":
+            i = pick_jsq(self.alive, self.outstanding)
+        elif p == "vllm":
+            i = pick_vllm(self.alive, self.snap_waiting, self.snap_running, self.start)
+            self.snap_waiting[i] += 1
+        elif p == "vllm-main":
+            i = pick_vllm_main(
+                self.alive, self.snap_waiting, self.snap_running, self.snap_kv, self.outstanding, self.start
+            )
+            self.snap_waiting[i] += 1
+            self.start = (self.start + 1) % self.n
+        else:
+            if kv_first_applies(self.alive, self.kv, self.params):
+                self.kv_first += 1
+            i = pick_dp_engine(
+                self.alive, self.kv, self.remaining, self.waiting_tokens, self.comp, self.pressure, self.params
+            )
+            self._decisions[i].append((now, prompt_tokens))
+            self.comp[i] += prompt_tokens
+        self.prev = i
+        self.outstanding[i] += 1
+        return i
+
+    def on_finished(self, engine: int, count: int) -> None:
+        self.outstanding[engine] -= count
+
+    def on_coordinator(self, waiting: np.ndarray, running: np.ndarray, kv: np.ndarray) -> None:
+        """A coordinator snapshot replaces the client's counts, local increments included."""
+        self.snap_waiting[:] = waiting
+        self.snap_running[:] = running
+        self.snap_kv[:] = kv
+
+    def on_telemetry(self, i: int, now: float, kv: float, remaining: int, waiting: int, pressure: float) -> None:
+        self.kv[i] = kv
+        self.remaining[i] = remaining
+        self.waiting_tokens[i] = waiting
+        self.pressure[i] = max(pressure, 1.0)
+        decisions = self._decisions[i]
+        while decisions and decisions[0][0] < now - self.grace_s:
+            self.comp[i] -= decisions.popleft()[1]
+        if not decisions:
+            self.comp[i] = 0.0
+
+
+@dataclass
+class DPSimResult:
+    """Per-request times and engines, per-step records (one row per engine per step), per-engine counters."""
+
+    dispatch: str
+    order: str
+    fleet: DPFleetConfig
+    workload: Workload
+    arrival: np.ndarray
+    engine: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    tokens: np.ndarray
+    step_engine: np.ndarray
+    step_start: np.ndarray
+    step_duration: np.ndarray
+    step_tokens: np.ndarray
+    step_prefill: np.ndarray
+    step_decode: np.ndarray
+    step_running: np.ndarray
+    step_waiting: np.ndarray
+    engine_requests: np.ndarray
+    engine_tokens: np.ndarray
+    engine_prompt_tokens: np.ndarray
+    engine_busy: np.ndarray
+    engine_preemptions: np.ndarray
+    engine_max_kv_blocks: np.ndarray
+    engine_aged_admissions: np.ndarray
+    kv_first_decisions: int
+    makespan: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.dispatch}+{self.order}"
+
+
+def simulate_dp(
+    workload: Workload,
+    bank: ReplayBank,
+    fleet: DPFleetConfig,
+    dispatch: str,
+    order: QueueOrder = "fcfs",
+    seed: int = 0,
+    prefill_counts: np.ndarray | None = None,
+    check: bool = False,
+) -> DPSimResult:
+    """Run the workload through the DP fleet under one dispatch rule and one queue order.
+
+    `prefill_counts[R, L, E]`: the bank requests' prefill expert counts (expert pressure; optional).
+    `seed` sets the engines' telemetry phases. `check` asserts the fleet's invariants after every event.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    n_req = workload.size
+    n = fleet.engines
+    dc = fleet.dp_cost
+    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if dispatch == "gimbal" else None
+    engines = [
+        MixedEngine(
+            dc,
+            bank,
+            max_running=fleet.max_running,
+            token_budget=fleet.token_budget,
+            kv_blocks=fleet.engine_kv_blocks,
+            order=order,
+            params=fleet.params,
+            load_tables=tables,
+        )
+        for _ in range(n)
+    ]
+    disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s)
+    rng = np.random.default_rng(seed)
+    phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
+    if fleet.telemetry_aligned:
+        phases[:] = phases[0]
+
+    arrival, prompt, output, replay = workload.arrival, workload.prompt, workload.output, workload.replay
+    eng_of = np.full(n_req, -1, dtype=np.int64)
+    first = np.full(n_req, np.nan)
+    finish = np.full(n_req, np.nan)
+    tokens = np.zeros(n_req, dtype=np.int64)
+    steps: list[tuple[int, float, float, int, int, int, int, int]] = []
+
+    heap: list[tuple[float, int, int, int]] = []
+    seq = 0
+
+    def push(t: float, kind: int, idx: int) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, idx))
+        seq += 1
+
+    t0 = float(arrival[0]) if n_req else 0.0
+    if disp.needs_telemetry:
+        for i in range(n):
+            push(t0 + phases[i], _TELEMETRY, i)
+    if disp.needs_coordinator:
+        push(t0 + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
+
+    global_busy = False
+    global_start = 0.0
+    plans: list[MixedStep | None] = [None] * n
+
+    def record(i: int, t: float, duration: float, plan: MixedStep) -> None:
+        e = engines[i]
+        steps.append((i, t, duration, plan.tokens, plan.prefill_tokens, plan.decode, e.num_running, e.num_waiting))
+
+    def start_engine(i: int, t: float) -> None:
+        plan = engines[i].begin_step(t)
+        if plan is not None:
+            record(i, t, plan.duration, plan)
+            push(t + plan.duration, _STEP_END, i)
+
+    def start_global(t: float) -> None:
+        nonlocal global_busy, global_start
+        nonmoe = 0.0
+        union = None
+        total = 0
+        for i, e in enumerate(engines):
+            plans[i] = p = e.begin_step(t)
+            if p is not None:
+                nonmoe = max(nonmoe, p.nonmoe_s)
+                union = p.union.copy() if union is None else union | p.union
+                total += p.tokens
+        if union is None:
+            global_busy = False
+            return
+        duration = nonmoe + dc.moe_time(union, total)
+        for i, p in enumerate(plans):
+            if p is not None:
+                record(i, t, duration, p)
+        global_busy = True
+        global_start = t
+        push(t + duration, _STEP_END, _GLOBAL)
+
+    def finish_engine(i: int, t: float, duration: float | None) -> int:
+        out = engines[i].end_step(duration)
+        if out.first:
+            first[out.first] = t
+        if out.finished:
+            finish[out.finished] = t
+            tokens[out.finished] = out.finished_tokens
+            disp.on_finished(i, len(out.finished))
+        return len(out.finished)
+
+    next_arrival = 0
+    finished = 0
+    now = t0
+    while finished < n_req:
+        if next_arrival < n_req and (not heap or arrival[next_arrival] <= heap[0][0]):
+            rid = next_arrival
+            next_arrival += 1
+            now = float(arrival[rid])
+            i = disp.choose(now, int(prompt[rid]))
+            eng_of[rid] = i
+            engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now)
+            if fleet.coupled:
+                if not global_busy:
+                    start_global(now)
+            elif not engines[i].busy:
+                start_engine(i, now)
+        else:
+            now, _, kind, idx = heapq.heappop(heap)
+            if kind == _STEP_END and idx == _GLOBAL:
+                duration = now - global_start
+                for i, p in enumerate(plans):
+                    if p is not None:
+                        finished += finish_engine(i, now, duration)
+                        plans[i] = None
+                start_global(now)
+            elif kind == _STEP_END:
+                finished += finish_engine(idx, now, None)
+                start_engine(idx, now)
+            elif kind == _TELEMETRY:
+                e = engines[idx]
+                pressure = e.take_expert_pressure()
+                disp.on_telemetry(idx, now, e.kv_usage, e.remaining_prefill_tokens, e.waiting_prefill_tokens, pressure)
+                push(now + fleet.telemetry_interval_s, _TELEMETRY, idx)
+            else:
+                disp.on_coordinator(
+                    np.array([e.num_waiting for e in engines], dtype=np.float64),
+                    np.array([e.num_running for e in engines], dtype=np.float64),
+                    np.array([e.kv_usage for e in engines]),
+                )
+                push(now + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
+        if check:
+            _check_invariants(engines, eng_of, finish)
+
+    st = np.array(steps, dtype=np.float64).reshape(-1, 8)
+    return DPSimResult(
+        dispatch=dispatch,
+        order=order,
+        fleet=fleet,
+        workload=workload,
+        arrival=arrival.copy(),
+        engine=eng_of,
+        first_token=first,
+        finish=finish,
+        tokens=tokens,
+        step_engine=st[:, 0].astype(np.int64),
+        step_start=st[:, 1],
+        step_duration=st[:, 2],
+        step_tokens=st[:, 3].astype(np.int64),
+        step_prefill=st[:, 4].astype(np.int64),
+        step_decode=st[:, 5].astype(np.int64),
+        step_running=st[:, 6].astype(np.int64),
+        step_waiting=st[:, 7].astype(np.int64),
+        engine_requests=np.bincount(eng_of[eng_of >= 0], minlength=n),
+        engine_tokens=np.array([e.tokens_out for e in engines], dtype=np.int64),
+        engine_prompt_tokens=np.array([e.prompt_tokens for e in engines], dtype=np.int64),
+        engine_busy=np.array([e.busy_time for e in engines]),
+        engine_preemptions=np.array([e.preemptions for e in engines], dtype=np.int64),
+        engine_max_kv_blocks=np.array([e.max_used_blocks for e in engines], dtype=np.int64),
+        engine_aged_admissions=np.array([e.aged_admissions for e in engines], dtype=np.int64),
+        kv_first_decisions=disp.kv_first,
+        makespan=now - t0,
+    )
+
+
+def _check_invariants(engines: list[MixedEngine], eng_of: np.ndarray, finish: np.ndarray) -> None:
+    """Each request is on at most one engine, the one it was dispatched to; KV within capacity and recounted."""
+    seen: set[int] = set()
+    for i, e in enumerate(engines):
+        ids = [*e.running_ids(), *e.waiting_ids()]
+        assert len(set(ids)) == len(ids), f"engine {i} holds a request twice"
+        assert not seen.intersection(ids), f"a request is on two engines ({i})"
+        seen.update(ids)
+        assert all(eng_of[r] == i for r in ids), f"engine {i} holds a request dispatched elsewhere"
+        assert not (np.isfinite(finish[ids]).any() if ids else False), "a finished request is still on an engine"
+        assert 0 <= e.used_blocks <= e.kv_blocks, f"engine {i} KV {e.used_blocks}/{e.kv_blocks}"
+        assert e.used_blocks == e.blocks_held(), f"engine {i} KV accounting drifted"
+        assert e.waiting_prefill_tokens == int(e.queue.work().sum()), f"engine {i} queue token count drifted"

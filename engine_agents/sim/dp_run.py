@@ -1,0 +1,249 @@
+"""`switchyard sim-dp`: one workload through one DP fleet under each (dispatch rule, queue order) pair.
+
+Metrics (seconds, tokens/s):
+
+- TTFT: arrival → first output token (dispatch, queueing, chunked prefill; the token is sampled at the end
+  of the step that computes the prompt's last chunk). TPOT: (last − first token) / (output − 1), requests
+  with more than one output token. Mean, median and p99 over requests.
+- throughput: output tokens per second, first arrival → last finish; `prompt_throughput` likewise for
+  prefill tokens computed (recomputation after preemption included).
+- `prompt_tput_gap`: Gimbal's cross-engine imbalance figure: in windows of `window_s` (10 s, vLLM's stats
+  logging interval) over the arrival span, each engine's prefill tokens per second; the gap is max − min
+  over engines, averaged over windows. `prompt_tput_cov`: the same windows' coefficient of variation.
+- `mean_running`: running requests per engine, time-weighted over the run, averaged over engines.
+- `dispatch_run_mean`: mean length of the runs of consecutive arrivals sent to the same engine (1 = strict
+  alternation between engines). In lock-step DP+EP, runs put several new prompts on one engine in the same
+  step, and that engine's dense and attention time sets the step for everyone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine_agents.sim.dp_engine import ORDERS
+from engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
+from engine_agents.sim.metrics import write_json
+from engine_agents.sim.scenario import Scenario, prepare
+from engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
+from solver.routing.dispatch import DISPATCH_POLICIES
+
+__all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
+
+#: Scalar keys of `summarize_dp`, in table/CSV order.
+DP_SUMMARY_KEYS = (
+    "ttft_mean",
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_mean",
+    "tpot_p50",
+    "tpot_p99",
+    "throughput",
+    "prompt_throughput",
+    "prompt_tput_gap",
+    "prompt_tput_cov",
+    "mean_running",
+    "busy_fraction",
+    "preemptions",
+    "max_kv_usage",
+    "kv_first_decisions",
+    "aged_admissions",
+    "requests",
+    "offered_rate",
+)
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def prompt_throughput_gap(res: DPSimResult, window_s: float = 10.0) -> tuple[float, float]:
+    """(mean max−min, mean CoV) over windows of each engine's prefill tokens/s; see the module docstring."""
+    t0 = float(res.arrival.min())
+    span = float(res.arrival.max()) - t0
+    if span <= 0:
+        return 0.0, 0.0
+    width = min(window_s, span)
+    windows = max(int(span // width), 1)
+    w = ((res.step_start - t0) // width).astype(np.int64)
+    keep = (w >= 0) & (w < windows)
+    n = res.fleet.engines
+    per = np.zeros((windows, n))
+    np.add.at(per, (w[keep], res.step_engine[keep]), res.step_prefill[keep])
+    per /= width
+    gap = float((per.max(axis=1) - per.min(axis=1)).mean())
+    mean = per.mean(axis=1)
+    cov = float(np.where(mean > 0, per.std(axis=1) / np.where(mean > 0, mean, 1), 0).mean())
+    return gap, cov
+
+
+def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
+    """Headline numbers of one run (see the module docstring)."""
+    out = res.workload.output
+    ttft = res.first_token - res.arrival
+    multi = out > 1
+    tpot = (res.finish[multi] - res.first_token[multi]) / (out[multi] - 1)
+    span = float(np.nanmax(res.finish) - res.arrival.min())
+    gap, cov = prompt_throughput_gap(res, window_s)
+    n = res.fleet.engines
+    running = np.bincount(res.step_engine, weights=res.step_running * res.step_duration, minlength=n)
+    kv_blocks = res.fleet.engine_kv_blocks
+    e = res.engine
+    runs = np.diff(np.flatnonzero(np.r_[True, e[1:] != e[:-1], True])) if len(e) else np.zeros(1)
+    return {
+        "dispatch": res.dispatch,
+        "order": res.order,
+        "fleet": res.fleet.label,
+        "requests": int(res.workload.size),
+        "offered_rate": res.workload.offered_rate,
+        "ttft_mean": float(ttft.mean()),
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "tpot_mean": float(tpot.mean()) if len(tpot) else float("nan"),
+        "tpot_p50": _pct(tpot, 50),
+        "tpot_p99": _pct(tpot, 99),
+        "throughput": float(res.tokens.sum() / span) if span > 0 else float("nan"),
+        "prompt_throughput": float(res.engine_prompt_tokens.sum() / span) if span > 0 else float("nan"),
+        "prompt_tput_gap": gap,
+        "prompt_tput_cov": cov,
+        "mean_running": float(running.mean() / span) if span > 0 else 0.0,
+        "busy_fraction": float(res.engine_busy.mean() / span) if span > 0 else 0.0,
+        "preemptions": int(res.engine_preemptions.sum()),
+        "max_kv_usage": float(res.engine_max_kv_blocks.max() / kv_blocks),
+        "kv_first_decisions": int(res.kv_first_decisions),
+        "aged_admissions": int(res.engine_aged_admissions.sum()),
+        "dispatch_run_mean": float(runs.mean()),
+        "makespan_s": span,
+        "per_engine": {
+            "requests": res.engine_requests.tolist(),
+            "prompt_tokens": res.engine_prompt_tokens.tolist(),
+            "output_tokens": res.engine_tokens.tolist(),
+            "busy_fraction": [round(float(b / span), 4) for b in res.engine_busy] if span > 0 else [],
+            "preemptions": res.engine_preemptions.tolist(),
+        },
+    }
+
+
+def trace_window(trace: RequestTrace, start: int) -> RequestTrace:
+    """The trace from request `start` on, times shifted to start at 0 (another stretch of the same day)."""
+    if not 0 <= start < len(trace.arrival):
+        raise ValueError(f"start {start} outside the trace's {len(trace.arrival)} requests")
+    a = trace.arrival[start:]
+    return RequestTrace(a - a[0], trace.prompt[start:], trace.output[start:], f"{trace.source}[{start}:]")
+
+
+@dataclass(frozen=True)
+class DPSimOptions:
+    trace: Path
+    requests: Path | None = None
+    time_scale: float = 1.0
+    rate: float | None = None
+    start: int = 0  # first request of the CSV to replay
+    engines: int = 2
+    tp: int = 2
+    coupled: bool = True
+    dispatch: tuple[str, ...] = ("vllm", "gimbal")
+    orders: tuple[str, ...] = ("fcfs", "sjf-aging")
+    num_requests: int = 2000
+    seed: int = 0
+    gpu: str = "H100"
+    model: str | None = None
+    prefill_fraction: float = 0.5
+    max_running: int = 1024
+    token_budget: int = 8192
+    kv_blocks: int | None = None
+    window_s: float = 10.0
+    telemetry_interval_s: float = 0.1
+    inflight_grace_s: float = 0.05
+    telemetry_aligned: bool = False
+
+
+def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
+    return DPFleetConfig(
+        engines=opts.engines,
+        cost=sc.cost,
+        coupled=opts.coupled,
+        max_running=opts.max_running,
+        token_budget=opts.token_budget,
+        kv_blocks=opts.kv_blocks,
+        telemetry_interval_s=opts.telemetry_interval_s,
+        inflight_grace_s=opts.inflight_grace_s,
+        telemetry_aligned=opts.telemetry_aligned,
+    )
+
+
+def workload_for(sc: Scenario, opts: DPSimOptions, fleet: DPFleetConfig) -> Workload:
+    requests = load_request_csv(opts.requests) if opts.requests is not None else None
+    if requests is not None and opts.start:
+        requests = trace_window(requests, opts.start)
+    return sc.workload(
+        opts.num_requests,
+        seed=opts.seed,
+        rate=opts.rate,
+        requests=requests,
+        time_scale=opts.time_scale,
+        max_tokens=fleet.engine_kv_blocks * sc.cost.block_size,
+    )
+
+
+def run_sim_dp(
+    opts: DPSimOptions, json_path: Path | None = None, scenario: Scenario | None = None
+) -> dict[str, object]:
+    """Every (dispatch, order) pair on one workload; returns (and writes) {config, runs: {"d+o": summary}}."""
+    if opts.requests is None and opts.rate is None:
+        raise ValueError("give either --requests CSV (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
+    for d in opts.dispatch:
+        if d not in DISPATCH_POLICIES:
+            raise ValueError(f"unknown dispatch {d!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+    for o in opts.orders:
+        if o not in ORDERS:
+            raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
+    sc = scenario or prepare(
+        opts.trace, model=opts.model, gpu=opts.gpu, gpus=opts.tp, prefill_fraction=opts.prefill_fraction, seed=opts.seed
+    )
+    fleet = fleet_for(sc, opts)
+    wl = workload_for(sc, opts, fleet)
+    prefill_counts = sc.counts.prefill[sc.replay]
+    runs: dict[str, dict[str, object]] = {}
+    for d in opts.dispatch:
+        for o in opts.orders:
+            t0 = time.perf_counter()
+            res = simulate_dp(wl, sc.bank, fleet, d, o, seed=opts.seed, prefill_counts=prefill_counts)  # type: ignore[arg-type]
+            summary = summarize_dp(res, opts.window_s)
+            summary["wall_s"] = time.perf_counter() - t0
+            runs[res.label] = summary
+    config = {
+        "trace": str(opts.trace),
+        "requests": str(opts.requests) if opts.requests else None,
+        "model": sc.model.name,
+        "gpu": sc.cost.gpu.name,
+        "fleet": fleet.label,
+        "engines": fleet.engines,
+        "tp": sc.cost.gpus,
+        "ep_ranks": fleet.dp_cost.ep_ranks,
+        "coupled": fleet.coupled,
+        "num_requests": opts.num_requests,
+        "seed": opts.seed,
+        "workload": wl.description,
+        "start": opts.start,
+        "time_scale": opts.time_scale if opts.rate is None else None,
+        "rate": opts.rate,
+        "offered_rate": wl.offered_rate,
+        "mean_prompt": float(wl.prompt.mean()),
+        "mean_output": float(wl.output.mean()),
+        "kv_blocks_per_engine": fleet.engine_kv_blocks,
+        "max_running": fleet.max_running,
+        "token_budget": fleet.token_budget,
+        "telemetry_interval_s": fleet.telemetry_interval_s,
+        "inflight_grace_s": fleet.inflight_grace_s,
+        "telemetry_aligned": fleet.telemetry_aligned,
+        "age_threshold_s": fleet.params.age_threshold_s,
+        "window_s": opts.window_s,
+    }
+    payload = {"config": config, "runs": runs}
+    if json_path is not None:
+        write_json(json_path, payload)
+    return payload
