@@ -171,3 +171,17 @@ def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> No
     assert view.refresh(11.0005, 1.0).alive.tolist() == [False] and not view.any_alive
     assert view.refresh(10.5, 1.0).alive.tolist() == [True] and view.any_alive  # a caller's clock went back
     assert view.refresh(10.5, 0.1).alive.tolist() == [False]  # another staleness limit
+
+
+def test_forgetting_silent_engines_compacts_rows_and_keeps_the_rest() -> None:
+    fleet = Fleet(capacity=2)
+    for i in range(4):
+        fleet.on_hello(hello(f"d{i}"), 0.0)
+        fleet.on_telemetry(telemetry(f"d{i}", 0, running=10 + i), 0.0 if i % 2 else 5.0)
+    assert fleet.forget(now=6.0, silent_for_s=3.0) == ["d1", "d3"]
+    assert fleet.engine_ids == ["d0", "d2"] and fleet.index == {"d0": 0, "d2": 1}
+    np.testing.assert_array_equal(fleet.load(), [10, 12])
+    assert fleet.alive("decode", now=6.0).tolist() == [True, True]
+    assert fleet.num_running[2] == 0 and fleet.last_seen[2] == -np.inf  # freed rows are blank again
+    fleet.on_hello(hello("d1"), 6.5)  # a forgotten engine comes back with a new row
+    assert fleet.index["d1"] == 2 and fleet.role[2] >= 0

@@ -24,22 +24,22 @@ from shared.schemas import Hello, Telemetry
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1
-_COLUMNS = (
-    "role",
-    "max_running",
-    "kv_usage",
-    "num_running",
-    "num_waiting",
-    "waiting_prefill",
-    "remaining_prefill",
-    "step_time",
-    "expert_pressure",
-    "last_seen",
-    "last_seq",
-    "inflight",
-    "inflight_tokens",
-)
-_FILL = {"role": _UNKNOWN_ROLE, "last_seen": -np.inf, "last_seq": -1, "max_running": 1, "expert_pressure": 1}
+#: Every per-engine column: dtype and the value of a row no engine has filled yet.
+_COLUMNS: dict[str, tuple[type, float]] = {
+    "role": (np.int8, _UNKNOWN_ROLE),
+    "max_running": (np.float64, 1),
+    "kv_usage": (np.float64, 0),
+    "num_running": (np.float64, 0),
+    "num_waiting": (np.float64, 0),
+    "waiting_prefill": (np.float64, 0),
+    "remaining_prefill": (np.float64, 0),
+    "step_time": (np.float64, 0),
+    "expert_pressure": (np.float64, 1),
+    "last_seen": (np.float64, -np.inf),
+    "last_seq": (np.int64, -1),
+    "inflight": (np.float64, 0),
+    "inflight_tokens": (np.float64, 0),
+}
 
 
 @dataclass
@@ -66,20 +66,9 @@ class Fleet:
         #: Bumped by every change to any column (hello, telemetry, decision, forget): derived views re-read.
         self.data_version = 0
         self.index: dict[str, int] = {}
-        self.role = np.full(n, _UNKNOWN_ROLE, np.int8)
         self.ep_group: list[str] = []
-        self.max_running = np.ones(n)
-        self.kv_usage = np.zeros(n)
-        self.num_running = np.zeros(n)
-        self.num_waiting = np.zeros(n)
-        self.waiting_prefill = np.zeros(n)
-        self.remaining_prefill = np.zeros(n)
-        self.step_time = np.zeros(n)
-        self.expert_pressure = np.ones(n)
-        self.last_seen = np.full(n, -np.inf)
-        self.last_seq = np.full(n, -1, np.int64)
-        self.inflight = np.zeros(n)
-        self.inflight_tokens = np.zeros(n)
+        for name, (dtype, fill) in _COLUMNS.items():
+            setattr(self, name, np.full(n, fill, dtype=dtype))
         self._decisions: list[deque[tuple[float, float]]] = []
 
     # ----- bookkeeping -----
@@ -88,29 +77,8 @@ class Fleet:
         return len(self.engine_ids)
 
     def _grow(self) -> None:
-        for name in (
-            "role",
-            "max_running",
-            "kv_usage",
-            "num_running",
-            "num_waiting",
-            "waiting_prefill",
-            "remaining_prefill",
-            "step_time",
-            "expert_pressure",
-            "last_seen",
-            "last_seq",
-            "inflight",
-            "inflight_tokens",
-        ):
+        for name, (_, fill) in _COLUMNS.items():
             column = getattr(self, name)
-            fill = {
-                "role": _UNKNOWN_ROLE,
-                "last_seen": -np.inf,
-                "last_seq": -1,
-                "max_running": 1,
-                "expert_pressure": 1,
-            }.get(name, 0)
             grown = np.full(len(column) * 2, fill, dtype=column.dtype)
             grown[: len(column)] = column
             setattr(self, name, grown)
@@ -210,7 +178,7 @@ class Fleet:
         self.ep_group = [self.ep_group[i] for i in keep]
         self._decisions = [self._decisions[i] for i in keep]
         self.index = {e: i for i, e in enumerate(self.engine_ids)}
-        for name, fill in _FILL.items():
+        for name, (_, fill) in _COLUMNS.items():
             getattr(self, name)[len(keep) : n] = fill
         self.version += 1
         self.data_version += 1
