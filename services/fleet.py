@@ -19,6 +19,7 @@ from nats.aio.subscription import Subscription
 
 from shared.bus import Bus
 from shared.schemas import Announce, Hello, Telemetry
+from shared.sequence import Seq, classify
 
 
 @dataclass
@@ -64,12 +65,11 @@ class FleetView:
 
     def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
         state = self._state(telemetry.engine_id)
-        previous = state.telemetry
-        if previous is not None:
-            if telemetry.seq < previous.seq:
-                state.restarts += 1
-            elif telemetry.seq > previous.seq + 1:
-                state.telemetry_gaps += telemetry.seq - previous.seq - 1
+        event, missed = classify(state.telemetry.seq if state.telemetry else None, telemetry.seq)
+        if event is Seq.LATE:
+            return  # newer data is already in
+        state.telemetry_gaps += missed
+        state.restarts += event is Seq.RESTART
         state.telemetry, state.telemetry_at = telemetry, self.clock()
 
     def is_stale(self, state: EngineState) -> bool:

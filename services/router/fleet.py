@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.schemas import Hello, Telemetry
+from shared.sequence import Seq, classify
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1
@@ -113,17 +114,15 @@ class Fleet:
 
     def on_telemetry(self, t: Telemetry, now: float) -> None:
         row = self.row(t.engine_id)
-        last = self.last_seq[row]
-        if last >= 0:
-            if t.seq <= last:
-                if t.seq < max(last // 2, last - 1000):  # sequence restarted: the engine restarted
-                    self.counters.engine_restarts += 1
-                    self._decisions[row].clear()
-                else:
-                    self.counters.telemetry_out_of_order += 1
-                    return
-            elif t.seq > last + 1:
-                self.counters.telemetry_gaps += 1
+        event, _missed = classify(int(self.last_seq[row]), t.seq)
+        if event is Seq.LATE:
+            self.counters.telemetry_out_of_order += 1
+            return
+        if event is Seq.GAP:
+            self.counters.telemetry_gaps += 1
+        elif event is Seq.RESTART:  # what was in flight to the old process is not in the new one's numbers
+            self.counters.engine_restarts += 1
+            self._decisions[row].clear()
         self.last_seq[row] = t.seq
         self.kv_usage[row] = t.kv_usage
         self.num_running[row] = t.num_running
