@@ -73,6 +73,25 @@ def metrics_endpoint(port: int | None, host: str = "127.0.0.1") -> Iterator[None
         server.server_close()
 
 
+async def supervised(name: str, loop_body: Callable[[], Awaitable[None]], max_backoff_s: float = 30.0) -> None:
+    """Run a service's background loop forever: if it raises, log it and start it again after a backoff.
+
+    A background loop (watching a KV key, housekeeping) that dies silently leaves a service that answers
+    but no longer follows the fleet; restarting it is always better than either that or crashing.
+    """
+    backoff = 0.5
+    while True:
+        try:
+            await loop_body()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; restarting it in %.1f s", name, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, max_backoff_s)
+
+
 def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `main(stop)` until SIGINT/SIGTERM sets `stop` (the CLI entry point of every service)."""
 

@@ -17,6 +17,7 @@ import inspect
 import logging
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -85,6 +86,25 @@ def connect_options(settings: SwitchyardSettings, servers: list[str]) -> dict[st
     if settings.nats_creds_file is not None:
         options["user_credentials"] = str(settings.nats_creds_file)
     return {k: v for k, v in options.items() if v is not None}
+
+
+class _RateLimitedWarning:
+    """Log rejected messages at most once per `interval_s` per subscription: a peer sending garbage at line
+    rate must not turn the log into the bottleneck (the counter still counts every one)."""
+
+    def __init__(self, label: str, interval_s: float = 1.0) -> None:
+        self.label, self.interval_s = label, interval_s
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def __call__(self, exc: WireError) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        more = f" ({self.suppressed} more since the last warning)" if self.suppressed else ""
+        log.warning("rejected message on %s: %s%s", self.label, exc, more)
+        self.next_at, self.suppressed = now + self.interval_s, 0
 
 
 def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
@@ -237,13 +257,14 @@ class Bus:
 
     def _decoder(self, schema: type[M], label: str) -> Callable[[bytes], M | WireError]:
         max_payload = self.max_payload
+        warn = _RateLimitedWarning(label)
 
         def _decode(data: bytes) -> M | WireError:
             try:
                 return decode(data, schema, max_payload)
             except WireError as exc:
                 REJECTED.labels(label, exc.code).inc()
-                log.warning("rejected message on %s: %s", label, exc)
+                warn(exc)
                 return exc
 
         return _decode

@@ -289,5 +289,9 @@ async def test_telemetry_from_an_unknown_engine_triggers_an_announce(bus: Bus, s
         await Engines(bus, {"new-engine": "decode"}).report()
         await _settle()
         assert "new-engine" in asked and None in asked  # the start-up broadcast and the targeted ask
+        for _ in range(10):  # an engine whose hello never arrives is not asked ten times a second
+            await Engines(bus, {"new-engine": "decode"}).report()
+        await _settle()
+        assert asked.count("new-engine") == 1
     finally:
         await router.stop()

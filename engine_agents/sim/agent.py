@@ -50,7 +50,10 @@ class EngineAgent:
     async def _hello_loop(self) -> None:
         while True:
             await asyncio.sleep(self.hello.hello_interval_s)
-            await self.say_hello()
+            try:
+                await self.say_hello()
+            except Exception:  # e.g. the outbound buffer is full during a NATS outage: try again next time
+                log.warning("%s: hello failed", self.engine_id, exc_info=True)
 
     async def _telemetry_loop(self) -> None:
         subject = self.bus.subjects.telemetry(self.engine_id)

@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 from services.artifacts import ArtifactError, load_artifact
 from services.router.core import Decided, RouterCore
 from services.router.settings import RouterSettings
-from services.runtime import metrics_endpoint
+from services.runtime import metrics_endpoint, supervised
 from shared.bus import Bus
 from shared.codec import WireModel, encode_unchecked
 from shared.schemas import (
@@ -42,6 +42,7 @@ from shared.settings import SwitchyardSettings
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 1.0
+ANNOUNCE_INTERVAL_S = 1.0
 
 
 class DecisionSharer:
@@ -114,6 +115,7 @@ class RouterService:
         self.sharer: DecisionSharer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: list[Subscription] = []
+        self._asked: dict[str, float] = {}  # engine id -> when we last asked it to announce itself
         self.ready = asyncio.Event()
 
     # ----- bus handlers (sync where possible: no task per message) -----
@@ -122,7 +124,14 @@ class RouterService:
         self.core.on_hello(hello, time.monotonic())
 
     async def _on_telemetry(self, telemetry: Telemetry, _msg: Msg) -> None:
-        if not self.core.on_telemetry(telemetry, time.monotonic()) and self.bus is not None:
+        now = time.monotonic()
+        if not self.core.on_telemetry(telemetry, now) and self.bus is not None:
+            # an engine we have no hello from: ask it to introduce itself, at most once a second
+            if now - self._asked.get(telemetry.engine_id, -math.inf) < ANNOUNCE_INTERVAL_S:
+                return
+            if len(self._asked) > 10_000:
+                self._asked.clear()
+            self._asked[telemetry.engine_id] = now
             await self.bus.publish(
                 self.bus.subjects.announce, Announce(requester=self.router.replica_id, engine_id=telemetry.engine_id)
             )
@@ -177,7 +186,10 @@ class RouterService:
 
     async def _housekeeping(self) -> None:
         while True:
-            self.core.housekeeping(time.monotonic())
+            try:
+                self.core.housekeeping(time.monotonic())
+            except Exception:  # never let a bad tick stop the next one (metrics folding, forgetting engines)
+                log.exception("router housekeeping failed")
             await asyncio.sleep(HOUSEKEEPING_S)
 
     # ----- lifecycle -----
@@ -189,7 +201,10 @@ class RouterService:
         await bus.subscribe(s.all_hello, Hello, self._on_hello)
         await bus.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)
-        self._tasks = [asyncio.create_task(self._watch_artifact()), asyncio.create_task(self._housekeeping())]
+        self._tasks = [
+            asyncio.create_task(supervised("routing-artifact watcher", self._watch_artifact)),
+            asyncio.create_task(self._housekeeping()),
+        ]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout=5)
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
