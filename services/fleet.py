@@ -40,22 +40,32 @@ class EngineState:
 class FleetView:
     """Engines by id, refreshed by `sy.engine.*.hello` and `sy.engine.*.telemetry`."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, stale_intervals: float = 3.0) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, stale_intervals: float = 3.0, forget_after_s: float = 3600.0
+    ) -> None:
         self.clock = clock
         self.stale_intervals = stale_intervals
+        #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
+        self.forget_after_s = forget_after_s
         self.engines: dict[str, EngineState] = {}
         self._changed = asyncio.Event()
+        self._next_prune = 0.0
 
-    async def subscribe(self, bus: Bus, requester: str = "fleet-view") -> list[Subscription]:
-        """Follow hellos and telemetry, and ask every engine to say hello now rather than in up to 5 s."""
-        subscriptions = [
-            await bus.subscribe(bus.subjects.all_hello, Hello, self.on_hello),
-            await bus.subscribe(bus.subjects.all_telemetry, Telemetry, self.on_telemetry),
-        ]
+    async def subscribe(self, bus: Bus, requester: str = "fleet-view", telemetry: bool = True) -> list[Subscription]:
+        """Follow hellos (and telemetry, unless the caller only needs who is in which group), and ask every
+        engine to say hello now rather than in up to 5 s."""
+        subscriptions = [await bus.subscribe(bus.subjects.all_hello, Hello, self.on_hello)]
+        if telemetry:
+            subscriptions.append(await bus.subscribe(bus.subjects.all_telemetry, Telemetry, self.on_telemetry))
         await bus.publish(bus.subjects.announce, Announce(requester=requester))
         return subscriptions
 
     def _state(self, engine_id: str) -> EngineState:
+        now = self.clock()
+        if now >= self._next_prune:  # at most once a minute: an O(engines) pass
+            self._next_prune = now + 60.0
+            for gone in [e for e, s in self.engines.items() if now - s.last_seen > self.forget_after_s]:
+                del self.engines[gone]
         return self.engines.setdefault(engine_id, EngineState(engine_id))
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:

@@ -319,7 +319,10 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
     try:
         if options.services_only:
             console.print("[green]up[/green] - control plane only; Ctrl-C to stop")
-            await _wait(stop, options.duration_s if options.duration_s is not None else float("inf"))
+            deadline = time.monotonic() + (options.duration_s if options.duration_s is not None else float("inf"))
+            while time.monotonic() < deadline and not any(t.done() for t in tasks):
+                if await _wait(stop, min(0.5, max(deadline - time.monotonic(), 0.0))):
+                    break
         else:
             await _run_fleet(settings, options, infra, stop, tasks)
         console.print("stopping...")
@@ -363,7 +366,8 @@ async def _run_fleet(
     view = FleetView()
     await view.subscribe(infra.bus, requester="switchyard-up")
     requests = await asyncio.to_thread(load_request_csv, csv_path)
-    duration = options.duration_s if options.duration_s is not None else 3600.0
+    # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
+    duration = options.duration_s if options.duration_s is not None else 600.0
     expected = int((options.rate or requests.rate * options.time_scale) * duration * options.speed) + 100
     workload = scenario.workload(
         expected,
@@ -380,7 +384,7 @@ async def _run_fleet(
         f"{config.gpus_per_decoder} GPUs per decoder), policy {options.policy}; load: {workload.description}"
     )
     started = time.monotonic()
-    sending = asyncio.create_task(loadgen.run(duration))
+    sending = asyncio.create_task(loadgen.run(options.duration_s, repeat=options.duration_s is None))
     interactive = console.is_terminal
     try:
         with (

@@ -48,3 +48,12 @@ def test_fleet_view_drops_late_messages_and_counts_gaps_and_restarts() -> None:
     state = view.engines["e"]
     assert state.telemetry_gaps == 3 and state.restarts == 1
     assert state.telemetry is not None and state.telemetry.num_running == 4  # the late 99 never replaced 3
+
+
+def test_fleet_view_forgets_engines_silent_for_long() -> None:
+    now = [0.0]
+    view = FleetView(clock=lambda: now[0], forget_after_s=100.0)
+    view.on_telemetry(_t(0, 1))
+    now[0] = 500.0
+    view.on_telemetry(Telemetry(**{**_t(0, 1).model_dump(), "engine_id": "other"}))
+    assert set(view.engines) == {"other"}
