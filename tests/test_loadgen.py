@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from engine_agents.sim.loadgen import LoadGenerator
@@ -24,8 +26,12 @@ async def test_repeat_cycles_the_workload_until_the_duration(bus: Bus) -> None:
     got: list[SimSubmit] = []
     await bus.subscribe(f"{bus.subjects.prefix}.sim.submit.*", SimSubmit, lambda m, _: got.append(m))
     loadgen = LoadGenerator(bus, _workload(4, 0.05), ["p0", "p1"], prefill_policy="hash")
-    await loadgen.run(duration_s=0.52, repeat=True)  # 0.2 s per cycle: cycles 0, 1 and 3 of cycle 2
+    await loadgen.run(duration_s=0.52, repeat=True)  # ~0.19 s per cycle: cycles 0, 1 and 3 of cycle 2
     await bus.nc.flush()
+    for _ in range(100):  # the subscription's callbacks run on their own task: let them catch up
+        if len(got) >= loadgen.sent:
+            break
+        await asyncio.sleep(0.01)
     ids = [m.request_id for m in got]
     assert loadgen.sent == len(got) == 11 and len(set(ids)) == 11
     assert ids[:5] == ["load-0-0", "load-0-1", "load-0-2", "load-0-3", "load-1-0"]
