@@ -13,6 +13,7 @@ K = decoders (centroids), N = masked layers:
 | RouteDecodeRequest | signature `[N or L, E]` prefill top-k counts |
 | PlacementPlan | placement `[L, G, slots]` expert id per slot (-1 empty), moves `[n, 6]` |
 | MigrateRequest | moves `[n, 6]` |
+| LayoutReply | layout `[L, G, slots]` expert id per slot (-1 empty) |
 | CalibrationSample | prefill_counts `[L, E]`, decode_counts `[L, E]` |
 | RoutingArtifact | idf `[N, E]`, centroids `[K, N*E]` |
 """
@@ -36,6 +37,8 @@ __all__ = [
     "ErrorReply",
     "ExpertLoad",
     "Hello",
+    "LayoutReply",
+    "LayoutRequest",
     "MigrateReply",
     "MigrateRequest",
     "ModelShape",
@@ -135,6 +138,17 @@ class Telemetry(WireModel):
     migrating: bool = False
 
 
+def _at_least(array: np.ndarray | None, lowest: int, what: str) -> None:
+    """Counts are never negative and slot maps hold -1 (empty) or an expert id: say which array broke it."""
+    if array is not None and array.size and array.dtype.kind == "i" and int(array.min()) < lowest:
+        raise ValueError(f"{what} holds {int(array.min())}; every entry must be >= {lowest}")
+
+
+def _finite(array: np.ndarray, what: str) -> None:
+    if array.size and not np.isfinite(array).all():
+        raise ValueError(f"{what} holds NaN or infinity")
+
+
 class ExpertLoad(WireModel):
     """`sy.engine.<id>.expert_load` (JetStream): token counts per expert over one window."""
 
@@ -150,6 +164,8 @@ class ExpertLoad(WireModel):
     def _consistent(self) -> ExpertLoad:
         if self.window_end < self.window_start:
             raise ValueError("window_end precedes window_start")
+        _at_least(self.expert_counts, 0, "expert_counts")
+        _at_least(self.source_counts, 0, "source_counts")
         if self.source_counts is not None:
             layers, experts = self.expert_counts.shape
             if self.source_counts.shape[0] != layers or self.source_counts.shape[2] != experts:
@@ -182,6 +198,7 @@ class RouteDecodeRequest(WireModel):
                 raise ValueError("layers given without a signature")
             if len(self.layers) != self.signature.shape[0]:
                 raise ValueError(f"{len(self.layers)} layers listed for a signature of {self.signature.shape[0]} rows")
+        _at_least(self.signature, 0, "signature")  # free for unsigned dtypes, which agents send
         return self
 
 
@@ -266,6 +283,8 @@ def _check_moves(moves: np.ndarray) -> None:
         raise ValueError(f"moves must have {len(MOVE_COLUMNS)} columns {MOVE_COLUMNS}, got {moves.shape[1]}")
     if moves.shape[0] and (moves[:, :2] < 0).any():
         raise ValueError("moves: layer and expert must be non-negative")
+    if moves.shape[0] and (moves[:, 2:] < -1).any():
+        raise ValueError("moves: a GPU or slot is >= 0, or -1 (none)")
 
 
 class PlacementPlan(WireModel):
@@ -288,6 +307,7 @@ class PlacementPlan(WireModel):
     def _consistent(self) -> PlacementPlan:
         if self.placement.shape[1] != len(self.gpus):
             raise ValueError(f"placement has {self.placement.shape[1]} GPUs but {len(self.gpus)} are named")
+        _at_least(self.placement, -1, "placement")
         _check_moves(self.moves)
         return self
 
@@ -314,6 +334,30 @@ class MigrateReply(WireModel):
     applied: Count
     duration_s: Seconds
     failure: str | None = None
+
+
+class LayoutRequest(WireModel):
+    """`sy.engine.<id>.layout`: which expert sits in which slot of the engine's EP group right now."""
+
+    engine_group: EngineId
+
+
+class LayoutReply(WireModel):
+    """The group's live slot map, so plans start from what the engines run, not from what the database says.
+
+    `version` is the highest plan version the group applied since its engines started (0: none yet: the
+    engines run their boot layout), `plan_id` that plan's id.
+    """
+
+    engine_group: EngineId
+    layout: SignedCube
+    version: Count = 0
+    plan_id: Annotated[str, Field(max_length=64)] | None = None
+
+    @model_validator(mode="after")
+    def _slots(self) -> LayoutReply:
+        _at_least(self.layout, -1, "layout")
+        return self
 
 
 class CalibrationSample(WireModel):
@@ -379,4 +423,6 @@ class RoutingArtifact(WireModel):
             raise ValueError(f"centroids have {self.centroids.shape[1]} columns, expected {n * e}")
         if self.decoder_ids is not None and len(self.decoder_ids) != self.centroids.shape[0]:
             raise ValueError(f"{len(self.decoder_ids)} decoder ids for {self.centroids.shape[0]} centroids")
+        _finite(self.idf, "idf")
+        _finite(self.centroids, "centroids")
         return self

@@ -62,6 +62,9 @@ class Subjects:
     def migrate(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.migrate"
 
+    def layout(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.layout"
+
     @property
     def placement_plan(self) -> str:
         return f"{self.prefix}.placement.plan"

@@ -94,10 +94,19 @@ async def eventually(probe: Callable[[], Awaitable[T]], timeout: float = 20.0, e
 
 
 async def publish_load(
-    bus: Bus, engine_id: str, group: str, dp_rank: int, hot: range, windows: int = 1, layers: int = 4, experts: int = 8
+    bus: Bus,
+    engine_id: str,
+    group: str,
+    dp_rank: int,
+    hot: range,
+    windows: int = 1,
+    layers: int = 4,
+    experts: int = 8,
+    clock_offset_s: float = 0.0,
 ) -> None:
-    """Windows in which this engine's tokens (source `dp_rank`) all pick experts from `hot`."""
-    clock = iter(time.time() + 0.01 * i for i in range(2 * windows + 2))
+    """Windows in which this engine's tokens (source `dp_rank`) all pick experts from `hot`; `clock_offset_s`
+    skews the engine's clock."""
+    clock = iter(time.time() + clock_offset_s + 0.01 * i for i in range(2 * windows + 2))
     window = ExpertLoadWindow(engine_id, group, layers, experts, num_sources=2, clock=lambda: next(clock))
     rng = np.random.default_rng(dp_rank)
     for _ in range(windows):

@@ -173,6 +173,19 @@ migrate_replies = st.builds(
     failure=st.none() | st.text(max_size=30),
 )
 
+layout_requests = st.builds(s.LayoutRequest, engine_group=ids)
+
+
+@st.composite
+def layout_replies(draw: st.DrawFn) -> s.LayoutReply:
+    shape = draw(st.tuples(st.integers(0, 4), st.integers(1, 4), st.integers(0, 5)))
+    return s.LayoutReply(
+        engine_group=draw(ids),
+        layout=draw(hnp.arrays(np.int32, shape, elements=st.integers(-1, 300))),
+        version=draw(small_counts),
+        plan_id=draw(st.none() | st.text(max_size=64)),
+    )
+
 
 @st.composite
 def calibration_samples(draw: st.DrawFn) -> s.CalibrationSample:
@@ -242,6 +255,8 @@ ALL_MESSAGES = {
     s.PlacementPlan: placement_plans(),
     s.MigrateRequest: migrate_requests,
     s.MigrateReply: migrate_replies,
+    s.LayoutRequest: layout_requests,
+    s.LayoutReply: layout_replies(),
     s.CalibrationSample: calibration_samples(),
     s.RoutingArtifact: routing_artifacts(),
 }

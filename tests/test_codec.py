@@ -175,6 +175,24 @@ _LOAD = msgpack.unpackb(
     )
 )
 
+_ARTIFACT = msgpack.unpackb(
+    encode(
+        s.RoutingArtifact(
+            version=1,
+            content_hash="0123456789abcdef",
+            created_at=1.0,
+            model=s.ModelShape(name="m", num_layers=2, num_experts=4, top_k=2),
+            representation="count_idf",
+            layer_mask=[0],
+            idf=np.ones((1, 4), np.float32),
+            centroids=np.ones((2, 4), np.float32),
+            tau=0.1,
+            rho=0.5,
+        )
+    )
+)
+_LAYOUT = msgpack.unpackb(encode(s.LayoutReply(engine_group="g", layout=np.zeros((1, 2, 2), np.int32), version=0)))
+
 
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:
     return msgpack.unpackb(msgpack.packb(obj, use_bin_type=True))
@@ -283,6 +301,41 @@ MALFORMED: list[tuple[str, bytes, type[WireError], str, type]] = [
         SchemaMismatch,
         "",
         s.ExpertLoad,
+    ),
+    (
+        "negative expert counts",
+        _with("expert_counts", array_to_wire(np.full((2, 4), -3, np.int32)), _copy(_LOAD)),
+        SchemaMismatch,
+        "",
+        s.ExpertLoad,
+    ),
+    (
+        "nan in artifact centroids",
+        _with("centroids", array_to_wire(np.full((2, 4), np.nan, np.float32)), _copy(_ARTIFACT)),
+        SchemaMismatch,
+        "",
+        s.RoutingArtifact,
+    ),
+    (
+        "infinite idf weight",
+        _with("idf", array_to_wire(np.full((1, 4), np.inf, np.float32)), _copy(_ARTIFACT)),
+        SchemaMismatch,
+        "",
+        s.RoutingArtifact,
+    ),
+    (
+        "layout slot below -1",
+        _with("layout", array_to_wire(np.full((1, 2, 2), -7, np.int32)), _copy(_LAYOUT)),
+        SchemaMismatch,
+        "",
+        s.LayoutReply,
+    ),
+    (
+        "negative signature counts",
+        _with("signature", array_to_wire(np.full((2, 4), -1, np.int16))),
+        SchemaMismatch,
+        "",
+        s.RouteDecodeRequest,
     ),
 ]
 

@@ -9,17 +9,18 @@ from collections.abc import AsyncIterator
 import httpx
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
 from services.history import default_layout
-from services.migration.service import run_migration
+from services.migration.service import record_plan, run_migration
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus, rejected_count
 from shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
 from shared.embedded import free_port
-from shared.schemas import MigrateReply, MigrateRequest
+from shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 
@@ -185,3 +186,69 @@ async def test_an_unanswered_step_fails_in_doubt_and_bad_plans_are_counted(
         first_step = [m for m in await _moves(sessions, done.id) if m.step == 0]
         assert {(m.state, m.attempts) for m in first_step} == {("sent", 2)}
     assert rejected_count(subject, "not_msgpack") == before + 1
+
+
+async def test_moves_start_from_the_layout_the_engines_report(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """Engines that restart run their boot layout again, whatever the database says was applied."""
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    engine = {"group": SimExpertGroup("g4", base.copy(), MigrationCost(time_scale=0.0))}
+
+    async def apply(request: MigrateRequest) -> MigrateReply:
+        return await engine["group"].apply(request)
+
+    await bus.serve(bus.subjects.migrate("e4"), MigrateRequest, apply)
+    await bus.serve(bus.subjects.layout("e4"), LayoutRequest, lambda request: engine["group"].report(request))
+    await bus.ensure_streams()
+    first, second = plan("g4", 1, shuffled(base, 11)), plan("g4", 2, shuffled(base, 12))
+    async with announcing(bus, hello("e4", "g4", ["a", "b"])), migration_service(db_settings) as sessions:
+        await bus.js_publish(bus.subjects.placement_plan, first, msg_id=first.plan_id)
+        assert (await eventually(lambda: _finished(sessions, first.plan_id))).state == "succeeded"
+        reported = await bus.request(bus.subjects.layout("e4"), LayoutRequest(engine_group="g4"), LayoutReply)
+        np.testing.assert_array_equal(reported.layout, first.placement)
+        assert (reported.version, reported.plan_id) == (1, first.plan_id)
+
+        engine["group"] = restarted = SimExpertGroup("g4", base.copy(), MigrationCost(time_scale=0.0))
+        await bus.js_publish(bus.subjects.placement_plan, second, msg_id=second.plan_id)
+        done = await eventually(lambda: _finished(sessions, second.plan_id))
+        assert done.state == "succeeded", done.error  # planned from v1's layout, the engine would refuse step 0
+        np.testing.assert_array_equal(restarted.layout, second.placement)
+        assert [await _status(sessions, p.plan_id) for p in (first, second)] == ["superseded", "applied"]
+
+
+async def test_an_unreadable_acknowledgement_is_retried_then_fails_in_doubt(
+    bus: Bus, db_settings: SwitchyardSettings
+) -> None:
+    async def garbage(msg: Msg) -> None:
+        await msg.respond(b"\xc1 not msgpack")
+
+    await bus.nc.subscribe(bus.subjects.migrate("e6"), cb=garbage)
+    await bus.ensure_streams()
+    doomed = plan("g6", 1, shuffled(default_layout(LAYERS, EXPERTS, GPUS), 13))
+    config = FAST.model_copy(update={"max_attempts": 3})
+    async with announcing(bus, hello("e6", "g6", ["a", "b"])), migration_service(db_settings, config) as sessions:
+        await bus.js_publish(bus.subjects.placement_plan, doomed, msg_id=doomed.plan_id)
+        done = await eventually(lambda: _finished(sessions, doomed.plan_id))
+        assert done.state == "failed" and "answered garbage" in done.error
+        assert {m.attempts for m in await _moves(sessions, done.id) if m.step == 0} == {3}
+        assert await _status(sessions, doomed.plan_id) == "failed"
+
+
+async def test_a_migration_taken_up_too_often_is_given_up(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """A migration that keeps crashing the service (or erroring) must not wedge its group forever."""
+    upgrade(db_settings.resolved_database_url())
+    engine, sessions = create_async_db(db_settings.resolved_database_url())
+    cursed = plan("g7", 1, shuffled(default_layout(LAYERS, EXPERTS, GPUS), 14))
+    try:
+        migration_id = await record_plan(sessions, cursed)
+        assert migration_id is not None
+        async with sessions() as session, session.begin():
+            row = await session.get(Migration, migration_id)
+            row.state, row.attempts, row.error = "running", FAST.max_runs, "RuntimeError: boom"
+    finally:
+        await engine.dispose()
+    await bus.ensure_streams()
+    async with migration_service(db_settings) as sessions:  # resumes it on start
+        done = await eventually(lambda: _finished(sessions, cursed.plan_id))
+        assert done.state == "failed" and f"gave up after {FAST.max_runs} runs" in done.error
+        assert "RuntimeError: boom" in done.error
+        assert await _status(sessions, cursed.plan_id) == "failed"

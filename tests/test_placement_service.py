@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import astuple
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -12,14 +13,16 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from services.fleet import FleetView
 from services.history import add_placement, default_layout, load_layout
 from services.migration.service import run_migration
 from services.migration.settings import MigrationSettings
-from services.placement.service import PlacementService
+from services.placement.service import FUTURE_WINDOWS, PlacementService
 from services.placement.settings import PlacementSettings
 from shared.bus import Bus, rejected_count
 from shared.codec import decode
 from shared.db import Placement, create_async_db, upgrade
+from shared.db.types import utcnow
 from shared.schemas import PlacementPlan
 from shared.settings import SwitchyardSettings
 from solver.placement import DEFAULT_PARAMS
@@ -148,3 +151,49 @@ async def test_proposed_plans_are_published_by_the_outbox(
 async def _status_is(sessions: async_sessionmaker[AsyncSession], placement_id: int, status: str) -> bool:
     async with sessions() as session:
         return (await session.get(Placement, placement_id)).status == status
+
+
+async def test_windows_from_a_skewed_clock_are_refused(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """A window an hour in the future would outweigh every honest one until the clocks met: refused."""
+    await bus.ensure_streams()
+    await publish_load(bus, "fast", "gf", 0, range(4), clock_offset_s=3600.0)
+    await publish_load(bus, "honest", "gh", 0, range(4))
+    before = FUTURE_WINDOWS._value.get()
+    service = PlacementService(db_settings, QUICK)
+    async with running(service.run):
+        await asyncio.wait_for(service.caught_up.wait(), 10)
+    assert "gf" not in service.windows and service.windows["gh"].windows == 1
+    assert FUTURE_WINDOWS._value.get() == before + 1
+
+
+async def test_rejected_decisions_are_pruned_after_their_retention(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    layout = default_layout(LAYERS, EXPERTS, 2)
+    ages = {1: ("applied", 30), 2: ("rejected", 30), 3: ("rejected", 20), 4: ("rejected", 0), 5: ("rejected", 40)}
+    async with sessions() as session, session.begin():
+        for version, (status, days) in ages.items():
+            group = "gp" if version < 5 else "lonely"  # a group whose only row is old and rejected
+            row = await add_placement(session, plan(group, version, layout), status)
+            row.created_at = utcnow() - timedelta(days=days)
+    service = PlacementService(db_settings, QUICK.model_copy(update={"rejected_retention_s": 7 * 86400}))
+    service.sessions = sessions
+    assert await service.prune_rejected() == 2
+    assert await service.prune_rejected() == 0  # at most once an hour
+    left = {(r.engine_group, r.version) for g in ("gp", "lonely") for r in await _placements(sessions, g)}
+    assert left == {("gp", 1), ("gp", 4), ("lonely", 5)}  # history and each group's newest row stay
+
+
+def test_a_new_group_takes_its_live_engines_gpus_once_each(db_settings: SwitchyardSettings) -> None:
+    service = PlacementService(db_settings, QUICK)
+    now = [1000.0]
+    service.fleet = FleetView(clock=lambda: now[0])
+    service.fleet.on_hello(hello("gone", "gt", ["x", "y"], dp_rank=0))
+    now[0] += 60.0  # "gone" missed its hellos: it left the fleet
+    service.fleet.on_hello(hello("e0", "gt", ["a", "b"], dp_rank=0))
+    service.fleet.on_hello(hello("e1", "gt", ["b", "c"], dp_rank=1))  # shares GPU b (e.g. two DP ranks per GPU)
+    assert service._topology("gt", None) == (["a", "b", "c"], [0, 1, 1])
+    # A group placed before keeps its stored GPU order; a GPU of an engine that left keeps its last known owner.
+    assert service._topology("gt", ["x", "c", "a"]) == (["x", "c", "a"], [0, 1, 0])

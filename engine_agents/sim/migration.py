@@ -5,7 +5,9 @@
   them (one scratch slot per GPU as the rearrangement buffer), all or nothing, after the time the seed
   measured, and exactly once per `(plan_id, step)`: a retried or resumed step gets the first answer again.
   Every application is recorded, so tests can prove that no move was applied twice or lost.
-- `serve_migrate` mounts it on `sy.engine.<id>.migrate` for one engine: a real protocol peer over NATS.
+- `serve_migrate` mounts it on `sy.engine.<id>.migrate` and `sy.engine.<id>.layout` for one engine: a real
+  protocol peer over NATS. The layout query lets the control plane plan from what the engines really run
+  (after a restart they run their boot layout again, whatever the database remembers).
 - `expert_load_counts` / `ExpertLoadWindow` turn a batch's token→expert selections, with the source DP rank
   of each token, into the `A[L, S, E]` / `B[L, E]` windows of an `ExpertLoad` message.
 
@@ -28,7 +30,8 @@ import numpy as np
 from nats.aio.subscription import Subscription
 
 from shared.bus import Bus
-from shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
+from shared.errors import SchemaMismatch
+from shared.schemas import ExpertLoad, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from solver.placement import PlacementError
 from solver.placement.moves import apply_moves
 
@@ -85,11 +88,23 @@ class SimExpertGroup:
         self._in_flight: dict[tuple[str, int], asyncio.Future[MigrateReply]] = {}
         self._lock = asyncio.Lock()
         self._highest_version = 0
+        self._last_plan_id: str | None = None
 
     @property
     def step_time_factor(self) -> float:
         """Multiplier for the engines' step time: `slowdown` while a migration step is in flight."""
         return self.cost.slowdown if self.migrating else 1.0
+
+    def report(self, request: LayoutRequest) -> LayoutReply:
+        """The live slot map (buffer slots excluded: they are empty between steps)."""
+        if request.engine_group != self.group_id:
+            raise SchemaMismatch("engine_group", f"this engine belongs to group {self.group_id!r}")
+        return LayoutReply(
+            engine_group=self.group_id,
+            layout=self.layout.astype(np.int32),
+            version=self._highest_version,
+            plan_id=self._last_plan_id,
+        )
 
     def applied_keys(self) -> list[tuple[str, int]]:
         return [(a.plan_id, a.step) for a in self.applications]
@@ -146,7 +161,8 @@ class SimExpertGroup:
         finally:
             self.migrating = False
         self.layout = new_layout
-        self._highest_version = max(self._highest_version, request.version)
+        if request.version >= self._highest_version:
+            self._highest_version, self._last_plan_id = request.version, request.plan_id
         moves = np.array(request.moves, copy=True)
         self.applications.append(Application(request.plan_id, request.version, request.step, moves, duration))
         return MigrateReply(
@@ -158,9 +174,12 @@ class SimExpertGroup:
         )
 
 
-async def serve_migrate(bus: Bus, engine_id: str, group: SimExpertGroup) -> Subscription:
-    """Answer `sy.engine.<engine_id>.migrate` from `group` (malformed requests get an ErrorReply)."""
-    return await bus.serve(bus.subjects.migrate(engine_id), MigrateRequest, group.apply)
+async def serve_migrate(bus: Bus, engine_id: str, group: SimExpertGroup) -> list[Subscription]:
+    """Answer `sy.engine.<engine_id>.migrate` and `.layout` from `group` (malformed requests get an ErrorReply)."""
+    return [
+        await bus.serve(bus.subjects.migrate(engine_id), MigrateRequest, group.apply),
+        await bus.serve(bus.subjects.layout(engine_id), LayoutRequest, group.report),
+    ]
 
 
 def expert_load_counts(

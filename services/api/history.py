@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -20,14 +21,13 @@ from services.history import (
     applied_placement,
     default_layout,
     load_layout,
+    moves_between,
     new_plan_id,
     next_version,
     set_status,
 )
 from shared.db import Calibration, Migration, MigrationMove, Placement
 from shared.schemas import CalibrationRequest, ObjectiveTerms, PlacementParams, PlacementPlan
-from solver.placement import PlacementError
-from solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -119,11 +119,11 @@ async def _detail(session: Session, row: Placement) -> m.PlacementDetail:
         else:
             num_layers, num_gpus, slots = layout.shape
             before, diff_base = default_layout(num_layers, int(layout.max()) + 1, num_gpus, slots), "default"
-        try:
-            moves = plan_moves(before, layout, buffer=True).tolist()
-            diff = [m.Move(**dict(zip(m.Move.model_fields, mv, strict=True))) for mv in moves]
-        except (PlacementError, ValueError):  # incomparable layouts (e.g. a GPU was added): no diff
-            diff, diff_base = None, None
+        moves = await asyncio.to_thread(moves_between, before, layout)
+        if moves is None:  # incomparable layouts (e.g. a GPU was added): no diff
+            diff_base = None
+        else:
+            diff = [m.Move(**dict(zip(m.Move.model_fields, mv, strict=True))) for mv in moves.tolist()]
     migration = await session.scalar(select(Migration).where(Migration.placement_id == row.id))
     migration_out = None
     if migration is not None:
@@ -181,6 +181,7 @@ async def reapply_placement(state: State, session: Session, placement_id: Id) ->
             async with state.sessions() as writer, writer.begin():
                 applied = await applied_placement(writer, past.engine_group)
                 base = await load_layout(writer, applied) if applied is not None else None
+                moves = await asyncio.to_thread(moves_between, base, layout)
                 plan = PlacementPlan(
                     plan_id=new_plan_id(),
                     version=await next_version(writer, past.engine_group),
@@ -190,7 +191,7 @@ async def reapply_placement(state: State, session: Session, placement_id: Id) ->
                     source="rollback",
                     gpus=list(past.gpus),
                     placement=layout,
-                    moves=_moves_or_none(base, layout),
+                    moves=moves if moves is not None else np.zeros((0, 6), np.int32),
                     objective=ObjectiveTerms(
                         load=past.objective_load,
                         comm=past.objective_comm,
@@ -218,15 +219,6 @@ async def reapply_placement(state: State, session: Session, placement_id: Id) ->
     async with state.sessions() as writer, writer.begin():
         await set_status(writer, row.id, "published", only_if=("proposed",))
         return _summary(await writer.get(Placement, row.id))
-
-
-def _moves_or_none(base: np.ndarray | None, layout: np.ndarray) -> np.ndarray:
-    if base is None or base.shape != layout.shape:
-        return np.zeros((0, 6), np.int32)
-    try:
-        return plan_moves(base, layout, buffer=True).astype(np.int32)
-    except PlacementError:
-        return np.zeros((0, 6), np.int32)
 
 
 # ----- migrations -----

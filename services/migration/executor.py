@@ -6,7 +6,12 @@ pending ──prepare──▶ running ──every step acknowledged──▶ su
    └──▶ failed   (bad plan, no live engine; nothing was sent)
 running ──engine refused a step──▶ rolling_back ──inverse steps acknowledged──▶ rolled_back  (placement: failed)
 running / rolling_back ──no acknowledgement after max_attempts──▶ failed  (the step stays `sent`: in doubt)
+any unfinished ──taken up more than max_runs times (crashes, errors)──▶ failed  (the service gives up)
 ```
+
+Moves are planned from the layout the group's coordinator reports (`sy.engine.<id>.layout`), falling back
+to the last applied placement in the database (or vLLM's default layout) when no engine answers: engines
+that restarted run their boot layout again, whatever the database remembers.
 
 A step's moves are marked `sent` (committed) before the request goes out, and `applied` once the engine
 acknowledged it, in the same transaction that marks the next step `sent` (or finishes the migration): one
@@ -31,6 +36,7 @@ from prometheus_client import Counter
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services.engine_layout import LayoutProbe, differs
 from services.fleet import FleetView
 from services.history import applied_placement, default_layout, load_layout, set_status
 from services.migration.planner import plan_steps, rollback_steps
@@ -38,7 +44,7 @@ from services.migration.settings import MigrationSettings
 from shared.bus import Bus
 from shared.db import Migration, MigrationMove, Placement
 from shared.db.types import utcnow
-from shared.errors import RemoteError
+from shared.errors import RemoteError, WireError
 from shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
 from solver.placement import PlacementError
 
@@ -77,6 +83,7 @@ class Executor:
         self.bus = bus
         self.fleet = fleet
         self.config = config
+        self.layouts = LayoutProbe(bus, fleet, config.layout_timeout_s)
 
     async def run(self, migration_id: int) -> str:
         """Take the migration as far as it goes; returns its final state."""
@@ -117,11 +124,16 @@ class Executor:
         log.log(level, "%s: %s%s", what, state, f": {error}" if error else "")
         return state
 
+    async def give_up(self, session: AsyncSession, migration: Migration, why: str) -> str:
+        """Mark an unfinished migration failed (in the caller's transaction): steps still `sent` stay in doubt."""
+        return await self._finish(session, migration, "failed", "failed", why)
+
     async def _prepare(self, migration_id: int) -> str:
         """Refuse stale plans, plan the ordered steps from the group's current layout, persist them."""
         async with self.sessions() as session:
             group = (await session.get(Migration, migration_id)).engine_group  # type: ignore[union-attr]
         coordinator = await self.fleet.wait_for_coordinator(group, self.config.engine_wait_s)
+        reported = await self.layouts.live_layout(group) if coordinator is not None else None
         async with self.sessions() as session, session.begin():
             migration = await session.get(Migration, migration_id, with_for_update=True)
             if migration is None or migration.state != "pending":
@@ -149,8 +161,17 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", "placement has no stored layout")
             target = await load_layout(session, placement)
             try:
-                base = await load_layout(session, current) if current is not None else _default_base(target)
-                steps = plan_steps(base, target)
+                recorded = await load_layout(session, current) if current is not None else _default_base(target)
+                base = recorded if reported is None else reported.layout
+                if reported is not None and differs(base, recorded):
+                    log.warning(
+                        "migration %d: group %s runs another layout than %s (engines report v%d); moving from theirs",
+                        migration.id,
+                        group,
+                        f"applied v{current.version}" if current is not None else "the default",
+                        reported.version,
+                    )
+                steps = await asyncio.to_thread(plan_steps, base, target)  # ~0.1 s for a full reshuffle
             except PlacementError as exc:
                 return await self._finish(session, migration, "failed", "failed", f"cannot plan the moves: {exc}")
             if steps and coordinator is None:
@@ -270,8 +291,10 @@ class Executor:
                 reply = await self.bus.request(
                     self.bus.subjects.migrate(engine), request, MigrateReply, timeout=self.config.step_timeout_s
                 )
-            except (NatsTimeoutError, NoRespondersError, ConnectionClosedError, TimeoutError) as exc:
-                last_error = f"engine {engine} did not acknowledge (attempt {attempt}): {type(exc).__name__}"
+            except (NatsTimeoutError, NoRespondersError, ConnectionClosedError, TimeoutError, WireError) as exc:
+                # no answer, or one that cannot be read: the step may or may not have been applied; resend it
+                what = "did not acknowledge" if not isinstance(exc, WireError) else f"answered garbage ({exc})"
+                last_error = f"engine {engine} {what} (attempt {attempt}): {type(exc).__name__}"
                 STEPS.labels(kind, "unacknowledged").inc()
                 log.warning("migration %d step %d: %s", migration.id, step, last_error)
                 if attempt < self.config.max_attempts:

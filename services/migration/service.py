@@ -163,20 +163,49 @@ class MigrationService:
         backoff = 1.0
         while True:
             wake.clear()
+            migration_id: int | None = None
             try:
                 migration_id = await self._next(group)
                 if migration_id is None:
                     if wake.is_set():
                         continue
                     return
-                await self.executor.run(migration_id)
+                if await self._take_up(migration_id):
+                    await self.executor.run(migration_id)
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
-            except Exception:  # e.g. the database is briefly unreachable: the state is durable, try again
+            except Exception as exc:  # e.g. the database is briefly unreachable: the state is durable, try again
                 log.exception("migration worker for group %s failed; retrying in %.0f s", group, backoff)
+                with contextlib.suppress(Exception):
+                    await self._note_error(migration_id, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+    async def _take_up(self, migration_id: int | None) -> bool:
+        """Count one more run of the migration; past `max_runs` mark it failed instead, so it cannot wedge the group.
+
+        A run that ends normally reaches a final state; only crashes and unexpected errors leave a migration
+        unfinished, so the count bounds how often one migration may take the service down or stall it.
+        """
+        async with self.sessions() as session, session.begin():
+            migration = await session.get(Migration, migration_id, with_for_update=True)
+            if migration is None or migration.state not in UNFINISHED:
+                return False
+            if migration.attempts >= self.config.max_runs:
+                why = f"gave up after {migration.attempts} runs; last error: {migration.error or 'none recorded'}"
+                await self.executor.give_up(session, migration, why)
+                return False
+            migration.attempts += 1
+            return True
+
+    async def _note_error(self, migration_id: int | None, exc: Exception) -> None:
+        if migration_id is None:
+            return
+        async with self.sessions() as session, session.begin():
+            migration = await session.get(Migration, migration_id, with_for_update=True)
+            if migration is not None and migration.state in UNFINISHED:
+                migration.error = f"{type(exc).__name__}: {exc}"[:2000]
 
 
 async def run_migration(

@@ -15,9 +15,13 @@ class MigrationSettings(BaseSettings):
     max_attempts: int = Field(default=5, ge=1)
     #: Delay before the first resend; doubled per attempt up to 10 s.
     retry_backoff_s: float = Field(default=0.5, ge=0)
+    #: How long to wait for the coordinator to report the group's live layout before planning from the database.
+    layout_timeout_s: float = Field(default=2.0, gt=0)
+    #: Times the service takes up one migration (each crash or unexpected error counts) before marking it failed.
+    max_runs: int = Field(default=5, ge=1)
     #: How long a new migration waits for a live engine of its group to say hello before it fails.
     engine_wait_s: float = Field(default=15.0, gt=0)
-    #: Name of the durable JetStream consumer on the placement stream (prefixed by the subject prefix).
+    #: Name of the durable JetStream consumer on the placement stream (one per deployment: replicas share it).
     consumer: str = "migration"
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

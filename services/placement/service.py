@@ -29,16 +29,18 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
-from sqlalchemy import or_, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.engine_layout import LayoutProbe
 from services.fleet import FleetView
 from services.history import (
     add_placement,
     applied_placement,
     default_layout,
     load_layout,
+    moves_between,
     new_plan_id,
     next_version,
     plan_message,
@@ -48,21 +50,25 @@ from services.placement.decide import Decision, Policy, decide
 from services.placement.recalibrate import serve_calibration_requests
 from services.placement.settings import PlacementSettings
 from services.placement.window import DecayedLoad, drift
-from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
 from shared.bus import Bus
 from shared.db import Calibration, Engine, Placement, create_async_db
 from shared.db.types import utcnow
 from shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from shared.settings import SwitchyardSettings
 from solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
-from solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
 
 PLANS = Counter("switchyard_placement_plans_total", "Placement decisions, by outcome.", ["outcome"])
 WINDOWS = Counter("switchyard_placement_windows_total", "Expert-load windows folded into the decayed state.")
+FUTURE_WINDOWS = Counter(
+    "switchyard_placement_windows_refused_total", "Expert-load windows refused: they end too far in the future."
+)
 RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
 ENGINE_ROW_EVERY_S = 30.0
+PRUNE_EVERY_S = 3600.0
+NO_MOVES = np.zeros((0, 6), np.int32)
 
 
 class PlacementService:
@@ -78,11 +84,14 @@ class PlacementService:
             weights=Weights(load=self.config.weight_load, comm=self.config.weight_comm, mig=self.config.weight_mig),
         )
         self.fleet = FleetView()
+        self.layouts: LayoutProbe | None = None  # set once connected
         self.windows: dict[str, DecayedLoad] = {}
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
         self._engine_rows: dict[str, float] = {}
         self._processed_seq = 0
+        self._future_engines: set[str] = set()
+        self._last_prune = -PRUNE_EVERY_S
         self._catch_up_to = 2**63  # known once the replay consumer exists
 
     # ----- lifecycle -----
@@ -95,13 +104,20 @@ class PlacementService:
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
-                await self.fleet.subscribe(bus)
+                await self.fleet.subscribe(bus, telemetry=False)  # hellos say who is alive and owns which GPUs
+                self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
                 await self._follow_expert_load()
-                calibrations = asyncio.create_task(serve_calibration_requests(self, stop), name="calibrations")
+                calibrations = asyncio.create_task(
+                    supervised("calibration requests", lambda: serve_calibration_requests(self, stop)),
+                    name="calibrations",
+                )
                 log.info("placement service ready (period %.0f s)", self.config.period_s)
                 while not stop.is_set():
-                    await self.tick()
+                    try:
+                        await self.tick()
+                    except Exception:  # e.g. the database is briefly down: everything is durable, tick again
+                        log.exception("placement tick failed; trying again in %.0f s", self.config.tick_s)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), self.config.tick_s)
                 await calibrations
@@ -130,11 +146,26 @@ class PlacementService:
         subject = self.bus.subjects.all_expert_load
         window = await decode_stream_message(msg, ExpertLoad, subject, self.bus.max_payload, acked=False)
         if window is not None:
-            self.windows.setdefault(window.ep_group, DecayedLoad(self.config.half_life_s)).add(window)
-            WINDOWS.inc()
+            ahead = window.window_end - msg.metadata.timestamp.timestamp()
+            if ahead > self.config.max_clock_skew_s:  # it would outweigh every honest window until time caught up
+                FUTURE_WINDOWS.inc()
+                self._warn_future(window.engine_id, ahead)
+            else:
+                self.windows.setdefault(window.ep_group, DecayedLoad(self.config.half_life_s)).add(window)
+                WINDOWS.inc()
         self._processed_seq = msg.metadata.sequence.stream
         if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
             self.caught_up.set()
+
+    def _warn_future(self, engine_id: str, ahead: float) -> None:
+        if engine_id not in self._future_engines:
+            self._future_engines.add(engine_id)
+            log.warning(
+                "engine %s sends expert-load windows ending %.0f s after the stream received them; its clock is "
+                "skewed: refused (switchyard_placement_windows_refused_total counts them)",
+                engine_id,
+                ahead,
+            )
 
     async def _record_engine(self, hello: Hello, _msg: Msg) -> None:
         """Keep the `engines` table (every engine that ever said hello) fresh, at most every 30 s per engine."""
@@ -166,6 +197,7 @@ class PlacementService:
 
     async def tick(self) -> None:
         await self.republish_proposed()
+        await self.prune_rejected()
         if not self.caught_up.is_set():
             return
         for group in list(self.windows):
@@ -176,6 +208,30 @@ class PlacementService:
                 except Exception:  # one group's trouble never stops the others
                     PLANS.labels("error").inc()
                     log.exception("planning group %s failed", group)
+
+    async def prune_rejected(self, now: float | None = None) -> int:
+        """Delete `rejected` decisions past their retention, at most once per `PRUNE_EVERY_S`; returns how many.
+
+        A rejected decision is written every period per group, so unpruned they would outgrow the history that
+        matters. A group's newest row is always kept, so versions never repeat.
+        """
+        now = time.monotonic() if now is None else now
+        if self.config.rejected_retention_s == 0 or now - self._last_prune < PRUNE_EVERY_S:
+            return 0
+        self._last_prune = now
+        cutoff = utcnow() - timedelta(seconds=self.config.rejected_retention_s)
+        newest = select(func.max(Placement.id)).group_by(Placement.engine_group)
+        async with self.sessions() as session, session.begin():
+            result = await session.execute(
+                delete(Placement).where(
+                    Placement.status == "rejected", Placement.created_at < cutoff, Placement.id.not_in(newest)
+                )
+            )
+        pruned = int(result.rowcount or 0)  # type: ignore[attr-defined]
+        if pruned:
+            retention = self.config.rejected_retention_s
+            log.info("pruned %d rejected placement decisions older than %.0f s", pruned, retention)
+        return pruned
 
     def _trigger(self, group: str) -> str | None:
         last = self._last_run.get(group)
@@ -221,11 +277,19 @@ class PlacementService:
             return DEFAULT_PARAMS, None
 
     def _topology(self, group: str, gpus: list[str] | None) -> tuple[list[str], list[int | None]] | None:
-        """The group's GPU names (the stored order wins) and the DP rank owning each, from the hellos."""
-        members = self.fleet.group(group, live_only=False)
-        owner = {gpu: state.hello.dp_rank for state in members for gpu in state.hello.gpus}  # type: ignore[union-attr]
+        """The group's GPU names and the DP rank owning each, from the hellos.
+
+        The stored order (the applied placement's) wins; a group never placed takes its live engines' GPUs,
+        each once, in DP-rank order. Engines gone silent are no part of a new group.
+        """
+        owner = {
+            gpu: state.hello.dp_rank  # type: ignore[union-attr]
+            for state in self.fleet.group(group, live_only=False)
+            for gpu in state.hello.gpus  # type: ignore[union-attr]
+        }
         if gpus is None:
-            gpus = [gpu for state in members for gpu in state.hello.gpus]  # type: ignore[union-attr]
+            live = [gpu for state in self.fleet.group(group) for gpu in state.hello.gpus]  # type: ignore[union-attr]
+            gpus = list(dict.fromkeys(live))
         return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
 
     async def plan_group(self, group: str, trigger: str) -> Placement | None:
@@ -241,11 +305,14 @@ class PlacementService:
             params, calibration_id = await self._params(session, group)
         topology = self._topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
-            log.info("group %s: no engine has said hello yet; cannot place its experts", group)
+            log.info("group %s: no live engine has said hello; cannot place its experts", group)
             return None
         gpus, ranks = topology
         num_layers, num_experts = window.load.shape
-        if current is None:
+        reported = await self.layouts.live_layout(group) if self.layouts is not None else None
+        if reported is not None and reported.layout.shape[:2] == (num_layers, len(gpus)):
+            current = reported.layout  # what the engines run (after a restart: their boot layout)
+        elif current is None:
             slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
             current = default_layout(num_layers, num_experts, len(gpus), slots)
         if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
@@ -355,19 +422,10 @@ class PlacementService:
                 layout = await load_layout(session, row)
                 parent = await session.get(Placement, row.parent_id) if row.parent_id else None
                 before = await load_layout(session, parent) if parent is not None else None
-                plans.append((row.id, plan_message(row, layout, _moves_between(before, layout))))
+                moves = await asyncio.to_thread(moves_between, before, layout)
+                plans.append((row.id, plan_message(row, layout, NO_MOVES if moves is None else moves)))
         for placement_id, plan in plans:
             await self._publish(plan, placement_id)
-
-
-def _moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray:
-    """The plan's informational moves from its parent's layout (none when unknown or incomparable)."""
-    if before is None:
-        return np.zeros((0, 6), np.int32)
-    try:
-        return plan_moves(before, after, buffer=True).astype(np.int32)
-    except PlacementError:
-        return np.zeros((0, 6), np.int32)
 
 
 async def run_placement(

@@ -35,6 +35,14 @@ class PlacementSettings(BaseSettings):
     inflight_timeout_s: float = Field(default=600.0, gt=0)
     #: Store the slot layout of rejected plans too (each is L x G x slots rows).
     store_rejected_layouts: bool = False
+    #: Delete `rejected` decisions older than this (one is written per group per period); 0 keeps them forever.
+    #: Published, applied, failed and superseded placements are history and are never deleted.
+    rejected_retention_s: float = Field(default=7 * 86400.0, ge=0)
+    #: Refuse expert-load windows that end more than this far in the future (a skewed clock would otherwise
+    #: freeze the decayed window: everything after it would count as late and fade).
+    max_clock_skew_s: float = Field(default=60.0, gt=0)
+    #: How long to wait for a group's coordinator to report its live layout before planning from the database.
+    layout_timeout_s: float = Field(default=2.0, gt=0)
     #: How often the service checks its triggers.
     tick_s: float = Field(default=1.0, gt=0)
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
