@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.db import Calibration
 from solver.placement import MinlpOptions, PlacementProblem, Weights, contiguous_slots, locality_distance
 from solver.placement.calibrate import CalibrationResult, calibrate
 
@@ -165,29 +166,34 @@ def run_calibration(
     return calibrate(problems, options, objective_tolerance=objective_tolerance)
 
 
+def calibration_row(result: CalibrationResult, *, engine_group: str | None, extra: dict) -> Calibration:
+    """The `calibrations` row of a successful calibration (the offline job and the placement service alike)."""
+    return Calibration(
+        engine_group=engine_group,
+        status="succeeded",
+        alpha=result.params.alpha,
+        beta=result.params.beta,
+        gamma=result.params.gamma,
+        agreement=result.agreement,
+        comm_gap=result.comm_gap,
+        solve_seconds=result.minlp_seconds,
+        num_windows=result.num_windows,
+        details={**result.details(), **extra},
+    )
+
+
 def persist(database_url: str, result: CalibrationResult, *, engine_group: str | None, extra: dict) -> int:
     """Append the calibration to the `calibrations` table (schema brought to head first); returns its id."""
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    from shared.db import Calibration, sync_url, upgrade
+    from shared.db import sync_url, upgrade
 
     upgrade(database_url)
     engine = create_engine(sync_url(database_url))
     try:
         with Session(engine) as session, session.begin():
-            row = Calibration(
-                engine_group=engine_group,
-                status="succeeded",
-                alpha=result.params.alpha,
-                beta=result.params.beta,
-                gamma=result.params.gamma,
-                agreement=result.agreement,
-                comm_gap=result.comm_gap,
-                solve_seconds=result.minlp_seconds,
-                num_windows=result.num_windows,
-                details={**result.details(), **extra},
-            )
+            row = calibration_row(result, engine_group=engine_group, extra=extra)
             session.add(row)
             session.flush()
             return row.id

@@ -26,7 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
@@ -227,6 +227,22 @@ class Bus:
         }
         for name, subjects in self.subjects.streams().items():
             await self.ensure_stream(name, subjects, **limits.get(name, {}))
+
+    async def durable_pull(
+        self, subject: str, stream: str, durable: str, *, ack_wait: float, max_deliver: int
+    ) -> JetStreamContext.PullSubscription:
+        """A pull subscription on a durable consumer whose settings follow the code: created, or updated when
+        a consumer of that name already exists with other settings (`pull_subscribe` would silently keep the
+        old ones)."""
+        config = ConsumerConfig(
+            durable_name=durable,
+            filter_subject=subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+        )
+        await self.js.add_consumer(stream, config=config)  # create-or-update on NATS >= 2.9
+        return await self.js.pull_subscribe_bind(durable, stream)
 
     async def ensure_kv(self, bucket: str, history: int = 16) -> KeyValue:
         """Open a KV bucket, creating it on first use."""

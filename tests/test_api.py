@@ -247,9 +247,21 @@ async def test_a_triggered_calibration_is_recorded(
             return found if wanted <= set(found) else None
 
         rows = await eventually(recorded, timeout=60)
+
+        # A redelivered request (same request id, e.g. after a crash before its ack) is answered once only.
+        subject = bus.subjects.calibration_request
+        stored = decode((await bus.js.get_last_msg(bus.subjects.placement_stream, subject)).data, CalibrationRequest)
+        assert stored.request_id == nothing.json()["request_id"]
+        await bus.js_publish(subject, stored, msg_id="redelivered")
+        marker = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "nowhere"})
+        wanted.add(marker.json()["request_id"])
+        await eventually(recorded, timeout=60)  # requests run in order: the duplicate was handled before
+        ids = [row["details"].get("request_id") for row in (await api.get("/v1/calibrations")).json()["items"]]
+        assert ids.count(stored.request_id) == 1
     done, failed = rows[ok.json()["request_id"]], rows[nothing.json()["request_id"]]
     assert (done["status"], done["engine_group"], done["num_windows"]) == ("succeeded", "g0", 1)
     assert done["details"]["trigger"] == "api" and 0.0 <= done["agreement"] <= 1.0
+    assert done["details"]["time_limit_s"] == 0.2 and done["details"]["budget_s"] == 300.0
     assert failed["status"] == "failed" and "no expert-load window for nowhere" in failed["details"]["error"]
 
 

@@ -276,3 +276,17 @@ async def test_encoded_payloads_are_small(bus: Bus) -> None:
     sig = np.zeros((48, 128), np.uint16)
     size = len(encode(s.RouteDecodeRequest(request_id="r" * 36, prompt_tokens=1000, signature=sig)))
     assert 12 * 1024 < size < 12 * 1024 + 200  # the seed's 12 KiB signature plus a few header bytes
+
+
+async def test_durable_pull_follows_the_settings_in_the_code(bus: Bus) -> None:
+    """A durable consumer created by an older release gets the current settings, not silently the old ones."""
+    await bus.ensure_streams()
+    stream, subject = bus.subjects.placement_stream, bus.subjects.placement_plan
+    first = await bus.durable_pull(subject, stream, "durable-test", ack_wait=5.0, max_deliver=2)
+    await first.unsubscribe()
+    second = await bus.durable_pull(subject, stream, "durable-test", ack_wait=7.0, max_deliver=4)
+    info = await bus.js.consumer_info(stream, "durable-test")
+    assert (info.config.ack_wait, info.config.max_deliver, info.config.filter_subject) == (7.0, 4, subject)
+    await bus.js.publish(subject, b"x")
+    assert [m.data for m in await second.fetch(1, timeout=2)] == [b"x"]
+    await second.unsubscribe()

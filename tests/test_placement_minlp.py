@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
 
+from services.placement.recalibrate import per_layer_limit
 from solver.placement import (
     GreedyParams,
+    MinlpCancelled,
     MinlpOptions,
     PlacementError,
     PlacementProblem,
@@ -100,3 +103,17 @@ def test_a_given_hint_and_replicas_are_used_and_checked() -> None:
         solve_minlp(problem, EXACT, hint=hint[:, :3])
     with pytest.raises(PlacementError, match="time_limit_s"):
         MinlpOptions(time_limit_s=0)
+
+
+def test_a_cancelled_solve_stops_before_its_next_layer() -> None:
+    problem = random_problem(np.random.default_rng(3), layers=3, experts=6, gpus=3, sources=2)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(MinlpCancelled, match="cancelled before layer"):
+        solve_minlp(problem, MinlpOptions(time_limit_s=1.0, cancel=cancel))
+
+
+def test_the_calibration_budget_bounds_the_per_layer_limit() -> None:
+    assert per_layer_limit(1.0, 300.0, layer_solves=48, parallel=2) == 1.0  # 24 rounds fit the budget
+    assert per_layer_limit(60.0, 300.0, layer_solves=48, parallel=2) == 12.5  # 24 rounds x 12.5 s = 300 s
+    assert per_layer_limit(5.0, 10.0, layer_solves=0, parallel=2) == 5.0

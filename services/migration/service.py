@@ -14,7 +14,6 @@ import logging
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client import Counter
 from sqlalchemy import case, select
 from sqlalchemy.exc import IntegrityError
@@ -89,11 +88,12 @@ class MigrationService:
                 await self.fleet.subscribe(bus)
                 self.executor = Executor(self.sessions, bus, self.fleet, self.config)
                 subjects = bus.subjects
-                consumer = await bus.js.pull_subscribe(
+                consumer = await bus.durable_pull(
                     subjects.placement_plan,
-                    durable=self.config.consumer,
-                    stream=subjects.placement_stream,
-                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1),
+                    subjects.placement_stream,
+                    self.config.consumer,
+                    ack_wait=30.0,  # recording a plan takes milliseconds; unacked means this replica died
+                    max_deliver=-1,  # a plan is never dropped: recording it is idempotent
                 )
                 await self._resume()
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)

@@ -6,43 +6,50 @@ decayed load, with the group's applied placement as x⁰), using the offline job
 next planning run picks the new weights up. A request that cannot be served (no window yet, an infeasible
 instance) is recorded as a `failed` row saying why, so the operator who asked sees the answer either way.
 Requests come through a durable JetStream consumer and are acknowledged after their row is written, so a
-restart mid-calibration runs it again rather than losing it.
+restart mid-calibration runs it again rather than losing it; a request whose row already exists (a
+redelivery) is acknowledged without running again. One request runs for at most `calibration_budget_s`:
+the per-layer time limit shrinks to fit the number of layer solves. Stopping the service cancels a
+running calibration before its next layer and leaves the request for the next start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig
+from sqlalchemy import select
 
-from services.calibration import Window, persist, run_calibration
+from services.calibration import Window, calibration_row, run_calibration
 from services.history import applied_placement, load_layout
 from services.runtime import decode_stream_message
 from shared.db import Calibration
 from shared.schemas import CalibrationRequest
-from solver.placement import MinlpOptions, PlacementError
+from solver.placement import MinlpCancelled, MinlpOptions, PlacementError
 
 if TYPE_CHECKING:
     from services.placement.service import PlacementService
 
 log = logging.getLogger(__name__)
 CONSUMER = "placement-calibrate"
+#: Deliveries of one request (crashes, database outages; a shutdown's cancellation counts too).
+MAX_DELIVER = 5
 
 
 async def serve_calibration_requests(service: PlacementService, stop: asyncio.Event) -> None:
     """Run calibration requests one at a time until `stop` is set."""
     bus = service.bus
     subject = bus.subjects.calibration_request
-    consumer = await bus.js.pull_subscribe(
-        subject,
-        durable=CONSUMER,
-        stream=bus.subjects.placement_stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=3600.0, max_deliver=3),
+    # ack_wait above the longest calibration (its budget), so a running one is never handed out twice
+    ack_wait = service.config.calibration_budget_s + 60.0
+    consumer = await bus.durable_pull(
+        subject, bus.subjects.placement_stream, CONSUMER, ack_wait=ack_wait, max_deliver=MAX_DELIVER
     )
     try:
         while not stop.is_set():
@@ -55,7 +62,15 @@ async def serve_calibration_requests(service: PlacementService, stop: asyncio.Ev
                 if request is None:
                     continue
                 try:
-                    await calibrate(service, request)
+                    if await _recorded(service, request.request_id):
+                        log.info("calibration request %s was already answered; not run again", request.request_id)
+                    else:
+                        cancel = threading.Event()
+                        await _cancellable(calibrate(service, request, cancel), cancel, stop)
+                except MinlpCancelled:
+                    log.info("calibration request %s cancelled by shutdown; it runs again on start", request.request_id)
+                    await msg.nak()
+                    return
                 except Exception:  # e.g. the database is down: JetStream redelivers it (at most 3 times)
                     log.exception("calibration request %s failed unexpectedly", request.request_id)
                     await msg.nak(delay=5.0)
@@ -63,6 +78,28 @@ async def serve_calibration_requests(service: PlacementService, stop: asyncio.Ev
                 await msg.ack()
     finally:
         await consumer.unsubscribe()
+
+
+async def _cancellable(work: Awaitable[int], cancel: threading.Event, stop: asyncio.Event) -> int:
+    """Run `work`, setting `cancel` (seen by the solver threads) as soon as `stop` is set."""
+    watcher = asyncio.create_task(stop.wait())
+    watcher.add_done_callback(lambda _: cancel.set())
+    try:
+        return await work
+    finally:
+        watcher.cancel()
+
+
+async def _recorded(service: PlacementService, request_id: str) -> bool:
+    async with service.sessions() as session:
+        query = select(Calibration.id).where(Calibration.details["request_id"].as_string() == request_id)
+        return (await session.scalar(query.limit(1))) is not None
+
+
+def per_layer_limit(requested_s: float, budget_s: float, layer_solves: int, parallel: int) -> float:
+    """The per-layer time limit that keeps `layer_solves` solves, `parallel` at a time, within `budget_s`."""
+    rounds = max(1, -(-layer_solves // parallel))
+    return min(requested_s, budget_s / rounds)
 
 
 async def _windows(service: PlacementService, request: CalibrationRequest) -> tuple[list[Window], int, list[str]]:
@@ -92,15 +129,26 @@ async def _windows(service: PlacementService, request: CalibrationRequest) -> tu
     return [w for w, count in windows if count == gpus], gpus, skipped
 
 
-async def calibrate(service: PlacementService, request: CalibrationRequest) -> int:
-    """Calibrate for one request and record the outcome; returns the `calibrations` row id."""
+async def calibrate(
+    service: PlacementService, request: CalibrationRequest, cancel: threading.Event | None = None
+) -> int:
+    """Calibrate for one request and record the outcome; returns the `calibrations` row id.
+
+    Raises `MinlpCancelled` (and records nothing) when `cancel` is set mid-way.
+    """
     started = time.perf_counter()
     windows, gpus, skipped = await _windows(service, request)
+    layers = min(request.layers or 2**31, *(w.source_counts.shape[0] for w in windows)) if windows else 0
+    budget = service.config.calibration_budget_s
+    options = MinlpOptions(cancel=cancel)
+    limit = per_layer_limit(request.time_limit_s, budget, len(windows) * layers, options.parallel_layers)
     extra = {
         "request_id": request.request_id,
         "trigger": "api",
         "windows": [w.name for w in windows],
         "skipped": skipped,
+        "time_limit_s": limit,
+        "budget_s": budget,
     }
     try:
         if not windows:
@@ -109,15 +157,19 @@ async def calibrate(service: PlacementService, request: CalibrationRequest) -> i
             run_calibration,
             windows,
             gpus,
-            MinlpOptions(time_limit_s=request.time_limit_s),
+            replace(options, time_limit_s=limit),
             migration_cost=service.policy.migration_cost,
             weights=service.policy.weights,
             layers=request.layers,
         )
-        url = service.settings.resolved_database_url()
-        row_id = await asyncio.to_thread(persist, url, result, engine_group=request.engine_group, extra=extra)
-        log.info("calibration %d for request %s: agreement %.3f", row_id, request.request_id, result.agreement)
-        return row_id
+        async with service.sessions() as session, session.begin():
+            row = calibration_row(result, engine_group=request.engine_group, extra=extra)
+            session.add(row)
+            await session.flush()
+        log.info("calibration %d for request %s: agreement %.3f", row.id, request.request_id, result.agreement)
+        return row.id
+    except MinlpCancelled:
+        raise
     except PlacementError as exc:
         log.warning("calibration request %s failed: %s", request.request_id, exc)
         async with service.sessions() as session, session.begin():

@@ -35,6 +35,8 @@ class PlacementSettings(BaseSettings):
     inflight_timeout_s: float = Field(default=600.0, gt=0)
     #: Store the slot layout of rejected plans too (each is L x G x slots rows).
     store_rejected_layouts: bool = False
+    #: Longest one API-triggered calibration may take: the per-layer MINLP time limit shrinks to fit it.
+    calibration_budget_s: float = Field(default=300.0, gt=0)
     #: Delete `rejected` decisions older than this (one is written per group per period); 0 keeps them forever.
     #: Published, applied, failed and superseded placements are history and are never deleted.
     rejected_retention_s: float = Field(default=7 * 86400.0, ge=0)

@@ -4,7 +4,7 @@ Pure functions over numpy arrays (no I/O); see README.md in this folder for the 
 """
 
 from solver.placement.greedy import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, greedy, greedy_hosts
-from solver.placement.minlp import MinlpOptions, MinlpResult, solve_minlp
+from solver.placement.minlp import MinlpCancelled, MinlpOptions, MinlpResult, solve_minlp
 from solver.placement.objective import Objective, gpu_loads, objective, objective_of_hosts
 from solver.placement.problem import (
     PlacementError,
@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_PARAMS",
     "SEED_PARAMS",
     "GreedyParams",
+    "MinlpCancelled",
     "MinlpOptions",
     "MinlpResult",
     "Objective",

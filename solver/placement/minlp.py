@@ -25,9 +25,10 @@ from the search.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -37,9 +38,17 @@ from solver.placement.problem import PlacementError, PlacementProblem, hosts_fro
 from solver.placement.refine import place
 
 
+class MinlpCancelled(PlacementError):
+    """`MinlpOptions.cancel` was set: the solve stopped before its remaining layers."""
+
+
 @dataclass(frozen=True)
 class MinlpOptions:
-    """How hard and how wide to search. The time limit is per layer; layers run `parallel_layers` at once."""
+    """How hard and how wide to search. The time limit is per layer; layers run `parallel_layers` at once.
+
+    Setting `cancel` (from any thread) stops a solve before its next layer: a service shutting down waits
+    at most one layer's time limit, not the whole calibration.
+    """
 
     time_limit_s: float = 1.0
     parallel_layers: int = 2
@@ -49,6 +58,7 @@ class MinlpOptions:
     symmetry_breaking: bool = True
     hint_params: GreedyParams = DEFAULT_PARAMS
     seed: int = 0
+    cancel: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0 or self.parallel_layers < 1 or self.workers_per_layer < 1:
@@ -103,6 +113,8 @@ def solve_minlp(
     interchangeable = problem.interchangeable_gpus() if options.symmetry_breaking else None
 
     def solve(layer: int) -> _LayerSolution:
+        if options.cancel is not None and options.cancel.is_set():
+            raise MinlpCancelled(f"cancelled before layer {layer}")
         return _solve_layer(
             load=problem.load[layer] / copies[layer],
             copies=copies[layer],
