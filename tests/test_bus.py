@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from shared import schemas as s
 from shared.bus import HANDLER_ERRORS, Bus, rejected_count
 from shared.codec import decode_reply, encode
-from shared.embedded import EmbeddedNats, free_port
+from shared.embedded import EmbeddedNats, find_nats_server, free_port
 from shared.errors import RemoteError
 from shared.settings import SwitchyardSettings
 
@@ -290,3 +292,11 @@ async def test_durable_pull_follows_the_settings_in_the_code(bus: Bus) -> None:
     await bus.js.publish(subject, b"x")
     assert [m.data for m in await second.fetch(1, timeout=2)] == [b"x"]
     await second.unsubscribe()
+
+
+def test_the_shipped_nats_server_config_is_valid_and_allows_our_payloads() -> None:
+    config = Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf"
+    checked = subprocess.run([str(find_nats_server()), "-c", str(config), "-t"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert "max_payload: 8MB" in config.read_text()  # == SwitchyardSettings().max_payload_bytes
+    assert SwitchyardSettings().max_payload_bytes == 8 * 1024 * 1024

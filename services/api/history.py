@@ -262,7 +262,7 @@ async def get_migration(session: Session, migration_id: Id) -> m.MigrationDetail
 async def list_calibrations(
     session: Session,
     engine_group: Group = None,
-    status_: Annotated[Literal["running", "succeeded", "failed"] | None, Query(alias="status")] = None,
+    status_: Annotated[Literal["succeeded", "failed"] | None, Query(alias="status")] = None,
     limit: Limit = 50,
     cursor: Cursor = None,
 ) -> m.Page[m.CalibrationOut]:

@@ -119,7 +119,7 @@ class CalibrationOut(_Out):
     id: int
     created_at: datetime
     engine_group: str | None
-    status: Literal["running", "succeeded", "failed"]
+    status: Literal["succeeded", "failed"]
     alpha: float
     beta: float
     gamma: float

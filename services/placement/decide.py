@@ -23,7 +23,7 @@ from solver.placement.moves import plan_moves
 @dataclass(frozen=True)
 class Policy:
     gain_threshold: float = 0.05
-    migration_cost: float = 0.01
+    migration_cost: float = 0.005  # the same default as PlacementSettings and `switchyard calibrate`
     redundant_slots: int = 0
     weights: Weights = field(default_factory=Weights)
 

@@ -28,7 +28,6 @@ _UNKNOWN_ROLE = -1
 #: Every per-engine column: dtype and the value of a row no engine has filled yet.
 _COLUMNS: dict[str, tuple[type, float]] = {
     "role": (np.int8, _UNKNOWN_ROLE),
-    "max_running": (np.float64, 1),
     "kv_usage": (np.float64, 0),
     "num_running": (np.float64, 0),
     "num_waiting": (np.float64, 0),
@@ -108,7 +107,6 @@ class Fleet:
             self.role[row] = role
             self.version += 1
         self.ep_group[row] = hello.ep_group
-        self.max_running[row] = hello.capacity.max_running
         self.last_seen[row] = max(self.last_seen[row], now)
         self.data_version += 1
 

@@ -218,4 +218,5 @@ class Calibration(Base):
     num_windows: Mapped[int]
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
+    # "running" is reserved: rows are written once a calibration has finished, so none is left half-done
     __table_args__ = (_one_of("status", ("running", "succeeded", "failed"), "ck_calibrations_status"),)
