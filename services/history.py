@@ -8,18 +8,22 @@ group is `applied`: the layout the group's engines run now.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 from sqlalchemy import func, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from shared.bus import Bus
 from shared.db import Placement, PlacementAssignment
 from shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
 from solver.placement import PlacementError, contiguous_slots
 from solver.placement.moves import plan_moves
+
+log = logging.getLogger(__name__)
 
 
 def layout_rows(layout: np.ndarray) -> list[dict[str, int]]:
@@ -165,3 +169,21 @@ async def set_status(session: AsyncSession, placement_id: int, status: str, *, o
     if only_if:
         query = query.where(Placement.status.in_(only_if))
     await session.execute(query.values(status=status))
+
+
+async def publish_plan(
+    bus: Bus, sessions: async_sessionmaker[AsyncSession], plan: PlacementPlan, placement_id: int
+) -> bool:
+    """Publish a stored `proposed` plan (msg-id = plan id) and mark it `published`; False if the bus refused.
+
+    The outbox half of "store, then publish": a plan that could not be published stays `proposed`, and the
+    placement service republishes every `proposed` row each tick (the stream de-duplicates by plan id).
+    """
+    try:
+        await bus.js_publish(bus.subjects.placement_plan, plan, msg_id=plan.plan_id)
+    except Exception as exc:
+        log.warning("plan %s not published yet (%s); it stays proposed and is retried", plan.plan_id, exc)
+        return False
+    async with sessions() as session, session.begin():
+        await set_status(session, placement_id, "published", only_if=("proposed",))
+    return True

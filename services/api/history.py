@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from datetime import datetime
@@ -24,12 +23,11 @@ from services.history import (
     moves_between,
     new_plan_id,
     next_version,
-    set_status,
+    publish_plan,
 )
 from shared.db import Calibration, Migration, MigrationMove, Placement
 from shared.schemas import CalibrationRequest, ObjectiveTerms, PlacementParams, PlacementPlan
 
-log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 
 Id = Annotated[int, Path(ge=1, le=2**63 - 1)]
@@ -211,14 +209,9 @@ async def reapply_placement(state: State, session: Session, placement_id: Id) ->
         except IntegrityError:
             if attempt == 2:
                 raise HTTPException(status.HTTP_409_CONFLICT, "concurrent placements; try again") from None
-    try:
-        await state.bus.js_publish(state.bus.subjects.placement_plan, plan, msg_id=plan.plan_id)
-    except Exception as exc:  # the row stays `proposed`: the placement service's outbox publishes it later
-        log.warning("rollback plan %s not published yet: %s", plan.plan_id, exc)
-        return _summary(row)
-    async with state.sessions() as writer, writer.begin():
-        await set_status(writer, row.id, "published", only_if=("proposed",))
-        return _summary(await writer.get(Placement, row.id))
+    await publish_plan(state.bus, state.sessions, plan, row.id)  # if it fails, the placement service's outbox retries
+    async with state.sessions() as reader:
+        return _summary(await reader.get(Placement, row.id))
 
 
 # ----- migrations -----

@@ -44,7 +44,7 @@ from services.history import (
     new_plan_id,
     next_version,
     plan_message,
-    set_status,
+    publish_plan,
 )
 from services.placement.decide import Decision, Policy, decide
 from services.placement.recalibrate import serve_calibration_requests
@@ -336,7 +336,7 @@ class PlacementService:
         PLANS.labels("published" if decision.publish else "rejected").inc()
         log.info("group %s v%d (%s): %s", group, row.version, trigger, decision.reason)
         if decision.publish:
-            await self._publish(plan, row.id)
+            await publish_plan(self.bus, self.sessions, plan, row.id)
         return row
 
     async def _store(
@@ -404,15 +404,6 @@ class PlacementService:
                     raise
         raise AssertionError("unreachable")
 
-    async def _publish(self, plan: PlacementPlan, placement_id: int) -> None:
-        try:
-            await self.bus.js_publish(self.bus.subjects.placement_plan, plan, msg_id=plan.plan_id)
-        except Exception as exc:  # stays `proposed`; the next tick republishes it
-            log.warning("plan %s not published yet (%s); will retry", plan.plan_id, exc)
-            return
-        async with self.sessions() as session, session.begin():
-            await set_status(session, placement_id, "published", only_if=("proposed",))
-
     async def republish_proposed(self) -> None:
         """Publish every stored plan still `proposed` (idempotent: the stream de-duplicates by plan_id)."""
         async with self.sessions() as session:
@@ -425,7 +416,7 @@ class PlacementService:
                 moves = await asyncio.to_thread(moves_between, before, layout)
                 plans.append((row.id, plan_message(row, layout, NO_MOVES if moves is None else moves)))
         for placement_id, plan in plans:
-            await self._publish(plan, placement_id)
+            await publish_plan(self.bus, self.sessions, plan, placement_id)
 
 
 async def run_placement(
