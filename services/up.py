@@ -122,7 +122,7 @@ def _describe(infra: Infrastructure, settings: SwitchyardSettings, api_url: str 
     subjects = settings.subjects
     table.add_row(
         "subjects",
-        f"{subjects.prefix}.engine.<id>.{{hello,telemetry,expert_load,migrate}}, "
+        f"{subjects.prefix}.engine.<id>.{{hello,telemetry,expert_load,migrate,layout}}, "
         f"{subjects.route_decode}, {subjects.route_dp}, {subjects.placement_plan}",
     )
     table.add_row("streams", ", ".join(subjects.streams()))
