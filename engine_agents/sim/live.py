@@ -33,7 +33,7 @@ import numpy as np
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from engine_agents.sim.agent import EngineAgent
+from engine_agents.agent import EngineAgent
 from engine_agents.sim.engine import DecodeEngine, PrefillEngine
 from engine_agents.sim.experts import rank_masks, token_counts
 from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate

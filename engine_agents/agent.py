@@ -3,7 +3,7 @@
 An agent says hello on start, every `hello_interval_s`, and whenever a service asks on `sy.engine.announce`
 (a restarted router then knows the fleet within one telemetry interval); it publishes telemetry every
 `telemetry_interval_s` with a per-engine sequence number that starts at 0 on every start, so consumers can
-tell lost messages from a restart. The simulated engines use this class; the vLLM agent speaks the same.
+tell lost messages from a restart. The simulated engines and the vLLM agent both use this class.
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""What the vLLM agent reads from vLLM's configuration and scheduler: pure functions over duck-typed objects.
+
+Nothing here imports vLLM, so it is tested with the core suite; `plugin.py` hands in the real objects. The
+names of the Hugging Face config attributes differ between MoE families, so each function tries the known
+spellings and says which it could not find.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.schemas import Capacity, Hello, ModelShape
+from shared.subjects import check_token
+
+_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
+
+
+class AgentSettings(BaseSettings):
+    """`SWITCHYARD_AGENT_*`: how one vLLM engine presents itself on the bus (NATS itself: `SWITCHYARD_NATS_*`)."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_AGENT_", extra="ignore")
+
+    #: The plugin is installed with Switchyard but does nothing unless this is set.
+    enabled: bool = False
+    #: Default: `<hostname>-dp<data-parallel rank>`, the same in every process of the engine.
+    engine_id: str | None = None
+    #: The EP group whose experts this engine serves with others. Default: the engine id (its own group).
+    ep_group: str | None = None
+    #: GPU names as the placement service should know them. Default: `<engine id>-gpu<i>` per TP × PP rank.
+    gpus: list[str] | None = None
+    #: Overrides the role read from `kv_transfer_config` (kv_producer: prefill, kv_consumer: decode, else dp).
+    role: Literal["prefill", "decode", "dp"] | None = None
+    hello_interval_s: float = Field(default=5.0, gt=0)
+    telemetry_interval_s: float = Field(default=0.1, gt=0)
+    #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
+    expert_load_interval_s: float = Field(default=1.0, gt=0)
+
+
+def _first(config: Any, names: Iterable[str], what: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"the model config has no {what} (looked for {', '.join(names)}): is it a MoE model?")
+
+
+def moe_layers(hf_config: Any) -> list[int]:
+    """Indices of the decoder layers that have routed experts.
+
+    DeepSeek: every layer from `first_k_dense_replace` (every `moe_layer_freq`-th). Qwen-MoE: layers not in
+    `mlp_only_layers` whose index + 1 is a multiple of `decoder_sparse_step`. Otherwise every layer.
+    """
+    total = _first(hf_config, ("num_hidden_layers", "n_layers", "num_layers"), "layer count")
+    if getattr(hf_config, "first_k_dense_replace", None) is not None:
+        first, every = int(hf_config.first_k_dense_replace), int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+        return [i for i in range(first, total) if (i - first) % every == 0]
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return [i for i in range(total) if i not in dense and (i + 1) % step == 0]
+
+
+def model_shape(hf_config: Any, name: str) -> ModelShape:
+    layers = moe_layers(hf_config)
+    if not layers:
+        raise ValueError("the model config describes no MoE layer")
+    experts, top_k = _first(hf_config, _EXPERTS, "routed expert count"), _first(hf_config, _TOP_K, "top-k")
+    return ModelShape(name=name[-128:], num_layers=len(layers), num_experts=experts, top_k=top_k)
+
+
+def role_of(kv_transfer_config: Any) -> Literal["prefill", "decode", "dp"]:
+    """prefill for a KV producer, decode for a KV consumer, dp for everything else (kv_both, no transfer)."""
+    kv_role = getattr(kv_transfer_config, "kv_role", None)
+    return "prefill" if kv_role == "kv_producer" else "decode" if kv_role == "kv_consumer" else "dp"
+
+
+def engine_identity(settings: AgentSettings, dp_rank: int) -> tuple[str, str]:
+    """The engine id and EP group, valid as subject tokens (hostnames with dots are rewritten)."""
+    host = socket.gethostname().split(".")[0].replace("_", "-") or "vllm"
+    engine_id = settings.engine_id or f"{host}-dp{dp_rank}"
+    return check_token(engine_id, "engine id"), check_token(settings.ep_group or engine_id, "ep group")
+
+
+def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, version: str) -> Hello:
+    """The engine's hello from its `VllmConfig` and the KV blocks the engine allocated."""
+    parallel = vllm_config.parallel_config
+    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    engine_id, group = engine_identity(settings, dp_rank)
+    ranks = int(getattr(parallel, "tensor_parallel_size", 1)) * int(getattr(parallel, "pipeline_parallel_size", 1))
+    model = vllm_config.model_config
+    return Hello(
+        engine_id=engine_id,
+        role=settings.role or role_of(vllm_config.kv_transfer_config),
+        model=model_shape(model.hf_config, str(model.served_model_name or model.model)),
+        ep_group=group,
+        dp_rank=dp_rank,
+        gpus=settings.gpus or [f"{engine_id}-gpu{i}" for i in range(ranks)],
+        capacity=Capacity(
+            max_running=vllm_config.scheduler_config.max_num_seqs,
+            kv_blocks=max(int(num_gpu_blocks), 1),
+            block_size=vllm_config.cache_config.block_size,
+        ),
+        ts=0.0,
+        agent="vllm",
+        agent_version=version[:64],
+        hello_interval_s=settings.hello_interval_s,
+        telemetry_interval_s=settings.telemetry_interval_s,
+    )
+
+
+def queue_tokens(requests: Iterable[Any]) -> int:
+    """Prompt tokens not yet prefilled, over vLLM `Request`s (`num_prompt_tokens - num_computed_tokens`)."""
+    return sum(max(int(r.num_prompt_tokens) - int(r.num_computed_tokens), 0) for r in requests)

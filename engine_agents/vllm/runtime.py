@@ -1,0 +1,178 @@
+"""The bus side of the vLLM agent: a daemon thread with its own event loop, so vLLM's loop never waits on NATS.
+
+vLLM's processes are not asyncio services of ours: the engine core runs a busy loop, workers run the model.
+Each process that has something to publish starts one `AgentThread`; the vLLM side hands it readings with
+plain method calls (`post`), which are thread-safe and never block. In the engine core the thread runs the
+`EngineAgent` (hello, telemetry, announce; the same class the simulated engines use) and answers `layout`
+and `migrate`; in the worker of TP rank 0 it publishes expert-load windows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from engine_agents.agent import EngineAgent, TelemetrySource
+from shared.bus import Bus
+from shared.errors import SchemaMismatch
+from shared.schemas import ExpertLoad, Hello, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
+from shared.settings import SwitchyardSettings
+
+log = logging.getLogger(__name__)
+
+
+class AgentThread:
+    """Connects to NATS on its own thread; `submit` schedules a coroutine there from any thread."""
+
+    def __init__(self, name: str, settings: SwitchyardSettings | None = None) -> None:
+        self.name = name
+        self.settings = settings or SwitchyardSettings()
+        self.loop = asyncio.new_event_loop()
+        self.bus: Bus | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"switchyard-{name}", daemon=True)
+
+    def start(self, on_connect: Callable[[Bus], object], timeout_s: float = 10.0) -> bool:
+        """Start the thread and run `on_connect(bus)` (a coroutine function) there; False if NATS is unreachable."""
+        self._on_connect = on_connect
+        self._thread.start()
+        return self._ready.wait(timeout_s) and self.bus is not None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._connect())
+        except Exception:
+            log.exception("switchyard agent %s: cannot reach NATS at %s", self.name, self.settings.nats_servers)
+            self.bus = None
+            self._ready.set()
+            self.loop.close()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.close()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Cancel what runs on the thread, close the connection (flushing it), and end the thread."""
+        if not self._thread.is_alive() or self.loop.is_closed():
+            return
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.bus is not None:
+                await self.bus.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout_s)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+
+    async def _connect(self) -> None:
+        self.bus = await Bus.connect(self.settings, name=f"switchyard-vllm-{self.name}")
+        await self._on_connect(self.bus)  # type: ignore[misc]
+
+    def submit(self, coroutine: object) -> None:
+        if self.bus is not None:
+            asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
+
+
+class EngineCoreAgent:
+    """Hello and telemetry for one engine, read from its scheduler; `layout` and `migrate` answered honestly.
+
+    This agent does not rearrange experts: vLLM's EPLB has no external trigger (see `docs/vllm-agent.md`).
+    It reports vLLM's own layout, contiguous (expert e on EP rank e // ⌈E/G⌉), and refuses migrate steps
+    with a reason, so a placement plan fails cleanly (nothing moved) instead of timing out.
+    """
+
+    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread) -> None:
+        self.hello = hello
+        self.telemetry = telemetry
+        self.thread = thread
+        self.agent: EngineAgent | None = None
+
+    def start(self) -> bool:
+        return self.thread.start(self._on_connect)
+
+    async def _on_connect(self, bus: Bus) -> None:
+        self.agent = EngineAgent(bus, self.hello.model_copy(update={"ts": time.time()}), self.telemetry)
+        await self.agent.start()
+        await bus.serve(bus.subjects.layout(self.hello.engine_id), LayoutRequest, self._layout)
+        await bus.serve(bus.subjects.migrate(self.hello.engine_id), MigrateRequest, self._refuse)
+        log.info("switchyard agent: engine %s (%s) is on the bus", self.hello.engine_id, self.hello.role)
+
+    def _layout(self, request: LayoutRequest) -> LayoutReply:
+        if request.engine_group != self.hello.ep_group:
+            raise SchemaMismatch("engine_group", f"this engine belongs to group {self.hello.ep_group!r}")
+        shape = self.hello.model
+        gpus = max(len(self.hello.gpus), 1)
+        slots = -(-shape.num_experts // gpus)
+        layout = np.full((shape.num_layers, gpus, slots), -1, dtype=np.int32)
+        experts = np.arange(shape.num_experts)
+        layout[:, experts // slots, experts % slots] = experts  # vLLM's default: contiguous ranges per EP rank
+        return LayoutReply(engine_group=self.hello.ep_group, layout=layout, version=0)
+
+    def _refuse(self, request: MigrateRequest) -> MigrateReply:
+        return MigrateReply(
+            plan_id=request.plan_id,
+            version=request.version,
+            step=request.step,
+            applied=0,
+            duration_s=0.0,
+            failure="this vLLM agent does not move experts yet (no external EPLB trigger); nothing was applied",
+        )
+
+
+class ExpertLoadPublisher:
+    """Publishes the worker's accumulated expert counts as `ExpertLoad` windows every `interval_s`."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        ep_group: str,
+        take_counts: Callable[[], object],
+        interval_s: float,
+        thread: AgentThread,
+    ) -> None:
+        self.engine_id = engine_id
+        self.ep_group = ep_group
+        self.take_counts = take_counts  # returns a uint32 [L, E] numpy array and resets the counter
+        self.interval_s = interval_s
+        self.thread = thread
+        self.seq = 0
+
+    def start(self) -> bool:
+        return self.thread.start(self._on_connect)
+
+    async def _on_connect(self, bus: Bus) -> None:
+        self._task = asyncio.create_task(self._loop(bus))
+
+    async def _loop(self, bus: Bus) -> None:
+        start = time.time()
+        subject = bus.subjects.expert_load(self.engine_id)
+        while True:
+            await asyncio.sleep(self.interval_s)
+            end = time.time()
+            counts = await asyncio.to_thread(self.take_counts)
+            window = ExpertLoad(
+                engine_id=self.engine_id,
+                ep_group=self.ep_group,
+                seq=self.seq,
+                window_start=start,
+                window_end=end,
+                expert_counts=counts,  # type: ignore[arg-type]
+            )
+            try:
+                await bus.js_publish(subject, window, msg_id=f"{self.engine_id}-{int(start * 1e6)}-{self.seq}")
+            except Exception as exc:  # JetStream briefly away: this window is lost, not the engine
+                log.warning("switchyard agent: expert-load window %d not published: %s", self.seq, exc)
+            self.seq += 1
+            start = end

@@ -1,0 +1,159 @@
+"""The vLLM agent's parts that need no vLLM: config reading, the scheduler probe, and its bus side on real NATS.
+
+`test_vllm_agent.py` runs the whole agent inside a real vLLM engine when vLLM is installed; these run always.
+The vLLM objects are stood in for by namespaces with the attributes the agent reads (named in the docstrings
+of `engine_agents/vllm/config.py` and `plugin.py`), so a change in what it reads shows here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+
+from engine_agents.vllm.config import AgentSettings, build_hello, model_shape, moe_layers, queue_tokens, role_of
+from engine_agents.vllm.plugin import SchedulerProbe
+from engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from shared.bus import Bus
+from shared.codec import decode
+from shared.schemas import ExpertLoad, Hello, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest, Telemetry
+from shared.settings import SwitchyardSettings
+from tests.fleet_helpers import eventually
+
+QWEN3_30B = SimpleNamespace(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1)
+DEEPSEEK_V2_LITE = SimpleNamespace(
+    num_hidden_layers=27, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1
+)
+MIXTRAL = SimpleNamespace(num_hidden_layers=32, num_local_experts=8, num_experts_per_tok=2)
+
+
+def test_moe_shapes_of_the_families_we_serve() -> None:
+    assert model_shape(QWEN3_30B, "qwen").model_dump() == {
+        "name": "qwen",
+        "num_layers": 48,
+        "num_experts": 128,
+        "top_k": 8,
+    }
+    assert moe_layers(DEEPSEEK_V2_LITE) == list(range(1, 27))  # the first layer is dense: 26 MoE layers
+    assert model_shape(MIXTRAL, "mixtral").num_experts == 8
+    sparse = SimpleNamespace(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)
+    assert moe_layers(sparse) == [1, 3, 5, 7]
+    dense_some = SimpleNamespace(**vars(QWEN3_30B), mlp_only_layers=[0, 47])
+    assert len(moe_layers(dense_some)) == 46
+    with pytest.raises(ValueError, match="no routed expert count"):
+        model_shape(SimpleNamespace(num_hidden_layers=32, num_experts_per_tok=2), "llama")
+
+
+def test_role_and_queue_tokens() -> None:
+    assert role_of(SimpleNamespace(kv_role="kv_producer")) == "prefill"
+    assert role_of(SimpleNamespace(kv_role="kv_consumer")) == "decode"
+    assert role_of(SimpleNamespace(kv_role="kv_both")) == role_of(None) == "dp"
+    requests = [
+        SimpleNamespace(num_prompt_tokens=100, num_computed_tokens=30),
+        SimpleNamespace(num_prompt_tokens=5, num_computed_tokens=9),
+    ]
+    assert queue_tokens(requests) == 70
+
+
+def _vllm_config(dp_rank: int = 1, tp: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(hf_config=QWEN3_30B, served_model_name="qwen3-30b-a3b", model="/models/q"),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+        scheduler_config=SimpleNamespace(max_num_seqs=256),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+
+
+def test_hello_from_the_engine_config() -> None:
+    hello = build_hello(_vllm_config(), 40_000, AgentSettings(engine_id="d7", ep_group="ep-a"), "0.32.0")
+    assert (hello.engine_id, hello.ep_group, hello.role, hello.dp_rank) == ("d7", "ep-a", "decode", 1)
+    assert hello.gpus == ["d7-gpu0", "d7-gpu1"] and hello.agent == "vllm" and hello.agent_version == "0.32.0"
+    assert (hello.capacity.max_running, hello.capacity.kv_blocks, hello.capacity.block_size) == (256, 40_000, 16)
+    default = build_hello(_vllm_config(dp_rank=3), 10, AgentSettings(), "x")
+    assert default.engine_id.endswith("-dp3") and default.ep_group == default.engine_id and "." not in default.engine_id
+
+
+def test_the_probe_reads_the_scheduler() -> None:
+    waiting = deque([SimpleNamespace(num_prompt_tokens=50, num_computed_tokens=0)])
+    running = [
+        SimpleNamespace(num_prompt_tokens=80, num_computed_tokens=60),
+        SimpleNamespace(num_prompt_tokens=9, num_computed_tokens=9),
+    ]
+    scheduler = SimpleNamespace(
+        waiting=waiting, kv_holding_waiting=deque(), running=running, kv_cache_manager=SimpleNamespace(usage=0.25)
+    )
+    probe = SchedulerProbe(interval_s=0.0)
+    probe.observe(scheduler)
+    probe.observe(scheduler)  # back to back: the second call measures a step
+    reading = probe.read()
+    assert (reading["num_running"], reading["num_waiting"], reading["kv_usage"]) == (2, 1, 0.25)
+    assert (reading["waiting_prefill_tokens"], reading["remaining_prefill_tokens"]) == (50, 20)
+    assert reading["step_time_ema"] > 0.0
+    Telemetry(engine_id="e", seq=0, ts=1.0, **reading)  # a valid telemetry body
+
+
+async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: SwitchyardSettings) -> None:
+    hello = build_hello(_vllm_config(tp=4), 100, AgentSettings(engine_id="v0", telemetry_interval_s=0.05), "t")
+    hellos: list[Hello] = []
+    telemetry: list[Telemetry] = []
+    await bus.subscribe(bus.subjects.hello("v0"), Hello, lambda m, _: hellos.append(m))
+    await bus.subscribe(bus.subjects.telemetry("v0"), Telemetry, lambda m, _: telemetry.append(m))
+    reading = {
+        "kv_usage": 0.5,
+        "num_running": 3,
+        "num_waiting": 1,
+        "waiting_prefill_tokens": 10,
+        "remaining_prefill_tokens": 2,
+        "step_time_ema": 0.02,
+    }
+    agent = EngineCoreAgent(hello, lambda: reading, AgentThread("v0", settings))
+    assert await asyncio.to_thread(agent.start)
+    try:
+        await eventually(lambda: _at_least(telemetry, 3))
+        assert hellos[0].engine_id == "v0" and hellos[0].ts > 0
+        assert [t.seq for t in telemetry[:3]] == [0, 1, 2] and telemetry[0].num_running == 3
+        layout = await bus.request(bus.subjects.layout("v0"), LayoutRequest(engine_group="v0"), LayoutReply)
+        assert layout.layout.shape == (48, 4, 32) and layout.version == 0
+        np.testing.assert_array_equal(layout.layout[5, 1], np.arange(32, 64))  # vLLM's contiguous ranges
+        step = MigrateRequest(plan_id="p", version=1, engine_group="v0", step=0, moves=np.zeros((0, 6), np.int32))
+        refused = await bus.request(bus.subjects.migrate("v0"), step, MigrateReply)
+        assert refused.applied == 0 and "does not move experts" in (refused.failure or "")
+    finally:
+        await asyncio.to_thread(agent.thread.stop)
+
+
+async def test_expert_load_windows_reach_the_stream(bus: Bus, settings: SwitchyardSettings) -> None:
+    await bus.ensure_streams()
+    windows: list[ExpertLoad] = []
+
+    async def on_window(msg: Msg) -> None:
+        windows.append(decode(msg.data, ExpertLoad))
+
+    await bus.js.subscribe(bus.subjects.expert_load("v1"), stream=bus.subjects.expert_load_stream, cb=on_window)
+    taken = iter(np.full((2, 2, 4), 3, dtype=np.uint32))
+    publisher = ExpertLoadPublisher("v1", "g1", lambda: next(taken), 0.05, AgentThread("v1", settings))
+    assert await asyncio.to_thread(publisher.start)
+    try:
+        await eventually(lambda: _at_least(windows, 2))
+    finally:
+        await asyncio.to_thread(publisher.thread.stop)
+    assert [w.seq for w in windows[:2]] == [0, 1] and windows[0].ep_group == "g1"
+    assert windows[0].window_end == windows[1].window_start  # windows tile time
+    assert int(windows[0].expert_counts.sum()) == 24
+
+
+async def test_an_unreachable_nats_leaves_the_engine_alone(settings: SwitchyardSettings) -> None:
+    unreachable = settings.model_copy(update={"nats_servers": ["nats://127.0.0.1:1"], "nats_initial_connect_s": 0.5})
+    agent = EngineCoreAgent(
+        build_hello(_vllm_config(), 1, AgentSettings(engine_id="v2"), "t"), dict, AgentThread("v2", unreachable)
+    )
+    assert await asyncio.to_thread(agent.start) is False
+
+
+async def _at_least(items: list, count: int) -> bool:
+    return len(items) >= count
