@@ -12,6 +12,8 @@ import typer
 
 if TYPE_CHECKING:
     from engine_agents.sim.live import LiveFleetConfig
+    from shared.settings import SwitchyardSettings
+    from solver.signatures import RequestCounts
 
 app = typer.Typer(
     name="switchyard",
@@ -131,14 +133,51 @@ def api(
     run_until_signalled(lambda stop: run_api(settings, stop, config))
 
 
+async def _calibration_from_stream(
+    settings: SwitchyardSettings, since_s: float | None, max_samples: int, ids: list[str] | None
+) -> tuple[RequestCounts, list[str], dict[str, object]]:
+    """The fleet's calibration samples as the fit's input, and the decoders to fit for (the live ones unless given)."""
+    from services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
+    from shared.bus import Bus
+
+    bus = await Bus.connect(settings, name="switchyard-fit")
+    try:
+        live, top_k, model = decoders_of(await fleet_hellos(bus))
+        read = await read_samples(bus, since_s, max_samples)
+    finally:
+        await bus.close()
+    counts = counts_from_samples(read.samples, top_k, model)
+    report = {"samples": len(read.samples), "rejected_samples": read.rejected, "live_decoders": live}
+    return counts, ids or live, report
+
+
 def _split_csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
 @app.command()
 def fit(
-    trace: Annotated[Path, typer.Option("--trace", help="Routing trace: an .npz file or the ESFT folder.")],
-    decoders: Annotated[int, typer.Option("--decoders", "-k", help="Decode engines: one centroid each.", min=1)],
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Routing trace: an .npz file or the ESFT folder.")
+    ] = None,
+    decoders: Annotated[
+        int | None,
+        typer.Option("--decoders", "-k", help="Decoders, one centroid each (--from-stream: the live ones).", min=1),
+    ] = None,
+    from_stream: Annotated[
+        bool,
+        typer.Option(
+            "--from-stream",
+            help="Fit on the calibration samples the fleet published (SY_CALIBRATION), one centroid per live "
+            "decoder, and publish the artifact to the router KV bucket of the same NATS.",
+        ),
+    ] = False,
+    since_s: Annotated[
+        float | None, typer.Option(help="--from-stream: only samples of the last this many seconds.", min=0)
+    ] = None,
+    max_samples: Annotated[
+        int, typer.Option(help="--from-stream: at most this many (newest) samples.", min=1)
+    ] = 20_000,
     fmt: Annotated[str, typer.Option("--format", help="Trace format: auto, npz or esft.")] = "auto",
     prefill_fraction: Annotated[
         float, typer.Option(help="Share of each request treated as prefill when the trace records no phase.")
@@ -167,7 +206,8 @@ def fit(
         str | None, typer.Option("--nats-url", help="Also publish the artifact to the router KV bucket here.")
     ] = None,
 ) -> None:
-    """Fit the ELDR routing artifact (layer mask, IDF, one centroid per decoder) from a routing trace."""
+    """Fit the ELDR routing artifact (layer mask, IDF, one centroid per decoder) from a routing trace, or from
+    the calibration samples a running fleet published (--from-stream)."""
     import json
 
     from solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
@@ -185,9 +225,25 @@ def fit(
             seed=seed,
             compare_vanilla=vanilla,
         )
-        loaded = load_trace(trace, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
-        artifact, report = fit_routing_artifact(loaded, decoders, options, decoder_ids=_split_csv(decoder_ids))
-    except (TraceError, FitError, ValueError) as exc:
+        if (trace is None) == (not from_stream):
+            raise ValueError("give exactly one of --trace PATH and --from-stream")
+        ids = _split_csv(decoder_ids)
+        stream_report: dict[str, object] = {}
+        if from_stream:
+            settings = load_settings(nats_url)
+            if not settings.nats_servers:
+                raise ValueError("--from-stream needs --nats-url (or SWITCHYARD_NATS_SERVERS)")
+            nats_url = ",".join(settings.nats_servers)  # the artifact goes back to the bus it came from
+            data, ids, stream_report = asyncio.run(_calibration_from_stream(settings, since_s, max_samples, ids))
+        else:
+            data = load_trace(trace, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
+        if decoders is None and ids is None:
+            raise ValueError("--decoders K is required with --trace")
+        if decoders is not None and ids is not None and decoders != len(ids):
+            raise ValueError(f"--decoders {decoders} but {len(ids)} decoder ids ({', '.join(ids)})")
+        artifact, report = fit_routing_artifact(data, decoders or len(ids or []), options, decoder_ids=ids)
+        report.update(stream_report)
+    except (TraceError, FitError, ValueError, OSError) as exc:  # RefitError is a ValueError
         typer.echo(f"switchyard fit: {exc}", err=True)
         raise typer.Exit(2) from None
     if out is not None or database_url is not None or nats_url is not None:
@@ -205,11 +261,12 @@ def fit(
         except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
             typer.echo(f"switchyard fit: could not store the artifact: {exc}", err=True)
             raise typer.Exit(1) from None
-    report.update(version=artifact.version, out=str(out) if out else None, trace=str(trace))
+    source = str(trace) if trace is not None else "calibration stream"
+    report.update(version=artifact.version, out=str(out) if out else None, trace=source)
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))
         return
-    typer.echo(f"trace {trace}: {report['num_requests']} requests ({report['dropped_requests']} dropped)")
+    typer.echo(f"{source}: {report['num_requests']} requests ({report['dropped_requests']} dropped)")
     typer.echo("ρ by representation: " + ", ".join(f"{k} {v:.4f}" for k, v in report["rho"].items() if v is not None))
     typer.echo(f"chose {report['representation']}, layers {report['layer_mask']}: ρ {report['rho_selected']:.4f}")
     typer.echo(f"cluster sizes {report['cluster_sizes']} (capacity {report['capacity']})")
