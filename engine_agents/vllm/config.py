@@ -40,6 +40,10 @@ class AgentSettings(BaseSettings):
     telemetry_interval_s: float = Field(default=0.1, gt=0)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
     expert_load_interval_s: float = Field(default=1.0, gt=0)
+    #: Share of requests (chosen by a hash of the request id) published as calibration samples on
+    #: `SY_CALIBRATION`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
+    #: request copies its rows' expert ids to the host (a synchronisation).
+    calibration_fraction: float = Field(default=0.0, ge=0, le=1)
 
 
 def _first(config: Any, names: Iterable[str], what: str) -> int:

@@ -1,4 +1,4 @@
-"""`switchyard::count_experts`: the torch custom op that counts expert selections inside vLLM's forward pass.
+"""The torch custom ops that see expert selections inside vLLM's forward pass: counts, and rows for calibration.
 
 A custom op declares the buffer it mutates, so torch.compile keeps it in the graph (a plain Python capture
 function would be traced once, its side effects lost) and it runs on the device where the graph runs.
@@ -19,4 +19,16 @@ def count_experts(counts: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> N
 
 @count_experts.register_fake
 def _(counts: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("switchyard::record_experts", mutates_args=("buffer",))
+def record_experts(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
+    """Keep this step's top-k ids of one layer in `buffer[layer, rows, k]`, for per-request calibration counts."""
+    rows, k = min(topk_ids.shape[0], buffer.shape[1]), min(topk_ids.shape[1], buffer.shape[2])
+    buffer[layer, :rows, :k].copy_(topk_ids[:rows, :k])
+
+
+@record_experts.register_fake
+def _(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
     return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -33,9 +34,12 @@ from engine_agents.vllm.config import (
     queue_tokens,
 )
 from engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from engine_agents.vllm.tracker import RequestTracker
 
 log = logging.getLogger(__name__)
 _PATCHED = "_switchyard_patched"
+#: No step for this long means every request the worker saw has finished (see `_wrap_steps`).
+IDLE_FLUSH_S = 1.0
 
 
 def register() -> None:
@@ -136,24 +140,52 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
 
 
 class ExpertCounter:
-    """Per-MoE-layer expert selection counts on the model's device; `take` moves them to the host."""
+    """Per-MoE-layer expert selection counts on the model's device; `take` moves them to the host.
 
-    def __init__(self, num_layers: int, num_experts: int, device: Any) -> None:
+    With `rows > 0` it also keeps each step's top-k ids (`[L, rows, k]`), from which the request tracker
+    picks its requests' rows. Counting starts at the first real step (`arm`): vLLM's profiling and
+    warm-up forward passes select experts too, for tokens nobody sent.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, rows: int, device: Any) -> None:
         import torch
 
-        from engine_agents.vllm.ops import count_experts
+        from engine_agents.vllm.ops import count_experts, record_experts
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
-        self._op = count_experts
+        self.ids = torch.full((num_layers, rows, top_k), -1, dtype=torch.int32, device=device) if rows else None
+        self.armed = False
+        self._count, self._record = count_experts, record_experts
 
     def capture_fn(self, layer: int) -> Any:
-        counts, op = self.counts, self._op
-        return lambda topk_ids: op(counts, layer, topk_ids)
+        counts, ids, count, record = self.counts, self.ids, self._count, self._record
+        if ids is None:
+            return lambda topk_ids: count(counts, layer, topk_ids)
+
+        def capture(topk_ids: Any) -> None:
+            count(counts, layer, topk_ids)
+            record(ids, layer, topk_ids)
+
+        return capture
+
+    def arm(self) -> None:
+        if not self.armed:
+            self.counts.zero_()
+            self.armed = True
 
     def take(self) -> np.ndarray:
         snapshot = self.counts.clone()
         self.counts.sub_(snapshot)  # increments made meanwhile stay for the next window
+        if not self.armed:
+            snapshot.zero_()
         return snapshot.cpu().numpy().astype(np.uint32)
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """The kept top-k ids of these batch rows, `[L, rows, k]` on the host."""
+        import torch
+
+        index = torch.from_numpy(rows).to(self.ids.device)  # type: ignore[union-attr]
+        return self.ids.index_select(1, index).cpu().numpy()  # type: ignore[union-attr]
 
 
 def _patch_model_runners(settings: AgentSettings) -> None:
@@ -199,8 +231,9 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     if not moe or len(moe) != expected:  # e.g. a pipeline stage holds only some layers
         log.warning("switchyard agent: %d MoE routers found, the config says %d; no expert load", len(moe), expected)
         return
-    num_experts = model_shape(config.model_config.hf_config, "moe").num_experts  # logical ids, not EPLB's physical
-    counter = ExpertCounter(len(moe), num_experts, next(model.parameters()).device)
+    shape = model_shape(config.model_config.hf_config, "moe")  # logical expert ids, not EPLB's physical ones
+    rows = int(runner.max_num_tokens) if settings.calibration_fraction > 0 else 0
+    counter = ExpertCounter(len(moe), shape.num_experts, shape.top_k, rows, next(model.parameters()).device)
     dp_rank = int(getattr(config.parallel_config, "data_parallel_rank", 0) or 0)
     engine_id, group = engine_identity(settings, dp_rank)
     publisher = ExpertLoadPublisher(
@@ -210,5 +243,52 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
         return  # no bus: count nothing
     for index, module in enumerate(sorted(moe, key=lambda m: m.layer_id)):
         module.router.set_capture_fn(counter.capture_fn(index))
+    tracker = RequestTracker(len(moe), shape.num_experts, settings.calibration_fraction) if rows else None
+    _wrap_steps(runner, counter, tracker, publisher)
     runner._switchyard_counter = counter
     runner._switchyard_publisher = publisher
+
+
+def _wrap_steps(
+    runner: Any, counter: ExpertCounter, tracker: RequestTracker | None, publisher: ExpertLoadPublisher
+) -> None:
+    """Around each real step: arm the counter, and feed the tracker (rows before, expert ids after)."""
+    execute_model, prepare_inputs = runner.execute_model, runner._prepare_inputs
+
+    def prepare(scheduler_output: Any, num_scheduled_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        if tracker is not None:
+            batch, n = runner.input_batch, runner.input_batch.num_reqs
+            tracker.plan_step(
+                list(batch.req_ids[:n]),
+                np.asarray(num_scheduled_tokens),
+                batch.num_computed_tokens_cpu[:n].copy(),
+                batch.num_prompt_tokens[:n].copy(),
+            )
+        return prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+    def execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        counter.arm()
+        if tracker is None:
+            return execute_model(scheduler_output, *args, **kwargs)
+        with lock:
+            last_step[0] = time.monotonic()
+            for request_id, state in tracker.finish(scheduler_output.finished_req_ids):
+                publisher.publish_sample(request_id, state)
+            result = execute_model(scheduler_output, *args, **kwargs)
+            if tracker.pending_rows.size:
+                tracker.absorb(counter.rows(tracker.pending_rows))
+            last_step[0] = time.monotonic()  # a step longer than IDLE_FLUSH_S is not idleness
+        return result
+
+    def flush_when_idle() -> None:
+        """vLLM names finished requests in the *next* step's output; when no step follows (the engine went
+        idle), whatever is tracked has finished: publish it."""
+        if tracker is None or time.monotonic() - last_step[0] < IDLE_FLUSH_S:
+            return
+        with lock:
+            for request_id, state in tracker.finish(list(tracker.requests)):
+                publisher.publish_sample(request_id, state)
+
+    lock, last_step = threading.Lock(), [time.monotonic()]
+    runner._prepare_inputs, runner.execute_model = prepare, execute
+    publisher.on_tick = flush_when_idle

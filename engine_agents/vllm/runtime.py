@@ -19,9 +19,18 @@ from collections.abc import Callable
 import numpy as np
 
 from engine_agents.agent import EngineAgent, TelemetrySource
+from engine_agents.vllm.tracker import TrackedRequest
 from shared.bus import Bus
 from shared.errors import SchemaMismatch
-from shared.schemas import ExpertLoad, Hello, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
+from shared.schemas import (
+    CalibrationSample,
+    ExpertLoad,
+    Hello,
+    LayoutReply,
+    LayoutRequest,
+    MigrateReply,
+    MigrateRequest,
+)
 from shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
@@ -148,12 +157,36 @@ class ExpertLoadPublisher:
         self.interval_s = interval_s
         self.thread = thread
         self.seq = 0
+        #: Called on the agent thread after each window (the worker flushes calibration samples there).
+        self.on_tick: Callable[[], None] | None = None
 
     def start(self) -> bool:
         return self.thread.start(self._on_connect)
 
     async def _on_connect(self, bus: Bus) -> None:
         self._task = asyncio.create_task(self._loop(bus))
+
+    def publish_sample(self, request_id: str, state: TrackedRequest) -> None:
+        """Queue one finished request's counts as a `CalibrationSample` (from any thread; never blocks)."""
+        bus = self.thread.bus
+        if bus is None:
+            return
+        sample = CalibrationSample(
+            engine_id=self.engine_id,
+            request_id=request_id[:128],
+            ts=time.time(),
+            prompt_tokens=state.prefill_tokens,
+            decode_tokens=state.decode_tokens,
+            prefill_counts=state.prefill,
+            decode_counts=state.decode,
+        )
+        self.thread.submit(self._publish_sample(bus, sample))
+
+    async def _publish_sample(self, bus: Bus, sample: CalibrationSample) -> None:
+        try:
+            await bus.js_publish(bus.subjects.calibration_samples, sample)
+        except Exception as exc:  # a lost sample costs nothing but a little calibration data
+            log.warning("switchyard agent: calibration sample %s not published: %s", sample.request_id, exc)
 
     async def _loop(self, bus: Bus) -> None:
         start = time.time()
@@ -176,3 +209,8 @@ class ExpertLoadPublisher:
                 log.warning("switchyard agent: expert-load window %d not published: %s", self.seq, exc)
             self.seq += 1
             start = end
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception:
+                    log.exception("switchyard agent: worker tick failed")
