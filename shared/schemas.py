@@ -335,6 +335,12 @@ class MigrateReply(WireModel):
     duration_s: Seconds
     failure: str | None = None
 
+    @classmethod
+    def refusal(cls, request: MigrateRequest, reason: str) -> MigrateReply:
+        """The answer of an engine that applied nothing of `request`, saying why."""
+        fields = {"plan_id": request.plan_id, "version": request.version, "step": request.step}
+        return cls(**fields, applied=0, duration_s=0.0, failure=reason)
+
 
 class LayoutRequest(WireModel):
     """`sy.engine.<id>.layout`: which expert sits in which slot of the engine's EP group right now."""

@@ -136,24 +136,16 @@ class SimExpertGroup:
             del self._in_flight[key]
 
     async def _apply_once(self, request: MigrateRequest) -> MigrateReply:
-        def refuse(reason: str) -> MigrateReply:
-            return MigrateReply(
-                plan_id=request.plan_id,
-                version=request.version,
-                step=request.step,
-                applied=0,
-                duration_s=0.0,
-                failure=reason,
-            )
-
         if request.engine_group != self.group_id:
-            return refuse(f"this engine belongs to group {self.group_id!r}, not {request.engine_group!r}")
+            why = f"this engine belongs to group {self.group_id!r}, not {request.engine_group!r}"
+            return MigrateReply.refusal(request, why)
         if request.version < self._highest_version:
-            return refuse(f"stale plan: version {request.version} < applied version {self._highest_version}")
+            why = f"stale plan: version {request.version} < applied version {self._highest_version}"
+            return MigrateReply.refusal(request, why)
         try:
             new_layout = apply_moves(self.layout, request.moves, buffer=True).astype(self.layout.dtype)
         except PlacementError as exc:
-            return refuse(str(exc))
+            return MigrateReply.refusal(request, str(exc))
         duration = self.cost.step_seconds(self.layout.shape[0], first=not self.applications)
         self.migrating = True
         try:

@@ -130,14 +130,8 @@ class EngineCoreAgent:
         return LayoutReply(engine_group=self.hello.ep_group, layout=layout, version=0)
 
     def _refuse(self, request: MigrateRequest) -> MigrateReply:
-        return MigrateReply(
-            plan_id=request.plan_id,
-            version=request.version,
-            step=request.step,
-            applied=0,
-            duration_s=0.0,
-            failure="this vLLM agent does not move experts yet (no external EPLB trigger); nothing was applied",
-        )
+        why = "this vLLM agent does not move experts yet (no external EPLB trigger); nothing was applied"
+        return MigrateReply.refusal(request, why)
 
 
 class ExpertLoadPublisher:
