@@ -115,6 +115,9 @@ class Hello(WireModel):
     ts: Timestamp
     agent: Literal["sim", "vllm"]
     agent_version: Annotated[str, Field(max_length=64)] = ""
+    #: Whether the engine applies `sy.engine.<id>.migrate` steps; the placement service plans only groups
+    #: whose coordinator does (a plan for the others could only be refused).
+    migrates: bool = True
     hello_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
     telemetry_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 0.1
 

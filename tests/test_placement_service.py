@@ -197,3 +197,18 @@ def test_a_new_group_takes_its_live_engines_gpus_once_each(db_settings: Switchya
     assert service._topology("gt", None) == (["a", "b", "c"], [0, 1, 1])
     # A group placed before keeps its stored GPU order; a GPU of an engine that left keeps its last known owner.
     assert service._topology("gt", ["x", "c", "a"]) == (["x", "c", "a"], [0, 1, 0])
+
+
+async def test_groups_whose_engines_cannot_migrate_are_not_planned(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await bus.ensure_streams()
+    await publish_load(bus, "static", "gs", 0, range(4))
+    await publish_load(bus, "mobile", "gm", 0, range(4))
+    static = hello("static", "gs", ["s0", "s1"]).model_copy(update={"migrates": False})  # e.g. today's vLLM agent
+    service = PlacementService(db_settings, QUICK)
+    async with announcing(bus, static, hello("mobile", "gm", ["m0", "m1"])), running(service.run):
+        await eventually(lambda: _at_least(sessions, "gm", 1))  # the other group is planned meanwhile
+        await asyncio.sleep(0.3)  # several more ticks
+    assert await _placements(sessions, "gs") == []
+    assert "gs" in service._static_groups

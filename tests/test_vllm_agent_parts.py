@@ -74,6 +74,7 @@ def test_hello_from_the_engine_config() -> None:
     hello = build_hello(_vllm_config(), 40_000, AgentSettings(engine_id="d7", ep_group="ep-a"), "0.32.0")
     assert (hello.engine_id, hello.ep_group, hello.role, hello.dp_rank) == ("d7", "ep-a", "decode", 1)
     assert hello.gpus == ["d7-gpu0", "d7-gpu1"] and hello.agent == "vllm" and hello.agent_version == "0.32.0"
+    assert hello.migrates is False  # the placement service leaves its group alone
     assert (hello.capacity.max_running, hello.capacity.kv_blocks, hello.capacity.block_size) == (256, 40_000, 16)
     default = build_hello(_vllm_config(dp_rank=3), 10, AgentSettings(), "x")
     assert default.engine_id.endswith("-dp3") and default.ep_group == default.engine_id and "." not in default.engine_id

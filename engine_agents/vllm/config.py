@@ -112,6 +112,7 @@ def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, 
         ts=0.0,
         agent="vllm",
         agent_version=version[:64],
+        migrates=False,  # see runtime.EngineCoreAgent: no external EPLB trigger yet
         hello_interval_s=settings.hello_interval_s,
         telemetry_interval_s=settings.telemetry_interval_s,
     )

@@ -91,6 +91,7 @@ class PlacementService:
         self._engine_rows: dict[str, float] = {}
         self._processed_seq = 0
         self._future_engines: set[str] = set()
+        self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
         self._catch_up_to = 2**63  # known once the replay consumer exists
 
@@ -292,6 +293,16 @@ class PlacementService:
             gpus = list(dict.fromkeys(live))
         return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
 
+    def _migrates(self, group: str) -> bool:
+        """Whether the group's coordinator applies migrate steps (its hello says so); says once when not."""
+        live = self.fleet.group(group)
+        if not live or live[0].hello is None or live[0].hello.migrates:
+            return True
+        if group not in self._static_groups:
+            self._static_groups.add(group)
+            log.info("group %s: its engines do not move experts (%s agent); not planned", group, live[0].hello.agent)
+        return False
+
     async def plan_group(self, group: str, trigger: str) -> Placement | None:
         """Run the greedy for one group and persist (and maybe publish) the plan; None if it cannot plan now."""
         window = self.windows.get(group)
@@ -308,6 +319,8 @@ class PlacementService:
             log.info("group %s: no live engine has said hello; cannot place its experts", group)
             return None
         gpus, ranks = topology
+        if not self._migrates(group):
+            return None
         num_layers, num_experts = window.load.shape
         reported = await self.layouts.live_layout(group) if self.layouts is not None else None
         if reported is not None and reported.layout.shape[:2] == (num_layers, len(gpus)):
