@@ -416,4 +416,6 @@ async def _run_fleet(
             await sending
         await fleet.stop()
     history = await _history_counts(infra.database_url)
+    with contextlib.suppress(Exception):  # a refit (`switchyard fit --from-stream`) may have replaced it meanwhile
+        artifact = await get_artifact_kv(infra.bus) or artifact
     console.print(_summary(options, loadgen, fleet, artifact, history, elapsed))
