@@ -75,6 +75,7 @@ async def test_load_to_applied_placement_and_a_restart_rebuilds_state(
     assert (v1.alpha, v1.beta, v1.gamma) == astuple(DEFAULT_PARAMS)  # no calibration yet
     assert v1.objective_load >= 0 and v1.predicted_gain > v1.objective_mig
     assert v1.details["trigger"] == "start" and v1.details["source_aware"] is True
+    assert v1.details["current_from"] == "engines"  # the group's coordinator reported its layout
     assert v1.details["engines"] == ["e0", "e1"] and v1.gpus == ["a", "b", "c", "d"]
     hot_per_gpu = [len(set(gpu.tolist()) & {0, 1, 2, 3}) for gpu in group.layout[0]]
     assert hot_per_gpu == [1, 1, 1, 1]  # the hot experts are spread over the four GPUs now

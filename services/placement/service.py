@@ -323,11 +323,12 @@ class PlacementService:
             return None
         num_layers, num_experts = window.load.shape
         reported = await self.layouts.live_layout(group) if self.layouts is not None else None
+        current_from = "database"
         if reported is not None and reported.layout.shape[:2] == (num_layers, len(gpus)):
-            current = reported.layout  # what the engines run (after a restart: their boot layout)
+            current, current_from = reported.layout, "engines"  # what they run (after a restart: their boot layout)
         elif current is None:
             slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
-            current = default_layout(num_layers, num_experts, len(gpus), slots)
+            current, current_from = default_layout(num_layers, num_experts, len(gpus), slots), "default"
         if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
             log.warning(
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
@@ -345,7 +346,8 @@ class PlacementService:
             return None
         RUN_SECONDS.observe(time.perf_counter() - started)
         self._last_run[group] = (time.monotonic(), window.distribution())
-        row, plan = await self._store(group, trigger, window, applied, gpus, params, calibration_id, decision)
+        details = {"trigger": trigger, "current_from": current_from}
+        row, plan = await self._store(group, details, window, applied, gpus, params, calibration_id, decision)
         PLANS.labels("published" if decision.publish else "rejected").inc()
         log.info("group %s v%d (%s): %s", group, row.version, trigger, decision.reason)
         if decision.publish:
@@ -355,7 +357,7 @@ class PlacementService:
     async def _store(
         self,
         group: str,
-        trigger: str,
+        details: dict[str, Any],
         window: DecayedLoad,
         applied: Placement | None,
         gpus: list[str],
@@ -363,8 +365,8 @@ class PlacementService:
         calibration_id: int | None,
         decision: Decision,
     ) -> tuple[Placement, PlacementPlan]:
-        details: dict[str, Any] = {
-            "trigger": trigger,
+        details = {
+            **details,
             "decision": decision.reason,
             "improvement": decision.improvement,
             "migration_cost": decision.cost,
