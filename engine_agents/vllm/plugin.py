@@ -81,14 +81,14 @@ class SchedulerProbe:
             step = now - self._last_step
             self._step_ema = step if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * step
         self._last_step = now
-        waiting = [*scheduler.waiting, *scheduler.kv_holding_waiting]
-        if now >= self._next_tokens:
-            self._tokens = (queue_tokens(waiting), queue_tokens(scheduler.running))
+        if now >= self._next_tokens:  # walking the queues is O(requests): once per telemetry interval
+            waiting = queue_tokens(scheduler.waiting) + queue_tokens(scheduler.kv_holding_waiting)
+            self._tokens = (waiting, queue_tokens(scheduler.running))
             self._next_tokens = now + self.interval_s
         self.reading = {
             "kv_usage": min(max(float(scheduler.kv_cache_manager.usage), 0.0), 1.0),
             "num_running": len(scheduler.running),
-            "num_waiting": len(waiting),
+            "num_waiting": len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
             "waiting_prefill_tokens": self._tokens[0],
             "remaining_prefill_tokens": self._tokens[1],
             "step_time_ema": self._step_ema,
