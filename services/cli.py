@@ -575,6 +575,10 @@ def sim_dp(
     aligned_telemetry: Annotated[
         bool, typer.Option(help="Every engine reports at the same instants (default: a random phase each).")
     ] = False,
+    inflight_drain: Annotated[
+        float,
+        typer.Option(help="Experiment: in-flight tokens drain at this many tokens/s (0: until the next report)."),
+    ] = 0.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -603,6 +607,7 @@ def sim_dp(
         telemetry_interval_s=telemetry_ms / 1e3,
         inflight_grace_s=min(0.05, telemetry_ms / 2e3),
         telemetry_aligned=aligned_telemetry,
+        inflight_drain_tokens_per_s=inflight_drain,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)

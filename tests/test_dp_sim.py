@@ -185,6 +185,16 @@ def test_dispatcher_views_vllm_snapshot_and_gimbal_compensation() -> None:
     assert g.comp[0] == 0.0 and g.remaining[0] == 2900
 
 
+def test_draining_compensation_forgets_a_prompt_at_the_drain_rate() -> None:
+    g = Dispatcher("gimbal", 2, GimbalParams(), grace_s=0.05, drain_tokens_per_s=10_000)
+    assert g.choose(0.0, 3000) == 0
+    assert g._drained(0.1).tolist() == [2000.0, 0.0]  # 0.1 s at 10,000 tokens/s drained a third of it
+    assert g.choose(0.1, 100) == 1  # 2,000 tokens still count: the other engine
+    assert g._drained(0.4).tolist() == [0.0, 0.0]  # both prompts have drained before any report arrived
+    assert g.choose(0.4, 100) == 0  # nothing counts any more: ties go to the first engine
+    assert g.comp.tolist() == [3100.0, 100.0]  # the report-based count is kept alongside, unchanged
+
+
 def test_gimbal_kv_first_rule_triggers_only_when_it_should() -> None:
     g = Dispatcher("gimbal", 2, GimbalParams(), grace_s=0.05)
     # engine 1 has far more prefill work, but engine 0's cache is 95 % full and 45 points above engine 1's

@@ -70,6 +70,9 @@ class DPFleetConfig:
     coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
     inflight_grace_s: float = 0.05  # router default SWITCHYARD_ROUTER_INFLIGHT_GRACE_S
     telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
+    #: Experiment: a decision's tokens stop counting as in flight as fast as an engine could prefill them
+    #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.
+    inflight_drain_tokens_per_s: float = 0.0
     params: GimbalParams = field(default_factory=GimbalParams)
 
     def __post_init__(self) -> None:
@@ -95,13 +98,16 @@ class DPFleetConfig:
 class Dispatcher:
     """One dispatch rule with the view of the fleet that rule has (see the module docstring)."""
 
-    def __init__(self, policy: str, engines: int, params: GimbalParams, grace_s: float) -> None:
+    def __init__(
+        self, policy: str, engines: int, params: GimbalParams, grace_s: float, drain_tokens_per_s: float = 0.0
+    ) -> None:
         if policy not in DISPATCH_POLICIES:
             raise ValueError(f"unknown dispatch policy {policy!r}; choose from {', '.join(DISPATCH_POLICIES)}")
         self.policy = policy
         self.n = engines
         self.params = params
         self.grace_s = grace_s
+        self.drain = drain_tokens_per_s
         self.alive = np.ones(engines, dtype=bool)
         self.outstanding = np.zeros(engines)  # exact: dispatched and not finished
         self.prev = -1
@@ -145,14 +151,23 @@ class Dispatcher:
         else:
             if kv_first_applies(self.alive, self.kv, self.params):
                 self.kv_first += 1
+            comp = self._drained(now) if self.drain > 0 else self.comp
             i = pick_dp_engine(
-                self.alive, self.kv, self.remaining, self.waiting_tokens, self.comp, self.pressure, self.params
+                self.alive, self.kv, self.remaining, self.waiting_tokens, comp, self.pressure, self.params
             )
             self._decisions[i].append((now, prompt_tokens))
             self.comp[i] += prompt_tokens
         self.prev = i
         self.outstanding[i] += 1
         return i
+
+    def _drained(self, now: float) -> np.ndarray:
+        """In-flight tokens if each decision's prompt drains at `drain` tokens/s from the moment it was sent."""
+        comp = np.zeros(self.n)
+        for i, decisions in enumerate(self._decisions):
+            for sent, tokens in decisions:
+                comp[i] += max(tokens - self.drain * (now - sent), 0.0)
+        return comp
 
     def on_finished(self, engine: int, count: int) -> None:
         self.outstanding[engine] -= count
@@ -245,7 +260,7 @@ def simulate_dp(
         )
         for _ in range(n)
     ]
-    disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s)
+    disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s, fleet.inflight_drain_tokens_per_s)
     rng = np.random.default_rng(seed)
     phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
     if fleet.telemetry_aligned:

@@ -159,6 +159,7 @@ class DPSimOptions:
     telemetry_interval_s: float = 0.1
     inflight_grace_s: float = 0.05
     telemetry_aligned: bool = False
+    inflight_drain_tokens_per_s: float = 0.0
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -172,6 +173,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         telemetry_interval_s=opts.telemetry_interval_s,
         inflight_grace_s=opts.inflight_grace_s,
         telemetry_aligned=opts.telemetry_aligned,
+        inflight_drain_tokens_per_s=opts.inflight_drain_tokens_per_s,
     )
 
 
@@ -240,6 +242,7 @@ def run_sim_dp(
         "telemetry_interval_s": fleet.telemetry_interval_s,
         "inflight_grace_s": fleet.inflight_grace_s,
         "telemetry_aligned": fleet.telemetry_aligned,
+        "inflight_drain_tokens_per_s": fleet.inflight_drain_tokens_per_s,
         "age_threshold_s": fleet.params.age_threshold_s,
         "window_s": opts.window_s,
     }
