@@ -315,6 +315,8 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
         asyncio.create_task(run_migration(services_settings, stop_services), name="migration"),
         asyncio.create_task(run_api(services_settings, stop_services, api), name="api"),
     ]
+    for task in tasks:
+        task.add_done_callback(_log_death)
     console.print(_describe(infra, settings, f"http://{api.host}:{api.port}"))
     try:
         if options.services_only:
@@ -333,6 +335,12 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
         for task, result in zip(tasks, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 console.print(f"[red]{task.get_name()} service failed: {result}[/red]")
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    """A service that dies puts its traceback in the log at once (the console only says it failed)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s service died", task.get_name(), exc_info=task.exception())
 
 
 async def _run_fleet(
