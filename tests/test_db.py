@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -22,7 +25,7 @@ from shared.db import (
     sync_url,
     upgrade,
 )
-from shared.db.engine import current_revision
+from shared.db.engine import _ensure_wal, current_revision
 
 TABLES = {
     "engines",
@@ -179,3 +182,21 @@ def test_naive_datetimes_are_refused() -> None:
 def test_unsupported_database_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported database"):
         sync_url("mysql://root@localhost/x")
+
+
+def test_switching_a_busy_sqlite_file_to_wal_waits_instead_of_failing(tmp_path: Path) -> None:
+    """Services starting together on a new file: one held it while another switched it to WAL, and died."""
+    path = tmp_path / "busy.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(0.3, lambda: holder.execute("COMMIT"))
+    release.start()
+    other = sqlite3.connect(path, timeout=0.0)  # no busy wait: a locked file fails at once
+    try:
+        _ensure_wal(other.cursor())
+        assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        release.join()
+        other.close()
+        holder.close()

@@ -7,6 +7,9 @@ by Alembic (`upgrade`), never by `create_all`, so production and tests run the s
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +47,32 @@ def async_url(url: str | URL) -> URL:
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # Foreign keys are off by default in SQLite; WAL lets the API read while a service writes.
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.close()
+    try:
+        cursor.execute("PRAGMA busy_timeout=5000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        _ensure_wal(cursor)
+    finally:
+        cursor.close()
+
+
+def _ensure_wal(cursor: Any, attempts: int = 100) -> None:
+    """Put the database file in WAL mode (a persistent property of the file), unless it already is.
+
+    Switching needs an exclusive lock and SQLite answers "database is locked" at once, without waiting for
+    the busy timeout, when another connection holds the file. Services starting together on a new file did
+    exactly that and one died at start; so check first, and retry the switch.
+    """
+    for attempt in range(attempts):
+        try:
+            cursor.execute("PRAGMA journal_mode")
+            if str(cursor.fetchone()[0]).lower() == "wal":
+                return
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
 
 
 def ensure_sqlite_dir(url: URL) -> None:
@@ -73,9 +98,13 @@ def alembic_config(url: str | URL) -> Config:
 
 
 def upgrade(url: str | URL, revision: str = "head") -> None:
-    """Bring the schema up to `revision` (idempotent)."""
-    ensure_sqlite_dir(sync_url(url))
+    """Bring the schema up to `revision` (idempotent); a SQLite file is also put in WAL mode, once."""
+    parsed = sync_url(url)
+    ensure_sqlite_dir(parsed)
     command.upgrade(alembic_config(url), revision)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        with contextlib.closing(sqlite3.connect(parsed.database, timeout=5.0)) as connection:
+            _ensure_wal(connection.cursor())
 
 
 def downgrade(url: str | URL, revision: str = "base") -> None:
