@@ -50,6 +50,6 @@ class LayoutProbe:
         return reply
 
 
-def differs(reported: np.ndarray, recorded: np.ndarray | None) -> bool:
+def differs(reported: np.ndarray, recorded: np.ndarray) -> bool:
     """Whether the engines run something other than what the database says they run."""
-    return recorded is None or reported.shape != recorded.shape or not np.array_equal(reported, recorded)
+    return reported.shape != recorded.shape or not np.array_equal(reported, recorded)

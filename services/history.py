@@ -50,6 +50,12 @@ def default_layout(num_layers: int, num_experts: int, num_gpus: int, slots_per_g
     return contiguous_slots(num_layers, num_experts, num_gpus, slots).astype(np.int32)
 
 
+def default_layout_like(layout: np.ndarray) -> np.ndarray:
+    """The default layout a group of `layout`'s shape ran before any placement (experts 0..max id)."""
+    num_layers, num_gpus, slots = layout.shape
+    return default_layout(num_layers, int(layout.max()) + 1, num_gpus, slots)
+
+
 def moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray | None:
     """The ordered moves from `before` to `after` (`solver.placement.moves`), or None when there is no
     `before` or the two are incomparable (another shape, an expert missing). Up to ~0.1 s at 48 x 128 x 8:

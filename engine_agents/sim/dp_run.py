@@ -26,7 +26,7 @@ import numpy as np
 
 from engine_agents.sim.dp_engine import ORDERS
 from engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
-from engine_agents.sim.metrics import write_json
+from engine_agents.sim.metrics import percentile, write_json
 from engine_agents.sim.scenario import Scenario, prepare
 from engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
 from solver.routing.dispatch import DISPATCH_POLICIES
@@ -54,10 +54,6 @@ DP_SUMMARY_KEYS = (
     "requests",
     "offered_rate",
 )
-
-
-def _pct(x: np.ndarray, q: float) -> float:
-    return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
 def prompt_throughput_gap(res: DPSimResult, window_s: float = 10.0) -> tuple[float, float]:
@@ -100,11 +96,11 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
         "requests": int(res.workload.size),
         "offered_rate": res.workload.offered_rate,
         "ttft_mean": float(ttft.mean()),
-        "ttft_p50": _pct(ttft, 50),
-        "ttft_p99": _pct(ttft, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
         "tpot_mean": float(tpot.mean()) if len(tpot) else float("nan"),
-        "tpot_p50": _pct(tpot, 50),
-        "tpot_p99": _pct(tpot, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
         "throughput": float(res.tokens.sum() / span) if span > 0 else float("nan"),
         "prompt_throughput": float(res.engine_prompt_tokens.sum() / span) if span > 0 else float("nan"),
         "prompt_tput_gap": gap,

@@ -40,7 +40,8 @@ SUMMARY_KEYS = (
 )
 
 
-def _pct(x: np.ndarray, q: float) -> float:
+def percentile(x: np.ndarray, q: float) -> float:
+    """`np.percentile`, NaN for no data (a policy that finished nothing)."""
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
@@ -59,11 +60,11 @@ def summarize(res: SimResult) -> dict[str, object]:
         "fleet": res.fleet.label,
         "requests": int(res.workload.size),
         "offered_rate": res.workload.offered_rate,
-        "tpot_p50": _pct(tpot, 50),
-        "tpot_p99": _pct(tpot, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
         "tpot_mean": float(tpot.mean()) if len(tpot) else float("nan"),
-        "ttft_p50": _pct(ttft, 50),
-        "ttft_p99": _pct(ttft, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
         "throughput": float(res.tokens.sum() / span) if span > 0 else float("nan"),
         "mean_distinct_experts": float(res.step_distinct.mean()) if len(w) else float("nan"),
         "token_distinct_experts": float((res.step_distinct * w).sum() / w.sum()) if len(w) else float("nan"),

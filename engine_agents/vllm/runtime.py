@@ -122,11 +122,11 @@ class EngineCoreAgent:
         if request.engine_group != self.hello.ep_group:
             raise SchemaMismatch("engine_group", f"this engine belongs to group {self.hello.ep_group!r}")
         shape = self.hello.model
+        from solver.placement import contiguous_slots  # imported on demand: it brings OR-Tools along
+
         gpus = max(len(self.hello.gpus), 1)
         slots = -(-shape.num_experts // gpus)
-        layout = np.full((shape.num_layers, gpus, slots), -1, dtype=np.int32)
-        experts = np.arange(shape.num_experts)
-        layout[:, experts // slots, experts % slots] = experts  # vLLM's default: contiguous ranges per EP rank
+        layout = contiguous_slots(shape.num_layers, shape.num_experts, gpus, slots).astype(np.int32)
         return LayoutReply(engine_group=self.hello.ep_group, layout=layout, version=0)
 
     def _refuse(self, request: MigrateRequest) -> MigrateReply:

@@ -27,7 +27,8 @@ class TrackedRequest:
 @dataclass
 class _Step:
     rows: np.ndarray  # batch rows of tracked requests
-    owners: list[str]  # the tracked request of each row
+    request_ids: list[str]  # the tracked requests of this step
+    owner: np.ndarray  # per row: its request's index in `request_ids`
     is_prefill: np.ndarray  # per row
 
 
@@ -52,15 +53,14 @@ class RequestTracker:
             self._step = None
             return np.zeros(0, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
-        rows, owners, prefill = [], [], []
-        for i in tracked:
-            n = int(num_scheduled[i])
-            positions = int(num_computed[i]) + np.arange(n)
-            rows.append(starts[i] + np.arange(n))
-            owners += [req_ids[i]] * n
-            prefill.append(positions < int(num_prompt[i]))
-        self._step = _Step(np.concatenate(rows).astype(np.int64), owners, np.concatenate(prefill))
-        return self._step.rows
+        counts = np.asarray(num_scheduled)[tracked].astype(np.int64)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. within each
+        owner = np.repeat(np.arange(len(tracked)), counts)
+        index = np.asarray(tracked)[owner]
+        rows = (starts[index] + offsets).astype(np.int64)
+        is_prefill = np.asarray(num_computed)[index] + offsets < np.asarray(num_prompt)[index]
+        self._step = _Step(rows, [req_ids[i] for i in tracked], owner, is_prefill)
+        return rows
 
     @property
     def pending_rows(self) -> np.ndarray:
@@ -72,8 +72,8 @@ class RequestTracker:
         step, self._step = self._step, None
         if step is None or experts.shape[1] != step.rows.size:
             return
-        for request_id in dict.fromkeys(step.owners):
-            mine = np.fromiter((owner == request_id for owner in step.owners), dtype=bool, count=len(step.owners))
+        for k, request_id in enumerate(step.request_ids):
+            mine = step.owner == k
             state = self.requests.setdefault(
                 request_id,
                 TrackedRequest(

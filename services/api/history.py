@@ -18,7 +18,7 @@ from services.api.deps import Session, State, Writer, as_utc, decode_cursor, enc
 from services.history import (
     add_placement,
     applied_placement,
-    default_layout,
+    default_layout_like,
     load_layout,
     moves_between,
     new_plan_id,
@@ -115,8 +115,7 @@ async def _detail(session: Session, row: Placement) -> m.PlacementDetail:
         if predecessor is not None and predecessor.details.get("layout_stored", True):
             before, diff_base = await load_layout(session, predecessor), "predecessor"
         else:
-            num_layers, num_gpus, slots = layout.shape
-            before, diff_base = default_layout(num_layers, int(layout.max()) + 1, num_gpus, slots), "default"
+            before, diff_base = default_layout_like(layout), "default"
         moves = await asyncio.to_thread(moves_between, before, layout)
         if moves is None:  # incomparable layouts (e.g. a GPU was added): no diff
             diff_base = None

@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.engine_layout import LayoutProbe, differs
 from services.fleet import FleetView
-from services.history import applied_placement, default_layout, load_layout, set_status
+from services.history import applied_placement, default_layout_like, load_layout, set_status
 from services.migration.planner import plan_steps, rollback_steps
 from services.migration.settings import MigrationSettings
 from shared.bus import Bus
@@ -161,7 +161,7 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", "placement has no stored layout")
             target = await load_layout(session, placement)
             try:
-                recorded = await load_layout(session, current) if current is not None else _default_base(target)
+                recorded = await load_layout(session, current) if current is not None else default_layout_like(target)
                 base = recorded if reported is None else reported.layout
                 if reported is not None and differs(base, recorded):
                     log.warning(
@@ -357,9 +357,3 @@ async def _insert_moves(
     if rows:
         await session.execute(insert(MigrationMove), rows)
     return len(rows)
-
-
-def _default_base(target: np.ndarray) -> np.ndarray:
-    """The layout a group runs before any placement was applied, shaped like `target`."""
-    num_layers, num_gpus, slots = target.shape
-    return default_layout(num_layers, int(target.max()) + 1, num_gpus, slots)
