@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint bench clean
+.PHONY: run test test-vllm lint bench clean check-wheel
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
@@ -50,3 +50,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .switchyard .pytest_cache .ruff_cache
+
+## check-wheel: build the wheel, install it into a fresh venv outside the checkout, run it from an empty folder
+check-wheel:
+	bash .ci/check-wheel

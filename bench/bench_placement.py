@@ -31,9 +31,9 @@ from pathlib import Path
 import _single_core  # before numpy: one BLAS thread; and the machine line
 import numpy as np
 
-from services.calibration import Window, sglang_windows, window_problem
-from shared.settings import DEFAULT_SHARED_DATA
-from solver.placement import (
+from switchyard.data import SHIPPED_DIR
+from switchyard.services.calibration import Window, sglang_windows, window_problem
+from switchyard.solver.placement import (
     MinlpOptions,
     PlacementProblem,
     Weights,
@@ -45,10 +45,10 @@ from solver.placement import (
     place,
     solve_minlp,
 )
-from solver.placement.calibrate import calibrate
-from solver.placement.eplb_baseline import eplb_global
+from switchyard.solver.placement.calibrate import calibrate
+from switchyard.solver.placement.eplb_baseline import eplb_global
 
-SGLANG = DEFAULT_SHARED_DATA / "expert_load" / "sglang_deepseek_v3"
+SGLANG = SHIPPED_DIR / "expert_load" / "sglang_deepseek_v3"
 OUT = Path(__file__).resolve().parent / "out"
 MIGRATION_COST = 0.005  # per host change, in mean-GPU-loads (the `switchyard calibrate` default)
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from solver.routing import DECODE_POLICIES, FleetSnapshot, RouteQuery, RouterState, RoutingTables
+from switchyard.solver.routing import DECODE_POLICIES, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
 
 def main() -> None:

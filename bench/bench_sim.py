@@ -11,10 +11,10 @@ import argparse
 import os
 import time
 
-from engine_agents.sim.metrics import summarize
-from engine_agents.sim.scenario import prepare
-from engine_agents.sim.workload import load_request_csv
-from shared.settings import DEFAULT_SHARED_DATA
+from switchyard.data import SHIPPED_DIR
+from switchyard.engine_agents.sim.metrics import summarize
+from switchyard.engine_agents.sim.scenario import prepare
+from switchyard.engine_agents.sim.workload import load_request_csv
 
 
 def main() -> None:
@@ -27,12 +27,12 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     t0 = time.perf_counter()
-    sc = prepare(DEFAULT_SHARED_DATA / "routing" / "esft_deepseek_v2_lite", gpu=args.gpu, seed=0)
-    requests = load_request_csv(DEFAULT_SHARED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv")
+    sc = prepare(SHIPPED_DIR / "routing" / "esft_deepseek_v2_lite", gpu=args.gpu, seed=0)
+    requests = load_request_csv(SHIPPED_DIR / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv")
     fleet = sc.fleet(8, 16)
     wl = sc.workload(args.num_requests, seed=0, requests=requests, time_scale=args.time_scale)
     if args.policy.startswith("eldr"):  # fit outside the timed loop
-        from solver.routing import get_policy
+        from switchyard.solver.routing import get_policy
 
         sc.policy_inputs(get_policy(args.policy), fleet, wl)
     setup = time.perf_counter() - t0

@@ -30,13 +30,13 @@ import _single_core
 import numpy as np
 from eldr_data import synthetic_counts
 
-from services.router.core import RouterCore
-from services.router.settings import RouterSettings
-from shared.codec import decode, encode
-from shared.schemas import Capacity, Hello, RouteDecodeRequest, RoutingArtifact, Telemetry
-from solver.eldr_fit import FitOptions, fit_routing_artifact
-from solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from solver.scoring import Scorer
+from switchyard.services.router.core import RouterCore
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.schemas import Capacity, Hello, RouteDecodeRequest, RoutingArtifact, Telemetry
+from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
+from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
+from switchyard.solver.scoring import Scorer
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import _single_core
 from eldr_data import esft_counts, synthetic_counts
 
-from solver.eldr_fit import FitOptions, fit_routing_artifact
-from solver.signatures import RequestCounts
+from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
+from switchyard.solver.signatures import RequestCounts
 
 OUT = Path(__file__).resolve().parent / "out"
 

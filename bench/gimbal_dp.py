@@ -32,15 +32,15 @@ from pathlib import Path
 
 import _single_core  # before numpy: one BLAS thread; and the machine line
 
-from engine_agents.sim.dp_engine import DPCost
-from engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
-from engine_agents.sim.physics import cost_model
-from engine_agents.sim.scenario import Scenario, prepare
-from shared.settings import DEFAULT_SHARED_DATA
+from switchyard.data import SHIPPED_DIR
+from switchyard.engine_agents.sim.dp_engine import DPCost
+from switchyard.engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
+from switchyard.engine_agents.sim.physics import cost_model
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
-ESFT = DEFAULT_SHARED_DATA / "routing" / "esft_deepseek_v2_lite"
-AZURE = DEFAULT_SHARED_DATA / "requests" / "azure_llm_2023"
+ESFT = SHIPPED_DIR / "routing" / "esft_deepseek_v2_lite"
+AZURE = SHIPPED_DIR / "requests" / "azure_llm_2023"
 TRACE_SIZE = {"code": 8819, "conv": 19366}
 #: Compression factors: chosen from vLLM+FCFS's TTFT alone (light load → past its knee), before comparing.
 LOADS = {"code": (20.0, 40.0, 60.0, 80.0, 100.0), "conv": (20.0, 30.0, 40.0, 50.0, 55.0)}
@@ -265,7 +265,7 @@ def write_report(payload: dict, out: Path) -> Path:
 
 def _command(trace: str, ts: float, n: int) -> str:
     return (
-        f"switchyard sim-dp --requests ../shared/data/requests/azure_llm_2023/AzureLLMInferenceTrace_{trace}.csv "
+        f"switchyard sim-dp --requests data/requests/azure_llm_2023/AzureLLMInferenceTrace_{trace}.csv "
         f"--time-scale {ts:g} --num-requests {n} --engines 2 --tp 2 "
         f"--dispatch vllm,gimbal,rr,jsq,vllm-main --order both --seed 0 --gpu H100"
     )

@@ -20,18 +20,18 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from services.history import default_layout
-from services.migration.planner import plan_steps
-from services.migration.service import run_migration
-from services.migration.settings import MigrationSettings
-from services.placement.decide import Policy, decide
-from shared.bus import Bus
-from shared.db import Migration, create_async_db, upgrade
-from shared.embedded import EmbeddedNats
-from shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
-from shared.settings import SwitchyardSettings
-from solver.placement import DEFAULT_PARAMS
+from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.services.history import default_layout
+from switchyard.services.migration.planner import plan_steps
+from switchyard.services.migration.service import run_migration
+from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.placement.decide import Policy, decide
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Migration, create_async_db, upgrade
+from switchyard.shared.embedded import EmbeddedNats
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement import DEFAULT_PARAMS
 
 LAYERS, EXPERTS, GPUS = 48, 128, 8
 

@@ -65,9 +65,9 @@ def decoder_ids() -> list[str]:
 
 async def run_engines(url: str, model: dict) -> None:
     """16 decode engines on one connection: hello (start, announce, every 5 s), telemetry every 100 ms."""
-    from shared.bus import Bus
-    from shared.schemas import Announce, Capacity, Hello, ModelShape, Telemetry
-    from shared.settings import SwitchyardSettings
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, Telemetry
+    from switchyard.shared.settings import SwitchyardSettings
 
     bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-engines")
     shape = ModelShape(**model)
@@ -137,9 +137,9 @@ async def run_echo(url: str, reply_size: int) -> None:
 async def run_floor(url: str) -> None:
     """Switchyard's bus layer alone: `Bus.serve` (decode and validate the request, encode the reply) answering
     a constant decision shaped like the router's, so the round trip splits into bus layer and decision."""
-    from shared.bus import Bus
-    from shared.schemas import RouteDecodeReply, RouteDecodeRequest
-    from shared.settings import SwitchyardSettings
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest
+    from switchyard.shared.settings import SwitchyardSettings
 
     bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-floor")
 
@@ -215,9 +215,9 @@ def esft_requests() -> tuple[list[bytes], object]:
     """The artifact fitted on ESFT (K = 16) and one encoded RouteDecodeRequest per ESFT request."""
     from eldr_data import esft_counts
 
-    from shared.codec import encode
-    from shared.schemas import RouteDecodeRequest
-    from solver.eldr_fit import fit_routing_artifact
+    from switchyard.shared.codec import encode
+    from switchyard.shared.schemas import RouteDecodeRequest
+    from switchyard.solver.eldr_fit import fit_routing_artifact
 
     counts = esft_counts()
     artifact, _ = fit_routing_artifact(counts, DECODERS, decoder_ids=decoder_ids())
@@ -238,9 +238,9 @@ async def wait_routing(nc, subject: str, payload: bytes, within_s: float = 60.0)
     """Send requests until a router answers with the artifact in use; returns that reply."""
     from nats import errors as nats_errors
 
-    from shared.codec import decode_reply
-    from shared.errors import RemoteError
-    from shared.schemas import RouteDecodeReply
+    from switchyard.shared.codec import decode_reply
+    from switchyard.shared.errors import RemoteError
+    from switchyard.shared.schemas import RouteDecodeReply
 
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -276,8 +276,8 @@ async def wait_replica(nc, subjects, replica_id: str, payloads: list[bytes], wit
 
 
 def check_replies(replies: list[bytes]) -> dict:
-    from shared.codec import decode_reply
-    from shared.schemas import RouteDecodeReply
+    from switchyard.shared.codec import decode_reply
+    from switchyard.shared.schemas import RouteDecodeReply
 
     decoded = [decode_reply(r, RouteDecodeReply) for r in replies]
     bad = [r for r in decoded if r.artifact_version is None or r.fallback is not None]
@@ -438,11 +438,11 @@ def start_router(procs: Procs, env: dict[str, str], profile: Path | None, router
 async def bench(args: argparse.Namespace, tmp: Path, profile: Path | None) -> dict:
     import nats
 
-    from services.artifacts import put_artifact_kv
-    from shared.bus import Bus
-    from shared.embedded import EmbeddedNats
-    from shared.settings import SwitchyardSettings
-    from shared.subjects import Subjects
+    from switchyard.services.artifacts import put_artifact_kv
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.embedded import EmbeddedNats
+    from switchyard.shared.settings import SwitchyardSettings
+    from switchyard.shared.subjects import Subjects
 
     payloads, artifact = esft_requests()
     subjects = Subjects(PREFIX)

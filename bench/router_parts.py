@@ -26,14 +26,14 @@ import _single_core
 import numpy as np
 from eldr_data import esft_counts, synthetic_counts
 
-from services.router import metrics
-from services.router.core import RouterCore
-from services.router.settings import RouterSettings
-from shared.codec import decode, encode
-from shared.schemas import Capacity, Hello, RouteDecodeReply, RouteDecodeRequest
-from solver.eldr_fit import fit_routing_artifact
-from solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from solver.scoring import Scorer
+from switchyard.services.router import metrics
+from switchyard.services.router.core import RouterCore
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.schemas import Capacity, Hello, RouteDecodeReply, RouteDecodeRequest
+from switchyard.solver.eldr_fit import fit_routing_artifact
+from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
+from switchyard.solver.scoring import Scorer
 
 _JUNK = np.zeros(2_000_000 // 8)
 
@@ -109,8 +109,8 @@ def main() -> None:
 
     timed("metrics of one decision", observe)
     try:
-        from shared.codec import encode_unchecked
-        from shared.schemas import RouteDecisions
+        from switchyard.shared.codec import encode_unchecked
+        from switchyard.shared.schemas import RouteDecisions
 
         batch = [("decode", f"esft-{i:04d}", "decode-07", 1000) for i in range(10)]
 
@@ -121,7 +121,7 @@ def main() -> None:
 
         timed("share: pack a RouteDecisions of 10 (per batch)", share)
     except ImportError:  # before: one RouteDecision per decision
-        from shared.schemas import RouteDecision  # type: ignore[attr-defined]
+        from switchyard.shared.schemas import RouteDecision  # type: ignore[attr-defined]
 
         def share() -> bytes:
             decision = RouteDecision(

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 
-from shared.bus import Bus
-from shared.schemas import Announce, Hello, Telemetry
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Announce, Hello, Telemetry
 
 log = logging.getLogger(__name__)
 

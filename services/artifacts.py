@@ -21,13 +21,13 @@ from nats.js.errors import KeyNotFoundError
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
-from shared.bus import Bus
-from shared.codec import decode, encode
-from shared.db import RoutingArtifactRow, create_async_db, upgrade
-from shared.errors import WireError
-from shared.schemas import RoutingArtifact
-from shared.settings import SwitchyardSettings
-from solver.eldr_fit import artifact_content_hash
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.db import RoutingArtifactRow, create_async_db, upgrade
+from switchyard.shared.errors import WireError
+from switchyard.shared.schemas import RoutingArtifact
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.eldr_fit import artifact_content_hash
 
 __all__ = [
     "MAX_ARTIFACT_BYTES",

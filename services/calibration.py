@@ -10,7 +10,8 @@ Windows come from files:
   optionally `placement` [L, G, slots], the engines' slot map at the time (x⁰);
 - `*.msgpack`: one encoded `shared.schemas.ExpertLoad` message, as the placement service receives it;
 - a folder of SGLang expert-statistics JSONs (`{"logical_count": [[int] * E] * layers}`, e.g.
-  `../shared/data/expert_load/sglang_deepseek_v3/`). These carry B only; to give the source-aware terms
+  `data/expert_load/sglang_deepseek_v3/`, shipped in `switchyard.data`). These carry B only; to give the
+  source-aware terms
   real counts, each file (a workload) plays one source DP rank: files of one phase (decode / prefill),
   sorted by name, are taken `sources_per_window` at a time, each scaled to the same token volume (a
   balanced DP dispatcher), and source s is local to the s-th block of G/S GPUs.
@@ -27,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.db import Calibration
-from solver.placement import MinlpOptions, PlacementProblem, Weights, contiguous_slots, locality_distance
-from solver.placement.calibrate import CalibrationResult, calibrate
+from switchyard.shared.db import Calibration
+from switchyard.solver.placement import MinlpOptions, PlacementProblem, Weights, contiguous_slots, locality_distance
+from switchyard.solver.placement.calibrate import CalibrationResult, calibrate
 
 
 class WindowError(ValueError):
@@ -87,8 +88,8 @@ def load_window(path: Path) -> Window:
         if path.suffix == ".npz":
             return _load_npz(path)
         if path.suffix == ".msgpack":
-            from shared.codec import decode
-            from shared.schemas import ExpertLoad
+            from switchyard.shared.codec import decode
+            from switchyard.shared.schemas import ExpertLoad
 
             load = decode(path.read_bytes(), ExpertLoad)
             counts = load.source_counts if load.source_counts is not None else load.expert_counts[:, None, :]
@@ -187,7 +188,7 @@ def persist(database_url: str, result: CalibrationResult, *, engine_group: str |
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    from shared.db import sync_url, upgrade
+    from switchyard.shared.db import sync_url, upgrade
 
     upgrade(database_url)
     engine = create_engine(sync_url(database_url))

@@ -10,17 +10,20 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from switchyard import data as shipped
+
 if TYPE_CHECKING:
-    from engine_agents.sim.live import LiveFleetConfig
-    from shared.settings import SwitchyardSettings
-    from solver.signatures import RequestCounts
+    from switchyard.engine_agents.sim.live import LiveFleetConfig
+    from switchyard.shared.settings import SwitchyardSettings
+    from switchyard.solver.signatures import RequestCounts
 
 app = typer.Typer(
     name="switchyard",
     help="Expert-aware control plane for Mixture-of-Experts LLM serving.",
     no_args_is_help=True,
     add_completion=False,
-    pretty_exceptions_show_locals=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -38,7 +41,7 @@ DataDir = Annotated[Path | None, typer.Option("--data-dir", help="State folder (
 
 def load_settings(nats_url: str | None = None, database_url: str | None = None, data_dir: Path | None = None):
     """Environment settings, overridden by command-line options."""
-    from shared.settings import SwitchyardSettings
+    from switchyard.shared.settings import SwitchyardSettings
 
     overrides: dict[str, object] = {}
     if nats_url:
@@ -72,8 +75,8 @@ def up(
     seed: int = 0,
 ) -> None:
     """Run the whole control plane and a simulated fleet (embedded NATS + SQLite unless told otherwise)."""
-    from services.up import UpOptions, run_up
-    from solver.routing import DECODE_POLICIES
+    from switchyard.services.up import UpOptions, run_up
+    from switchyard.solver.routing import DECODE_POLICIES
 
     if policy not in DECODE_POLICIES:
         raise typer.BadParameter(f"unknown policy {policy!r}; choose from {', '.join(DECODE_POLICIES)}")
@@ -98,8 +101,8 @@ def up(
 @app.command()
 def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
     """Run the migration service: placement plans in, ordered expert moves out, until Ctrl-C / SIGTERM."""
-    from services.migration.service import run_migration
-    from services.runtime import run_until_signalled
+    from switchyard.services.migration.service import run_migration
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url, database_url, data_dir)
     run_until_signalled(lambda stop: run_migration(settings, stop))
@@ -108,8 +111,8 @@ def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_d
 @app.command()
 def placement(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
     """Run the placement service: expert-load windows in, versioned placement plans out, until Ctrl-C / SIGTERM."""
-    from services.placement.service import run_placement
-    from services.runtime import run_until_signalled
+    from switchyard.services.placement.service import run_placement
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url, database_url, data_dir)
     run_until_signalled(lambda stop: run_placement(settings, stop))
@@ -124,9 +127,9 @@ def api(
     port: Annotated[int | None, typer.Option(help="Listen port (default SWITCHYARD_API_PORT, 8080).")] = None,
 ) -> None:
     """Serve the HTTP API (history, live engines, metrics; OpenAPI at /docs) until Ctrl-C / SIGTERM."""
-    from services.api.server import run_api
-    from services.api.settings import ApiSettings
-    from services.runtime import run_until_signalled
+    from switchyard.services.api.server import run_api
+    from switchyard.services.api.settings import ApiSettings
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url, database_url, data_dir)
     config = ApiSettings(**{k: v for k, v in {"host": host, "port": port}.items() if v is not None})
@@ -137,8 +140,8 @@ async def _calibration_from_stream(
     settings: SwitchyardSettings, since_s: float | None, max_samples: int, ids: list[str] | None
 ) -> tuple[RequestCounts, list[str], dict[str, object]]:
     """The fleet's calibration samples as the fit's input, and the decoders to fit for (the live ones unless given)."""
-    from services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
-    from shared.bus import Bus
+    from switchyard.services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
+    from switchyard.shared.bus import Bus
 
     bus = await Bus.connect(settings, name="switchyard-fit")
     try:
@@ -158,7 +161,8 @@ def _split_csv(value: str | None) -> list[str] | None:
 @app.command()
 def fit(
     trace: Annotated[
-        Path | None, typer.Option("--trace", help="Routing trace: an .npz file or the ESFT folder.")
+        Path | None,
+        typer.Option("--trace", help="Routing trace: an .npz file or the ESFT folder (default: the shipped ESFT)."),
     ] = None,
     decoders: Annotated[
         int | None,
@@ -210,8 +214,8 @@ def fit(
     the calibration samples a running fleet published (--from-stream)."""
     import json
 
-    from solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
-    from solver.traces import TraceError, load_trace
+    from switchyard.solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
+    from switchyard.solver.traces import TraceError, load_trace
 
     try:
         options = FitOptions(
@@ -225,8 +229,8 @@ def fit(
             seed=seed,
             compare_vanilla=vanilla,
         )
-        if (trace is None) == (not from_stream):
-            raise ValueError("give exactly one of --trace PATH and --from-stream")
+        if trace is not None and from_stream:
+            raise ValueError("give either --trace PATH or --from-stream, not both")
         ids = _split_csv(decoder_ids)
         stream_report: dict[str, object] = {}
         if from_stream:
@@ -236,7 +240,8 @@ def fit(
             nats_url = ",".join(settings.nats_servers)  # the artifact goes back to the bus it came from
             data, ids, stream_report = asyncio.run(_calibration_from_stream(settings, since_s, max_samples, ids))
         else:
-            data = load_trace(trace, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
+            path = trace or load_settings().trace(shipped.ESFT)
+            data = load_trace(path, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
         if decoders is None and ids is None:
             raise ValueError("--decoders K is required with --trace")
         if decoders is not None and ids is not None and decoders != len(ids):
@@ -244,12 +249,12 @@ def fit(
         artifact, report = fit_routing_artifact(data, decoders or len(ids or []), options, decoder_ids=ids)
         report.update(stream_report)
     except (TraceError, FitError, ValueError, OSError) as exc:  # RefitError is a ValueError
-        typer.echo(f"switchyard fit: {exc}", err=True)
+        typer.echo(f"switchyard fit: error: {exc}", err=True)
         raise typer.Exit(2) from None
     if out is not None or database_url is not None or nats_url is not None:
         from sqlalchemy.exc import SQLAlchemyError
 
-        from services.artifacts import publish_to
+        from switchyard.services.artifacts import publish_to
 
         settings = load_settings(database_url=database_url)
         try:
@@ -259,7 +264,7 @@ def fit(
                 )
             )
         except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
-            typer.echo(f"switchyard fit: could not store the artifact: {exc}", err=True)
+            typer.echo(f"switchyard fit: error: could not store the artifact: {exc}", err=True)
             raise typer.Exit(1) from None
     source = str(trace) if trace is not None else "calibration stream"
     report.update(version=artifact.version, out=str(out) if out else None, trace=source)
@@ -279,9 +284,9 @@ def router(
     policy: Annotated[str | None, typer.Option(help="Decode policy (default: SWITCHYARD_ROUTER_POLICY, eldr).")] = None,
 ) -> None:
     """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
-    from services.router.service import RouterService
-    from services.router.settings import RouterSettings
-    from services.runtime import run_until_signalled
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
     router_settings = RouterSettings(**({"policy": policy} if policy else {}))
@@ -295,7 +300,7 @@ TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: th
 def _fleet_config(
     name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float
 ) -> LiveFleetConfig:
-    from engine_agents.sim.live import LiveFleetConfig
+    from switchyard.engine_agents.sim.live import LiveFleetConfig
 
     return LiveFleetConfig(
         prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name
@@ -315,12 +320,12 @@ def fleet(
     seed: int = 0,
 ) -> None:
     """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol)."""
-    from engine_agents.sim.processes import run_fleet
-    from services.runtime import run_until_signalled
+    from switchyard.engine_agents.sim.processes import run_fleet
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
     config = _fleet_config(name, prefill, decode, gpus_per_decoder, gpu, speed)
-    path = trace or settings.shared_data_dir / "routing" / "esft_deepseek_v2_lite"
+    path = trace or settings.trace(shipped.ESFT)
     run_until_signalled(lambda stop: run_fleet(settings, config, path, seed, stop))
 
 
@@ -341,14 +346,14 @@ def loadgen(
     seed: int = 0,
 ) -> None:
     """Replay a request trace against a running simulated fleet and print TTFT/TPOT as JSON."""
-    from engine_agents.sim.processes import run_loadgen
-    from services.runtime import run_until_signalled
+    from switchyard.engine_agents.sim.processes import run_loadgen
+    from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
     config = _fleet_config(name, prefill, decode, gpus_per_decoder, gpu, speed)
-    path = trace or settings.shared_data_dir / "routing" / "esft_deepseek_v2_lite"
+    path = trace or settings.trace(shipped.ESFT)
     if requests is None and rate is None:
-        requests = settings.shared_data_dir / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+        requests = settings.trace(shipped.AZURE_CONV)
 
     async def main(stop: asyncio.Event) -> None:
         result = await run_loadgen(settings, config, path, seed, num_requests, requests, time_scale, rate, stop)
@@ -360,7 +365,7 @@ def loadgen(
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply schema migrations up to REVISION (default head)."""
-    from shared.db.engine import current_revision, upgrade
+    from switchyard.shared.db.engine import current_revision, upgrade
 
     url = load_settings(database_url=database_url).resolved_database_url()
     upgrade(url, revision)
@@ -370,7 +375,7 @@ def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None
 @db_app.command("downgrade")
 def db_downgrade(revision: str, database_url: DatabaseUrl = None) -> None:
     """Revert schema migrations down to REVISION ('base' drops every table)."""
-    from shared.db.engine import current_revision, downgrade
+    from switchyard.shared.db.engine import current_revision, downgrade
 
     url = load_settings(database_url=database_url).resolved_database_url()
     downgrade(url, revision)
@@ -411,11 +416,11 @@ def calibrate(
     """Fit the greedy placement's (alpha, beta, gamma) to offline MINLP solutions and record it."""
     import json
 
-    from services.calibration import WindowError, load_window, persist, run_calibration, sglang_windows
-    from solver.placement import MinlpOptions, PlacementError, Weights
+    from switchyard.services.calibration import WindowError, load_window, persist, run_calibration, sglang_windows
+    from switchyard.solver.placement import MinlpOptions, PlacementError, Weights
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    sources = windows or [settings.shared_data_dir / "expert_load" / "sglang_deepseek_v3"]
+    sources = windows or [settings.trace(shipped.SGLANG_EXPERT_LOAD)]
     try:
         recorded = [
             w for p in sources for w in (sglang_windows(p, sources_per_window) if p.is_dir() else [load_window(p)])
@@ -435,7 +440,7 @@ def calibrate(
             experts=experts,
         )
     except (WindowError, PlacementError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"switchyard calibrate: error: {exc}", err=True)
         raise typer.Exit(2) from None
     setup = {
         "windows": [w.name for w in recorded],
@@ -475,7 +480,10 @@ def calibrate(
 
 @app.command()
 def sim(
-    trace: Annotated[Path, typer.Option("--trace", help="Routing trace: the ESFT folder/npz or a Switchyard npz.")],
+    trace: Annotated[
+        Path | None,
+        typer.Option("--trace", help="Routing trace: the ESFT folder/npz or a Switchyard npz (default: shipped ESFT)."),
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
     requests: Annotated[
         Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
@@ -505,10 +513,10 @@ def sim(
     """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
     import json
 
-    from engine_agents.sim.run import SimOptions, run_sim
+    from switchyard.engine_agents.sim.run import SimOptions, run_sim
 
     opts = SimOptions(
-        trace=trace,
+        trace=trace or load_settings().trace(shipped.ESFT),
         fmt=fmt,  # type: ignore[arg-type]
         requests=requests,
         time_scale=time_scale,
@@ -582,12 +590,11 @@ def sim_dp(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
-    from engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
-    from shared.settings import DEFAULT_SHARED_DATA
+    from switchyard.engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
 
     orders = ("fcfs", "sjf-aging") if order == "both" else (order,)
     opts = DPSimOptions(
-        trace=trace or DEFAULT_SHARED_DATA / "routing" / "esft_deepseek_v2_lite",
+        trace=trace or load_settings().trace(shipped.ESFT),
         requests=requests,
         time_scale=time_scale,
         rate=rate,
@@ -636,14 +643,13 @@ def report(
     progress: Annotated[bool, typer.Option(help="Show progress.")] = True,
 ) -> None:
     """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2) as Markdown + PNG."""
-    from engine_agents.sim.report import ReportOptions, build_report
+    from switchyard.engine_agents.sim.report import ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
-    data = settings.shared_data_dir
     opts = ReportOptions(
         quick=quick,
-        trace=trace or data / "routing" / "esft_deepseek_v2_lite",
-        requests=requests or data / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+        trace=trace or settings.trace(shipped.ESFT),
+        requests=requests or settings.trace(shipped.AZURE_CONV),
         num_requests=num_requests,
         rates=tuple(float(r) for r in rates.split(",")) if rates else None,
         gpu=gpu,
@@ -655,7 +661,41 @@ def report(
 
 
 def main() -> None:
-    app()
+    """Run the CLI. A usage mistake or a user error prints one or two plain lines and exits 2 (no traceback);
+    a genuine bug keeps its traceback."""
+    import sys
+
+    try:  # typer >= 0.22 carries its own click; its exceptions are what the app raises
+        from typer import _click as click
+    except ImportError:  # pragma: no cover - older typer on the system click
+        import click
+
+    try:
+        code = app(standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else "switchyard"
+        click.echo(f"{command}: error: {exc.format_message()}", err=True)
+        click.echo(f"Try '{command} --help' for help.", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.ClickException as exc:
+        click.echo(f"switchyard: error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        from switchyard.services.cli_errors import user_error_message
+
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        command = " ".join(["switchyard", *[a for a in sys.argv[1:3] if not a.startswith("-")]][:3])
+        click.echo(f"{command}: error: {message}", err=True)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import numpy as np
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from services.fleet import FleetView
-from shared.bus import Bus
-from shared.errors import RemoteError, WireError
-from shared.schemas import LayoutReply, LayoutRequest
+from switchyard.services.fleet import FleetView
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import RemoteError, WireError
+from switchyard.shared.schemas import LayoutReply, LayoutRequest
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from nats.aio.subscription import Subscription
 
-from shared.bus import Bus
-from shared.schemas import Announce, Hello, Telemetry
-from shared.sequence import Seq, classify
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Announce, Hello, Telemetry
+from switchyard.shared.sequence import Seq, classify
 
 
 @dataclass

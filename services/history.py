@@ -17,11 +17,11 @@ import numpy as np
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared.bus import Bus
-from shared.db import Placement, PlacementAssignment
-from shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
-from solver.placement import PlacementError, contiguous_slots
-from solver.placement.moves import plan_moves
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Placement, PlacementAssignment
+from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.solver.placement import PlacementError, contiguous_slots
+from switchyard.solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
 

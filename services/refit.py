@@ -19,11 +19,11 @@ from datetime import UTC, datetime
 import numpy as np
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from shared.bus import Bus
-from shared.codec import decode
-from shared.errors import WireError
-from shared.schemas import Announce, CalibrationSample, Hello
-from solver.signatures import RequestCounts
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.errors import WireError
+from switchyard.shared.schemas import Announce, CalibrationSample, Hello
+from switchyard.solver.signatures import RequestCounts
 
 log = logging.getLogger(__name__)
 

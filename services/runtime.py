@@ -13,10 +13,10 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 from prometheus_client import start_http_server
 
-from shared.bus import REJECTED
-from shared.codec import WireModel, decode
-from shared.db.engine import upgrade
-from shared.errors import WireError
+from switchyard.shared.bus import REJECTED
+from switchyard.shared.codec import WireModel, decode
+from switchyard.shared.db.engine import upgrade
+from switchyard.shared.errors import WireError
 
 log = logging.getLogger(__name__)
 

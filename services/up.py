@@ -29,25 +29,26 @@ from rich.live import Live
 from rich.table import Table
 from sqlalchemy import func, select
 
-from engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from engine_agents.sim.loadgen import LoadGenerator
-from engine_agents.sim.scenario import Scenario, prepare
-from engine_agents.sim.workload import load_request_csv
-from services.api.server import run_api
-from services.api.settings import ApiSettings
-from services.artifacts import get_artifact_kv, publish_artifact
-from services.fleet import FleetView
-from services.migration.service import run_migration
-from services.placement.service import run_placement
-from services.router.service import RouterService
-from services.router.settings import RouterSettings
-from shared.bus import Bus
-from shared.db import Migration, Placement, create_async_db
-from shared.db.engine import upgrade
-from shared.embedded import EmbeddedNats, free_port
-from shared.schemas import RoutingArtifact
-from shared.settings import SwitchyardSettings
-from solver.eldr_fit import FitOptions, fit_routing_artifact
+from switchyard import data as shipped
+from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.services.api.server import run_api
+from switchyard.services.api.settings import ApiSettings
+from switchyard.services.artifacts import get_artifact_kv, publish_artifact
+from switchyard.services.fleet import FleetView
+from switchyard.services.migration.service import run_migration
+from switchyard.services.placement.service import run_placement
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Migration, Placement, create_async_db
+from switchyard.shared.db.engine import upgrade
+from switchyard.shared.embedded import EmbeddedNats, free_port
+from switchyard.shared.schemas import RoutingArtifact
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -350,9 +351,8 @@ async def _run_fleet(
     stop: asyncio.Event,
     services: list[asyncio.Task[None]],
 ) -> None:
-    data = settings.shared_data_dir
-    trace = options.trace or data / "routing" / "esft_deepseek_v2_lite"
-    csv_path = options.requests_csv or data / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    trace = options.trace or settings.trace(shipped.ESFT)
+    csv_path = options.requests_csv or settings.trace(shipped.AZURE_CONV)
     scenario = await asyncio.to_thread(prepare, trace, gpu=options.gpu, seed=options.seed)
     config = LiveFleetConfig(
         prefill=options.prefill,

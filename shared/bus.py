@@ -31,10 +31,10 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
-from shared.errors import WireError
-from shared.settings import SwitchyardSettings
-from shared.subjects import Subjects
+from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
+from switchyard.shared.errors import ConfigError, WireError
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Bus:
         """
         servers = servers or settings.nats_servers
         if not servers:
-            raise ValueError("no NATS server configured: set SWITCHYARD_NATS_SERVERS or pass --nats-url")
+            raise ConfigError("no NATS server configured: set SWITCHYARD_NATS_SERVERS or pass --nats-url")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1

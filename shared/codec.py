@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError, core_schema
 
-from shared.errors import (
+from switchyard.shared.errors import (
     ArrayMismatch,
     NotMsgpack,
     PayloadTooLarge,

@@ -48,6 +48,10 @@ class ArrayMismatch(WireError):
     code = "array"
 
 
+class ConfigError(ValueError):
+    """A setting or URL the user gave cannot work (unknown scheme, missing server): said in one line."""
+
+
 class RemoteError(RuntimeError):
     """The peer answered a request with an error reply."""
 

@@ -25,7 +25,7 @@ from typing import Annotated, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.codec import Array, ErrorReply, WireModel
+from switchyard.shared.codec import Array, ErrorReply, WireModel
 
 __all__ = [
     "MAX_SHARED_DECISIONS",

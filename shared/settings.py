@@ -13,11 +13,8 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.subjects import Subjects, check_token
-
-#: The repository's sibling folder of documents and real traces (`../shared/data` next to the checkout).
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+from switchyard.data import trace_path
+from switchyard.shared.subjects import Subjects, check_token
 
 
 class SwitchyardSettings(BaseSettings):
@@ -44,8 +41,9 @@ class SwitchyardSettings(BaseSettings):
     database_url: str | None = None
     #: Where embedded servers keep their state: NATS JetStream store, SQLite file, artifacts, reports.
     data_dir: Path = Path(".switchyard")
-    #: The folder of real traces (see its README); defaults to `../shared/data` beside the checkout.
-    shared_data_dir: Path = DEFAULT_SHARED_DATA
+    #: A folder of the user's own traces laid out like the shipped `switchyard.data` (routing/, requests/,
+    #: expert_load/); the CLI defaults take a file from it where it has one, else the shipped copy.
+    trace_dir: Path | None = None
     #: Largest bus payload accepted by decoders (and configured on the embedded server).
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     log_level: str = "INFO"
@@ -88,6 +86,10 @@ class SwitchyardSettings(BaseSettings):
     @property
     def sqlite_path(self) -> Path:
         return self.data_dir / "switchyard.sqlite"
+
+    def trace(self, relative: str) -> Path:
+        """A shipped trace (`switchyard.data` names), or the user's copy under `trace_dir` when it has one."""
+        return trace_path(relative, self.trace_dir)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.sqlite_path.resolve()}"

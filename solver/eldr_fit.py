@@ -23,10 +23,10 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from shared.codec import array_to_wire
-from shared.schemas import ModelShape, RoutingArtifact
-from solver.kmeans import spherical_kmeans
-from solver.representations import (
+from switchyard.shared.codec import array_to_wire
+from switchyard.shared.schemas import ModelShape, RoutingArtifact
+from switchyard.solver.kmeans import spherical_kmeans
+from switchyard.solver.representations import (
     ONLINE_REPRESENTATIONS,
     REPRESENTATIONS,
     Representation,
@@ -35,7 +35,7 @@ from solver.representations import (
     idf_weights,
     signature_vectors,
 )
-from solver.rho import (
+from switchyard.solver.rho import (
     LayerSearch,
     calibration_pairs,
     decode_target,
@@ -46,8 +46,8 @@ from solver.rho import (
     rho_of_distances,
     rho_sampling_error,
 )
-from solver.signatures import RequestCounts, request_counts
-from solver.traces import RoutingTrace
+from switchyard.solver.signatures import RequestCounts, request_counts
+from switchyard.solver.traces import RoutingTrace
 
 __all__ = ["DEFAULT_TAU", "FitError", "FitOptions", "artifact_content_hash", "content_hash", "fit_routing_artifact"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from solver.representations import l2_normalise
+from switchyard.solver.representations import l2_normalise
 
 __all__ = ["Clustering", "balanced_assignment", "kmeans_plus_plus", "spherical_kmeans"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import rankdata, spearmanr
 
-from solver.representations import l2_normalise
+from switchyard.solver.representations import l2_normalise
 
 __all__ = [
     "DecodeTarget",

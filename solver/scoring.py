@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.schemas import RoutingArtifact
-from solver.representations import ONLINE_REPRESENTATIONS
+from switchyard.shared.schemas import RoutingArtifact
+from switchyard.solver.representations import ONLINE_REPRESENTATIONS
 
 __all__ = ["Scorer", "ScoringError"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.traces import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
+from switchyard.solver.traces import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
 
 __all__ = [
     "MAX_BLOCK_SIZE",

@@ -6,7 +6,7 @@ are in processing order, prefill before decode. Two on-disk formats load into it
 `docs/routing-trace-format.md`):
 
 - ``npz``: Switchyard's own format (`save_npz` writes it, `load_npz` reads it);
-- ``esft``: the DeepSeek-V2-Lite expert selections of `../shared/data/routing/esft_deepseek_v2_lite/`
+- ``esft``: the DeepSeek-V2-Lite expert selections shipped in `switchyard.data` (`routing/esft_deepseek_v2_lite/`)
   (one teacher-forced pass per sequence; task -> label; no phase, so `split_phases` cuts each sequence).
 
 Every malformed input raises `TraceError` naming the array and the problem; nothing is silently repaired.
@@ -50,6 +50,11 @@ TraceFormat = Literal["auto", "npz", "esft"]
 
 class TraceError(ValueError):
     """A routing trace that cannot be used: missing or ill-shaped array, out-of-range id, bad option."""
+
+
+def _npz_reason(exc: BaseException) -> str:
+    """numpy's reason for refusing a file, minus its advice to unpickle untrusted data."""
+    return "not a zip archive of arrays" if "pickled" in str(exc) else str(exc)
 
 
 def _fail(message: str) -> TraceError:
@@ -260,7 +265,7 @@ def _open_npz(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as data:
             return {key: data[key] for key in data.files}
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise _fail(f"{path}: not a readable .npz archive ({exc})") from None
+        raise _fail(f"{path}: not a readable .npz archive ({_npz_reason(exc)})") from None
     except ValueError as exc:  # object arrays need pickle, which is refused
         raise _fail(f"{path}: {exc}") from None
 
@@ -372,7 +377,7 @@ def detect_format(path: str | Path) -> Literal["npz", "esft"]:
         with np.load(path, allow_pickle=False) as data:
             keys = set(data.files)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise _fail(f"{path}: not a readable .npz archive ({exc})") from None
+        raise _fail(f"{path}: not a readable .npz archive ({_npz_reason(exc)})") from None
     return "esft" if {"task", "seq", "pos"} <= keys and "request" not in keys else "npz"
 
 

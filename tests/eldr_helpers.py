@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHIPPED_DATA
 
-ESFT_DIR = SHARED_DATA / "routing" / "esft_deepseek_v2_lite"
+ESFT_DIR = SHIPPED_DATA / "routing" / "esft_deepseek_v2_lite"
 
 
 def random_experts(rng: np.random.Generator, tokens: int, layers: int, experts: int, top_k: int) -> np.ndarray:

@@ -10,9 +10,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from engine_agents.sim.migration import ExpertLoadWindow
-from shared.bus import Bus
-from shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.engine_agents.sim.migration import ExpertLoadWindow
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
 
 T = TypeVar("T")
 

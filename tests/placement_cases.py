@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.placement import PlacementProblem, Weights, contiguous_slots, locality_distance
+from switchyard.solver.placement import PlacementProblem, Weights, contiguous_slots, locality_distance
 
 
 def random_current(

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared import schemas as s
+from switchyard.shared import schemas as s
 
 ids = st.from_regex(r"\A[A-Za-z0-9_-]{1,64}\Z")
 request_ids = st.text(min_size=1, max_size=128)

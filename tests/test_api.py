@@ -16,19 +16,19 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.api.server import run_api
-from services.api.settings import ApiSettings
-from services.history import add_placement, default_layout
-from services.migration.planner import plan_steps
-from services.placement.service import PlacementService
-from services.placement.settings import PlacementSettings
-from shared.bus import Bus
-from shared.codec import decode, encode
-from shared.db import Calibration, Engine, Migration, MigrationMove, create_async_db, upgrade
-from shared.embedded import free_port
-from shared.schemas import CalibrationRequest, ModelShape, PlacementPlan, RoutingArtifact, Telemetry
-from shared.settings import SwitchyardSettings
-from solver.placement.moves import apply_moves
+from switchyard.services.api.server import run_api
+from switchyard.services.api.settings import ApiSettings
+from switchyard.services.history import add_placement, default_layout
+from switchyard.services.migration.planner import plan_steps
+from switchyard.services.placement.service import PlacementService
+from switchyard.services.placement.settings import PlacementSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.db import Calibration, Engine, Migration, MigrationMove, create_async_db, upgrade
+from switchyard.shared.embedded import free_port
+from switchyard.shared.schemas import CalibrationRequest, ModelShape, PlacementPlan, RoutingArtifact, Telemetry
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.moves import apply_moves
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running, shuffled
 
 TOKEN = "s3cret-token"

@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from services.artifacts import (
+from switchyard.services.artifacts import (
     ArtifactError,
     get_artifact_kv,
     publish_artifact,
@@ -19,15 +19,15 @@ from services.artifacts import (
     read_artifact_file,
     write_artifact_file,
 )
-from services.cli import app
-from shared.bus import Bus
-from shared.codec import encode
-from shared.db import RoutingArtifactRow, sync_url, upgrade
-from shared.schemas import RoutingArtifact
-from shared.settings import SwitchyardSettings
-from solver.eldr_fit import fit_routing_artifact
-from solver.signatures import RequestCounts
-from solver.traces import RoutingTrace, save_npz
+from switchyard.services.cli import app
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import encode
+from switchyard.shared.db import RoutingArtifactRow, sync_url, upgrade
+from switchyard.shared.schemas import RoutingArtifact
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.eldr_fit import fit_routing_artifact
+from switchyard.solver.signatures import RequestCounts
+from switchyard.solver.traces import RoutingTrace, save_npz
 from tests.eldr_helpers import ESFT_DIR, random_experts
 
 
@@ -130,7 +130,6 @@ def test_cli_fit_reports_bad_input_without_a_traceback(tmp_path: Path, args: lis
     assert message in result.stderr and "Traceback" not in result.output
 
 
-@pytest.mark.skipif(not ESFT_DIR.is_dir(), reason="../shared/data ESFT trace not present")
 def test_cli_fit_on_esft_auto_detects_the_format(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["fit", "--trace", str(ESFT_DIR), "--decoders", "4", "--json", "--vanilla"])
     assert result.exit_code == 0, result.output

@@ -10,12 +10,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from shared import schemas as s
-from shared.bus import HANDLER_ERRORS, Bus, rejected_count
-from shared.codec import decode_reply, encode
-from shared.embedded import EmbeddedNats, find_nats_server, free_port
-from shared.errors import RemoteError
-from shared.settings import SwitchyardSettings
+from switchyard.shared import schemas as s
+from switchyard.shared.bus import HANDLER_ERRORS, Bus, rejected_count
+from switchyard.shared.codec import decode_reply, encode
+from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
+from switchyard.shared.errors import RemoteError
+from switchyard.shared.settings import SwitchyardSettings
 
 
 def _telemetry(seq: int) -> s.Telemetry:

@@ -11,15 +11,15 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from services.calibration import WindowError, load_window, sglang_windows, window_problem
-from services.cli import app
-from shared.codec import encode
-from shared.db import Calibration, sync_url
-from shared.schemas import ExpertLoad
-from solver.placement import Weights
-from tests.conftest import SHARED_DATA
+from switchyard.services.calibration import WindowError, load_window, sglang_windows, window_problem
+from switchyard.services.cli import app
+from switchyard.shared.codec import encode
+from switchyard.shared.db import Calibration, sync_url
+from switchyard.shared.schemas import ExpertLoad
+from switchyard.solver.placement import Weights
+from tests.conftest import SHIPPED_DATA
 
-SGLANG = SHARED_DATA / "expert_load" / "sglang_deepseek_v3"
+SGLANG = SHIPPED_DATA / "expert_load" / "sglang_deepseek_v3"
 FAST = ["--time-limit", "0.2", "--parallel-layers", "2", "--json"]
 
 
@@ -67,8 +67,6 @@ def test_calibrate_on_recorded_windows_persists_one_row(database_url: str, tmp_p
 
 
 def test_calibrate_reads_the_sglang_statistics(tmp_path: Path) -> None:
-    if not SGLANG.is_dir():
-        pytest.skip(f"{SGLANG} is not present")
     url = f"sqlite:///{tmp_path / 'cal.sqlite'}"
     summary = _run("--windows", str(SGLANG), "--layers", "2", "--experts", "32", "--database-url", url, *FAST)
     assert summary["num_windows"] == 3  # one decode and two prefill windows of four workloads each
@@ -76,8 +74,6 @@ def test_calibrate_reads_the_sglang_statistics(tmp_path: Path) -> None:
 
 
 def test_sglang_windows_use_workloads_as_equal_volume_sources() -> None:
-    if not SGLANG.is_dir():
-        pytest.skip(f"{SGLANG} is not present")
     windows = sglang_windows(SGLANG, sources_per_window=4)
     assert [w.name.split(":")[0] for w in windows] == ["decode", "prefill", "prefill"]
     volume = windows[0].source_counts.sum(axis=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-SWITCHYARD = [sys.executable, "-m", "services.cli"]
+SWITCHYARD = [sys.executable, "-m", "switchyard.services.cli"]
 
 
 def _nats_children(data_dir: Path) -> list[int]:
@@ -128,6 +128,6 @@ def test_db_upgrade_command(tmp_path: Path) -> None:
 def _head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    from shared.db.engine import alembic_config
+    from switchyard.shared.db.engine import alembic_config
 
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

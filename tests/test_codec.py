@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from shared import schemas as s
-from shared.codec import (
+from switchyard.shared import schemas as s
+from switchyard.shared.codec import (
     MAX_ARRAY_ELEMENTS,
     ErrorBody,
     ErrorReply,
@@ -24,7 +24,7 @@ from shared.codec import (
     encode,
     encode_unchecked,
 )
-from shared.errors import (
+from switchyard.shared.errors import (
     ArrayMismatch,
     NotMsgpack,
     PayloadTooLarge,

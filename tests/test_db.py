@@ -13,7 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from shared.db import (
+from switchyard.shared.db import (
     Base,
     Calibration,
     Migration,
@@ -25,7 +25,7 @@ from shared.db import (
     sync_url,
     upgrade,
 )
-from shared.db.engine import _ensure_wal, current_revision
+from switchyard.shared.db.engine import _ensure_wal, current_revision
 
 TABLES = {
     "engines",
@@ -171,7 +171,7 @@ async def test_deleting_a_placement_cascades_to_its_migration_state(database_url
 def test_naive_datetimes_are_refused() -> None:
     from sqlalchemy.dialects import sqlite
 
-    from shared.db.types import UTCDateTime
+    from switchyard.shared.db.types import UTCDateTime
 
     with pytest.raises(ValueError, match="naive"):
         UTCDateTime().process_bind_param(datetime(2026, 1, 1), sqlite.dialect())

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from solver.routing.dispatch import (
+from switchyard.solver.routing.dispatch import (
     GimbalParams,
     kv_first_applies,
     kv_penalty,

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine_agents.sim.dp_engine import DPCost, MixedEngine
-from engine_agents.sim.dp_fleet import Dispatcher, DPFleetConfig, simulate_dp
-from engine_agents.sim.dp_run import prompt_throughput_gap, summarize_dp, trace_window
-from engine_agents.sim.physics import cost_model
-from engine_agents.sim.scenario import Scenario, prepare
-from engine_agents.sim.workload import Workload, load_request_csv
-from services.cli import app
-from solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
-from tests.conftest import SHARED_DATA
+from switchyard.engine_agents.sim.dp_engine import DPCost, MixedEngine
+from switchyard.engine_agents.sim.dp_fleet import Dispatcher, DPFleetConfig, simulate_dp
+from switchyard.engine_agents.sim.dp_run import prompt_throughput_gap, summarize_dp, trace_window
+from switchyard.engine_agents.sim.physics import cost_model
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.workload import Workload, load_request_csv
+from switchyard.services.cli import app
+from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
+from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 
-AZURE = SHARED_DATA / "requests" / "azure_llm_2023"
+AZURE = SHIPPED_DATA / "requests" / "azure_llm_2023"
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from shared.codec import decode, encode
-from shared.schemas import RoutingArtifact
-from solver.eldr_fit import FitError, FitOptions, artifact_content_hash, fit_routing_artifact
-from solver.signatures import RequestCounts
-from solver.traces import load_trace
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.schemas import RoutingArtifact
+from switchyard.solver.eldr_fit import FitError, FitOptions, artifact_content_hash, fit_routing_artifact
+from switchyard.solver.signatures import RequestCounts
+from switchyard.solver.traces import load_trace
 from tests.eldr_helpers import ESFT_DIR
-
-needs_esft = pytest.mark.skipif(not ESFT_DIR.is_dir(), reason="../shared/data ESFT trace not present")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +20,6 @@ def esft_fit() -> tuple[RoutingArtifact, dict]:
     return fit_routing_artifact(load_trace(ESFT_DIR), 8, FitOptions(compare_vanilla=True), created_at=1.0)
 
 
-@needs_esft
 def test_esft_fit_produces_a_valid_artifact_and_a_complete_report(esft_fit: tuple[RoutingArtifact, dict]) -> None:
     artifact, report = esft_fit
     assert decode(encode(artifact), RoutingArtifact).content_hash == artifact.content_hash

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from solver.kmeans import balanced_assignment, kmeans_plus_plus, spherical_kmeans
-from solver.representations import features, idf_weights, l2_normalise, signature_vectors
-from solver.rho import (
+from switchyard.solver.kmeans import balanced_assignment, kmeans_plus_plus, spherical_kmeans
+from switchyard.solver.representations import features, idf_weights, l2_normalise, signature_vectors
+from switchyard.solver.rho import (
     calibration_pairs,
     decode_target,
     greedy_layer_search,

@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from engine_agents.sim.loadgen import LoadGenerator
-from engine_agents.sim.migration import MigrationCost
-from engine_agents.sim.scenario import Scenario, prepare
-from services.router.service import RouterService
-from services.router.settings import RouterSettings
-from shared.bus import Bus
-from shared.codec import decode
-from shared.errors import RemoteError
-from shared.schemas import (
+from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.migration import MigrationCost
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.errors import RemoteError
+from switchyard.shared.schemas import (
     CalibrationSample,
     ExpertLoad,
     Hello,
@@ -33,12 +33,11 @@ from shared.schemas import (
     RouteDecodeRequest,
     Telemetry,
 )
-from shared.settings import SwitchyardSettings
-from solver.placement.moves import plan_moves
-from tests.conftest import SHARED_DATA
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.moves import plan_moves
+from tests.conftest import SHIPPED_DATA
 
-ESFT = SHARED_DATA / "routing" / "esft_deepseek_v2_lite"
-pytestmark = pytest.mark.skipif(not ESFT.exists(), reason="needs ../shared/data (the real ESFT trace)")
+ESFT = SHIPPED_DATA / "routing" / "esft_deepseek_v2_lite"
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +187,10 @@ def _start_router(nats_url: str, prefix: str, log: Path) -> subprocess.Popen[byt
         "SWITCHYARD_LOG_LEVEL": "INFO",
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "router"], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
+        [sys.executable, "-m", "switchyard.services.cli", "router"],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
 
 

@@ -6,10 +6,10 @@ import asyncio
 
 import numpy as np
 
-from engine_agents.sim.loadgen import LoadGenerator
-from engine_agents.sim.protocol import SimSubmit
-from engine_agents.sim.workload import Workload
-from shared.bus import Bus
+from switchyard.engine_agents.sim.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.protocol import SimSubmit
+from switchyard.engine_agents.sim.workload import Workload
+from switchyard.shared.bus import Bus
 
 
 def _workload(n: int, gap_s: float) -> Workload:

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.history import default_layout, layout_from_rows, layout_rows
-from services.migration.planner import inverse_moves, plan_steps, rollback_steps
-from solver.placement import PlacementError, contiguous_slots
-from solver.placement.moves import apply_moves
+from switchyard.services.history import default_layout, layout_from_rows, layout_rows
+from switchyard.services.migration.planner import inverse_moves, plan_steps, rollback_steps
+from switchyard.solver.placement import PlacementError, contiguous_slots
+from switchyard.solver.placement.moves import apply_moves
 
 
 def test_default_layout_is_contiguous_like_vllm() -> None:

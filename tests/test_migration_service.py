@@ -13,15 +13,15 @@ from nats.aio.msg import Msg
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from services.history import default_layout
-from services.migration.service import record_plan, run_migration
-from services.migration.settings import MigrationSettings
-from shared.bus import Bus, rejected_count
-from shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
-from shared.embedded import free_port
-from shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
-from shared.settings import SwitchyardSettings
+from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.services.history import default_layout
+from switchyard.services.migration.service import record_plan, run_migration
+from switchyard.services.migration.settings import MigrationSettings
+from switchyard.shared.bus import Bus, rejected_count
+from switchyard.shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
+from switchyard.shared.embedded import free_port
+from switchyard.shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
+from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 
 FAST = MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, engine_wait_s=5.0)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from services.history import default_layout
-from shared.bus import Bus
-from shared.db import Migration, MigrationMove, create_async_db, upgrade
-from shared.settings import SwitchyardSettings
+from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.services.history import default_layout
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Migration, MigrationMove, create_async_db, upgrade
+from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 
 LAYERS, EXPERTS, GPUS = 6, 8, 2
@@ -32,7 +32,7 @@ def _start_service(settings: SwitchyardSettings, database_url: str, log: Path) -
         SWITCHYARD_MIGRATION_RETRY_BACKOFF_S="0.05",
         SWITCHYARD_MIGRATION_STEP_TIMEOUT_S="30",  # never retried while the service is alive: one send per life
     )
-    command = [sys.executable, "-m", "services.cli", "migration"]
+    command = [sys.executable, "-m", "switchyard.services.cli", "migration"]
     command += ["--nats-url", settings.nats_servers[0], "--database-url", database_url]
     with log.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

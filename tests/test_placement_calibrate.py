@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.placement import GreedyParams, MinlpOptions, greedy_hosts, hosts_from_slots, objective_of_hosts
-from solver.placement.calibrate import agreement, calibrate, fit_params
-from solver.placement.refine import place
+from switchyard.solver.placement import GreedyParams, MinlpOptions, greedy_hosts, hosts_from_slots, objective_of_hosts
+from switchyard.solver.placement.calibrate import agreement, calibrate, fit_params
+from switchyard.solver.placement.refine import place
 from tests.placement_cases import random_problem
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.placement import GreedyParams, PlacementError, PlacementProblem, greedy_hosts, hosts_from_slots
-from solver.placement.eplb_baseline import balanced_packing, eplb_global, eplb_hierarchical
-from solver.placement.replication import replica_counts
+from switchyard.solver.placement import GreedyParams, PlacementError, PlacementProblem, greedy_hosts, hosts_from_slots
+from switchyard.solver.placement.eplb_baseline import balanced_packing, eplb_global, eplb_hierarchical
+from switchyard.solver.placement.replication import replica_counts
 
 
 def test_global_policy_gives_every_gpu_the_same_number_of_copies_and_replicates_hot_experts() -> None:

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from services.placement.recalibrate import per_layer_limit
-from solver.placement import (
+from switchyard.services.placement.recalibrate import per_layer_limit
+from switchyard.solver.placement import (
     GreedyParams,
     MinlpCancelled,
     MinlpOptions,
@@ -22,7 +22,7 @@ from solver.placement import (
     place,
     solve_minlp,
 )
-from solver.placement.replication import replica_counts
+from switchyard.solver.placement.replication import replica_counts
 from tests.placement_cases import random_problem
 
 EXACT = MinlpOptions(time_limit_s=10.0, parallel_layers=1, relative_gap=0.0)

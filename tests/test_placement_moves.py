@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.schemas import MOVE_COLUMNS, PlacementPlan
-from solver.placement import PlacementProblem, contiguous_slots, greedy, hosts_from_slots
-from solver.placement.moves import MoveError, apply_moves, plan_moves
+from switchyard.shared.schemas import MOVE_COLUMNS, PlacementPlan
+from switchyard.solver.placement import PlacementProblem, contiguous_slots, greedy, hosts_from_slots
+from switchyard.solver.placement.moves import MoveError, apply_moves, plan_moves
 from tests.placement_cases import random_current
 
 

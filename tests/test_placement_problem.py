@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.placement import (
+from switchyard.solver.placement import (
     PlacementError,
     PlacementProblem,
     check_slot_map,

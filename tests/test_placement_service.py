@@ -12,20 +12,20 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from services.fleet import FleetView
-from services.history import add_placement, default_layout, load_layout
-from services.migration.service import run_migration
-from services.migration.settings import MigrationSettings
-from services.placement.service import FUTURE_WINDOWS, PlacementService
-from services.placement.settings import PlacementSettings
-from shared.bus import Bus, rejected_count
-from shared.codec import decode
-from shared.db import Placement, create_async_db, upgrade
-from shared.db.types import utcnow
-from shared.schemas import PlacementPlan
-from shared.settings import SwitchyardSettings
-from solver.placement import DEFAULT_PARAMS
+from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.services.fleet import FleetView
+from switchyard.services.history import add_placement, default_layout, load_layout
+from switchyard.services.migration.service import run_migration
+from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.placement.service import FUTURE_WINDOWS, PlacementService
+from switchyard.services.placement.settings import PlacementSettings
+from switchyard.shared.bus import Bus, rejected_count
+from switchyard.shared.codec import decode
+from switchyard.shared.db import Placement, create_async_db, upgrade
+from switchyard.shared.db.types import utcnow
+from switchyard.shared.schemas import PlacementPlan
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement import DEFAULT_PARAMS
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
 
 LAYERS, EXPERTS = 4, 8

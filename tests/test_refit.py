@@ -10,14 +10,14 @@ import time
 
 import numpy as np
 
-from services.artifacts import get_artifact_kv
-from services.refit import read_samples
-from shared.bus import Bus
-from shared.schemas import CalibrationSample, Capacity, Hello, ModelShape
-from shared.settings import SwitchyardSettings
-from solver.eldr_fit import FitOptions, fit_routing_artifact
-from solver.signatures import request_counts
-from solver.traces import load_trace
+from switchyard.services.artifacts import get_artifact_kv
+from switchyard.services.refit import read_samples
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import CalibrationSample, Capacity, Hello, ModelShape
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
+from switchyard.solver.signatures import request_counts
+from switchyard.solver.traces import load_trace
 from tests.eldr_helpers import ESFT_DIR
 from tests.fleet_helpers import announcing
 
@@ -53,7 +53,7 @@ async def test_a_refit_from_the_stream_serves_the_live_decoders(bus: Bus, settin
         await bus.js_publish(bus.subjects.calibration_samples, sample)
     await bus.js.publish(bus.subjects.calibration_samples, b"\xc1 not a sample")
     env = {**os.environ, "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix}
-    command = [sys.executable, "-m", "services.cli", "fit", "--from-stream", "--json"]
+    command = [sys.executable, "-m", "switchyard.services.cli", "fit", "--from-stream", "--json"]
     command += ["--nats-url", settings.nats_servers[0]]
     hellos = [_decoder(d, counts.top_k) for d in DECODERS] + [_decoder("p0", counts.top_k, role="prefill")]
     async with announcing(bus, *hellos):
@@ -96,7 +96,8 @@ async def test_nothing_in_range_returns_at_once(bus: Bus) -> None:
 
 async def test_without_live_decoders_the_refit_says_why(bus: Bus, settings: SwitchyardSettings) -> None:
     env = {**os.environ, "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix}
-    command = [sys.executable, "-m", "services.cli", "fit", "--from-stream", "--nats-url", settings.nats_servers[0]]
+    command = [sys.executable, "-m", "switchyard.services.cli", "fit", "--from-stream"]
+    command += ["--nats-url", settings.nats_servers[0]]
     fit = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(fit.communicate(), 60)
     assert fit.returncode == 2 and b"no decode engine answered the announce" in err

@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.core import RoleView
-from services.router.fleet import Fleet
-from shared.schemas import Capacity, Hello, ModelShape, Telemetry
+from switchyard.services.router.core import RoleView
+from switchyard.services.router.fleet import Fleet
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
 
 SHAPE = ModelShape(name="m", num_layers=2, num_experts=8, top_k=2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from services.router.metrics import Batched
+from switchyard.services.router.metrics import Batched
 
 BUCKETS = (2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4)
 

@@ -10,12 +10,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from services.artifacts import put_artifact_kv
-from services.router.service import RouterService
-from services.router.settings import RouterSettings
-from shared.bus import Bus, rejected_count
-from shared.errors import RemoteError
-from shared.schemas import (
+from switchyard.services.artifacts import put_artifact_kv
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.bus import Bus, rejected_count
+from switchyard.shared.errors import RemoteError
+from switchyard.shared.schemas import (
     Announce,
     Capacity,
     Hello,
@@ -28,8 +28,8 @@ from shared.schemas import (
     RoutingArtifact,
     Telemetry,
 )
-from shared.settings import SwitchyardSettings
-from solver.eldr_fit import artifact_content_hash
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.eldr_fit import artifact_content_hash
 
 SHAPE = ModelShape(name="toy", num_layers=2, num_experts=4, top_k=1)
 _seq = itertools.count()

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import solver.routing.decode as decode_policies
-from solver.routing import (
+import switchyard.solver.routing.decode as decode_policies
+from switchyard.solver.routing import (
     DECODE_POLICIES,
     FleetSnapshot,
     RouteQuery,

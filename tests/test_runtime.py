@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.runtime import supervised
+from switchyard.services.runtime import supervised
 
 
 async def test_a_failing_background_loop_is_restarted_until_it_ends() -> None:

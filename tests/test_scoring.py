@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.eldr_fit import fit_routing_artifact
-from solver.representations import features, idf_weights, signature_vectors
-from solver.scoring import Scorer, ScoringError
-from solver.signatures import RequestCounts
+from switchyard.solver.eldr_fit import fit_routing_artifact
+from switchyard.solver.representations import features, idf_weights, signature_vectors
+from switchyard.solver.scoring import Scorer, ScoringError
+from switchyard.solver.signatures import RequestCounts
 
 MASK = [1, 3, 4]
 

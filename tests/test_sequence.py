@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.fleet import FleetView
-from shared.schemas import Telemetry
-from shared.sequence import Seq, classify
+from switchyard.services.fleet import FleetView
+from switchyard.shared.schemas import Telemetry
+from switchyard.shared.sequence import Seq, classify
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from shared.bus import Bus
-from shared.embedded import free_port
-from shared.settings import SwitchyardSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.embedded import free_port
+from switchyard.shared.settings import SwitchyardSettings
 
 
 def _env(settings: SwitchyardSettings, **extra: str) -> dict[str, str]:
@@ -23,7 +23,8 @@ def _env(settings: SwitchyardSettings, **extra: str) -> dict[str, str]:
 
 def _command(name: str, settings: SwitchyardSettings, tmp_path: Path) -> list[str]:
     url = f"sqlite:///{tmp_path / 'switchyard.sqlite'}"
-    return [sys.executable, "-m", "services.cli", name, "--nats-url", settings.nats_servers[0], "--database-url", url]
+    cli = [sys.executable, "-m", "switchyard.services.cli", name]
+    return [*cli, "--nats-url", settings.nats_servers[0], "--database-url", url]
 
 
 def test_api_command_serves_and_stops_on_sigterm(bus: Bus, settings: SwitchyardSettings, tmp_path: Path) -> None:

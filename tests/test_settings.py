@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from shared.bus import connect_options
-from shared.settings import SwitchyardSettings
-from shared.subjects import Subjects
+from switchyard.shared.bus import connect_options
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Subjects
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

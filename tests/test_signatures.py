@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.signatures import (
+from switchyard.solver.signatures import (
     BlockSignatureCache,
     SignatureError,
     block_rows,
@@ -13,7 +13,7 @@ from solver.signatures import (
     expert_counts,
     request_counts,
 )
-from solver.traces import RoutingTrace, split_phases
+from switchyard.solver.traces import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from tests.conftest import SHARED_DATA
+from switchyard.services.cli import app
+from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 
-AZURE_CONV = SHARED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+AZURE_CONV = SHIPPED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 CONTRACT = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts")
 
 
@@ -68,7 +68,7 @@ def test_sim_rejects_bad_options(tmp_path: Path, extra: tuple[str, ...], message
 
 
 def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
-    from engine_agents.sim.report import ReportOptions, build_report
+    from switchyard.engine_agents.sim.report import ReportOptions, build_report
 
     opts = ReportOptions(trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=80, progress=False)
     md = build_report(tmp_path, opts).read_text()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from engine_agents.sim.experts import (
+from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
+from switchyard.engine_agents.sim.experts import (
     ReplayBank,
     distinct_per_layer,
     distinct_per_rank,
@@ -14,8 +14,8 @@ from engine_agents.sim.experts import (
     rank_masks,
     token_counts,
 )
-from engine_agents.sim.physics import cost_model
-from solver.traces import RoutingTrace, split_phases
+from switchyard.engine_agents.sim.physics import cost_model
+from switchyard.solver.traces import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_agents.sim.experiments import batch_distinct
-from engine_agents.sim.fleet import FleetConfig
-from engine_agents.sim.metrics import summarize
-from engine_agents.sim.scenario import Scenario, match_model, prepare, split_calibration
-from engine_agents.sim.workload import load_request_csv
-from solver.routing import DECODE_POLICIES
-from tests.conftest import SHARED_DATA
+from switchyard.engine_agents.sim.experiments import batch_distinct
+from switchyard.engine_agents.sim.fleet import FleetConfig
+from switchyard.engine_agents.sim.metrics import summarize
+from switchyard.engine_agents.sim.scenario import Scenario, match_model, prepare, split_calibration
+from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.solver.routing import DECODE_POLICIES
+from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 
-AZURE_CONV = SHARED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+AZURE_CONV = SHIPPED_DATA / "requests" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_same_seed_same_run_other_seed_other_run(esft: Scenario) -> None:
 
 def test_same_domain_batches_select_fewer_experts_on_esft(esft: Scenario) -> None:
     """The seed's Fig. 4 fact on real routing: co-locating one task's requests loads fewer experts."""
-    from engine_agents.sim.experts import ReplayBank
+    from switchyard.engine_agents.sim.experts import ReplayBank
 
     bank = ReplayBank.from_trace(esft.trace)  # all 213 sequences: a trace statistic, not a serving run
     same, mixed, _ = batch_distinct(bank, batch=8, samples=1500, seed=0)

@@ -8,19 +8,19 @@ import msgpack
 import numpy as np
 import pytest
 
-from engine_agents.sim.migration import (
+from switchyard.engine_agents.sim.migration import (
     ExpertLoadWindow,
     MigrationCost,
     SimExpertGroup,
     expert_load_counts,
     serve_migrate,
 )
-from services.history import default_layout
-from services.migration.planner import plan_steps
-from shared.bus import Bus
-from shared.codec import decode, decode_reply, encode
-from shared.errors import RemoteError
-from shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
+from switchyard.services.history import default_layout
+from switchyard.services.migration.planner import plan_steps
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode, decode_reply, encode
+from switchyard.shared.errors import RemoteError
+from switchyard.shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
 
 BASE = default_layout(4, 4, 2)  # every layer [[0, 1], [2, 3]]
 SWAPPED = BASE.copy()

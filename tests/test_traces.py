@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from solver.traces import (
+from switchyard.solver.traces import (
     RoutingTrace,
     TraceError,
     detect_format,
@@ -21,8 +21,6 @@ from solver.traces import (
     split_windows,
 )
 from tests.eldr_helpers import ESFT_DIR, random_experts
-
-needs_esft = pytest.mark.skipif(not ESFT_DIR.is_dir(), reason="../shared/data ESFT trace not present")
 
 
 def _trace(rng: np.random.Generator, lengths: list[int], layers: int = 3, experts: int = 8, k: int = 2) -> RoutingTrace:
@@ -89,7 +87,6 @@ def test_split_windows_cuts_consecutive_equal_windows_and_keeps_labels() -> None
         split_windows(split_phases(labelled, 0.5), 3)
 
 
-@needs_esft
 def test_esft_loads_one_request_per_sequence_with_task_labels() -> None:
     trace = load_esft(ESFT_DIR)
     assert (trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts) == (33_279, 26, 6, 64)

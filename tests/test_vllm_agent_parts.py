@@ -15,14 +15,29 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from engine_agents.vllm.config import AgentSettings, build_hello, model_shape, moe_layers, queue_tokens, role_of
-from engine_agents.vllm.plugin import SchedulerProbe
-from engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
-from engine_agents.vllm.tracker import RequestTracker
-from shared.bus import Bus
-from shared.codec import decode
-from shared.schemas import ExpertLoad, Hello, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest, Telemetry
-from shared.settings import SwitchyardSettings
+from switchyard.engine_agents.vllm.config import (
+    AgentSettings,
+    build_hello,
+    model_shape,
+    moe_layers,
+    queue_tokens,
+    role_of,
+)
+from switchyard.engine_agents.vllm.plugin import SchedulerProbe
+from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from switchyard.engine_agents.vllm.tracker import RequestTracker
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.schemas import (
+    ExpertLoad,
+    Hello,
+    LayoutReply,
+    LayoutRequest,
+    MigrateReply,
+    MigrateRequest,
+    Telemetry,
+)
+from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import eventually
 
 QWEN3_30B = SimpleNamespace(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1)

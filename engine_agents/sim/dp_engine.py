@@ -32,9 +32,9 @@ from typing import Literal
 
 import numpy as np
 
-from engine_agents.sim.experts import ReplayBank, rank_masks
-from engine_agents.sim.physics import CostModel
-from solver.routing.dispatch import GimbalParams, queue_order
+from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 __all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]
 

@@ -35,11 +35,11 @@ from functools import cached_property
 
 import numpy as np
 
-from engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTables, MixedEngine, MixedStep, QueueOrder
-from engine_agents.sim.experts import ReplayBank
-from engine_agents.sim.physics import CostModel
-from engine_agents.sim.workload import Workload
-from solver.routing.dispatch import (
+from switchyard.engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTables, MixedEngine, MixedStep, QueueOrder
+from switchyard.engine_agents.sim.experts import ReplayBank
+from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.engine_agents.sim.workload import Workload
+from switchyard.solver.routing.dispatch import (
     DISPATCH_POLICIES,
     GimbalParams,
     kv_first_applies,

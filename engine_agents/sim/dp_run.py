@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_agents.sim.dp_engine import ORDERS
-from engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
-from engine_agents.sim.metrics import percentile, write_json
-from engine_agents.sim.scenario import Scenario, prepare
-from engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
-from solver.routing.dispatch import DISPATCH_POLICIES
+from switchyard.engine_agents.sim.dp_engine import ORDERS
+from switchyard.engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
+from switchyard.engine_agents.sim.metrics import percentile, write_json
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
+from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.traces import PHASE_DECODE, RoutingTrace
+from switchyard.solver.traces import PHASE_DECODE, RoutingTrace
 
 __all__ = [
     "ReplayBank",

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from engine_agents.sim.experts import ReplayBank, rank_masks
-from engine_agents.sim.physics import CostModel
-from engine_agents.sim.workload import Workload
-from solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
+from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
+from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.engine_agents.sim.workload import Workload
+from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
 __all__ = ["FleetConfig", "SimResult", "simulate"]
 

@@ -33,17 +33,17 @@ import numpy as np
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from engine_agents.agent import EngineAgent
-from engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from engine_agents.sim.experts import rank_masks, token_counts
-from engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from engine_agents.sim.physics import cost_model
-from engine_agents.sim.protocol import SimCompleted, SimSubmit
-from engine_agents.sim.scenario import Scenario
-from services.history import default_layout
-from shared.bus import Bus
-from shared.errors import RemoteError
-from shared.schemas import (
+from switchyard.engine_agents.agent import EngineAgent
+from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
+from switchyard.engine_agents.sim.experts import rank_masks, token_counts
+from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.physics import cost_model
+from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
+from switchyard.engine_agents.sim.scenario import Scenario
+from switchyard.services.history import default_layout
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import RemoteError
+from switchyard.shared.schemas import (
     CalibrationSample,
     Capacity,
     ExpertLoad,

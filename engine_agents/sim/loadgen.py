@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_agents.sim.protocol import SimCompleted, SimSubmit
-from engine_agents.sim.workload import Workload
-from shared.bus import Bus
+from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
+from switchyard.engine_agents.sim.workload import Workload
+from switchyard.shared.bus import Bus
 
 
 @dataclass

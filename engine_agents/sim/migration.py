@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from nats.aio.subscription import Subscription
 
-from shared.bus import Bus
-from shared.errors import SchemaMismatch
-from shared.schemas import ExpertLoad, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
-from solver.placement import PlacementError
-from solver.placement.moves import apply_moves
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import SchemaMismatch
+from switchyard.shared.schemas import ExpertLoad, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
+from switchyard.solver.placement import PlacementError
+from switchyard.solver.placement.moves import apply_moves
 
 __all__ = [
     "Application",

@@ -12,12 +12,12 @@ import contextlib
 import logging
 from pathlib import Path
 
-from engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from engine_agents.sim.loadgen import LoadGenerator
-from engine_agents.sim.scenario import prepare
-from engine_agents.sim.workload import load_request_csv
-from shared.bus import Bus
-from shared.settings import SwitchyardSettings
+from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.scenario import prepare
+from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.shared.bus import Bus
+from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from shared.codec import WireModel
-from shared.schemas import Count, EngineId, RequestId, Seconds, Timestamp
+from switchyard.shared.codec import WireModel
+from switchyard.shared.schemas import Count, EngineId, RequestId, Seconds, Timestamp
 
 
 class SimSubmit(WireModel):

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_agents.sim.experiments import batch_distinct, moe_layer_grid
-from engine_agents.sim.experts import ReplayBank
-from engine_agents.sim.metrics import SUMMARY_KEYS, summarize
-from engine_agents.sim.physics import SEED_FIG2, cost_model
-from engine_agents.sim.scenario import Scenario, prepare
-from engine_agents.sim.workload import RequestTrace, load_request_csv
-from solver.routing import DECODE_POLICIES, get_policy
+from switchyard.engine_agents.sim.experiments import batch_distinct, moe_layer_grid
+from switchyard.engine_agents.sim.experts import ReplayBank
+from switchyard.engine_agents.sim.metrics import SUMMARY_KEYS, summarize
+from switchyard.engine_agents.sim.physics import SEED_FIG2, cost_model
+from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.workload import RequestTrace, load_request_csv
+from switchyard.solver.routing import DECODE_POLICIES, get_policy
 
 __all__ = ["ReportOptions", "build_report"]
 
@@ -141,7 +141,7 @@ def build_report(out_dir: Path, opts: ReportOptions) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine_agents.sim.plots import save
+    from switchyard.engine_agents.sim.plots import save
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -496,7 +496,7 @@ def build_report(out_dir: Path, opts: ReportOptions) -> Path:
 
 def _cluster_sizes(sc: Scenario, fit: str, decoders: int) -> list[int]:
     """Calibration requests nearest to each centroid of the `fit` artifact (what K-means balanced or not)."""
-    from solver.scoring import Scorer
+    from switchyard.solver.scoring import Scorer
 
     artifact, _ = sc.eldr_inputs(fit, decoders)
     sims = Scorer.from_artifact(artifact).similarities_batch(sc.counts.prefill[sc.calib])  # type: ignore[arg-type]

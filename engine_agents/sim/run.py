@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_agents.sim.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
-from engine_agents.sim.scenario import prepare
-from engine_agents.sim.workload import load_request_csv
-from solver.routing import get_policy
-from solver.traces import TraceFormat
+from switchyard.engine_agents.sim.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
+from switchyard.engine_agents.sim.scenario import prepare
+from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.solver.routing import get_policy
+from switchyard.solver.traces import TraceFormat
 
 __all__ = ["SimOptions", "run_sim"]
 
@@ -101,7 +101,7 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
     if json_path is not None:
         write_json(json_path, payload)
     if out_dir is not None:
-        from engine_agents.sim.plots import plot_runs
+        from switchyard.engine_agents.sim.plots import plot_runs
 
         write_json(out_dir / "summary.json", payload)
         write_csv(out_dir / "summary.csv", list(summaries.values()), keys=["policy", "fleet", *SUMMARY_KEYS, "wall_s"])

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_agents.sim.experts import ReplayBank
-from engine_agents.sim.fleet import FleetConfig, SimResult, simulate
-from engine_agents.sim.physics import MODELS, CostModel, ModelSpec, cost_model
-from engine_agents.sim.workload import RequestTrace, Workload, build_workload
-from solver.routing import DecodePolicy, RoutingTables, get_policy
-from solver.signatures import RequestCounts, request_counts
-from solver.traces import RoutingTrace, TraceFormat, load_trace
+from switchyard.engine_agents.sim.experts import ReplayBank
+from switchyard.engine_agents.sim.fleet import FleetConfig, SimResult, simulate
+from switchyard.engine_agents.sim.physics import MODELS, CostModel, ModelSpec, cost_model
+from switchyard.engine_agents.sim.workload import RequestTrace, Workload, build_workload
+from switchyard.solver.routing import DecodePolicy, RoutingTables, get_policy
+from switchyard.solver.signatures import RequestCounts, request_counts
+from switchyard.solver.traces import RoutingTrace, TraceFormat, load_trace
 
 __all__ = ["Scenario", "match_model", "prepare", "split_calibration"]
 
@@ -142,8 +142,8 @@ class Scenario:
 
     def eldr_inputs(self, fit: str, decoders: int) -> tuple[object, np.ndarray]:
         """The ELDR artifact fit on the calibration part (`fit`: balanced | vanilla) and the replay part's sims."""
-        from solver.eldr_fit import FitOptions, fit_routing_artifact
-        from solver.scoring import Scorer
+        from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
+        from switchyard.solver.scoring import Scorer
 
         key = (fit, decoders)
         if key not in self._artifacts:

@@ -1,8 +1,8 @@
 """Request workloads for the simulator: when requests arrive, how long they are, which trace request they replay.
 
-Arrivals and token lengths come from a real request trace (the Azure LLM inference CSVs,
-`../shared/data/requests/`, with a time-compression factor) or, for rate sweeps without a CSV, from a
-Poisson process at a given rate with each replayed trace request's own prompt/output lengths. Which
+Arrivals and token lengths come from a real request trace (the Azure LLM inference CSVs shipped in
+`switchyard.data`, with a time-compression factor) or, for rate sweeps without a CSV, from a Poisson process
+at a given rate with each replayed trace request's own prompt/output lengths. Which
 routing-trace request each simulated request replays is drawn with replacement from the replay pool,
 deterministically from the seed.
 """

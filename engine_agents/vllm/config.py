@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.schemas import Capacity, Hello, ModelShape
-from shared.subjects import check_token
+from switchyard.shared.schemas import Capacity, Hello, ModelShape
+from switchyard.shared.subjects import check_token
 
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")

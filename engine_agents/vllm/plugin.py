@@ -25,11 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_agents.vllm.config import AgentSettings, build_hello, engine_identity, model_shape, moe_layers, queue_tokens
+from switchyard.engine_agents.vllm.config import (
+    AgentSettings,
+    build_hello,
+    engine_identity,
+    model_shape,
+    moe_layers,
+    queue_tokens,
+)
 
 if TYPE_CHECKING:  # the bus side is imported only by a process that attaches (vLLM loads plugins everywhere)
-    from engine_agents.vllm.runtime import ExpertLoadPublisher
-    from engine_agents.vllm.tracker import RequestTracker
+    from switchyard.engine_agents.vllm.runtime import ExpertLoadPublisher
+    from switchyard.engine_agents.vllm.tracker import RequestTracker
 
 log = logging.getLogger(__name__)
 _PATCHED = "_switchyard_patched"
@@ -123,7 +130,7 @@ def _patch_scheduler(settings: AgentSettings) -> None:
 def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     import vllm
 
-    from engine_agents.vllm.runtime import AgentThread, EngineCoreAgent
+    from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent
 
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
@@ -147,7 +154,7 @@ class ExpertCounter:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, rows: int, device: Any) -> None:
         import torch
 
-        from engine_agents.vllm.ops import count_experts, record_experts
+        from switchyard.engine_agents.vllm.ops import count_experts, record_experts
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.ids = torch.full((num_layers, rows, top_k), -1, dtype=torch.int32, device=device) if rows else None
@@ -219,8 +226,8 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-    from engine_agents.vllm.runtime import AgentThread, ExpertLoadPublisher
-    from engine_agents.vllm.tracker import RequestTracker
+    from switchyard.engine_agents.vllm.runtime import AgentThread, ExpertLoadPublisher
+    from switchyard.engine_agents.vllm.tracker import RequestTracker
 
     if getattr(runner, "_switchyard_counter", None) is not None or get_tensor_model_parallel_rank() != 0:
         return  # every TP rank routes the same tokens: one publisher is enough

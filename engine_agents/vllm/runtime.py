@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine_agents.agent import EngineAgent, TelemetrySource
-from engine_agents.vllm.tracker import TrackedRequest
-from shared.bus import Bus
-from shared.errors import SchemaMismatch
-from shared.schemas import (
+from switchyard.engine_agents.agent import EngineAgent, TelemetrySource
+from switchyard.engine_agents.vllm.tracker import TrackedRequest
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import SchemaMismatch
+from switchyard.shared.schemas import (
     CalibrationSample,
     ExpertLoad,
     Hello,
@@ -31,7 +31,7 @@ from shared.schemas import (
     MigrateReply,
     MigrateRequest,
 )
-from shared.settings import SwitchyardSettings
+from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class EngineCoreAgent:
         if request.engine_group != self.hello.ep_group:
             raise SchemaMismatch("engine_group", f"this engine belongs to group {self.hello.ep_group!r}")
         shape = self.hello.model
-        from solver.placement import contiguous_slots  # imported on demand: it brings OR-Tools along
+        from switchyard.solver.placement import contiguous_slots  # imported on demand: it brings OR-Tools along
 
         gpus = max(len(self.hello.gpus), 1)
         slots = -(-shape.num_experts // gpus)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from shared.db.models import Base
+from switchyard.shared.db.models import Base
 
 target_metadata = Base.metadata
 

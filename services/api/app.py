@@ -11,14 +11,14 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError
 
-from services.api import history, live
-from services.api.deps import ApiState
-from services.api.settings import ApiSettings
-from services.fleet import FleetView
-from services.runtime import ensure_schema
-from shared.bus import Bus
-from shared.db import create_async_db
-from shared.settings import SwitchyardSettings
+from switchyard.services.api import history, live
+from switchyard.services.api.deps import ApiState
+from switchyard.services.api.settings import ApiSettings
+from switchyard.services.fleet import FleetView
+from switchyard.services.runtime import ensure_schema
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import create_async_db
+from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 

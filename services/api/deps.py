@@ -15,10 +15,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from nats.js.kv import KeyValue
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from services.api.settings import ApiSettings
-from services.fleet import FleetView
-from shared.bus import Bus
-from shared.settings import SwitchyardSettings
+from switchyard.services.api.settings import ApiSettings
+from switchyard.services.fleet import FleetView
+from switchyard.shared.bus import Bus
+from switchyard.shared.settings import SwitchyardSettings
 
 
 @dataclass

@@ -13,9 +13,9 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
 
-from services.api import models as m
-from services.api.deps import Session, State, Writer, as_utc, decode_cursor, encode_cursor
-from services.history import (
+from switchyard.services.api import models as m
+from switchyard.services.api.deps import Session, State, Writer, as_utc, decode_cursor, encode_cursor
+from switchyard.services.history import (
     add_placement,
     applied_placement,
     default_layout_like,
@@ -25,8 +25,8 @@ from services.history import (
     next_version,
     publish_plan,
 )
-from shared.db import Calibration, Migration, MigrationMove, Placement
-from shared.schemas import CalibrationRequest, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.shared.db import Calibration, Migration, MigrationMove, Placement
+from switchyard.shared.schemas import CalibrationRequest, ObjectiveTerms, PlacementParams, PlacementPlan
 
 router = APIRouter(prefix="/v1")
 

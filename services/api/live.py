@@ -11,12 +11,12 @@ from nats.js.errors import KeyNotFoundError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import select, text
 
-from services.api import models as m
-from services.api.deps import Session, State
-from shared.codec import decode_reply
-from shared.db import Engine
-from shared.errors import WireError
-from shared.schemas import RoutingArtifact
+from switchyard.services.api import models as m
+from switchyard.services.api.deps import Session, State
+from switchyard.shared.codec import decode_reply
+from switchyard.shared.db import Engine
+from switchyard.shared.errors import WireError
+from switchyard.shared.schemas import RoutingArtifact
 
 router = APIRouter()
 

@@ -7,9 +7,9 @@ import contextlib
 
 import uvicorn
 
-from services.api.app import create_app
-from services.api.settings import ApiSettings
-from shared.settings import SwitchyardSettings
+from switchyard.services.api.app import create_app
+from switchyard.services.api.settings import ApiSettings
+from switchyard.shared.settings import SwitchyardSettings
 
 
 class _InProcessServer(uvicorn.Server):

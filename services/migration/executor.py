@@ -36,17 +36,17 @@ from prometheus_client import Counter
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.engine_layout import LayoutProbe, differs
-from services.fleet import FleetView
-from services.history import applied_placement, default_layout_like, load_layout, set_status
-from services.migration.planner import plan_steps, rollback_steps
-from services.migration.settings import MigrationSettings
-from shared.bus import Bus
-from shared.db import Migration, MigrationMove, Placement
-from shared.db.types import utcnow
-from shared.errors import RemoteError, WireError
-from shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
-from solver.placement import PlacementError
+from switchyard.services.engine_layout import LayoutProbe, differs
+from switchyard.services.fleet import FleetView
+from switchyard.services.history import applied_placement, default_layout_like, load_layout, set_status
+from switchyard.services.migration.planner import plan_steps, rollback_steps
+from switchyard.services.migration.settings import MigrationSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Migration, MigrationMove, Placement
+from switchyard.shared.db.types import utcnow
+from switchyard.shared.errors import RemoteError, WireError
+from switchyard.shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
+from switchyard.solver.placement import PlacementError
 
 log = logging.getLogger(__name__)
 

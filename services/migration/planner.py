@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.schemas import MOVE_COLUMNS
-from solver.placement.moves import NO_SLOT, plan_moves
+from switchyard.shared.schemas import MOVE_COLUMNS
+from switchyard.solver.placement.moves import NO_SLOT, plan_moves
 
 LAYER = MOVE_COLUMNS.index("layer")
 

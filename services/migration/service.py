@@ -19,15 +19,15 @@ from sqlalchemy import case, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.fleet import FleetView
-from services.history import add_placement
-from services.migration.executor import Executor
-from services.migration.settings import MigrationSettings
-from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
-from shared.bus import Bus
-from shared.db import Migration, Placement, create_async_db
-from shared.schemas import PlacementPlan
-from shared.settings import SwitchyardSettings
+from switchyard.services.fleet import FleetView
+from switchyard.services.history import add_placement
+from switchyard.services.migration.executor import Executor
+from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Migration, Placement, create_async_db
+from switchyard.shared.schemas import PlacementPlan
+from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 

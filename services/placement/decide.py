@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from solver.placement import GreedyParams, PlacementProblem, Weights, objective, place
-from solver.placement.moves import plan_moves
+from switchyard.solver.placement import GreedyParams, PlacementProblem, Weights, objective, place
+from switchyard.solver.placement.moves import plan_moves
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 from nats.errors import TimeoutError as NatsTimeoutError
 from sqlalchemy import select
 
-from services.calibration import Window, calibration_row, run_calibration
-from services.history import applied_placement, load_layout
-from services.runtime import decode_stream_message
-from shared.db import Calibration
-from shared.schemas import CalibrationRequest
-from solver.placement import MinlpCancelled, MinlpOptions, PlacementError
+from switchyard.services.calibration import Window, calibration_row, run_calibration
+from switchyard.services.history import applied_placement, load_layout
+from switchyard.services.runtime import decode_stream_message
+from switchyard.shared.db import Calibration
+from switchyard.shared.schemas import CalibrationRequest
+from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementError
 
 if TYPE_CHECKING:
-    from services.placement.service import PlacementService
+    from switchyard.services.placement.service import PlacementService
 
 log = logging.getLogger(__name__)
 CONSUMER = "placement-calibrate"

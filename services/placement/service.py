@@ -33,9 +33,9 @@ from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.engine_layout import LayoutProbe
-from services.fleet import FleetView
-from services.history import (
+from switchyard.services.engine_layout import LayoutProbe
+from switchyard.services.fleet import FleetView
+from switchyard.services.history import (
     add_placement,
     applied_placement,
     default_layout,
@@ -46,17 +46,17 @@ from services.history import (
     plan_message,
     publish_plan,
 )
-from services.placement.decide import Decision, Policy, decide
-from services.placement.recalibrate import serve_calibration_requests
-from services.placement.settings import PlacementSettings
-from services.placement.window import DecayedLoad, drift
-from services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
-from shared.bus import Bus
-from shared.db import Calibration, Engine, Placement, create_async_db
-from shared.db.types import utcnow
-from shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
-from shared.settings import SwitchyardSettings
-from solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
+from switchyard.services.placement.decide import Decision, Policy, decide
+from switchyard.services.placement.recalibrate import serve_calibration_requests
+from switchyard.services.placement.settings import PlacementSettings
+from switchyard.services.placement.window import DecayedLoad, drift
+from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
+from switchyard.shared.bus import Bus
+from switchyard.shared.db import Calibration, Engine, Placement, create_async_db
+from switchyard.shared.db.types import utcnow
+from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
 
 log = logging.getLogger(__name__)
 

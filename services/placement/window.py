@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.schemas import ExpertLoad
+from switchyard.shared.schemas import ExpertLoad
 
 
 class DecayedLoad:

@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from services.router import metrics
-from services.router.fleet import Fleet
-from services.router.settings import RouterSettings
-from shared.codec import ErrorBody, ErrorReply
-from shared.errors import SchemaMismatch
-from shared.schemas import (
+from switchyard.services.router import metrics
+from switchyard.services.router.fleet import Fleet
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.codec import ErrorBody, ErrorReply
+from switchyard.shared.errors import SchemaMismatch
+from switchyard.shared.schemas import (
     Hello,
     RouteDecisions,
     RouteDecodeReply,
@@ -28,9 +28,9 @@ from shared.schemas import (
     RoutingArtifact,
     Telemetry,
 )
-from solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from solver.routing.dispatch import GimbalParams, pick_dp_engine
-from solver.scoring import Scorer, ScoringError
+from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
+from switchyard.solver.routing.dispatch import GimbalParams, pick_dp_engine
+from switchyard.solver.scoring import Scorer, ScoringError
 
 
 class RoleView:

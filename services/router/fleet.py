@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.schemas import Hello, Telemetry
-from shared.sequence import Seq, classify
+from switchyard.shared.schemas import Hello, Telemetry
+from switchyard.shared.sequence import Seq, classify
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1

@@ -22,13 +22,13 @@ import time
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from services.artifacts import ArtifactError, load_artifact
-from services.router.core import Decided, RouterCore
-from services.router.settings import RouterSettings
-from services.runtime import metrics_endpoint, supervised
-from shared.bus import Bus
-from shared.codec import WireModel, encode_unchecked
-from shared.schemas import (
+from switchyard.services.artifacts import ArtifactError, load_artifact
+from switchyard.services.router.core import Decided, RouterCore
+from switchyard.services.router.settings import RouterSettings
+from switchyard.services.runtime import metrics_endpoint, supervised
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import WireModel, encode_unchecked
+from switchyard.shared.schemas import (
     MAX_SHARED_DECISIONS,
     Announce,
     Hello,
@@ -37,7 +37,7 @@ from shared.schemas import (
     RouteDpRequest,
     Telemetry,
 )
-from shared.settings import SwitchyardSettings
+from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import uuid
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from solver.routing import DECODE_POLICIES
+from switchyard.solver.routing import DECODE_POLICIES
 
 
 class RouterSettings(BaseSettings):

@@ -1,7 +1,7 @@
 """History tables (SQLAlchemy 2) and engine/migration helpers; identical behaviour on SQLite and PostgreSQL."""
 
-from shared.db.engine import async_url, create_async_db, downgrade, sync_url, upgrade
-from shared.db.models import (
+from switchyard.shared.db.engine import async_url, create_async_db, downgrade, sync_url, upgrade
+from switchyard.shared.db.models import (
     Base,
     Calibration,
     Engine,

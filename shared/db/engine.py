@@ -17,18 +17,23 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-import infra
+import switchyard.infra as infra
+from switchyard.shared.errors import ConfigError
 
 ALEMBIC_DIR = Path(infra.__file__).resolve().parent / "alembic"
 
 
 def _url(url: str | URL) -> URL:
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError("not a database URL: use postgresql://... or sqlite:///path") from exc
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
-        raise ValueError(f"unsupported database {backend!r}: use postgresql://... or sqlite:///path")
+        raise ConfigError(f"unsupported database {backend!r}: use postgresql://... or sqlite:///path")
     return parsed
 
 

@@ -24,7 +24,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from shared.db.types import UTCDateTime, utcnow
+from switchyard.shared.db.types import UTCDateTime, utcnow
 
 PLACEMENT_SOURCES = ("greedy", "minlp", "manual", "rollback")
 PLACEMENT_STATES = ("proposed", "published", "applied", "superseded", "rejected", "failed")

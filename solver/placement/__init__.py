@@ -3,10 +3,10 @@
 Pure functions over numpy arrays (no I/O); see README.md in this folder for the model.
 """
 
-from solver.placement.greedy import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, greedy, greedy_hosts
-from solver.placement.minlp import MinlpCancelled, MinlpOptions, MinlpResult, solve_minlp
-from solver.placement.objective import Objective, gpu_loads, objective, objective_of_hosts
-from solver.placement.problem import (
+from switchyard.solver.placement.greedy import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, greedy, greedy_hosts
+from switchyard.solver.placement.minlp import MinlpCancelled, MinlpOptions, MinlpResult, solve_minlp
+from switchyard.solver.placement.objective import Objective, gpu_loads, objective, objective_of_hosts
+from switchyard.solver.placement.problem import (
     PlacementError,
     PlacementProblem,
     Weights,
@@ -16,8 +16,8 @@ from solver.placement.problem import (
     locality_distance,
     slots_from_hosts,
 )
-from solver.placement.refine import place, refine_swaps
-from solver.placement.replication import replica_counts
+from switchyard.solver.placement.refine import place, refine_swaps
+from switchyard.solver.placement.replication import replica_counts
 
 __all__ = [
     "DEFAULT_PARAMS",

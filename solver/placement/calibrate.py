@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts
-from solver.placement.minlp import MinlpOptions, solve_minlp
-from solver.placement.objective import objective_of_hosts
-from solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots
-from solver.placement.refine import place
+from switchyard.solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts
+from switchyard.solver.placement.minlp import MinlpOptions, solve_minlp
+from switchyard.solver.placement.objective import objective_of_hosts
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots
+from switchyard.solver.placement.refine import place
 
 COARSE_GRID = 2.0 ** np.arange(-6, 7)
 FINE_STEPS = 2.0 ** (np.arange(-4, 5) / 4)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.placement.problem import PlacementError
-from solver.placement.replication import replica_counts
+from switchyard.solver.placement.problem import PlacementError
+from switchyard.solver.placement.replication import replica_counts
 
 
 def eplb_global(load: np.ndarray, num_gpus: int, redundant_slots: int = 0) -> np.ndarray:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.placement.problem import PlacementError, PlacementProblem, check_weights, slots_from_hosts
-from solver.placement.replication import check_replicas, replica_counts
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, check_weights, slots_from_hosts
+from switchyard.solver.placement.replication import check_replicas, replica_counts
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, resolve_replicas
-from solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots, slots_from_hosts
-from solver.placement.refine import place
+from switchyard.solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, resolve_replicas
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots, slots_from_hosts
+from switchyard.solver.placement.refine import place
 
 
 class MinlpCancelled(PlacementError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.placement.problem import PlacementError, hosts_from_slots
+from switchyard.solver.placement.problem import PlacementError, hosts_from_slots
 
 NO_SLOT = (-1, -1)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.placement.problem import PlacementError, PlacementProblem, Weights, hosts_from_slots
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, Weights, hosts_from_slots
 
 
 @dataclass(frozen=True)

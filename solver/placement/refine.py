@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
-from solver.placement.objective import objective
-from solver.placement.problem import PlacementProblem, check_slot_map, hosts_from_slots, slots_from_hosts
+from switchyard.solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
+from switchyard.solver.placement.objective import objective
+from switchyard.solver.placement.problem import PlacementProblem, check_slot_map, hosts_from_slots, slots_from_hosts
 
 #: Gains smaller than this (relative to a layer's mean GPU load squared) are noise, not improvements.
 _EPSILON = 1e-12

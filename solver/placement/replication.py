@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.placement.problem import PlacementError
+from switchyard.solver.placement.problem import PlacementError
 
 
 def replica_counts(load: np.ndarray, redundant_slots: int, max_copies: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Routing policies: decode-engine choice at the prefill->decode handoff (`decode`, over a `FleetSnapshot`),
 and data-parallel dispatch (`dispatch`). Pure functions, shared by the router service and the simulator."""
 
-from solver.routing.decode import (
+from switchyard.solver.routing.decode import (
     DECODE_POLICIES,
     DEFAULT_TAU,
     Decision,
@@ -13,7 +13,7 @@ from solver.routing.decode import (
     domain_partition,
     get_policy,
 )
-from solver.routing.snapshot import FleetSnapshot
+from switchyard.solver.routing.snapshot import FleetSnapshot
 
 __all__ = [
     "DECODE_POLICIES",

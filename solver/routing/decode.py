@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from solver.routing.snapshot import FleetSnapshot
+from switchyard.solver.routing.snapshot import FleetSnapshot
 
 __all__ = [
     "DECODE_POLICIES",
