@@ -120,6 +120,10 @@ class Hello(WireModel):
     migrates: bool = True
     hello_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
     telemetry_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 0.1
+    #: The engine's OpenAI-compatible HTTP base URL (e.g. `http://10.0.0.5:8000`), where the gateway sends the
+    #: requests it routes there; None for an engine that serves no HTTP. The model it serves is `model.name`;
+    #: role `dp` is a mixed (prefill and decode) engine of a data-parallel fleet.
+    base_url: Annotated[str, Field(max_length=256, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")] | None = None
 
 
 class Telemetry(WireModel):
