@@ -15,6 +15,7 @@ K = decoders (centroids), N = masked layers:
 | MigrateRequest | moves `[n, 6]` |
 | LayoutReply | layout `[L, G, slots]` expert id per slot (-1 empty) |
 | CalibrationSample | prefill_counts `[L, E]`, decode_counts `[L, E]` |
+| PrefillSignature | signature `[L, E]` prompt top-k counts |
 | RoutingArtifact | idf `[N, E]`, centroids `[K, N*E]` |
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "ObjectiveTerms",
     "PlacementParams",
     "PlacementPlan",
+    "PrefillSignature",
     "RouteDecisions",
     "RouteDecodeReply",
     "RouteDecodeRequest",
@@ -392,6 +394,31 @@ class CalibrationSample(WireModel):
                 f"prefill_counts {list(self.prefill_counts.shape)} and decode_counts "
                 f"{list(self.decode_counts.shape)} differ"
             )
+        return self
+
+
+class PrefillSignature(WireModel):
+    """`sy.engine.<id>.signature`: one request's prefill expert signature, published when its prefill ends.
+
+    The carrier from an engine whose counts live in a worker process (vLLM) to the gateway, which waits for
+    it, keyed by `request_id`, before asking `sy.route.decode` (ELDR's handoff). `request_id` is the id the
+    engine gives the request; vLLM builds it from the client's `X-Request-Id` header, so the gateway matches
+    on the token it sent. `signature` sums the `[L, E]` top-k counts of every prompt token, including the
+    `cached_tokens` served from the prefix cache (the engine keeps their counts per KV block).
+    """
+
+    engine_id: EngineId
+    request_id: RequestId
+    ts: Timestamp
+    prompt_tokens: Count
+    cached_tokens: Count = 0
+    signature: IntMatrix
+
+    @model_validator(mode="after")
+    def _counts(self) -> PrefillSignature:
+        _at_least(self.signature, 0, "signature")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(f"cached_tokens {self.cached_tokens} exceeds prompt_tokens {self.prompt_tokens}")
         return self
 
 

@@ -46,6 +46,14 @@ class Subjects:
         """Control plane -> engines: publish your hello now (a service just started)."""
         return f"{self.prefix}.engine.announce"
 
+    def signature(self, engine_id: str) -> str:
+        """A prefill engine's `PrefillSignature` for one request (the gateway's handoff waits for it)."""
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.signature"
+
+    @property
+    def all_signatures(self) -> str:
+        return f"{self.prefix}.engine.*.signature"
+
     # --- engine -> control plane (JetStream, must not be lost) ---
     def expert_load(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.expert_load"

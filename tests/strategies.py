@@ -242,6 +242,19 @@ def route_decisions(draw: st.DrawFn) -> s.RouteDecisions:
 
 announces = st.builds(s.Announce, requester=st.text(min_size=1, max_size=64), engine_id=st.none() | ids)
 
+@st.composite
+def prefill_signatures(draw: st.DrawFn) -> s.PrefillSignature:
+    prompt = draw(st.integers(0, 100_000))
+    return s.PrefillSignature(
+        engine_id=draw(ids),
+        request_id=draw(request_ids),
+        ts=draw(times),
+        prompt_tokens=prompt,
+        cached_tokens=draw(st.integers(0, prompt)),
+        signature=draw(int_arrays(2)),
+    )
+
+
 ALL_MESSAGES = {
     s.RouteDecisions: route_decisions(),
     s.Announce: announces,
@@ -258,5 +271,6 @@ ALL_MESSAGES = {
     s.LayoutRequest: layout_requests,
     s.LayoutReply: layout_replies(),
     s.CalibrationSample: calibration_samples(),
+    s.PrefillSignature: prefill_signatures(),
     s.RoutingArtifact: routing_artifacts(),
 }
