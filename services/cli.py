@@ -666,11 +666,22 @@ def report(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     data_dir: DataDir = None,
     progress: Annotated[bool, typer.Option(help="Show progress.")] = True,
+    sections: Annotated[
+        str | None,
+        typer.Option(
+            "--sections",
+            help="Comma-separated sections to run: fig2, fig4, fig11, fig15, fig16, table2, bracket (default: all).",
+        ),
+    ] = None,
 ) -> None:
-    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2) as Markdown + PNG."""
-    from switchyard.engine_agents.sim.report import ReportOptions, build_report
+    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
+    from switchyard.engine_agents.sim.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
+    chosen = tuple(x.strip() for x in sections.split(",") if x.strip()) if sections else SECTIONS
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown or not chosen:
+        raise typer.BadParameter(f"unknown section(s) {', '.join(unknown) or '(none)'}; known: {', '.join(SECTIONS)}")
     opts = ReportOptions(
         quick=quick,
         trace=trace or settings.trace(shipped.ESFT),
@@ -680,6 +691,7 @@ def report(
         gpu=gpu,
         seed=seed,
         progress=progress,
+        sections=chosen,
     )
     path = build_report(out or settings.data_dir / "report", opts)
     typer.echo(f"report written to {path}")
