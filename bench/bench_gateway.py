@@ -24,6 +24,7 @@ non-streaming request in flight for `--duration` s per target; requests/s, and t
 process spent per request (from /proc).
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
+                                                [--profile PATH]
 """
 
 from __future__ import annotations
@@ -197,13 +198,20 @@ async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool
     return times[0] - start, list(np.diff(times)), last.rstrip().endswith(b"[DONE]")
 
 
-async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, float]]:
+async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[str, dict[str, float]]:
+    """Streaming TTFT/ITL per target, and the bare `sy.route.dp` round trip the gateway makes per request."""
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.schemas import RouteDpReply, RouteDpRequest
+    from switchyard.shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[nats_url], subject_prefix=PREFIX), name="bench-client")
     body = json.dumps({**BODY, "stream": True}).encode()
     conns = {name: Conn(port) for name, port in ports.items()}
     for conn in conns.values():
         await conn.open()
     ttft: dict[str, list[float]] = {n: [] for n in ports}
     itl: dict[str, list[float]] = {n: [] for n in ports}
+    route: list[float] = []
     for i in range(requests + 20):
         for name, conn in conns.items():
             first, gaps, done = await stream_once(conn, body)
@@ -211,7 +219,13 @@ async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, f
             if i >= 20:  # warm-up
                 ttft[name].append(first)
                 itl[name].extend(gaps)
-    return {
+        start = time.perf_counter()
+        await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
+        if i >= 20:
+            route.append(time.perf_counter() - start)
+    await bus.close()
+    router = {"route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3)}
+    result: dict[str, dict[str, float]] = {
         n: {
             "ttft_p50_ms": float(np.percentile(ttft[n], 50) * 1e3),
             "ttft_p99_ms": float(np.percentile(ttft[n], 99) * 1e3),
@@ -220,6 +234,7 @@ async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, f
         }
         for n in ports
     }
+    return {**result, "router": router}
 
 
 async def throughput(port: int, duration: float, concurrency: int, pid: int | None) -> dict[str, float]:
@@ -322,6 +337,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="Run the gateway under cProfile, stats to PATH.")
     args = parser.parse_args()
     if args.role == "stub":
         asyncio.run(run_stub(args.url, args.port, args.tokens, args.token_interval_ms / 1e3))
@@ -366,15 +382,16 @@ def main() -> None:
                 procs[role] = subprocess.Popen(
                     [*here, "--role", role, "--port", str(ports[role]), "--upstream", upstream], env=env
                 )
-            procs["gateway"] = subprocess.Popen(
-                [str(bin_dir / "switchyard"), "gateway", "--nats-url", url, "--port", str(ports["gateway"])], env=env
-            )
+            gateway = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway"])]
+            if args.profile:
+                gateway = ["-m", "cProfile", "-o", str(args.profile), *gateway]
+            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=env)
             for port in ports.values():
                 wait_http(port)
             wait_ready(ports["gateway"])
             time.sleep(1.0)  # the router has the stub's telemetry
             load_before = os.getloadavg()
-            lat = asyncio.run(latency(ports, args.requests))
+            lat = asyncio.run(latency(ports, args.requests, url))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             tput = {
                 name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name]))
@@ -391,6 +408,7 @@ def main() -> None:
                     proc.kill()
             nats.stop()
     sigs = signature_figures()
+    router_rtt = lat.pop("router")["route_dp_rtt_p50_ms"]
     direct = lat["direct"]
     report = {
         "machine": _single_core.machine(),
@@ -405,6 +423,7 @@ def main() -> None:
             for name in ports
             if name != "direct"
         },
+        "route_dp_rtt_p50_ms": router_rtt,
         "throughput": tput,
         "signature_json": sigs,
     }
@@ -420,6 +439,7 @@ def main() -> None:
             f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
         )
+    print(f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms")
     print("signature in kv_transfer_params (JSON):")
     for row in sigs:
         print(
