@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.stub import StubConfig
@@ -147,6 +149,24 @@ async def test_client_disconnect_aborts_upstream(bus: Bus, settings: SwitchyardS
         await wait_for(lambda: len(engines["a"].aborted) == 1)
         assert engines["a"].finished == []
         assert engines["a"].received[0][1] == engines["a"].aborted[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_before_the_first_byte_aborts_upstream(
+    bus: Bus, settings: SwitchyardSettings, stream: bool
+) -> None:
+    stubs = [StubConfig("a", tokens=2, token_interval_s=60.0)]  # nothing for a minute
+    before = metric("switchyard_gateway_client_aborts_total", kind="dp")
+    async with deployment(settings, bus, stubs) as (gw, engines):
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": stream}))
+            await wait_for(lambda: len(engines["a"].received) == 1)
+            task.cancel()  # the client gives up and closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await wait_for(lambda: len(engines["a"].aborted) == 1)
+        await wait_for(lambda: metric("switchyard_gateway_client_aborts_total", kind="dp") == before + 1)
+    assert engines["a"].finished == []
 
 
 async def test_router_down_falls_back_locally_and_counts_it(bus: Bus, settings: SwitchyardSettings) -> None:

@@ -84,7 +84,12 @@ class StubEngine:
         if body.get("stream"):
             return StreamingResponse(self._stream(request_id, chat), media_type="text/event-stream")
         delay = self.config.answer_delay_s
-        await asyncio.sleep(self.config.token_interval_s * self.config.tokens if delay is None else delay)
+        deadline = time.monotonic() + (self.config.token_interval_s * self.config.tokens if delay is None else delay)
+        while (left := deadline - time.monotonic()) > 0:  # as vLLM does, notice a client that went away
+            if await request.is_disconnected():
+                self.aborted.append(request_id)
+                return Response(status_code=499)
+            await asyncio.sleep(min(left, 0.01))
         self.finished.append(request_id)
         return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
 
