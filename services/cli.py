@@ -282,6 +282,9 @@ def fit(
 def router(
     nats_url: NatsUrl = None,
     policy: Annotated[str | None, typer.Option(help="Decode policy (default: SWITCHYARD_ROUTER_POLICY, eldr).")] = None,
+    dp_rule: Annotated[
+        str | None, typer.Option(help="sy.route.dp rule: gimbal or vllm (default: SWITCHYARD_ROUTER_DP_RULE, gimbal).")
+    ] = None,
 ) -> None:
     """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
     from switchyard.services.router.service import RouterService
@@ -289,8 +292,36 @@ def router(
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
-    router_settings = RouterSettings(**({"policy": policy} if policy else {}))
+    overrides = {k: v for k, v in {"policy": policy, "dp_rule": dp_rule}.items() if v}
+    router_settings = RouterSettings(**overrides)
     run_until_signalled(RouterService(settings, router_settings).run)
+
+
+@app.command()
+def gateway(
+    nats_url: NatsUrl = None,
+    host: Annotated[
+        str | None, typer.Option(help="Listen address (default: SWITCHYARD_GATEWAY_HOST, 127.0.0.1).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default: SWITCHYARD_GATEWAY_PORT, 8000).")] = None,
+    mode: Annotated[
+        str | None, typer.Option(help="auto, dp or disagg (default: SWITCHYARD_GATEWAY_MODE, auto).")
+    ] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway: routes each request through sy.route.dp / sy.route.decode to engines."""
+    from switchyard.services.gateway.service import GatewayService
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url)
+    overrides = {k: v for k, v in {"host": host, "port": port, "mode": mode}.items() if v is not None}
+    try:  # the request path is socket-bound: uvloop's event loop costs less per request where it is installed
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
 
 
 FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]
