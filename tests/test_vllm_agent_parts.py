@@ -22,6 +22,7 @@ from switchyard.engine_agents.vllm.config import (
     moe_layers,
     queue_tokens,
     role_of,
+    sjf_order,
 )
 from switchyard.engine_agents.vllm.plugin import SchedulerProbe
 from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
@@ -38,6 +39,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.routing.dispatch import GimbalParams
 from tests.fleet_helpers import eventually
 
 QWEN3_30B = SimpleNamespace(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1)
@@ -112,6 +114,42 @@ def test_the_probe_reads_the_scheduler() -> None:
     assert (reading["waiting_prefill_tokens"], reading["remaining_prefill_tokens"]) == (50, 20)
     assert reading["step_time_ema"] > 0.0
     Telemetry(engine_id="e", seq=0, ts=1.0, **reading)  # a valid telemetry body
+
+
+def test_telemetry_keeps_a_request_that_came_and_went_between_two_messages() -> None:
+    """The race that made the real-vLLM test flaky: a request admitted and finished within one 100 ms interval."""
+    busy = SimpleNamespace(
+        waiting=deque([SimpleNamespace(num_prompt_tokens=30, num_computed_tokens=0)]),
+        kv_holding_waiting=deque(),
+        running=[SimpleNamespace(num_prompt_tokens=40, num_computed_tokens=0)],
+        kv_cache_manager=SimpleNamespace(usage=0.5),
+    )
+    idle = SimpleNamespace(
+        waiting=deque(), kv_holding_waiting=deque(), running=[], kv_cache_manager=SimpleNamespace(usage=0.0)
+    )
+    probe = SchedulerProbe(interval_s=0.0)
+    probe.observe(busy)
+    probe.observe(idle, step=False)  # update_from_output: the requests finished before any message went out
+    reading = probe.read()
+    assert (reading["num_running"], reading["num_waiting"]) == (1, 1)  # the peak since the last message
+    assert (reading["waiting_prefill_tokens"], reading["remaining_prefill_tokens"]) == (30, 40)
+    assert reading["kv_usage"] == 0.0  # a level, not a peak: the latest value
+    quiet = probe.read()  # no step since: the state after the last one
+    assert (quiet["num_running"], quiet["num_waiting"], quiet["remaining_prefill_tokens"]) == (0, 0, 0)
+
+
+def test_sjf_with_aging_reorders_the_waiting_queue() -> None:
+    """Gimbal's Algorithm 2 on vLLM's deque: aged first (longest wait first), then fewest tokens to prefill."""
+
+    def req(name: str, prompt: int, computed: int, arrived: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, num_prompt_tokens=prompt, num_computed_tokens=computed, arrival_time=arrived)
+
+    queue = deque([req("long", 900, 0, 99.0), req("old-long", 800, 0, 90.0), req("short", 20, 0, 99.5)])
+    queue.append(req("chunked", 900, 880, 99.8))  # 20 left, arrived later than "short": the tie keeps queue order
+    queue.append(req("older-long", 700, 0, 80.0))
+    assert sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)
+    assert [r.name for r in queue] == ["older-long", "old-long", "short", "chunked", "long"]
+    assert not sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)  # already in order: untouched
 
 
 async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: SwitchyardSettings) -> None:

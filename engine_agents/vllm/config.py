@@ -11,11 +11,13 @@ import socket
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from switchyard.shared.schemas import Capacity, Hello, ModelShape
 from switchyard.shared.subjects import check_token
+from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
@@ -44,6 +46,8 @@ class AgentSettings(BaseSettings):
     #: `SY_CALIBRATION`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
     #: request copies its rows' expert ids to the host (a synchronisation).
     calibration_fraction: float = Field(default=0.0, ge=0, le=1)
+    #: θ_age of the SJF-with-aging scheduler class (`engine_agents/vllm/sjf.py`): requests waiting longer go first.
+    sjf_age_threshold_s: float = Field(default=5.0, ge=0)
 
 
 def _first(config: Any, names: Iterable[str], what: str) -> int:
@@ -121,3 +125,22 @@ def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, 
 def queue_tokens(requests: Iterable[Any]) -> int:
     """Prompt tokens not yet prefilled, over vLLM `Request`s (`num_prompt_tokens - num_computed_tokens`)."""
     return sum(max(int(r.num_prompt_tokens) - int(r.num_computed_tokens), 0) for r in requests)
+
+
+def sjf_order(queue: Any, params: GimbalParams, now: float) -> bool:
+    """Reorder vLLM's FCFS waiting queue (a deque of `Request`s) in place by Gimbal's Algorithm 2.
+
+    Aged requests (waited > θ_age, from `arrival_time`) first, longest wait first; then fewest prompt tokens
+    still to prefill first; ties keep queue order. Returns whether the order changed.
+    """
+    if len(queue) < 2:
+        return False
+    requests = list(queue)
+    remaining = np.array([max(int(r.num_prompt_tokens) - int(r.num_computed_tokens), 0) for r in requests], np.int64)
+    waited = np.array([now - float(r.arrival_time) for r in requests], np.float64)
+    order = queue_order(remaining, waited, params)
+    if np.array_equal(order, np.arange(len(requests))):
+        return False
+    queue.clear()
+    queue.extend(requests[i] for i in order)
+    return True

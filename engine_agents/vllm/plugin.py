@@ -56,11 +56,17 @@ def register() -> None:
 
 
 class SchedulerProbe:
-    """The latest telemetry reading, refreshed by the engine thread after each `schedule()`.
+    """The telemetry reading, refreshed by the engine thread after each `schedule()` and `update_from_output()`.
 
-    Token sums walk the queues, so they are recomputed at most once per telemetry interval; the reading is
-    one dict replaced whole, which the agent thread can read at any time.
+    Queue lengths are the **peak since the previous telemetry message**, not the value at the moment of
+    sampling: a request that arrives and finishes between two 100 ms samples still shows up in one of them
+    (it is in `running` after the `schedule()` that admitted it), so a router never sees an engine as idle
+    while it served requests in the interval. With no step since the last message (the engine is idle) the
+    reading is the state after the last step, so a drained engine reports 0. Token sums walk the queues, so
+    they are recomputed at most once per telemetry interval.
     """
+
+    _PEAKS = ("num_running", "num_waiting", "waiting_prefill_tokens", "remaining_prefill_tokens")
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -72,22 +78,26 @@ class SchedulerProbe:
             "remaining_prefill_tokens": 0,
             "step_time_ema": 0.0,
         }
+        self._peak: dict[str, float | int | bool] | None = None
+        self._lock = threading.Lock()  # engine thread writes, agent thread reads; uncontended almost always
         self._tokens = (0, 0)
         self._next_tokens = 0.0
         self._last_step: float | None = None
         self._step_ema = 0.0
 
-    def observe(self, scheduler: Any) -> None:
+    def observe(self, scheduler: Any, step: bool = True) -> None:
+        """Read the scheduler; `step` is False after `update_from_output` (the same step, its requests done)."""
         now = time.monotonic()
-        if self._last_step is not None and now - self._last_step < 1.0:  # back-to-back steps: one step's time
-            step = now - self._last_step
-            self._step_ema = step if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * step
-        self._last_step = now
-        if now >= self._next_tokens:  # walking the queues is O(requests): once per telemetry interval
+        if step:
+            if self._last_step is not None and now - self._last_step < 1.0:  # back-to-back steps: one step's time
+                gap = now - self._last_step
+                self._step_ema = gap if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * gap
+            self._last_step = now
+        if now >= self._next_tokens or not step:  # walking the queues is O(requests): once per interval
             waiting = queue_tokens(scheduler.waiting) + queue_tokens(scheduler.kv_holding_waiting)
             self._tokens = (waiting, queue_tokens(scheduler.running))
             self._next_tokens = now + self.interval_s
-        self.reading = {
+        reading = {
             "kv_usage": min(max(float(scheduler.kv_cache_manager.usage), 0.0), 1.0),
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
@@ -95,9 +105,21 @@ class SchedulerProbe:
             "remaining_prefill_tokens": self._tokens[1],
             "step_time_ema": self._step_ema,
         }
+        with self._lock:
+            self.reading = reading
+            if self._peak is None:
+                self._peak = dict(reading)
+            else:
+                for key in self._PEAKS:
+                    self._peak[key] = max(self._peak[key], reading[key])
 
     def read(self) -> dict[str, float | int | bool]:
-        return self.reading
+        """The reading for one telemetry message: peaks since the previous call, else the latest state."""
+        with self._lock:
+            peak, self._peak = self._peak, None
+            if peak is None:
+                return self.reading
+            return {**self.reading, **{key: peak[key] for key in self._PEAKS}}
 
 
 def _patch_scheduler(settings: AgentSettings) -> None:
@@ -106,6 +128,7 @@ def _patch_scheduler(settings: AgentSettings) -> None:
     if getattr(Scheduler, _PATCHED, False):
         return
     original_init, original_schedule = Scheduler.__init__, Scheduler.schedule
+    original_update = Scheduler.update_from_output
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -123,7 +146,16 @@ def _patch_scheduler(settings: AgentSettings) -> None:
             probe.observe(self)
         return output
 
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original_update(self, *args, **kwargs)
+        probe = getattr(self, "_switchyard_probe", None)
+        if probe is not None:  # finished requests have left the queues: an idle engine then reads 0
+            probe.observe(self, step=False)
+        return outputs
+
     Scheduler.__init__, Scheduler.schedule = __init__, schedule  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     setattr(Scheduler, _PATCHED, True)
 
 
