@@ -26,6 +26,7 @@ from switchyard.engine_agents.vllm.config import (
 )
 from switchyard.engine_agents.vllm.plugin import SchedulerProbe
 from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from switchyard.engine_agents.vllm.signatures import prefill_ends
 from switchyard.engine_agents.vllm.tracker import RequestTracker
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
@@ -150,6 +151,27 @@ def test_sjf_with_aging_reorders_the_waiting_queue() -> None:
     assert sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)
     assert [r.name for r in queue] == ["older-long", "old-long", "short", "chunked", "long"]
     assert not sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)  # already in order: untouched
+
+
+def test_a_request_whose_prefill_ends_in_a_step_names_its_blocks() -> None:
+    """Which requests finish their prefill in a step, with the KV blocks of their whole prompt (cached ones too)."""
+    table = np.array([[7, 3, 9, 0], [4, 5, 0, 0], [2, 6, 8, 1]])
+    cached = {"hit": 32, "gone": 16}
+    finished = prefill_ends(
+        ["hit", "decoding", "chunked", None],
+        num_scheduled=np.array([8, 1, 16, 5]),
+        num_computed=np.array([32, 20, 0, 0]),
+        num_prompt=np.array([40, 18, 48, 5]),
+        block_table=table,
+        block_size=16,
+        cached=cached,
+    )
+    assert [(f.request_id, f.prompt_tokens, f.cached_tokens, f.blocks.tolist()) for f in finished] == [
+        ("hit", 40, 32, [7, 3, 9])  # its prefill ends: 3 blocks hold 40 tokens, 2 of them from the cache
+    ]
+    assert cached == {"gone": 16}  # consumed once
+    later = prefill_ends(["chunked"], np.array([32]), np.array([16]), np.array([48]), table[2:], 16, cached)
+    assert [(f.request_id, f.cached_tokens, f.blocks.tolist()) for f in later] == [("chunked", 0, [2, 6, 8])]
 
 
 async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: SwitchyardSettings) -> None:

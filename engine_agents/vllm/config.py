@@ -46,6 +46,9 @@ class AgentSettings(BaseSettings):
     #: `SY_CALIBRATION`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
     #: request copies its rows' expert ids to the host (a synchronisation).
     calibration_fraction: float = Field(default=0.0, ge=0, le=1)
+    #: Every request's prefill signature from per-KV-block counts, published as `PrefillSignature` on
+    #: `sy.engine.<id>.signature` when its prefill ends (`engine_agents/vllm/signatures.py`).
+    signatures: bool = True
     #: θ_age of the SJF-with-aging scheduler class (`engine_agents/vllm/sjf.py`): requests waiting longer go first.
     sjf_age_threshold_s: float = Field(default=5.0, ge=0)
 

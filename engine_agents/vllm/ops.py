@@ -32,3 +32,41 @@ def record_experts(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> 
 @record_experts.register_fake
 def _(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
     return None
+
+
+#: Per-KV-block count tables, by the key the capture op carries: `(blocks [B + 1, L, E], slot_mapping, block_size,
+#: ones)`. Registered after vLLM allocates its KV cache, which is after torch.compile traced the model: the op
+#: is in the graph from load time and finds its table here when it runs (on a GPU: when CUDA graphs are
+#: captured, after which the replays write into the same tensors).
+BLOCK_TABLES: dict[int, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
+
+
+@torch.library.custom_op("switchyard::count_blocks", mutates_args=("anchor",))
+def count_blocks(anchor: torch.Tensor, layer: int, topk_ids: torch.Tensor, table: int) -> None:
+    """Add one MoE layer's top-k selections to the `[L, E]` row of the KV block each token's KV lands in.
+
+    A token's block is its slot (vLLM's slot mapping, `-1` for padding) // block size; padding and invalid
+    ids go to the last, scratch row. A block whose first slot is written in this step is new content (fresh
+    or reused after eviction): layer 0 clears its row first. Everything stays on the device: no host sync.
+    `anchor` is a declared mutation so that the compiler keeps the call.
+    """
+    entry = BLOCK_TABLES.get(table)
+    if entry is None:
+        return
+    blocks, slot_mapping, block_size, ones = entry
+    rows = min(topk_ids.shape[0], slot_mapping.shape[0])
+    scratch = blocks.shape[0] - 1
+    slots = slot_mapping[:rows]
+    block = torch.where(slots >= 0, torch.div(slots, block_size, rounding_mode="floor"), scratch)
+    if layer == 0:
+        blocks.index_fill_(0, torch.where((slots >= 0) & (slots % block_size == 0), block, scratch), 0)
+    layers, experts = blocks.shape[1], blocks.shape[2]
+    ids = topk_ids[:rows].to(torch.int64)
+    valid = (ids >= 0) & (ids < experts)
+    flat = torch.where(valid, (block[:, None] * layers + layer) * experts + ids, scratch * layers * experts)
+    blocks.view(-1).index_add_(0, flat.reshape(-1), ones[: flat.numel()])
+
+
+@count_blocks.register_fake
+def _(anchor: torch.Tensor, layer: int, topk_ids: torch.Tensor, table: int) -> None:
+    return None

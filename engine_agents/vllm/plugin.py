@@ -190,17 +190,22 @@ class ExpertCounter:
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.ids = torch.full((num_layers, rows, top_k), -1, dtype=torch.int32, device=device) if rows else None
+        self.anchor = torch.zeros(1, dtype=torch.int32, device=device)  # what `count_blocks` declares it mutates
         self.armed = False
         self._count, self._record = count_experts, record_experts
 
-    def capture_fn(self, layer: int) -> Any:
-        counts, ids, count, record = self.counts, self.ids, self._count, self._record
-        if ids is None:
-            return lambda topk_ids: count(counts, layer, topk_ids)
+    def capture_fn(self, layer: int, blocks_key: int | None = None) -> Any:
+        """The router's capture function for MoE layer `layer`; with `blocks_key`, also per-KV-block counts."""
+        from switchyard.engine_agents.vllm.ops import count_blocks
+
+        counts, ids, count, record, anchor = self.counts, self.ids, self._count, self._record, self.anchor
 
         def capture(topk_ids: Any) -> None:
             count(counts, layer, topk_ids)
-            record(ids, layer, topk_ids)
+            if ids is not None:
+                record(ids, layer, topk_ids)
+            if blocks_key is not None:
+                count_blocks(anchor, layer, topk_ids, blocks_key)
 
         return capture
 
@@ -280,21 +285,50 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     )
     if not publisher.start():
         return  # no bus: count nothing
+    blocks_key = id(counter) if settings.signatures else None
     for index, module in enumerate(sorted(moe, key=lambda m: m.layer_id)):
-        module.router.set_capture_fn(counter.capture_fn(index))
+        module.router.set_capture_fn(counter.capture_fn(index, blocks_key))
+    if blocks_key is not None:
+        _wrap_kv_cache_init(runner, len(moe), shape.num_experts, shape.top_k, blocks_key)
     tracker = RequestTracker(len(moe), shape.num_experts, settings.calibration_fraction) if rows else None
     _wrap_steps(runner, counter, tracker, publisher)
     runner._switchyard_counter = counter
     runner._switchyard_publisher = publisher
 
 
+def _wrap_kv_cache_init(runner: Any, num_layers: int, num_experts: int, top_k: int, key: int) -> None:
+    """Once vLLM has allocated its KV cache (block count known), allocate the per-block count table."""
+    from switchyard.engine_agents.vllm.signatures import BlockSignatures
+
+    original = runner.initialize_kv_cache
+
+    def initialize_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        try:
+            runner._switchyard_signatures = BlockSignatures(runner, num_layers, num_experts, top_k, key)
+            log.info(
+                "switchyard agent: per-block signature table, %d blocks, %.1f MiB",
+                runner._switchyard_signatures.num_blocks,
+                runner._switchyard_signatures.nbytes / 2**20,
+            )
+        except Exception:
+            log.exception("switchyard agent: no per-block signatures")
+        return result
+
+    runner.initialize_kv_cache = initialize_kv_cache
+
+
 def _wrap_steps(
     runner: Any, counter: ExpertCounter, tracker: RequestTracker | None, publisher: ExpertLoadPublisher
 ) -> None:
-    """Around each real step: arm the counter, and feed the tracker (rows before, expert ids after)."""
+    """Around each real step: arm the counter, feed the tracker (rows before, expert ids after), and gather
+    the signatures of the requests whose prefill ends in the step."""
     execute_model, prepare_inputs = runner.execute_model, runner._prepare_inputs
 
     def prepare(scheduler_output: Any, num_scheduled_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        signatures = getattr(runner, "_switchyard_signatures", None)
+        if signatures is not None:
+            signatures.plan(runner, scheduler_output, num_scheduled_tokens)
         if tracker is not None:
             batch, n = runner.input_batch, runner.input_batch.num_reqs
             tracker.plan_step(
@@ -307,8 +341,14 @@ def _wrap_steps(
 
     def execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         counter.arm()
+        signatures = getattr(runner, "_switchyard_signatures", None)
+        if signatures is not None:
+            signatures.forget(scheduler_output.finished_req_ids)
+            signatures.pending = []  # planned by this step's `_prepare_inputs`, if it has tokens
         if tracker is None:
-            return execute_model(scheduler_output, *args, **kwargs)
+            result = execute_model(scheduler_output, *args, **kwargs)
+            _publish_signatures(signatures, publisher)
+            return result
         with lock:
             last_step[0] = time.monotonic()
             for request_id, state in tracker.finish(scheduler_output.finished_req_ids):
@@ -317,6 +357,7 @@ def _wrap_steps(
             if tracker.pending_rows.size:
                 tracker.absorb(counter.rows(tracker.pending_rows))
             last_step[0] = time.monotonic()  # a step longer than IDLE_FLUSH_S is not idleness
+        _publish_signatures(signatures, publisher)
         return result
 
     def flush_when_idle() -> None:
@@ -331,3 +372,12 @@ def _wrap_steps(
     lock, last_step = threading.Lock(), [time.monotonic()]
     runner._prepare_inputs, runner.execute_model = prepare, execute
     publisher.on_tick = flush_when_idle
+
+
+def _publish_signatures(signatures: Any, publisher: ExpertLoadPublisher) -> None:
+    """Gather the step's finished prefills (device ops queued after the forward) and hand them to the bus."""
+    if signatures is None:
+        return
+    gathered = signatures.gather()
+    if gathered is not None:
+        publisher.publish_signatures(*gathered)

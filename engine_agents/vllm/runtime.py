@@ -15,10 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from switchyard.engine_agents.agent import EngineAgent, TelemetrySource
+from switchyard.engine_agents.vllm.signatures import Finished
 from switchyard.engine_agents.vllm.tracker import TrackedRequest
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import SchemaMismatch
@@ -30,6 +32,7 @@ from switchyard.shared.schemas import (
     LayoutRequest,
     MigrateReply,
     MigrateRequest,
+    PrefillSignature,
 )
 from switchyard.shared.settings import SwitchyardSettings
 
@@ -175,6 +178,45 @@ class ExpertLoadPublisher:
             decode_counts=state.decode,
         )
         self.thread.submit(self._publish_sample(bus, sample))
+
+    def publish_signatures(self, finished: list[Finished], sums: Any) -> None:
+        """Queue `PrefillSignature`s for requests whose prefill ended (`sums [R, L, E]` on the model's device).
+
+        On a GPU the copy to the host is queued behind the step (pinned memory, non-blocking) and the agent
+        thread waits for its event, so the engine thread never synchronises.
+        """
+        bus = self.thread.bus
+        if bus is None:
+            return
+        if sums.device.type == "cuda":
+            import torch
+
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = sums, None
+        self.thread.submit(self._publish_signatures(bus, finished, host, ready))
+
+    async def _publish_signatures(self, bus: Bus, finished: list[Finished], host: Any, ready: Any) -> None:
+        if ready is not None:
+            await asyncio.to_thread(ready.synchronize)
+        counts = host.numpy().astype(np.uint32)
+        subject = bus.subjects.signature(self.engine_id)
+        for request, signature in zip(finished, counts, strict=True):
+            message = PrefillSignature(
+                engine_id=self.engine_id,
+                request_id=request.request_id[:128],
+                ts=time.time(),
+                prompt_tokens=request.prompt_tokens,
+                cached_tokens=request.cached_tokens,
+                signature=signature,
+            )
+            try:
+                await bus.publish(subject, message)
+            except Exception as exc:  # the gateway then routes this request without a signature
+                log.warning("switchyard agent: signature of %s not published: %s", request.request_id, exc)
 
     async def _publish_sample(self, bus: Bus, sample: CalibrationSample) -> None:
         try:
