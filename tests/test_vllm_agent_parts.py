@@ -18,11 +18,14 @@ from nats.aio.msg import Msg
 from switchyard.engine_agents.vllm.config import (
     AgentSettings,
     build_hello,
+    expert_parallelism,
+    expert_pressure,
     model_shape,
     moe_layers,
     queue_tokens,
     role_of,
     sjf_order,
+    source_counts,
 )
 from switchyard.engine_agents.vllm.plugin import SchedulerProbe
 from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
@@ -153,6 +156,25 @@ def test_sjf_with_aging_reorders_the_waiting_queue() -> None:
     assert not sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)  # already in order: untouched
 
 
+def test_expert_pressure_and_source_ranks_follow_vllms_expert_parallel_layout() -> None:
+    """Gimbal's MoE pressure from real counts (vLLM's linear expert map), and DP+EP source attribution."""
+    config = SimpleNamespace(data_parallel_size=2, data_parallel_rank=1, tensor_parallel_size=2)
+    assert expert_parallelism(config) == (1, 1, 2)  # no EP: every expert is local
+    assert expert_parallelism(SimpleNamespace(**vars(config), enable_expert_parallel=True)) == (4, 1, 2)
+    counts = np.array([[4, 4, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    assert expert_pressure(counts, 1) == 1.0
+    assert expert_pressure(counts, 4) == pytest.approx((8 / 3 + 1.0) / 2)  # rank loads [8, 2, 2, 0] and even
+    assert expert_pressure(np.ones((2, 10)), 4) == pytest.approx(1.2)  # 10 experts on 4 ranks: [3, 3, 2, 2]
+    assert expert_pressure(np.zeros((2, 8)), 4) == 1.0
+    sources = source_counts(counts, dp_rank=1, dp_size=2, tp_size=2)
+    assert sources is not None and sources.shape == (2, 4, 8)
+    np.testing.assert_array_equal(sources[:, 2], counts)  # DP rank 1 starts at EP rank 2
+    assert sources.sum() == counts.sum() and source_counts(counts, 0, 1, 2) is None
+    ExpertLoad(
+        engine_id="e", ep_group="g", seq=0, window_start=0, window_end=1, expert_counts=counts, source_counts=sources
+    )  # a valid window
+
+
 def test_a_request_whose_prefill_ends_in_a_step_names_its_blocks() -> None:
     """Which requests finish their prefill in a step, with the KV blocks of their whole prompt (cached ones too)."""
     table = np.array([[7, 3, 9, 0], [4, 5, 0, 0], [2, 6, 8, 1]])
@@ -188,12 +210,21 @@ async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: Swi
         "remaining_prefill_tokens": 2,
         "step_time_ema": 0.02,
     }
-    agent = EngineCoreAgent(hello, lambda: reading, AgentThread("v0", settings))
+    agent = EngineCoreAgent(hello, lambda: reading, AgentThread("v0", settings), ep_size=2)
     assert await asyncio.to_thread(agent.start)
     try:
         await eventually(lambda: _at_least(telemetry, 3))
         assert hellos[0].engine_id == "v0" and hellos[0].ts > 0
         assert [t.seq for t in telemetry[:3]] == [0, 1, 2] and telemetry[0].num_running == 3
+        assert telemetry[0].expert_pressure == 1.0  # no window yet
+        # The worker's window (another process) comes back over NATS: rank 0's experts take 3/4 of the load.
+        counts = np.zeros((48, 128), np.uint32)
+        counts[:, :64], counts[:, 64:] = 3, 1
+        window = ExpertLoad(
+            engine_id="v0", ep_group="v0", seq=0, window_start=1.0, window_end=2.0, expert_counts=counts
+        )
+        await bus.publish(bus.subjects.expert_load("v0"), window)
+        await eventually(lambda: _pressure_is(telemetry, 1.5))
         layout = await bus.request(bus.subjects.layout("v0"), LayoutRequest(engine_group="v0"), LayoutReply)
         assert layout.layout.shape == (48, 4, 32) and layout.version == 0
         np.testing.assert_array_equal(layout.layout[5, 1], np.arange(32, 64))  # vLLM's contiguous ranges
@@ -234,6 +265,10 @@ async def test_an_unreachable_nats_leaves_the_engine_alone(settings: SwitchyardS
 
 async def _at_least(items: list, count: int) -> bool:
     return len(items) >= count
+
+
+async def _pressure_is(telemetry: list[Telemetry], value: float) -> bool:
+    return telemetry[-1].expert_pressure == value
 
 
 def test_the_tracker_attributes_rows_to_requests_and_phases() -> None:

@@ -1,6 +1,7 @@
 """Every request's prefill signature from per-KV-block counts, inside a real vLLM engine (CPU), eager and compiled.
 
-The engine runs the tiny random Qwen3-MoE in float32 with prefix caching on and 16-token blocks. Phase 1
+The engine runs the tiny random Qwen3-MoE in float32 with prefix caching on and 32-token blocks (the CPU
+attention's unit). Phase 1
 serves three prompts with nothing cached; phase 2 repeats one (two full blocks from the cache) and sends
 one that shares those two blocks; after a prefix-cache reset phase 3 sends that last prompt again, computed
 whole. The signatures must equal whole-request counts computed independently: the per-row calibration
@@ -32,10 +33,10 @@ import json, os, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], enforce_eager={eager}, max_model_len=256, max_num_seqs=4, dtype="float32",
-              gpu_memory_utilization=0.1, enable_prefix_caching=True, block_size=16)
+              gpu_memory_utilization=0.1, enable_prefix_caching=True, block_size=32)
     words = lambda start, n: [f"t{{(start + 7 * j) % 500 + 5}}" for j in range(n)]
-    a, b, c = words(0, 40), words(101, 70), words(202, 20)
-    d = a[:32] + words(303, 13)
+    a, b, c = words(0, 80), words(101, 70), words(202, 20)
+    d = a[:64] + words(303, 20)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     served = []
     for phase, prompts in enumerate([[a, b, c], [a, d], [d]]):
@@ -136,9 +137,9 @@ async def test_every_request_gets_its_block_granular_signature(
         s, request = sig[key]
         np.testing.assert_array_equal(s.signature, _transformers_counts(tiny_moe, request["token_ids"]))
 
-    # Prefix-cache hits: two full 16-token blocks came from the cache, and the signature is the same.
-    assert sig[1, "a"][0].cached_tokens == 32 and sig[1, "d"][0].cached_tokens == 32
-    assert sample_of[sig[1, "a"][1]["id"]].prompt_tokens == 40 - 32  # only the rest was computed
+    # Prefix-cache hits: two full 32-token blocks came from the cache, and the signature is the same.
+    assert sig[1, "a"][0].cached_tokens == 64 and sig[1, "d"][0].cached_tokens == 64
+    assert sample_of[sig[1, "a"][1]["id"]].prompt_tokens == 80 - 64  # only the rest was computed
     np.testing.assert_array_equal(sig[1, "a"][0].signature, sig[0, "a"][0].signature)
     np.testing.assert_array_equal(sig[1, "d"][0].signature, sig[2, "d"][0].signature)
 

@@ -147,3 +147,42 @@ def sjf_order(queue: Any, params: GimbalParams, now: float) -> bool:
     queue.clear()
     queue.extend(requests[i] for i in order)
     return True
+
+
+def expert_parallelism(parallel_config: Any) -> tuple[int, int, int]:
+    """`(ep_size, dp_rank, dp_size)`: vLLM's EP group spans TP × DP ranks when expert parallelism is on, else 1."""
+    dp_size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    ep = tp * dp_size if getattr(parallel_config, "enable_expert_parallel", False) else 1
+    return ep, dp_rank, dp_size
+
+
+def expert_pressure(counts: np.ndarray, ep_size: int) -> float:
+    """Gimbal's MoE pressure from one window's `[L, E]` counts: the busiest EP rank's load over the mean rank's,
+    averaged over layers with load (1 = balanced or no EP). vLLM places experts contiguously over EP ranks."""
+    layers, experts = counts.shape
+    if ep_size <= 1 or counts.sum() == 0:
+        return 1.0
+    base, extra = divmod(experts, ep_size)  # vLLM's linear expert map: the first `extra` ranks hold one more
+    rank = np.repeat(np.arange(ep_size), [base + (r < extra) for r in range(ep_size)])
+    per_rank = np.zeros((layers, ep_size))
+    np.add.at(per_rank, (slice(None), rank), counts.astype(np.float64))
+    mean = per_rank.mean(axis=1)
+    busy = mean > 0
+    return float((per_rank.max(axis=1)[busy] / mean[busy]).mean())
+
+
+def source_counts(counts: np.ndarray, dp_rank: int, dp_size: int, tp_size: int) -> np.ndarray | None:
+    """`A[L, S, E]` for an engine of a vLLM DP+EP deployment: its tokens all start on its own DP rank.
+
+    Sources are the EP ranks (`dp_size × tp_size`, vLLM's order: `dp_rank * tp_size + tp_rank`); a DP rank's
+    tokens are attributed to its first EP rank (exact for TP = 1; with TP > 1 each TP rank holds the same
+    tokens). None for a single DP rank, where the source is always the engine itself.
+    """
+    if dp_size <= 1:
+        return None
+    layers, experts = counts.shape
+    sources = np.zeros((layers, dp_size * tp_size, experts), dtype=counts.dtype)
+    sources[:, dp_rank * tp_size, :] = counts
+    return sources

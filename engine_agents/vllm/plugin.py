@@ -29,6 +29,7 @@ from switchyard.engine_agents.vllm.config import (
     AgentSettings,
     build_hello,
     engine_identity,
+    expert_parallelism,
     model_shape,
     moe_layers,
     queue_tokens,
@@ -166,7 +167,8 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
 
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
-    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"))
+    ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
+    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"), ep_size)
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
@@ -278,10 +280,12 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     shape = model_shape(config.model_config.hf_config, "moe")  # logical expert ids, not EPLB's physical ones
     rows = int(runner.max_num_tokens) if settings.calibration_fraction > 0 else 0
     counter = ExpertCounter(len(moe), shape.num_experts, shape.top_k, rows, next(model.parameters()).device)
-    dp_rank = int(getattr(config.parallel_config, "data_parallel_rank", 0) or 0)
+    ep_size, dp_rank, dp_size = expert_parallelism(config.parallel_config)
     engine_id, group = engine_identity(settings, dp_rank)
+    tp_size = int(getattr(config.parallel_config, "tensor_parallel_size", 1) or 1)
+    sources = (dp_rank, dp_size, tp_size) if ep_size > 1 and dp_size > 1 else None
     publisher = ExpertLoadPublisher(
-        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}")
+        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}"), sources
     )
     if not publisher.start():
         return  # no bus: count nothing

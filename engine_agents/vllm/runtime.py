@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from switchyard.engine_agents.agent import EngineAgent, TelemetrySource
+from switchyard.engine_agents.vllm.config import expert_pressure, source_counts
 from switchyard.engine_agents.vllm.signatures import Finished
 from switchyard.engine_agents.vllm.tracker import TrackedRequest
 from switchyard.shared.bus import Bus
@@ -105,11 +106,21 @@ class EngineCoreAgent:
     with a reason, so a placement plan fails cleanly (nothing moved) instead of timing out.
     """
 
-    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread) -> None:
+    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread, ep_size: int = 1) -> None:
         self.hello = hello
-        self.telemetry = telemetry
+        self.scheduler_reading = telemetry
         self.thread = thread
+        self.ep_size = ep_size
+        #: Gimbal's MoE pressure from the latest expert-load window of this engine's worker (1 = balanced).
+        self.expert_pressure = 1.0
         self.agent: EngineAgent | None = None
+
+    def telemetry(self) -> dict[str, float | int | bool]:
+        """The scheduler's reading plus the expert pressure the worker's counts imply."""
+        return {**self.scheduler_reading(), "expert_pressure": self.expert_pressure}
+
+    def _on_window(self, window: ExpertLoad, _msg: object) -> None:
+        self.expert_pressure = expert_pressure(window.expert_counts, self.ep_size)
 
     def start(self) -> bool:
         return self.thread.start(self._on_connect)
@@ -117,6 +128,8 @@ class EngineCoreAgent:
     async def _on_connect(self, bus: Bus) -> None:
         self.agent = EngineAgent(bus, self.hello.model_copy(update={"ts": time.time()}), self.telemetry)
         await self.agent.start()
+        # The counts live in the worker process; its windows come back here over NATS (plain subscription).
+        await bus.subscribe(bus.subjects.expert_load(self.hello.engine_id), ExpertLoad, self._on_window)
         await bus.serve(bus.subjects.layout(self.hello.engine_id), LayoutRequest, self._layout)
         await bus.serve(bus.subjects.migrate(self.hello.engine_id), MigrateRequest, self._refuse)
         log.info("switchyard agent: engine %s (%s) is on the bus", self.hello.engine_id, self.hello.role)
@@ -147,8 +160,11 @@ class ExpertLoadPublisher:
         take_counts: Callable[[], object],
         interval_s: float,
         thread: AgentThread,
+        sources: tuple[int, int, int] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        #: `(dp_rank, dp_size, tp_size)` of a DP+EP deployment: windows then carry source ranks (`A[L, S, E]`).
+        self.sources = sources
         self.ep_group = ep_group
         self.take_counts = take_counts  # returns a uint32 [L, E] numpy array and resets the counter
         self.interval_s = interval_s
@@ -238,6 +254,7 @@ class ExpertLoadPublisher:
                 window_start=start,
                 window_end=end,
                 expert_counts=counts,  # type: ignore[arg-type]
+                source_counts=None if self.sources is None else source_counts(counts, *self.sources),  # type: ignore[arg-type]
             )
             try:
                 await bus.js_publish(subject, window, msg_id=f"{self.engine_id}-{int(start * 1e6)}-{self.seq}")
