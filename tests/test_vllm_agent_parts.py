@@ -97,6 +97,9 @@ def test_hello_from_the_engine_config() -> None:
     assert hello.gpus == ["d7-gpu0", "d7-gpu1"] and hello.agent == "vllm" and hello.agent_version == "0.32.0"
     assert hello.migrates is False  # the placement service leaves its group alone
     assert (hello.capacity.max_running, hello.capacity.kv_blocks, hello.capacity.block_size) == (256, 40_000, 16)
+    assert hello.base_url is None  # serves no HTTP the gateway knows of
+    served = build_hello(_vllm_config(), 10, AgentSettings(engine_id="d7", base_url="http://10.0.0.5:8000"), "x")
+    assert served.base_url == "http://10.0.0.5:8000"
     default = build_hello(_vllm_config(dp_rank=3), 10, AgentSettings(), "x")
     assert default.engine_id.endswith("-dp3") and default.ep_group == default.engine_id and "." not in default.engine_id
 

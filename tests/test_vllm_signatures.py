@@ -1,12 +1,11 @@
 """Every request's prefill signature from per-KV-block counts, inside a real vLLM engine (CPU), eager and compiled.
 
 The engine runs the tiny random Qwen3-MoE in float32 with prefix caching on and 32-token blocks (the CPU
-attention's unit). Phase 1
-serves three prompts with nothing cached; phase 2 repeats one (two full blocks from the cache) and sends
-one that shares those two blocks; after a prefix-cache reset phase 3 sends that last prompt again, computed
-whole. The signatures must equal whole-request counts computed independently: the per-row calibration
-capture of the same engine (a direct forward with a capture) and transformers' router logits on the same
-token ids; and a prefix-cache hit must give the identical signature.
+attention's unit), fed token ids. Phase 1 serves three prompts with nothing cached; phase 2 repeats one (two
+full blocks from the cache) and sends one that shares those two blocks; after a prefix-cache reset phase 3
+sends that last prompt again, computed whole. The signatures must equal whole-request counts computed
+independently: the per-row calibration capture of the same engine (a direct forward with a capture) and
+transformers' router logits on the same token ids; and a prefix-cache hit must give the identical signature.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], enforce_eager={eager}, max_model_len=256, max_num_seqs=4, dtype="float32",
               gpu_memory_utilization=0.1, enable_prefix_caching=True, block_size=32)
-    words = lambda start, n: [f"t{{(start + 7 * j) % 500 + 5}}" for j in range(n)]
+    words = lambda start, n: [(start + 7 * j) % 500 + 5 for j in range(n)]  # token ids
     a, b, c = words(0, 80), words(101, 70), words(202, 20)
     d = a[:64] + words(303, 20)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -43,7 +42,7 @@ if __name__ == "__main__":
         if phase == 2:
             assert llm.reset_prefix_cache()
         for name, o in zip("abc" if phase == 0 else "ad" if phase == 1 else "d",
-                           llm.generate([" ".join(p) for p in prompts], params)):
+                           llm.generate([{{"prompt_token_ids": p}} for p in prompts], params)):
             served.append({{"phase": phase, "name": name, "id": o.request_id, "cached": o.num_cached_tokens,
                             "token_ids": list(o.prompt_token_ids)}})
         time.sleep(1.5)  # the worker publishes a calibration sample once it knows the request finished

@@ -38,6 +38,9 @@ class AgentSettings(BaseSettings):
     gpus: list[str] | None = None
     #: Overrides the role read from `kv_transfer_config` (kv_producer: prefill, kv_consumer: decode, else dp).
     role: Literal["prefill", "decode", "dp"] | None = None
+    #: The engine's OpenAI base URL as the gateway reaches it (e.g. `http://10.0.0.5:8000`); vLLM's engine core
+    #: does not know its API server's address, so it is said here. Unset: the gateway does not route to it.
+    base_url: str | None = None
     hello_interval_s: float = Field(default=5.0, gt=0)
     telemetry_interval_s: float = Field(default=0.1, gt=0)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
@@ -122,6 +125,7 @@ def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, 
         migrates=False,  # see runtime.EngineCoreAgent: no external EPLB trigger yet
         hello_interval_s=settings.hello_interval_s,
         telemetry_interval_s=settings.telemetry_interval_s,
+        base_url=settings.base_url,
     )
 
 
