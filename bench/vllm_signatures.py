@@ -75,7 +75,7 @@ def time_step(shape: Shape, tokens: int, num_blocks: int, device: torch.device, 
         torch.randint(0, shape.experts, (tokens, shape.top_k), generator=gen, device=device, dtype=torch.int32)
         for _ in range(shape.moe_layers)
     ]
-    BLOCK_TABLES[0] = (blocks, slots, shape.block_size, ones)
+    BLOCK_TABLES[0] = (blocks, slots, shape.block_size, ones, torch.zeros(tokens, dtype=torch.int64, device=device))
     times = []
     try:
         for _ in range(repeats + 1):

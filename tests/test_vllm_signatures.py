@@ -152,7 +152,7 @@ def test_the_block_op_counts_per_block_and_clears_reused_blocks() -> None:
 
     blocks = torch.zeros(4 + 1, 2, 3, dtype=torch.uint8)
     slots = torch.full((8,), -1, dtype=torch.int64)
-    BLOCK_TABLES[-7] = (blocks, slots, 4, torch.ones(64, dtype=torch.uint8))
+    BLOCK_TABLES[-7] = (blocks, slots, 4, torch.ones(64, dtype=torch.uint8), torch.zeros(8, dtype=torch.int64))
     anchor = torch.zeros(1, dtype=torch.int32)
     try:
         slots[:6] = torch.tensor([8, 9, 10, 11, 4, 5])  # block 2 whole, block 1 from its first slot; 2 padded rows

@@ -79,12 +79,14 @@ class BlockSignatures:
         device = block_table.slot_mapping.gpu.device
         dtype = getattr(torch, table_dtype(self.block_size))
         self.blocks = torch.zeros(self.num_blocks + 1, num_layers, num_experts, dtype=dtype, device=device)
-        ones = torch.ones(int(runner.max_num_tokens) * top_k, dtype=dtype, device=device)
+        slots = block_table.slot_mapping.gpu
+        ones = torch.ones(slots.shape[0] * top_k, dtype=dtype, device=device)
+        base = torch.zeros(slots.shape[0], dtype=torch.int64, device=device)
         self.block_table = block_table
         self.key = table_key
         self.cached: dict[str, int] = {}
         self.pending: list[Finished] = []
-        BLOCK_TABLES[table_key] = (self.blocks, block_table.slot_mapping.gpu, self.block_size, ones)
+        BLOCK_TABLES[table_key] = (self.blocks, slots, self.block_size, ones, base)
 
     @property
     def nbytes(self) -> int:
