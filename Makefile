@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## test-vllm: the vLLM agent inside a real (CPU) vLLM engine; its own 3.5 GB environment, not part of `test`
+## test-vllm: the vLLM agent inside a real (CPU) vLLM engine (every tests/test_vllm_*.py, none may skip there);
+## its own 3.5 GB environment, not part of `test`
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -35,7 +36,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_agent.py tests/test_vllm_agent_parts.py $(PYTEST_ARGS)
+	SWITCHYARD_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/test_vllm_*.py $(PYTEST_ARGS)
 
 ## bench: the benchmarks, each printing its figures (long ones have their own options; see docs/)
 bench: $(STAMP)

@@ -10,9 +10,7 @@ its own prompt and decode selections, and layout/migrate are answered.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,23 +33,9 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
+from tests.vllm_helpers import EXPERTS, LAYERS, TOP_K, make_tiny_moe, result_line
 
-LAYERS, EXPERTS, TOP_K, PROMPTS, MAX_TOKENS = 2, 8, 2, 6, 12
-
-MAKE_MODEL = """
-import sys, torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
-cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers={layers}, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts={experts},
-    num_experts_per_tok={top_k}, max_position_embeddings=1024, decoder_sparse_step=1, norm_topk_prob=True)
-torch.manual_seed(0)
-Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
-tok = Tokenizer(models.WordLevel(vocab={{f"t{{i}}": i for i in range(512)}}, unk_token="t0"))
-tok.pre_tokenizer = pre_tokenizers.Whitespace()
-PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", bos_token="t2",
-    pad_token="t3").save_pretrained(sys.argv[1])
-"""
+PROMPTS, MAX_TOKENS = 6, 12
 
 SERVE = """
 import json, os, sys, time
@@ -71,11 +55,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Qwen3-MoE small enough for vLLM's CPU backend, with a word-level tokenizer."""
-    model = tmp_path_factory.mktemp("tiny-moe")
-    make = MAKE_MODEL.format(layers=LAYERS, experts=EXPERTS, top_k=TOP_K)
-    subprocess.run([sys.executable, "-c", make, str(model)], check=True, capture_output=True, timeout=300)
-    return model
+    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
@@ -116,7 +96,7 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         sys.executable, "-c", serve, str(tiny_moe), str(stop_file), env=env, stdout=asyncio.subprocess.PIPE
     )
     try:
-        served = await asyncio.wait_for(_result_line(engine), 300)
+        served = await asyncio.wait_for(result_line(engine, b'{"prompt_tokens"'), 300)
         await asyncio.sleep(2.0)  # windows flush every 0.2 s; the last samples after 1 s without a step
 
         hello = hellos[-1]
@@ -160,11 +140,3 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
             await asyncio.wait_for(engine.wait(), 60)
         except TimeoutError:
             engine.kill()
-
-
-async def _result_line(engine: asyncio.subprocess.Process) -> dict:
-    """The script's JSON line, past vLLM's own log lines on stdout."""
-    while line := await engine.stdout.readline():  # type: ignore[union-attr]
-        if line.startswith(b'{"prompt_tokens"'):
-            return json.loads(line)
-    raise AssertionError("the engine exited before serving (its log is above)")

@@ -18,13 +18,18 @@ from nats.aio.msg import Msg
 from switchyard.engine_agents.vllm.config import (
     AgentSettings,
     build_hello,
+    expert_parallelism,
+    expert_pressure,
     model_shape,
     moe_layers,
     queue_tokens,
     role_of,
+    sjf_order,
+    source_counts,
 )
 from switchyard.engine_agents.vllm.plugin import SchedulerProbe
 from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
+from switchyard.engine_agents.vllm.signatures import prefill_ends
 from switchyard.engine_agents.vllm.tracker import RequestTracker
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
@@ -38,6 +43,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.routing.dispatch import GimbalParams
 from tests.fleet_helpers import eventually
 
 QWEN3_30B = SimpleNamespace(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1)
@@ -91,6 +97,9 @@ def test_hello_from_the_engine_config() -> None:
     assert hello.gpus == ["d7-gpu0", "d7-gpu1"] and hello.agent == "vllm" and hello.agent_version == "0.32.0"
     assert hello.migrates is False  # the placement service leaves its group alone
     assert (hello.capacity.max_running, hello.capacity.kv_blocks, hello.capacity.block_size) == (256, 40_000, 16)
+    assert hello.base_url is None  # serves no HTTP the gateway knows of
+    served = build_hello(_vllm_config(), 10, AgentSettings(engine_id="d7", base_url="http://10.0.0.5:8000"), "x")
+    assert served.base_url == "http://10.0.0.5:8000"
     default = build_hello(_vllm_config(dp_rank=3), 10, AgentSettings(), "x")
     assert default.engine_id.endswith("-dp3") and default.ep_group == default.engine_id and "." not in default.engine_id
 
@@ -114,6 +123,82 @@ def test_the_probe_reads_the_scheduler() -> None:
     Telemetry(engine_id="e", seq=0, ts=1.0, **reading)  # a valid telemetry body
 
 
+def test_telemetry_keeps_a_request_that_came_and_went_between_two_messages() -> None:
+    """The race that made the real-vLLM test flaky: a request admitted and finished within one 100 ms interval."""
+    busy = SimpleNamespace(
+        waiting=deque([SimpleNamespace(num_prompt_tokens=30, num_computed_tokens=0)]),
+        kv_holding_waiting=deque(),
+        running=[SimpleNamespace(num_prompt_tokens=40, num_computed_tokens=0)],
+        kv_cache_manager=SimpleNamespace(usage=0.5),
+    )
+    idle = SimpleNamespace(
+        waiting=deque(), kv_holding_waiting=deque(), running=[], kv_cache_manager=SimpleNamespace(usage=0.0)
+    )
+    probe = SchedulerProbe(interval_s=0.0)
+    probe.observe(busy)
+    probe.observe(idle, step=False)  # update_from_output: the requests finished before any message went out
+    reading = probe.read()
+    assert (reading["num_running"], reading["num_waiting"]) == (1, 1)  # the peak since the last message
+    assert (reading["waiting_prefill_tokens"], reading["remaining_prefill_tokens"]) == (30, 40)
+    assert reading["kv_usage"] == 0.0  # a level, not a peak: the latest value
+    quiet = probe.read()  # no step since: the state after the last one
+    assert (quiet["num_running"], quiet["num_waiting"], quiet["remaining_prefill_tokens"]) == (0, 0, 0)
+
+
+def test_sjf_with_aging_reorders_the_waiting_queue() -> None:
+    """Gimbal's Algorithm 2 on vLLM's deque: aged first (longest wait first), then fewest tokens to prefill."""
+
+    def req(name: str, prompt: int, computed: int, arrived: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, num_prompt_tokens=prompt, num_computed_tokens=computed, arrival_time=arrived)
+
+    queue = deque([req("long", 900, 0, 99.0), req("old-long", 800, 0, 90.0), req("short", 20, 0, 99.5)])
+    queue.append(req("chunked", 900, 880, 99.8))  # 20 left, arrived later than "short": the tie keeps queue order
+    queue.append(req("older-long", 700, 0, 80.0))
+    assert sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)
+    assert [r.name for r in queue] == ["older-long", "old-long", "short", "chunked", "long"]
+    assert not sjf_order(queue, GimbalParams(age_threshold_s=5.0), now=100.0)  # already in order: untouched
+
+
+def test_expert_pressure_and_source_ranks_follow_vllms_expert_parallel_layout() -> None:
+    """Gimbal's MoE pressure from real counts (vLLM's linear expert map), and DP+EP source attribution."""
+    config = SimpleNamespace(data_parallel_size=2, data_parallel_rank=1, tensor_parallel_size=2)
+    assert expert_parallelism(config) == (1, 1, 2)  # no EP: every expert is local
+    assert expert_parallelism(SimpleNamespace(**vars(config), enable_expert_parallel=True)) == (4, 1, 2)
+    counts = np.array([[4, 4, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    assert expert_pressure(counts, 1) == 1.0
+    assert expert_pressure(counts, 4) == pytest.approx((8 / 3 + 1.0) / 2)  # rank loads [8, 2, 2, 0] and even
+    assert expert_pressure(np.ones((2, 10)), 4) == pytest.approx(1.2)  # 10 experts on 4 ranks: [3, 3, 2, 2]
+    assert expert_pressure(np.zeros((2, 8)), 4) == 1.0
+    sources = source_counts(counts, dp_rank=1, dp_size=2, tp_size=2)
+    assert sources is not None and sources.shape == (2, 4, 8)
+    np.testing.assert_array_equal(sources[:, 2], counts)  # DP rank 1 starts at EP rank 2
+    assert sources.sum() == counts.sum() and source_counts(counts, 0, 1, 2) is None
+    ExpertLoad(
+        engine_id="e", ep_group="g", seq=0, window_start=0, window_end=1, expert_counts=counts, source_counts=sources
+    )  # a valid window
+
+
+def test_a_request_whose_prefill_ends_in_a_step_names_its_blocks() -> None:
+    """Which requests finish their prefill in a step, with the KV blocks of their whole prompt (cached ones too)."""
+    table = np.array([[7, 3, 9, 0], [4, 5, 0, 0], [2, 6, 8, 1]])
+    cached = {"hit": 32, "gone": 16}
+    finished = prefill_ends(
+        ["hit", "decoding", "chunked", None],
+        num_scheduled=np.array([8, 1, 16, 5]),
+        num_computed=np.array([32, 20, 0, 0]),
+        num_prompt=np.array([40, 18, 48, 5]),
+        block_table=table,
+        block_size=16,
+        cached=cached,
+    )
+    assert [(f.request_id, f.prompt_tokens, f.cached_tokens, f.blocks.tolist()) for f in finished] == [
+        ("hit", 40, 32, [7, 3, 9])  # its prefill ends: 3 blocks hold 40 tokens, 2 of them from the cache
+    ]
+    assert cached == {"gone": 16}  # consumed once
+    later = prefill_ends(["chunked"], np.array([32]), np.array([16]), np.array([48]), table[2:], 16, cached)
+    assert [(f.request_id, f.cached_tokens, f.blocks.tolist()) for f in later] == [("chunked", 0, [2, 6, 8])]
+
+
 async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: SwitchyardSettings) -> None:
     hello = build_hello(_vllm_config(tp=4), 100, AgentSettings(engine_id="v0", telemetry_interval_s=0.05), "t")
     hellos: list[Hello] = []
@@ -128,12 +213,21 @@ async def test_the_engine_core_agent_speaks_the_contract(bus: Bus, settings: Swi
         "remaining_prefill_tokens": 2,
         "step_time_ema": 0.02,
     }
-    agent = EngineCoreAgent(hello, lambda: reading, AgentThread("v0", settings))
+    agent = EngineCoreAgent(hello, lambda: reading, AgentThread("v0", settings), ep_size=2)
     assert await asyncio.to_thread(agent.start)
     try:
         await eventually(lambda: _at_least(telemetry, 3))
         assert hellos[0].engine_id == "v0" and hellos[0].ts > 0
         assert [t.seq for t in telemetry[:3]] == [0, 1, 2] and telemetry[0].num_running == 3
+        assert telemetry[0].expert_pressure == 1.0  # no window yet
+        # The worker's window (another process) comes back over NATS: rank 0's experts take 3/4 of the load.
+        counts = np.zeros((48, 128), np.uint32)
+        counts[:, :64], counts[:, 64:] = 3, 1
+        window = ExpertLoad(
+            engine_id="v0", ep_group="v0", seq=0, window_start=1.0, window_end=2.0, expert_counts=counts
+        )
+        await bus.publish(bus.subjects.expert_load("v0"), window)
+        await eventually(lambda: _pressure_is(telemetry, 1.5))
         layout = await bus.request(bus.subjects.layout("v0"), LayoutRequest(engine_group="v0"), LayoutReply)
         assert layout.layout.shape == (48, 4, 32) and layout.version == 0
         np.testing.assert_array_equal(layout.layout[5, 1], np.arange(32, 64))  # vLLM's contiguous ranges
@@ -174,6 +268,10 @@ async def test_an_unreachable_nats_leaves_the_engine_alone(settings: SwitchyardS
 
 async def _at_least(items: list, count: int) -> bool:
     return len(items) >= count
+
+
+async def _pressure_is(telemetry: list[Telemetry], value: float) -> bool:
+    return telemetry[-1].expert_pressure == value
 
 
 def test_the_tracker_attributes_rows_to_requests_and_phases() -> None:

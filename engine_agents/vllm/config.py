@@ -11,11 +11,13 @@ import socket
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from switchyard.shared.schemas import Capacity, Hello, ModelShape
 from switchyard.shared.subjects import check_token
+from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
@@ -36,6 +38,9 @@ class AgentSettings(BaseSettings):
     gpus: list[str] | None = None
     #: Overrides the role read from `kv_transfer_config` (kv_producer: prefill, kv_consumer: decode, else dp).
     role: Literal["prefill", "decode", "dp"] | None = None
+    #: The engine's OpenAI base URL as the gateway reaches it (e.g. `http://10.0.0.5:8000`); vLLM's engine core
+    #: does not know its API server's address, so it is said here. Unset: the gateway does not route to it.
+    base_url: str | None = None
     hello_interval_s: float = Field(default=5.0, gt=0)
     telemetry_interval_s: float = Field(default=0.1, gt=0)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
@@ -44,6 +49,11 @@ class AgentSettings(BaseSettings):
     #: `SY_CALIBRATION`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
     #: request copies its rows' expert ids to the host (a synchronisation).
     calibration_fraction: float = Field(default=0.0, ge=0, le=1)
+    #: Every request's prefill signature from per-KV-block counts, published as `PrefillSignature` on
+    #: `sy.engine.<id>.signature` when its prefill ends (`engine_agents/vllm/signatures.py`).
+    signatures: bool = True
+    #: θ_age of the SJF-with-aging scheduler class (`engine_agents/vllm/sjf.py`): requests waiting longer go first.
+    sjf_age_threshold_s: float = Field(default=5.0, ge=0)
 
 
 def _first(config: Any, names: Iterable[str], what: str) -> int:
@@ -115,9 +125,68 @@ def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, 
         migrates=False,  # see runtime.EngineCoreAgent: no external EPLB trigger yet
         hello_interval_s=settings.hello_interval_s,
         telemetry_interval_s=settings.telemetry_interval_s,
+        base_url=settings.base_url,
     )
 
 
 def queue_tokens(requests: Iterable[Any]) -> int:
     """Prompt tokens not yet prefilled, over vLLM `Request`s (`num_prompt_tokens - num_computed_tokens`)."""
     return sum(max(int(r.num_prompt_tokens) - int(r.num_computed_tokens), 0) for r in requests)
+
+
+def sjf_order(queue: Any, params: GimbalParams, now: float) -> bool:
+    """Reorder vLLM's FCFS waiting queue (a deque of `Request`s) in place by Gimbal's Algorithm 2.
+
+    Aged requests (waited > θ_age, from `arrival_time`) first, longest wait first; then fewest prompt tokens
+    still to prefill first; ties keep queue order. Returns whether the order changed.
+    """
+    if len(queue) < 2:
+        return False
+    requests = list(queue)
+    remaining = np.array([max(int(r.num_prompt_tokens) - int(r.num_computed_tokens), 0) for r in requests], np.int64)
+    waited = np.array([now - float(r.arrival_time) for r in requests], np.float64)
+    order = queue_order(remaining, waited, params)
+    if np.array_equal(order, np.arange(len(requests))):
+        return False
+    queue.clear()
+    queue.extend(requests[i] for i in order)
+    return True
+
+
+def expert_parallelism(parallel_config: Any) -> tuple[int, int, int]:
+    """`(ep_size, dp_rank, dp_size)`: vLLM's EP group spans TP × DP ranks when expert parallelism is on, else 1."""
+    dp_size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    ep = tp * dp_size if getattr(parallel_config, "enable_expert_parallel", False) else 1
+    return ep, dp_rank, dp_size
+
+
+def expert_pressure(counts: np.ndarray, ep_size: int) -> float:
+    """Gimbal's MoE pressure from one window's `[L, E]` counts: the busiest EP rank's load over the mean rank's,
+    averaged over layers with load (1 = balanced or no EP). vLLM places experts contiguously over EP ranks."""
+    layers, experts = counts.shape
+    if ep_size <= 1 or counts.sum() == 0:
+        return 1.0
+    base, extra = divmod(experts, ep_size)  # vLLM's linear expert map: the first `extra` ranks hold one more
+    rank = np.repeat(np.arange(ep_size), [base + (r < extra) for r in range(ep_size)])
+    per_rank = np.zeros((layers, ep_size))
+    np.add.at(per_rank, (slice(None), rank), counts.astype(np.float64))
+    mean = per_rank.mean(axis=1)
+    busy = mean > 0
+    return float((per_rank.max(axis=1)[busy] / mean[busy]).mean())
+
+
+def source_counts(counts: np.ndarray, dp_rank: int, dp_size: int, tp_size: int) -> np.ndarray | None:
+    """`A[L, S, E]` for an engine of a vLLM DP+EP deployment: its tokens all start on its own DP rank.
+
+    Sources are the EP ranks (`dp_size × tp_size`, vLLM's order: `dp_rank * tp_size + tp_rank`); a DP rank's
+    tokens are attributed to its first EP rank (exact for TP = 1; with TP > 1 each TP rank holds the same
+    tokens). None for a single DP rank, where the source is always the engine itself.
+    """
+    if dp_size <= 1:
+        return None
+    layers, experts = counts.shape
+    sources = np.zeros((layers, dp_size * tp_size, experts), dtype=counts.dtype)
+    sources[:, dp_rank * tp_size, :] = counts
+    return sources

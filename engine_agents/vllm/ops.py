@@ -32,3 +32,43 @@ def record_experts(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> 
 @record_experts.register_fake
 def _(buffer: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
     return None
+
+
+#: Per-KV-block count tables, by the key the capture op carries: `(blocks [B + 1, L, E], slot_mapping, block_size,
+#: ones, base)`; `base` (int64, one per batch row) holds each row's flat offset `block * L * E`, computed once per
+#: step at layer 0. Registered after vLLM allocates its KV cache, which is after torch.compile traced the
+#: model: the op is in the graph from load time and finds its table here when it runs (on a GPU: when CUDA
+#: graphs are captured, after which the replays write into the same tensors).
+BLOCK_TABLES: dict[int, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
+
+
+@torch.library.custom_op("switchyard::count_blocks", mutates_args=("anchor",))
+def count_blocks(anchor: torch.Tensor, layer: int, topk_ids: torch.Tensor, table: int) -> None:
+    """Add one MoE layer's top-k selections to the `[L, E]` row of the KV block each token's KV lands in.
+
+    A token's block is its slot (vLLM's slot mapping, `-1` for padding) // block size; padding rows go to the
+    last, scratch row. At layer 0 (the first MoE layer of the step) the rows' offsets are computed once, and a
+    block whose first slot is written in this step is new content (fresh, or reused after eviction): its row
+    is cleared first. Everything stays on the device: no host sync. `anchor` is a declared mutation so that
+    the compiler keeps the call.
+    """
+    entry = BLOCK_TABLES.get(table)
+    if entry is None:
+        return
+    blocks, slot_mapping, block_size, ones, base = entry
+    rows = min(topk_ids.shape[0], slot_mapping.shape[0])
+    layers, experts = blocks.shape[1], blocks.shape[2]
+    if layer == 0:
+        scratch = blocks.shape[0] - 1
+        slots = slot_mapping[:rows]
+        block = torch.where(slots >= 0, torch.div(slots, block_size, rounding_mode="floor"), scratch)
+        blocks.index_fill_(0, torch.where(slots % block_size == 0, block, scratch), 0)
+        torch.mul(block, layers * experts, out=base[:rows])
+    ids = topk_ids[:rows].clamp(0, experts - 1)  # router ids are in range; padding rows' land in the scratch row
+    flat = base[:rows, None] + (layer * experts) + ids
+    blocks.view(-1).index_add_(0, flat.reshape(-1), ones[: flat.numel()])
+
+
+@count_blocks.register_fake
+def _(anchor: torch.Tensor, layer: int, topk_ids: torch.Tensor, table: int) -> None:
+    return None

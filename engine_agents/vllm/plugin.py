@@ -29,6 +29,7 @@ from switchyard.engine_agents.vllm.config import (
     AgentSettings,
     build_hello,
     engine_identity,
+    expert_parallelism,
     model_shape,
     moe_layers,
     queue_tokens,
@@ -56,11 +57,17 @@ def register() -> None:
 
 
 class SchedulerProbe:
-    """The latest telemetry reading, refreshed by the engine thread after each `schedule()`.
+    """The telemetry reading, refreshed by the engine thread after each `schedule()` and `update_from_output()`.
 
-    Token sums walk the queues, so they are recomputed at most once per telemetry interval; the reading is
-    one dict replaced whole, which the agent thread can read at any time.
+    Queue lengths are the **peak since the previous telemetry message**, not the value at the moment of
+    sampling: a request that arrives and finishes between two 100 ms samples still shows up in one of them
+    (it is in `running` after the `schedule()` that admitted it), so a router never sees an engine as idle
+    while it served requests in the interval. With no step since the last message (the engine is idle) the
+    reading is the state after the last step, so a drained engine reports 0. Token sums walk the queues, so
+    they are recomputed at most once per telemetry interval.
     """
+
+    _PEAKS = ("num_running", "num_waiting", "waiting_prefill_tokens", "remaining_prefill_tokens")
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -72,22 +79,26 @@ class SchedulerProbe:
             "remaining_prefill_tokens": 0,
             "step_time_ema": 0.0,
         }
+        self._peak: dict[str, float | int | bool] | None = None
+        self._lock = threading.Lock()  # engine thread writes, agent thread reads; uncontended almost always
         self._tokens = (0, 0)
         self._next_tokens = 0.0
         self._last_step: float | None = None
         self._step_ema = 0.0
 
-    def observe(self, scheduler: Any) -> None:
+    def observe(self, scheduler: Any, step: bool = True) -> None:
+        """Read the scheduler; `step` is False after `update_from_output` (the same step, its requests done)."""
         now = time.monotonic()
-        if self._last_step is not None and now - self._last_step < 1.0:  # back-to-back steps: one step's time
-            step = now - self._last_step
-            self._step_ema = step if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * step
-        self._last_step = now
-        if now >= self._next_tokens:  # walking the queues is O(requests): once per telemetry interval
+        if step:
+            if self._last_step is not None and now - self._last_step < 1.0:  # back-to-back steps: one step's time
+                gap = now - self._last_step
+                self._step_ema = gap if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * gap
+            self._last_step = now
+        if now >= self._next_tokens or not step:  # walking the queues is O(requests): once per interval
             waiting = queue_tokens(scheduler.waiting) + queue_tokens(scheduler.kv_holding_waiting)
             self._tokens = (waiting, queue_tokens(scheduler.running))
             self._next_tokens = now + self.interval_s
-        self.reading = {
+        reading = {
             "kv_usage": min(max(float(scheduler.kv_cache_manager.usage), 0.0), 1.0),
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
@@ -95,9 +106,21 @@ class SchedulerProbe:
             "remaining_prefill_tokens": self._tokens[1],
             "step_time_ema": self._step_ema,
         }
+        with self._lock:
+            self.reading = reading
+            if self._peak is None:
+                self._peak = dict(reading)
+            else:
+                for key in self._PEAKS:
+                    self._peak[key] = max(self._peak[key], reading[key])
 
     def read(self) -> dict[str, float | int | bool]:
-        return self.reading
+        """The reading for one telemetry message: peaks since the previous call, else the latest state."""
+        with self._lock:
+            peak, self._peak = self._peak, None
+            if peak is None:
+                return self.reading
+            return {**self.reading, **{key: peak[key] for key in self._PEAKS}}
 
 
 def _patch_scheduler(settings: AgentSettings) -> None:
@@ -106,6 +129,7 @@ def _patch_scheduler(settings: AgentSettings) -> None:
     if getattr(Scheduler, _PATCHED, False):
         return
     original_init, original_schedule = Scheduler.__init__, Scheduler.schedule
+    original_update = Scheduler.update_from_output
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -123,7 +147,16 @@ def _patch_scheduler(settings: AgentSettings) -> None:
             probe.observe(self)
         return output
 
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original_update(self, *args, **kwargs)
+        probe = getattr(self, "_switchyard_probe", None)
+        if probe is not None:  # finished requests have left the queues: an idle engine then reads 0
+            probe.observe(self, step=False)
+        return outputs
+
     Scheduler.__init__, Scheduler.schedule = __init__, schedule  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     setattr(Scheduler, _PATCHED, True)
 
 
@@ -134,7 +167,8 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
 
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
-    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"))
+    ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
+    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"), ep_size)
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
@@ -158,17 +192,22 @@ class ExpertCounter:
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.ids = torch.full((num_layers, rows, top_k), -1, dtype=torch.int32, device=device) if rows else None
+        self.anchor = torch.zeros(1, dtype=torch.int32, device=device)  # what `count_blocks` declares it mutates
         self.armed = False
         self._count, self._record = count_experts, record_experts
 
-    def capture_fn(self, layer: int) -> Any:
-        counts, ids, count, record = self.counts, self.ids, self._count, self._record
-        if ids is None:
-            return lambda topk_ids: count(counts, layer, topk_ids)
+    def capture_fn(self, layer: int, blocks_key: int | None = None) -> Any:
+        """The router's capture function for MoE layer `layer`; with `blocks_key`, also per-KV-block counts."""
+        from switchyard.engine_agents.vllm.ops import count_blocks
+
+        counts, ids, count, record, anchor = self.counts, self.ids, self._count, self._record, self.anchor
 
         def capture(topk_ids: Any) -> None:
             count(counts, layer, topk_ids)
-            record(ids, layer, topk_ids)
+            if ids is not None:
+                record(ids, layer, topk_ids)
+            if blocks_key is not None:
+                count_blocks(anchor, layer, topk_ids, blocks_key)
 
         return capture
 
@@ -241,28 +280,59 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     shape = model_shape(config.model_config.hf_config, "moe")  # logical expert ids, not EPLB's physical ones
     rows = int(runner.max_num_tokens) if settings.calibration_fraction > 0 else 0
     counter = ExpertCounter(len(moe), shape.num_experts, shape.top_k, rows, next(model.parameters()).device)
-    dp_rank = int(getattr(config.parallel_config, "data_parallel_rank", 0) or 0)
+    ep_size, dp_rank, dp_size = expert_parallelism(config.parallel_config)
     engine_id, group = engine_identity(settings, dp_rank)
+    tp_size = int(getattr(config.parallel_config, "tensor_parallel_size", 1) or 1)
+    sources = (dp_rank, dp_size, tp_size) if ep_size > 1 and dp_size > 1 else None
     publisher = ExpertLoadPublisher(
-        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}")
+        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}"), sources
     )
     if not publisher.start():
         return  # no bus: count nothing
+    blocks_key = id(counter) if settings.signatures else None
     for index, module in enumerate(sorted(moe, key=lambda m: m.layer_id)):
-        module.router.set_capture_fn(counter.capture_fn(index))
+        module.router.set_capture_fn(counter.capture_fn(index, blocks_key))
+    if blocks_key is not None:
+        _wrap_kv_cache_init(runner, len(moe), shape.num_experts, shape.top_k, blocks_key)
     tracker = RequestTracker(len(moe), shape.num_experts, settings.calibration_fraction) if rows else None
     _wrap_steps(runner, counter, tracker, publisher)
     runner._switchyard_counter = counter
     runner._switchyard_publisher = publisher
 
 
+def _wrap_kv_cache_init(runner: Any, num_layers: int, num_experts: int, top_k: int, key: int) -> None:
+    """Once vLLM has allocated its KV cache (block count known), allocate the per-block count table."""
+    from switchyard.engine_agents.vllm.signatures import BlockSignatures
+
+    original = runner.initialize_kv_cache
+
+    def initialize_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        try:
+            runner._switchyard_signatures = BlockSignatures(runner, num_layers, num_experts, top_k, key)
+            log.info(
+                "switchyard agent: per-block signature table, %d blocks, %.1f MiB",
+                runner._switchyard_signatures.num_blocks,
+                runner._switchyard_signatures.nbytes / 2**20,
+            )
+        except Exception:
+            log.exception("switchyard agent: no per-block signatures")
+        return result
+
+    runner.initialize_kv_cache = initialize_kv_cache
+
+
 def _wrap_steps(
     runner: Any, counter: ExpertCounter, tracker: RequestTracker | None, publisher: ExpertLoadPublisher
 ) -> None:
-    """Around each real step: arm the counter, and feed the tracker (rows before, expert ids after)."""
+    """Around each real step: arm the counter, feed the tracker (rows before, expert ids after), and gather
+    the signatures of the requests whose prefill ends in the step."""
     execute_model, prepare_inputs = runner.execute_model, runner._prepare_inputs
 
     def prepare(scheduler_output: Any, num_scheduled_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        signatures = getattr(runner, "_switchyard_signatures", None)
+        if signatures is not None:
+            signatures.plan(runner, scheduler_output, num_scheduled_tokens)
         if tracker is not None:
             batch, n = runner.input_batch, runner.input_batch.num_reqs
             tracker.plan_step(
@@ -275,8 +345,14 @@ def _wrap_steps(
 
     def execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         counter.arm()
+        signatures = getattr(runner, "_switchyard_signatures", None)
+        if signatures is not None:
+            signatures.forget(scheduler_output.finished_req_ids)
+            signatures.pending = []  # planned by this step's `_prepare_inputs`, if it has tokens
         if tracker is None:
-            return execute_model(scheduler_output, *args, **kwargs)
+            result = execute_model(scheduler_output, *args, **kwargs)
+            _publish_signatures(signatures, publisher)
+            return result
         with lock:
             last_step[0] = time.monotonic()
             for request_id, state in tracker.finish(scheduler_output.finished_req_ids):
@@ -285,6 +361,7 @@ def _wrap_steps(
             if tracker.pending_rows.size:
                 tracker.absorb(counter.rows(tracker.pending_rows))
             last_step[0] = time.monotonic()  # a step longer than IDLE_FLUSH_S is not idleness
+        _publish_signatures(signatures, publisher)
         return result
 
     def flush_when_idle() -> None:
@@ -299,3 +376,12 @@ def _wrap_steps(
     lock, last_step = threading.Lock(), [time.monotonic()]
     runner._prepare_inputs, runner.execute_model = prepare, execute
     publisher.on_tick = flush_when_idle
+
+
+def _publish_signatures(signatures: Any, publisher: ExpertLoadPublisher) -> None:
+    """Gather the step's finished prefills (device ops queued after the forward) and hand them to the bus."""
+    if signatures is None:
+        return
+    gathered = signatures.gather()
+    if gathered is not None:
+        publisher.publish_signatures(*gathered)

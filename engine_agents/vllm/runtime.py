@@ -15,10 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from switchyard.engine_agents.agent import EngineAgent, TelemetrySource
+from switchyard.engine_agents.vllm.config import expert_pressure, source_counts
+from switchyard.engine_agents.vllm.signatures import Finished
 from switchyard.engine_agents.vllm.tracker import TrackedRequest
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import SchemaMismatch
@@ -30,6 +33,7 @@ from switchyard.shared.schemas import (
     LayoutRequest,
     MigrateReply,
     MigrateRequest,
+    PrefillSignature,
 )
 from switchyard.shared.settings import SwitchyardSettings
 
@@ -102,11 +106,21 @@ class EngineCoreAgent:
     with a reason, so a placement plan fails cleanly (nothing moved) instead of timing out.
     """
 
-    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread) -> None:
+    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread, ep_size: int = 1) -> None:
         self.hello = hello
-        self.telemetry = telemetry
+        self.scheduler_reading = telemetry
         self.thread = thread
+        self.ep_size = ep_size
+        #: Gimbal's MoE pressure from the latest expert-load window of this engine's worker (1 = balanced).
+        self.expert_pressure = 1.0
         self.agent: EngineAgent | None = None
+
+    def telemetry(self) -> dict[str, float | int | bool]:
+        """The scheduler's reading plus the expert pressure the worker's counts imply."""
+        return {**self.scheduler_reading(), "expert_pressure": self.expert_pressure}
+
+    def _on_window(self, window: ExpertLoad, _msg: object) -> None:
+        self.expert_pressure = expert_pressure(window.expert_counts, self.ep_size)
 
     def start(self) -> bool:
         return self.thread.start(self._on_connect)
@@ -114,6 +128,8 @@ class EngineCoreAgent:
     async def _on_connect(self, bus: Bus) -> None:
         self.agent = EngineAgent(bus, self.hello.model_copy(update={"ts": time.time()}), self.telemetry)
         await self.agent.start()
+        # The counts live in the worker process; its windows come back here over NATS (plain subscription).
+        await bus.subscribe(bus.subjects.expert_load(self.hello.engine_id), ExpertLoad, self._on_window)
         await bus.serve(bus.subjects.layout(self.hello.engine_id), LayoutRequest, self._layout)
         await bus.serve(bus.subjects.migrate(self.hello.engine_id), MigrateRequest, self._refuse)
         log.info("switchyard agent: engine %s (%s) is on the bus", self.hello.engine_id, self.hello.role)
@@ -144,8 +160,11 @@ class ExpertLoadPublisher:
         take_counts: Callable[[], object],
         interval_s: float,
         thread: AgentThread,
+        sources: tuple[int, int, int] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        #: `(dp_rank, dp_size, tp_size)` of a DP+EP deployment: windows then carry source ranks (`A[L, S, E]`).
+        self.sources = sources
         self.ep_group = ep_group
         self.take_counts = take_counts  # returns a uint32 [L, E] numpy array and resets the counter
         self.interval_s = interval_s
@@ -176,6 +195,45 @@ class ExpertLoadPublisher:
         )
         self.thread.submit(self._publish_sample(bus, sample))
 
+    def publish_signatures(self, finished: list[Finished], sums: Any) -> None:
+        """Queue `PrefillSignature`s for requests whose prefill ended (`sums [R, L, E]` on the model's device).
+
+        On a GPU the copy to the host is queued behind the step (pinned memory, non-blocking) and the agent
+        thread waits for its event, so the engine thread never synchronises.
+        """
+        bus = self.thread.bus
+        if bus is None:
+            return
+        if sums.device.type == "cuda":
+            import torch
+
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = sums, None
+        self.thread.submit(self._publish_signatures(bus, finished, host, ready))
+
+    async def _publish_signatures(self, bus: Bus, finished: list[Finished], host: Any, ready: Any) -> None:
+        if ready is not None:
+            await asyncio.to_thread(ready.synchronize)
+        counts = host.numpy().astype(np.uint32)
+        subject = bus.subjects.signature(self.engine_id)
+        for request, signature in zip(finished, counts, strict=True):
+            message = PrefillSignature(
+                engine_id=self.engine_id,
+                request_id=request.request_id[:128],
+                ts=time.time(),
+                prompt_tokens=request.prompt_tokens,
+                cached_tokens=request.cached_tokens,
+                signature=signature,
+            )
+            try:
+                await bus.publish(subject, message)
+            except Exception as exc:  # the gateway then routes this request without a signature
+                log.warning("switchyard agent: signature of %s not published: %s", request.request_id, exc)
+
     async def _publish_sample(self, bus: Bus, sample: CalibrationSample) -> None:
         try:
             await bus.js_publish(bus.subjects.calibration_samples, sample)
@@ -196,6 +254,7 @@ class ExpertLoadPublisher:
                 window_start=start,
                 window_end=end,
                 expert_counts=counts,  # type: ignore[arg-type]
+                source_counts=None if self.sources is None else source_counts(counts, *self.sources),  # type: ignore[arg-type]
             )
             try:
                 await bus.js_publish(subject, window, msg_id=f"{self.engine_id}-{int(start * 1e6)}-{self.seq}")
