@@ -201,7 +201,7 @@ async def publish_to(
     connected only for the destinations asked for."""
     if database_url is not None:
         await asyncio.to_thread(upgrade, database_url)
-    bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers) if nats_servers else None
+    bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers, role="fit") if nats_servers else None
     try:
         return await publish_artifact(artifact, report, out=out, database_url=database_url, bus=bus)
     finally:

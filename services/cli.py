@@ -143,7 +143,7 @@ async def _calibration_from_stream(
     from switchyard.services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
     from switchyard.shared.bus import Bus
 
-    bus = await Bus.connect(settings, name="switchyard-fit")
+    bus = await Bus.connect(settings, name="switchyard-fit", role="fit")
     try:
         live, top_k, model = decoders_of(await fleet_hellos(bus))
         read = await read_samples(bus, since_s, max_samples)
@@ -291,6 +291,52 @@ def router(
     settings = load_settings(nats_url)
     router_settings = RouterSettings(**({"policy": policy} if policy else {}))
     run_until_signalled(RouterService(settings, router_settings).run)
+
+
+@app.command("nats-config")
+def nats_config(
+    out: Annotated[Path, typer.Option(help="Folder for nats-server.conf and credentials.json.")],
+    engines: Annotated[str | None, typer.Option(help="Engine ids, comma-separated: one NATS user each.")] = None,
+    fleet_engines: Annotated[
+        str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
+    ] = None,
+    listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
+    monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
+    store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
+    tls_cert: Annotated[Path | None, typer.Option(help="Server TLS certificate (with --tls-key, --tls-ca).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server TLS key.")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
+) -> None:
+    """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
+    from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+
+    settings = load_settings()
+    engine_ids = _split_csv(engines) or []
+    fleet_ids = _split_csv(fleet_engines) or []
+    roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
+    tls = None
+    if tls_cert or tls_key or tls_ca:
+        if not (tls_cert and tls_key):
+            raise typer.BadParameter("--tls-cert and --tls-key go together")
+        tls = {"cert_file": str(tls_cert), "key_file": str(tls_key), **({"ca_file": str(tls_ca)} if tls_ca else {})}
+    credentials = Credentials.generate(roles)
+    config = render_server_config(
+        settings.subjects,
+        credentials,
+        fleet_engines=fleet_ids,
+        listen=listen,
+        monitor=monitor or None,
+        store_dir=store_dir,
+        max_payload=settings.max_payload_bytes,
+        tls=tls,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    conf_path = out / "nats-server.conf"
+    conf_path.touch(mode=0o600)
+    conf_path.write_text(config)
+    credentials.save(out / "credentials.json")
+    typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
+    typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
 
 
 FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]

@@ -13,10 +13,11 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 from prometheus_client import start_http_server
 
-from switchyard.shared.bus import REJECTED
+from switchyard.shared.bus import REJECTED, check_sender
 from switchyard.shared.codec import WireModel, decode
 from switchyard.shared.db.engine import upgrade
 from switchyard.shared.errors import WireError
+from switchyard.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,16 @@ async def ensure_schema(database_url: str, attempts: int = 5) -> None:
 
 
 async def decode_stream_message(
-    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True
+    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True, subjects: Subjects | None = None
 ) -> M | None:
-    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered."""
+    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered.
+
+    With `subjects`, a message on an engine's subject that names another engine is refused (`check_sender`)."""
     try:
-        return decode(msg.data, schema, max_payload)
+        message = decode(msg.data, schema, max_payload)
+        if subjects is not None:
+            check_sender(subjects, msg.subject, message)
+        return message
     except WireError as exc:
         REJECTED.labels(label, exc.code).inc()
         log.warning("rejected message on %s: %s", label, exc)

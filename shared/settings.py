@@ -28,6 +28,10 @@ class SwitchyardSettings(BaseSettings):
     nats_token: str | None = None
     nats_nkey_seed_file: Path | None = None
     nats_creds_file: Path | None = None
+    #: Per-role NATS users (`switchyard nats-config` writes this JSON file): each component connects as its
+    #: role (router, placement, migration, fit, api, readonly, fleet, loadgen, admin, engine-<id>).
+    #: Overrides nats_user/nats_password for a component whose role is in the file.
+    nats_credentials: Path | None = None
     nats_tls_ca: Path | None = None
     nats_tls_cert: Path | None = None
     nats_tls_key: Path | None = None

@@ -33,6 +33,7 @@ from switchyard.engine_agents.vllm.config import (
     moe_layers,
     queue_tokens,
 )
+from switchyard.shared.nats_auth import engine_user
 
 if TYPE_CHECKING:  # the bus side is imported only by a process that attaches (vLLM loads plugins everywhere)
     from switchyard.engine_agents.vllm.runtime import ExpertLoadPublisher
@@ -134,7 +135,9 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
 
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
-    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"))
+    agent = EngineCoreAgent(
+        hello, probe.read, AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id))
+    )
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
@@ -244,7 +247,11 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     dp_rank = int(getattr(config.parallel_config, "data_parallel_rank", 0) or 0)
     engine_id, group = engine_identity(settings, dp_rank)
     publisher = ExpertLoadPublisher(
-        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}")
+        engine_id,
+        group,
+        counter.take,
+        settings.expert_load_interval_s,
+        AgentThread(f"worker-{engine_id}", role=engine_user(engine_id)),
     )
     if not publisher.start():
         return  # no bus: count nothing

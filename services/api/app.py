@@ -40,7 +40,7 @@ def create_app(settings: SwitchyardSettings, config: ApiSettings | None = None) 
         database_url = settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, sessions = create_async_db(database_url)
-        bus = await Bus.connect(settings, name="switchyard-api")
+        bus = await Bus.connect(settings, name="switchyard-api", role="api")
         try:
             await bus.ensure_streams()
             fleet = FleetView()

@@ -80,7 +80,7 @@ class MigrationService:
         database_url = self.settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
-        bus = await Bus.connect(self.settings, name="switchyard-migration")
+        bus = await Bus.connect(self.settings, name="switchyard-migration", role="migration")
         consumer = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):

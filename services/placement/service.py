@@ -101,7 +101,7 @@ class PlacementService:
         database_url = self.settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
-        self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement")
+        self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement", role="placement")
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
@@ -145,7 +145,9 @@ class PlacementService:
 
     async def _on_expert_load(self, msg: Msg) -> None:
         subject = self.bus.subjects.all_expert_load
-        window = await decode_stream_message(msg, ExpertLoad, subject, self.bus.max_payload, acked=False)
+        window = await decode_stream_message(
+            msg, ExpertLoad, subject, self.bus.max_payload, acked=False, subjects=self.bus.subjects
+        )
         if window is not None:
             ahead = window.window_end - msg.metadata.timestamp.timestamp()
             if ahead > self.config.max_clock_skew_s:  # it would outweigh every honest window until time caught up

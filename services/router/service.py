@@ -195,7 +195,9 @@ class RouterService:
     # ----- lifecycle -----
 
     async def start(self, servers: list[str] | None = None) -> None:
-        self.bus = bus = await Bus.connect(self.settings, name=self.router.replica_id, servers=servers, no_echo=True)
+        self.bus = bus = await Bus.connect(
+            self.settings, name=self.router.replica_id, servers=servers, no_echo=True, role="router"
+        )
         s = bus.subjects
         self.sharer = DecisionSharer(bus, self.router.replica_id, self.router.share_interval_s)
         await bus.subscribe(s.all_hello, Hello, self._on_hello)
