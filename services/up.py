@@ -36,7 +36,7 @@ from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.workload import load_request_csv
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
-from switchyard.services.artifacts import get_artifact_kv, publish_artifact
+from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact
 from switchyard.services.fleet import FleetView
 from switchyard.services.migration.service import run_migration
 from switchyard.services.placement.service import run_placement
@@ -144,7 +144,12 @@ async def ensure_artifact(
 ) -> tuple[RoutingArtifact, bool]:
     """The KV bucket's artifact if it was fitted for these decoders and this model; else fit and publish one."""
     fit_bus = fit_bus or infra.bus
-    current = await get_artifact_kv(fit_bus)
+    key = settings.artifact_key()
+    try:
+        current = await get_artifact_kv(fit_bus, key)
+    except ArtifactError as exc:  # garbage, or unsigned while a key is set: fit a good one
+        log.warning("the KV bucket's routing artifact is not usable (%s): fitting a new one", exc)
+        current = None
     model = scenario.model
     if (
         current is not None
@@ -163,6 +168,7 @@ async def ensure_artifact(
         out=settings.data_dir / "routing-artifact.msgpack",
         database_url=infra.database_url,
         bus=fit_bus,
+        key=key,
     )
     return versioned, True
 
@@ -446,5 +452,5 @@ async def _run_fleet(
         await fleet.stop()
     history = await _history_counts(infra.database_url)
     with contextlib.suppress(Exception):  # a refit (`switchyard fit --from-stream`) may have replaced it meanwhile
-        artifact = await get_artifact_kv(buses["fit"]) or artifact
+        artifact = await get_artifact_kv(buses["fit"], settings.artifact_key()) or artifact
     console.print(_summary(options, loadgen, fleet, artifact, history, elapsed))

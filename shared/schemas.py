@@ -451,6 +451,8 @@ class RoutingArtifact(WireModel):
     rho: Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
     decoder_ids: list[EngineId] | None = None
     num_calibration: Count = 0
+    #: HMAC-SHA256 by the fit job (`services.artifacts.sign_artifact`); required by routers given a key.
+    signature: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RoutingArtifact:

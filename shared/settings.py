@@ -48,6 +48,9 @@ class SwitchyardSettings(BaseSettings):
     #: A folder of the user's own traces laid out like the shipped `switchyard.data` (routing/, requests/,
     #: expert_load/); the CLI defaults take a file from it where it has one, else the shipped copy.
     trace_dir: Path | None = None
+    #: A secret shared by the fit job (signs routing artifacts) and the routers (refuse unsigned or wrongly
+    #: signed ones). Unset: artifacts are neither signed nor checked beyond their content hash.
+    artifact_key_file: Path | None = None
     #: Largest bus payload accepted by decoders (and configured on the embedded server).
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     log_level: str = "INFO"
@@ -90,6 +93,15 @@ class SwitchyardSettings(BaseSettings):
     @property
     def sqlite_path(self) -> Path:
         return self.data_dir / "switchyard.sqlite"
+
+    def artifact_key(self) -> bytes | None:
+        """The artifact signing key (the key file's bytes, surrounding whitespace removed), or None."""
+        if self.artifact_key_file is None:
+            return None
+        key = self.artifact_key_file.read_bytes().strip()
+        if len(key) < 16:
+            raise ValueError(f"SWITCHYARD_ARTIFACT_KEY_FILE {self.artifact_key_file}: a key needs >= 16 bytes")
+        return key
 
     def trace(self, relative: str) -> Path:
         """A shipped trace (`switchyard.data` names), or the user's copy under `trace_dir` when it has one."""

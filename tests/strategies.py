@@ -225,6 +225,7 @@ def routing_artifacts(draw: st.DrawFn) -> s.RoutingArtifact:
         rho=draw(st.floats(-1, 1)),
         decoder_ids=decoders,
         num_calibration=draw(small_counts),
+        signature=draw(st.none() | st.from_regex(r"\A[0-9a-f]{64}\Z")),
     )
 
 

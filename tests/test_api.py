@@ -299,6 +299,7 @@ async def test_live_engines_artifact_health_and_metrics(bus: Bus, db_settings: S
         assert (await api.get("/v1/router/artifact")).status_code == 404
         kv = await bus.ensure_kv(bus.subjects.router_bucket)
         await kv.put(bus.subjects.artifact_key, encode(_artifact()))
+        await kv.put(bus.subjects.artifact_key, b"garbage")  # finding 5: the last valid revision is shown
         meta = (await api.get("/v1/router/artifact")).json()
         assert (meta["version"], meta["idf_shape"], meta["centroids_shape"]) == (3, [2, 8], [4, 16])
         assert meta["idf"] is None and meta["centroids"] is None
@@ -320,7 +321,9 @@ async def seed_engine_row(settings: SwitchyardSettings) -> None:
 
 
 def _artifact() -> RoutingArtifact:
-    return RoutingArtifact(
+    from switchyard.solver.eldr_fit import artifact_content_hash
+
+    draft = RoutingArtifact(
         version=3,
         content_hash="ab" * 8,
         created_at=1.0,
@@ -331,6 +334,7 @@ def _artifact() -> RoutingArtifact:
         centroids=np.eye(4, 16, dtype=np.float32),
         rho=0.61,
     )
+    return draft.model_copy(update={"content_hash": artifact_content_hash(draft)})  # the API checks it, as routers
 
 
 def _fuzz(base_url: str) -> list[str]:

@@ -13,10 +13,8 @@ from sqlalchemy import select, text
 
 from switchyard.services.api import models as m
 from switchyard.services.api.deps import Session, State
-from switchyard.shared.codec import decode_reply
+from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
 from switchyard.shared.db import Engine
-from switchyard.shared.errors import WireError
-from switchyard.shared.schemas import RoutingArtifact
 
 router = APIRouter()
 
@@ -87,16 +85,20 @@ async def router_artifact(
         entry = await state.kv.get(state.bus.subjects.artifact_key)
     except KeyNotFoundError:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no routing artifact has been published yet") from None
+    key, revision = state.settings.artifact_key(), entry.revision or 0
     try:
-        artifact = decode_reply(entry.value or b"", RoutingArtifact, state.bus.max_payload)
-    except (WireError, RuntimeError) as exc:
-        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"the stored routing artifact is invalid: {exc}") from None
+        artifact = load_artifact(entry.value or b"", state.bus.max_payload, "KV artifact", key)
+    except ArtifactError as exc:  # what the routers do: the last valid revision the bucket keeps
+        found = await last_valid_artifact(state.kv, state.bus.subjects.artifact_key, state.bus.max_payload, key)
+        if found is None:
+            raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"the stored routing artifact is invalid: {exc}") from None
+        artifact, revision = found
     return m.ArtifactOut(
         **artifact.model_dump(include=set(m.ArtifactOut.model_fields) - {"model", "idf", "centroids"}),
         model=m.ModelOut.model_validate(artifact.model),
         idf_shape=list(artifact.idf.shape),
         centroids_shape=list(artifact.centroids.shape),
-        kv_revision=entry.revision or 0,
+        kv_revision=revision,
         idf=artifact.idf.tolist() if include_arrays else None,
         centroids=artifact.centroids.tolist() if include_arrays else None,
     )
