@@ -59,10 +59,19 @@ __all__ = [
 #: Engine and group ids become NATS subject tokens: no dots, spaces or wildcards.
 EngineId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
-Count = Annotated[int, Field(ge=0)]
-Positive = Annotated[int, Field(gt=0)]
+#: Bounded to what every consumer can hold: numpy int64 columns and BIGINT in the database (2**63 would raise
+#: `OverflowError` in a handler, not a validation error at the door).
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Positive = Annotated[int, Field(gt=0, le=2**63 - 1)]
+#: Plan versions are INTEGER columns in the history database.
+Version = Annotated[int, Field(gt=0, le=2**31 - 1)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-Timestamp = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: Unix seconds up to 9999-12-31 (what `datetime` and the database hold; 1e308 is no time).
+Timestamp = Annotated[float, Field(ge=0.0, le=253_402_300_799.0, allow_inf_nan=False)]
+#: A plan id is stored as VARCHAR(64) and named in logs: no NUL or other control characters.
+PlanId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+#: Longest interval an engine may announce between hellos: who is silent longer is gone, not resting.
+MAX_HELLO_INTERVAL_S = 60.0
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Role = Literal["prefill", "decode", "dp"]
@@ -120,8 +129,8 @@ class Hello(WireModel):
     #: Whether the engine applies `sy.engine.<id>.migrate` steps; the placement service plans only groups
     #: whose coordinator does (a plan for the others could only be refused).
     migrates: bool = True
-    hello_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
-    telemetry_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 0.1
+    hello_interval_s: Annotated[float, Field(gt=0.0, le=MAX_HELLO_INTERVAL_S, allow_inf_nan=False)] = 5.0
+    telemetry_interval_s: Annotated[float, Field(gt=0.0, le=MAX_HELLO_INTERVAL_S, allow_inf_nan=False)] = 0.1
     #: The engine's OpenAI-compatible HTTP base URL (e.g. `http://10.0.0.5:8000`), where the gateway sends the
     #: requests it routes there; None for an engine that serves no HTTP. The model it serves is `model.name`;
     #: role `dp` is a mixed (prefill and decode) engine of a data-parallel fleet.
@@ -299,10 +308,10 @@ def _check_moves(moves: np.ndarray) -> None:
 class PlacementPlan(WireModel):
     """`sy.placement.plan` (JetStream): a versioned expert placement for one engine group."""
 
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     engine_group: EngineId
-    base_version: Count | None = None
+    base_version: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     created_at: Timestamp
     source: Literal["greedy", "minlp", "manual", "rollback"]
     gpus: Annotated[list[str], Field(min_length=1, max_length=1024)]
@@ -324,8 +333,8 @@ class PlacementPlan(WireModel):
 class MigrateRequest(WireModel):
     """`sy.engine.<id>.migrate`: apply one ordered batch of moves of a plan (idempotent per plan+step)."""
 
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     engine_group: EngineId
     step: Count
     moves: SignedMatrix
@@ -337,8 +346,8 @@ class MigrateRequest(WireModel):
 
 
 class MigrateReply(WireModel):
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     step: Count
     applied: Count
     duration_s: Seconds
@@ -439,7 +448,7 @@ class CalibrationRequest(WireModel):
 class RoutingArtifact(WireModel):
     """KV bucket `sy-router`, key `artifact`: the offline ELDR fit the router scores signatures against."""
 
-    version: Positive
+    version: Version
     content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]
     created_at: Timestamp
     model: ModelShape

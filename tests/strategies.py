@@ -13,6 +13,10 @@ request_ids = st.text(min_size=1, max_size=128)
 counts = st.integers(min_value=0, max_value=2**40)
 small_counts = st.integers(min_value=0, max_value=10_000)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False)
+#: Plan ids: printable (no NUL or control characters, which storage refuses).
+plan_ids = st.text(
+    st.characters(min_codepoint=0x20, exclude_characters="\x7f", exclude_categories=("Cs",)), min_size=1, max_size=64
+)
 fractions = st.floats(min_value=0, max_value=1, allow_nan=False)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 nonneg = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
@@ -140,7 +144,7 @@ def placement_plans(draw: st.DrawFn) -> s.PlacementPlan:
         )
     )
     return s.PlacementPlan(
-        plan_id=draw(st.text(min_size=1, max_size=64)),
+        plan_id=draw(plan_ids),
         version=draw(st.integers(1, 10**6)),
         engine_group=draw(ids),
         base_version=draw(st.none() | small_counts),
@@ -157,7 +161,7 @@ def placement_plans(draw: st.DrawFn) -> s.PlacementPlan:
 
 migrate_requests = st.builds(
     s.MigrateRequest,
-    plan_id=st.text(min_size=1, max_size=64),
+    plan_id=plan_ids,
     version=st.integers(1, 10**6),
     engine_group=ids,
     step=small_counts,
@@ -165,7 +169,7 @@ migrate_requests = st.builds(
 )
 migrate_replies = st.builds(
     s.MigrateReply,
-    plan_id=st.text(min_size=1, max_size=64),
+    plan_id=plan_ids,
     version=st.integers(1, 10**6),
     step=small_counts,
     applied=small_counts,

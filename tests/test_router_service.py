@@ -357,3 +357,29 @@ async def test_with_a_key_routers_take_only_artifacts_signed_with_it(
         assert unkeyed.core.artifact is not None and unkeyed.core.artifact.version == 4
     finally:
         await unkeyed.stop()
+
+
+async def test_a_decoder_the_artifact_does_not_name_stays_out_of_the_bands(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """Finding 1: a phantom decoder (hello + telemetry saying it is idle) drew 555 of 600 requests."""
+    engines = Engines(bus, {"d0": "decode", "d1": "decode", "phantom": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, _artifact(1, ["d0", "d1"]))
+    router = await _start(settings, policy="eldr", inflight_grace_s=0.0)
+    try:
+        engines.load.update(d0=5, d1=5, phantom=0)
+        await engines.report()
+        await _settle()
+        near_first = np.array([[9, 0, 1, 0], [8, 1, 0, 0]], np.uint16)
+        chosen = Counter([(await _route(bus, f"r{i}", near_first)).engine_id for i in range(20)])
+        assert chosen["phantom"] == 0 and chosen["d0"] == 20
+    finally:
+        await router.stop()
+    opted_in = await _start(settings, policy="eldr", inflight_grace_s=0.0, unnamed_decoders_in_bands=True)
+    try:
+        await engines.report()
+        await _settle()
+        assert (await _route(bus, "new", near_first)).engine_id == "phantom"  # configured: new capacity serves
+    finally:
+        await opted_in.stop()
