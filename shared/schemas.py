@@ -70,6 +70,9 @@ Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(ge=0.0, le=253_402_300_799.0, allow_inf_nan=False)]
 #: A plan id is stored as VARCHAR(64) and named in logs: no NUL or other control characters.
 PlanId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+#: Largest layers x experts of an expert-load window (DeepSeek-V3: 58 x 256 = 14,848): a receiver keeps a
+#: float64 copy per group, so a window of [2048, 4000] from an invented group cost 65 MB.
+MAX_EXPERT_CELLS = 1 << 18
 #: Longest interval an engine may announce between hellos: who is silent longer is gone, not resting.
 MAX_HELLO_INTERVAL_S = 60.0
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -182,6 +185,11 @@ class ExpertLoad(WireModel):
     def _consistent(self) -> ExpertLoad:
         if self.window_end < self.window_start:
             raise ValueError("window_end precedes window_start")
+        layers, experts = self.expert_counts.shape
+        if layers == 0 or experts == 0:
+            raise ValueError(f"expert_counts shape {[layers, experts]} has no layer or no expert")
+        if layers * experts > MAX_EXPERT_CELLS:
+            raise ValueError(f"expert_counts shape {[layers, experts]} exceeds {MAX_EXPERT_CELLS} layer x expert cells")
         _at_least(self.expert_counts, 0, "expert_counts")
         _at_least(self.source_counts, 0, "source_counts")
         if self.source_counts is not None:

@@ -23,12 +23,12 @@ nonneg = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=
 uint_dtypes = st.sampled_from([np.uint8, np.uint16, np.uint32, np.int32, np.int64])
 
 
-def int_arrays(ndim: int, max_side: int = 6, signed: bool = False) -> st.SearchStrategy[np.ndarray]:
+def int_arrays(ndim: int, max_side: int = 6, signed: bool = False, min_side: int = 0) -> st.SearchStrategy[np.ndarray]:
     dtypes = st.sampled_from([np.int8, np.int16, np.int32, np.int64]) if signed else uint_dtypes
     return dtypes.flatmap(
         lambda dt: hnp.arrays(
             dt,
-            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=0, max_side=max_side),
+            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=min_side, max_side=max_side),
             elements=st.integers(0 if not signed else -1, 100),
         )
     )
@@ -78,7 +78,7 @@ telemetries = st.builds(
 
 @st.composite
 def expert_loads(draw: st.DrawFn) -> s.ExpertLoad:
-    b = draw(int_arrays(2))
+    b = draw(int_arrays(2, min_side=1))  # a window has at least one layer and one expert
     start = draw(times)
     a = None
     if draw(st.booleans()):
@@ -246,6 +246,7 @@ def route_decisions(draw: st.DrawFn) -> s.RouteDecisions:
 
 
 announces = st.builds(s.Announce, requester=st.text(min_size=1, max_size=64), engine_id=st.none() | ids)
+
 
 @st.composite
 def prefill_signatures(draw: st.DrawFn) -> s.PrefillSignature:

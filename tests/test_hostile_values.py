@@ -77,3 +77,17 @@ def test_plan_fields_bounded_to_what_storage_accepts(field: str, value: object) 
     with pytest.raises(WireError, match=field):
         decode(_with(good, **{field: value}), PlacementPlan)
     assert decode(encode(good), PlacementPlan).plan_id == "g0-v1"
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 8), (2048, 4000)])
+def test_expert_load_shapes_without_experts_or_far_beyond_a_model_are_refused(shape: tuple[int, int]) -> None:
+    """`[L, 0]` divided by zero in placement every tick; `[2048, 4000]` windows were the memory bomb."""
+    from switchyard.shared.schemas import ExpertLoad
+
+    good = ExpertLoad(
+        engine_id="e0", ep_group="g0", seq=0, window_start=0.0, window_end=1.0, expert_counts=np.ones((4, 8), np.uint32)
+    )
+    bad = good.model_copy(update={"expert_counts": np.zeros(shape, np.uint8)})
+    with pytest.raises(WireError, match="expert_counts"):
+        decode(encode(bad), ExpertLoad)
+    assert decode(encode(good), ExpertLoad).expert_counts.shape == (4, 8)

@@ -169,6 +169,38 @@ async def test_windows_from_a_skewed_clock_are_refused(
     assert FUTURE_WINDOWS._value.get() == before + 1
 
 
+async def _value(value: object) -> object:
+    return value
+
+
+async def test_windows_must_fit_the_announced_model_and_orphan_groups_are_dropped(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Finding 2: windows of invented groups and shapes took placement from 249 to 963 MB, kept forever."""
+    from switchyard.services.placement.service import WINDOWS_REFUSED
+
+    await bus.ensure_streams()
+    await publish_load(bus, "old", "g-invented", 0, range(4))  # in the stream from before the start
+    refused = {r: WINDOWS_REFUSED.labels(r)._value.get() for r in ("unknown_engine", "wrong_shape", "wrong_group")}
+    config = QUICK.model_copy(update={"orphan_window_s": 0.3, "period_s": 3600, "gain_threshold": 1e9})
+    service = PlacementService(db_settings, config)
+    hellos = [hello(f"e{i}", "g0", [f"gpu{i}"], dp_rank=i) for i in range(3)]
+    async with announcing(bus, *hellos), running(service.run):
+        await asyncio.wait_for(service.caught_up.wait(), 10)
+        await eventually(lambda: _value(len(service.fleet.group("g0")) == 3))
+        await publish_load(bus, "e0", "g0", 0, range(4))  # as announced: kept
+        await publish_load(bus, "e1", "g0", 0, range(4), layers=LAYERS + 2)  # another model shape
+        await publish_load(bus, "e2", "g-other", 0, range(4))  # another group than its hello says
+        await publish_load(bus, "ghost", "g-ghost", 0, range(4))  # never said hello
+        await eventually(lambda: _value("g0" in service.windows and "g-invented" not in service.windows))
+        assert set(service.windows) == {"g0"} and service.windows["g0"].load.shape == (LAYERS, EXPERTS)
+        await eventually(
+            lambda: _value(WINDOWS_REFUSED.labels("unknown_engine")._value.get() > refused["unknown_engine"])
+        )
+    assert WINDOWS_REFUSED.labels("wrong_shape")._value.get() == refused["wrong_shape"] + 1
+    assert WINDOWS_REFUSED.labels("wrong_group")._value.get() == refused["wrong_group"] + 1
+
+
 async def test_rejected_decisions_are_pruned_after_their_retention(
     db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:

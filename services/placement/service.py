@@ -65,6 +65,11 @@ WINDOWS = Counter("switchyard_placement_windows_total", "Expert-load windows fol
 FUTURE_WINDOWS = Counter(
     "switchyard_placement_windows_refused_total", "Expert-load windows refused: they end too far in the future."
 )
+WINDOWS_REFUSED = Counter(
+    "switchyard_placement_windows_mismatched_total",
+    "Expert-load windows refused: from an engine that never said hello, or for another group or model shape.",
+    ["reason"],
+)
 RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
 ENGINE_ROW_EVERY_S = 30.0
 PRUNE_EVERY_S = 3600.0
@@ -91,6 +96,8 @@ class PlacementService:
         self._engine_rows: dict[str, float] = {}
         self._processed_seq = 0
         self._future_engines: set[str] = set()
+        self._window_warnings: set[str] = set()
+        self._orphan_since: dict[str, float] = {}
         self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
         self._catch_up_to = 2**63  # known once the replay consumer exists
@@ -148,7 +155,11 @@ class PlacementService:
         window = await decode_stream_message(
             msg, ExpertLoad, subject, self.bus.max_payload, acked=False, subjects=self.bus.subjects
         )
-        if window is not None:
+        refusal = self._window_refusal(window) if window is not None else None
+        if refusal is not None:
+            WINDOWS_REFUSED.labels(refusal).inc()
+            self._warn_window(window.engine_id, refusal)  # type: ignore[union-attr]
+        elif window is not None:
             ahead = window.window_end - msg.metadata.timestamp.timestamp()
             if ahead > self.config.max_clock_skew_s:  # it would outweigh every honest window until time caught up
                 FUTURE_WINDOWS.inc()
@@ -159,6 +170,47 @@ class PlacementService:
         self._processed_seq = msg.metadata.sequence.stream
         if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
             self.caught_up.set()
+
+    def _window_refusal(self, window: ExpertLoad) -> str | None:
+        """Why a window cannot be kept, or None: it must come from an engine that said hello, for the group and
+        model shape that hello announced. While replaying the stream after a start the hellos may not be in yet:
+        windows are kept then, and `_drop_orphans` removes the groups that turn out to have no live engine."""
+        state = self.fleet.engines.get(window.engine_id)
+        hello = state.hello if state is not None else None
+        if hello is None:
+            return "unknown_engine" if self.caught_up.is_set() else None
+        if hello.ep_group != window.ep_group:
+            return "wrong_group"
+        if window.expert_counts.shape != (hello.model.num_layers, hello.model.num_experts):
+            return "wrong_shape"
+        return None
+
+    def _warn_window(self, engine_id: str, reason: str) -> None:
+        key = f"{engine_id}:{reason}"
+        if key not in self._window_warnings and len(self._window_warnings) < 1000:
+            self._window_warnings.add(key)
+            log.warning(
+                "expert-load window from %s refused (%s); switchyard_placement_windows_mismatched_total counts them",
+                engine_id,
+                reason,
+            )
+
+    def _drop_orphans(self, now: float) -> list[str]:
+        """Forget the windows of groups with no live engine for `orphan_window_s`; returns their names."""
+        dropped = []
+        for group in list(self.windows):
+            if self.fleet.group(group):
+                self._orphan_since.pop(group, None)
+                continue
+            since = self._orphan_since.setdefault(group, now)
+            if now - since >= self.config.orphan_window_s:
+                del self.windows[group]
+                self._orphan_since.pop(group, None)
+                self._last_run.pop(group, None)
+                dropped.append(group)
+        if dropped:
+            log.info("dropped the expert-load windows of %d group(s) with no live engine", len(dropped))
+        return dropped
 
     def _warn_future(self, engine_id: str, ahead: float) -> None:
         if engine_id not in self._future_engines:
@@ -203,6 +255,7 @@ class PlacementService:
         await self.prune_rejected()
         if not self.caught_up.is_set():
             return
+        self._drop_orphans(time.monotonic())
         for group in list(self.windows):
             trigger = self._trigger(group)
             if trigger is not None:

@@ -31,6 +31,9 @@ class PlacementSettings(BaseSettings):
     weight_load: float = Field(default=50.0, ge=0)
     weight_comm: float = Field(default=1.0, ge=0)
     weight_mig: float = Field(default=1.0, ge=0)
+    #: Drop a group's decayed window once no live engine of the group has said hello for this long (a window
+    #: for an invented group must not be kept forever; a restart's stream replay brings back only live ones).
+    orphan_window_s: float = Field(default=30.0, ge=0)
     #: Do not plan a group while its last published plan is unresolved, unless it is older than this.
     inflight_timeout_s: float = Field(default=600.0, gt=0)
     #: Store the slot layout of rejected plans too (each is L x G x slots rows).
