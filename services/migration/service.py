@@ -16,14 +16,14 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
 from sqlalchemy import case, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.fleet import FleetView
 from switchyard.services.history import add_placement
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from switchyard.services.runtime import RateLimitedLog, decode_stream_message, ensure_schema, metrics_endpoint
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.schemas import PlacementPlan
@@ -66,12 +66,23 @@ async def record_plan(sessions: async_sessionmaker[AsyncSession], plan: Placemen
         return None
 
 
+def is_poison(exc: BaseException) -> bool:
+    """Whether storing failed because of the plan itself (a value the database or Python cannot hold), so no
+    redelivery can succeed; a database outage or a lost connection is not (the plan is retried)."""
+    if isinstance(exc, (OperationalError, InterfaceError, OSError, TimeoutError)):
+        return False
+    if isinstance(exc, (DataError, ValueError, OverflowError, TypeError)):
+        return True
+    return isinstance(exc, StatementError) and isinstance(exc.orig, (ValueError, OverflowError, TypeError))
+
+
 class MigrationService:
     """Start with `await service.run(stop)`; returns once `stop` is set and the workers have stopped."""
 
     def __init__(self, settings: SwitchyardSettings, config: MigrationSettings | None = None) -> None:
         self.settings = settings
         self.config = config or MigrationSettings()
+        self._warn = RateLimitedLog(log, "plans")
         self.fleet = FleetView()
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -123,8 +134,13 @@ class MigrationService:
             return
         try:
             migration_id = await record_plan(self.sessions, plan)
-        except Exception:
-            log.exception("cannot record plan %s; it will be redelivered", plan.plan_id)
+        except Exception as exc:
+            if is_poison(exc):  # it can never be stored: redelivering it would fail forever
+                PLANS.labels("poison").inc()
+                self._warn(f"plan {plan.plan_id!r} can never be stored ({type(exc).__name__}: {exc}); terminated")
+                await msg.term()
+                return
+            self._warn(f"cannot record plan {plan.plan_id!r} ({type(exc).__name__}: {exc}); it will be redelivered")
             await msg.nak(delay=2.0)
             return
         await msg.ack()
