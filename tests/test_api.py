@@ -367,3 +367,30 @@ async def test_schemathesis_finds_no_server_errors(
     async with api_server(db_settings) as api:
         fuzzed = await asyncio.to_thread(_fuzz, str(api.base_url).rstrip("/"))
     assert len(set(fuzzed)) == 13  # every operation of the spec
+
+
+async def test_engines_are_paged_and_requests_are_bounded(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Finding 6 and Deliver 4: 20,000 hellos made a 10.5 MB `/v1/engines`; a body declared as 1 GB was read."""
+    async with sessions() as session, session.begin():
+        for i in range(12):
+            row = old_engine()
+            row.engine_id = f"e{i:02d}"
+            session.add(row)
+    async with api_server(db_settings) as api:
+        first = await api.get("/v1/engines", params={"limit": 5})
+        assert first.status_code == 200 and len(first.json()) == 5
+        assert first.headers["X-Total-Count"] == "12" and first.headers["X-Next-Offset"] == "5"
+        last = await api.get("/v1/engines", params={"limit": 5, "offset": 10})
+        assert [e["engine_id"] for e in last.json()] == ["e10", "e11"] and "X-Next-Offset" not in last.headers
+        assert (await api.get("/v1/engines", params={"limit": 100_000})).status_code == 422  # page-size cap
+        assert (await api.get("/v1/placements", params={"limit": 100_000})).status_code == 422
+        from tests.test_http_limits import _exchange
+
+        head = (
+            f"POST /v1/calibrations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {10**9}\r\nConnection: close\r\n\r\n"
+        )
+        status, _ = await _exchange(api.base_url.port, head, [b"{"])  # 1 GB declared: refused unread
+        assert status == 413

@@ -17,6 +17,8 @@ from switchyard.services.artifacts import ArtifactError, last_valid_artifact, lo
 from switchyard.shared.db import Engine
 
 router = APIRouter()
+#: Largest page of `/v1/engines` (20,000 hellos once made it a 10.5 MB response).
+ENGINES_PAGE_MAX = 500
 
 
 def _when(ts: float | None) -> datetime | None:
@@ -27,10 +29,18 @@ def _when(ts: float | None) -> datetime | None:
 async def list_engines(
     state: State,
     session: Session,
+    response: Response,
     ep_group: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = None,
     role: Literal["prefill", "decode", "dp"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=ENGINES_PAGE_MAX, description="Page size.")] = ENGINES_PAGE_MAX,
+    offset: Annotated[
+        int, Query(ge=0, le=10**7, description="Engines to skip (`X-Next-Offset` of the last page).")
+    ] = 0,
 ) -> list[m.EngineOut]:
-    """Every engine heard live since the API started, plus those only known from earlier hellos (marked stale)."""
+    """Every engine heard live since the API started, plus those only known from earlier hellos (marked stale).
+
+    Paged: at most `limit` engines; when more follow, the `X-Next-Offset` header says where the next page starts
+    (`X-Total-Count`: how many match)."""
     engines: dict[str, m.EngineOut] = {}
     for s in state.fleet.engines.values():
         hello = s.hello
@@ -72,7 +82,11 @@ async def list_engines(
     selected = [
         e for e in engines.values() if (ep_group is None or e.ep_group == ep_group) and (role is None or e.role == role)
     ]
-    return sorted(selected, key=lambda e: (e.ep_group or "", e.dp_rank or 0, e.engine_id))
+    ordered = sorted(selected, key=lambda e: (e.ep_group or "", e.dp_rank or 0, e.engine_id))
+    response.headers["X-Total-Count"] = str(len(ordered))
+    if offset + limit < len(ordered):
+        response.headers["X-Next-Offset"] = str(offset + limit)
+    return ordered[offset : offset + limit]
 
 
 @router.get("/v1/router/artifact", response_model=m.ArtifactOut, tags=["router"])
