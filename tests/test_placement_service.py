@@ -201,6 +201,61 @@ async def test_windows_must_fit_the_announced_model_and_orphan_groups_are_droppe
     assert WINDOWS_REFUSED.labels("wrong_group")._value.get() == refused["wrong_group"] + 1
 
 
+async def test_identical_rejections_are_coalesced_and_a_group_without_engines_writes_none(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Finding 6: a `rejected` row per group per tick, even for groups with no live engine (2,834 in an hour)."""
+    from switchyard.services.placement.window import DecayedLoad
+    from switchyard.shared.schemas import ExpertLoad
+
+    service = PlacementService(db_settings, QUICK.model_copy(update={"gain_threshold": 1e9}))
+    service.sessions = sessions
+    service.fleet.on_hello(hello("e0", "gc", ["a", "b"]))
+    for group in ("gc", "g-gone"):
+        window = DecayedLoad(300.0)
+        counts = np.arange(LAYERS * EXPERTS, dtype=np.uint32).reshape(LAYERS, EXPERTS)
+        window.add(
+            ExpertLoad(engine_id="e0", ep_group=group, seq=0, window_start=0, window_end=1, expert_counts=counts)
+        )
+        service.windows[group] = window
+    async with sessions() as session, session.begin():  # g-gone was placed once, by engines long gone
+        await add_placement(session, plan("g-gone", 1, default_layout(LAYERS, EXPERTS, 2)), "applied")
+    for _ in range(5):
+        await service.plan_group("gc", "period")
+        assert await service.plan_group("g-gone", "period") is None
+    rows = await _placements(sessions, "gc")
+    assert [r.status for r in rows] == ["rejected"] and rows[0].details["repeats"] == 4
+    assert [r.status for r in await _placements(sessions, "g-gone")] == ["applied"]
+
+
+async def test_engines_not_seen_for_their_retention_are_pruned(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    from switchyard.shared.db import Engine
+
+    async with sessions() as session, session.begin():
+        for engine_id, days in (("fresh", 0), ("gone", 30)):
+            session.add(
+                Engine(
+                    engine_id=engine_id,
+                    role="decode",
+                    ep_group="g",
+                    agent="sim",
+                    model_name="m",
+                    num_layers=2,
+                    num_experts=8,
+                    top_k=2,
+                    hello={},
+                    last_seen=utcnow() - timedelta(days=days),
+                )
+            )
+    service = PlacementService(db_settings, QUICK.model_copy(update={"engine_retention_s": 7 * 86400}))
+    service.sessions = sessions
+    assert await service.prune_engines() == 1
+    async with sessions() as session:
+        assert list(await session.scalars(select(Engine.engine_id))) == ["fresh"]
+
+
 async def test_rejected_decisions_are_pruned_after_their_retention(
     db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:

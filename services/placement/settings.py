@@ -31,6 +31,8 @@ class PlacementSettings(BaseSettings):
     weight_load: float = Field(default=50.0, ge=0)
     weight_comm: float = Field(default=1.0, ge=0)
     weight_mig: float = Field(default=1.0, ge=0)
+    #: Delete rows of the `engines` table not seen for this long (checked hourly); 0 keeps them forever.
+    engine_retention_s: float = Field(default=7 * 86400.0, ge=0)
     #: Drop a group's decayed window once no live engine of the group has said hello for this long (a window
     #: for an invented group must not be kept forever; a restart's stream replay brings back only live ones).
     orphan_window_s: float = Field(default=30.0, ge=0)
