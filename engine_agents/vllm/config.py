@@ -36,8 +36,8 @@ class AgentSettings(BaseSettings):
     gpus: list[str] | None = None
     #: Overrides the role read from `kv_transfer_config` (kv_producer: prefill, kv_consumer: decode, else dp).
     role: Literal["prefill", "decode", "dp"] | None = None
-    hello_interval_s: float = Field(default=5.0, gt=0)
-    telemetry_interval_s: float = Field(default=0.1, gt=0)
+    hello_interval_s: float = Field(default=5.0, gt=0, le=60)  # Hello allows at most 60 s (issue 15)
+    telemetry_interval_s: float = Field(default=0.1, gt=0, le=60)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
     expert_load_interval_s: float = Field(default=1.0, gt=0)
     #: Share of requests (chosen by a hash of the request id) published as calibration samples on
