@@ -284,14 +284,16 @@ class Bus:
         await self.js.add_consumer(stream, config=config)  # create-or-update on NATS >= 2.9
         return await self.js.pull_subscribe_bind(durable, stream)
 
-    async def ensure_kv(self, bucket: str, history: int = 16) -> KeyValue:
-        """Open a KV bucket, creating it on first use."""
+    async def ensure_kv(self, bucket: str, history: int = 16, ttl: float | None = None) -> KeyValue:
+        """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write)."""
         try:
             return await self.js.key_value(bucket)
         except BucketNotFoundError:
             pass
         try:
-            return await self.js.create_key_value(bucket=bucket, history=history, max_value_size=self.max_payload)
+            return await self.js.create_key_value(
+                bucket=bucket, history=history, max_value_size=self.max_payload, ttl=ttl
+            )
         except BadRequestError:  # created concurrently with another config: use what exists
             return await self.js.key_value(bucket)
 

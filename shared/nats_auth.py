@@ -91,7 +91,7 @@ class Roles:
     def __init__(self, subjects: Subjects) -> None:
         self.s = subjects
         self.kv_stream = f"KV_{subjects.router_bucket}"
-        self.contract_streams = list(subjects.streams())
+        self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
 
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
         """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams."""
@@ -137,9 +137,10 @@ class Roles:
             )
         if name == "placement":
             layout = f"{s.prefix}.engine.*.layout"
-            return self._service(name, [s.placement_plan, s.announce, layout], [*engines, s.all_expert_load])
+            leases = f"$KV.{s.lease_bucket}.>"
+            return self._service(name, [s.placement_plan, s.announce, layout, leases], [*engines, s.all_expert_load])
         if name == "migration":
-            requests = [f"{s.prefix}.engine.*.migrate", f"{s.prefix}.engine.*.layout"]
+            requests = [f"{s.prefix}.engine.*.migrate", f"{s.prefix}.engine.*.layout", f"$KV.{s.lease_bucket}.>"]
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
             return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce], engines)

@@ -135,6 +135,11 @@ class Subjects:
         return f"{self.prefix}-router"
 
     @property
+    def lease_bucket(self) -> str:
+        """One owner per engine group across replicas of the placement and migration services."""
+        return f"{self.prefix}-leases"
+
+    @property
     def artifact_key(self) -> str:
         return "artifact"
 

@@ -210,6 +210,7 @@ async def test_identical_rejections_are_coalesced_and_a_group_without_engines_wr
 
     service = PlacementService(db_settings, QUICK.model_copy(update={"gain_threshold": 1e9}))
     service.sessions = sessions
+    service.fleet = FleetView(clock=lambda: 1000.0)  # e0 stays live however slow this machine is
     service.fleet.on_hello(hello("e0", "gc", ["a", "b"]))
     for group in ("gc", "g-gone"):
         window = DecayedLoad(300.0)

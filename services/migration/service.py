@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.fleet import FleetView
 from switchyard.services.history import add_placement
+from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.services.runtime import RateLimitedLog, decode_stream_message, ensure_schema, metrics_endpoint
@@ -85,6 +86,7 @@ class MigrationService:
         self._warn = RateLimitedLog(log, "plans")
         self.fleet = FleetView()
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self.leases: GroupLeases | None = None
         self._wake: dict[str, asyncio.Event] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -93,6 +95,7 @@ class MigrationService:
         engine, self.sessions = create_async_db(database_url)
         bus = await Bus.connect(self.settings, name="switchyard-migration", role="migration")
         consumer = None
+        renewing: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
@@ -106,6 +109,9 @@ class MigrationService:
                     ack_wait=30.0,  # recording a plan takes milliseconds; unacked means this replica died
                     max_deliver=-1,  # a plan is never dropped: recording it is idempotent
                 )
+                self.leases = GroupLeases(bus, "migration", self.config.replica_id, self.config.lease_ttl_s)
+                await self.leases.start()
+                renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
                 while not stop.is_set():
@@ -116,11 +122,14 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            for task in self._workers.values():
+            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
                 task.cancel()
-            for task in self._workers.values():
+            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.leases is not None:
+                with contextlib.suppress(Exception):
+                    await self.leases.release_all()
             if consumer is not None:  # unfetched messages would otherwise hold up draining the connection
                 with contextlib.suppress(Exception):
                     await consumer.unsubscribe()
@@ -146,6 +155,16 @@ class MigrationService:
         await msg.ack()
         if migration_id is not None:
             self._kick(plan.engine_group)
+
+    async def _renew_leases(self) -> None:
+        """Keep the held group leases alive while their migrations run (they may take longer than the TTL)."""
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            try:
+                if self.leases is not None:
+                    await self.leases.renew()
+            except Exception:  # NATS briefly away: try again next round (the lease outlives a short blip)
+                log.warning("renewing migration leases failed; retrying", exc_info=True)
 
     async def _resume(self) -> None:
         async with self.sessions() as session:
@@ -185,7 +204,14 @@ class MigrationService:
                 if migration_id is None:
                     if wake.is_set():
                         continue
+                    if self.leases is not None:
+                        await self.leases.release(group)
                     return
+                if self.leases is not None and not await self.leases.acquire(group):
+                    # another replica runs this group: look again once its lease could have lapsed
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), self.config.lease_ttl_s / 2)
+                    continue
                 if await self._take_up(migration_id):
                     await self.executor.run(migration_id)
                 backoff = 1.0

@@ -46,6 +46,7 @@ from switchyard.services.history import (
     plan_message,
     publish_plan,
 )
+from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.decide import Decision, Policy, decide
 from switchyard.services.placement.recalibrate import serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
@@ -90,6 +91,7 @@ class PlacementService:
         )
         self.fleet = FleetView()
         self.layouts: LayoutProbe | None = None  # set once connected
+        self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
         self.windows: dict[str, DecayedLoad] = {}
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
@@ -115,6 +117,8 @@ class PlacementService:
                 await bus.ensure_streams()
                 await self.fleet.subscribe(bus, telemetry=False)  # hellos say who is alive and owns which GPUs
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
+                self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
+                await self.leases.start()
                 await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
                 await self._follow_expert_load()
                 calibrations = asyncio.create_task(
@@ -131,6 +135,9 @@ class PlacementService:
                         await asyncio.wait_for(stop.wait(), self.config.tick_s)
                 await calibrations
         finally:
+            if self.leases is not None:
+                with contextlib.suppress(Exception):
+                    await self.leases.release_all()
             await bus.close()
             await engine.dispose()
 
@@ -260,6 +267,8 @@ class PlacementService:
         self._drop_orphans(time.monotonic())
         for group in list(self.windows):
             trigger = self._trigger(group)
+            if trigger is not None and self.leases is not None and not await self.leases.acquire(group):
+                continue  # another replica plans this group (one owner per group)
             if trigger is not None:
                 try:
                     await self.plan_group(group, trigger)
