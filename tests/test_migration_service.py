@@ -290,3 +290,32 @@ async def test_plans_that_can_never_be_stored_are_terminated_not_redelivered(
 
     assert is_poison(DataError("INSERT", {}, ValueError("NUL"))) and is_poison(OverflowError("date"))
     assert not is_poison(OperationalError("SELECT 1", {}, OSError("connection refused")))
+
+
+async def test_a_second_replica_leaves_a_running_migration_to_its_owner(
+    bus: Bus, db_settings: SwitchyardSettings
+) -> None:
+    """Finding 7: a second migration service resumed the migration the first was executing (17 duplicate
+    step requests; correctness rested on the engine's dedup). Now the group's lease keeps it out."""
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=1.0))  # ~0.2-0.5 s per step
+    await serve_migrate(bus, "e0", group)
+    await bus.ensure_streams()
+    target = plan("g0", 1, shuffled(base, 1))
+    async with (
+        announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
+        migration_service(db_settings, FAST.model_copy(update={"replica_id": "first"})) as sessions,
+    ):
+        await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+
+        async def running() -> bool:
+            migration = await _migration(sessions, target.plan_id)
+            return migration is not None and migration.state == "running"
+
+        await eventually(running)
+        async with migration_service(db_settings, FAST.model_copy(update={"replica_id": "second"})):
+            done = await eventually(lambda: _finished(sessions, target.plan_id))
+    assert done.state == "succeeded" and done.attempts == 1
+    steps = sorted({m.step for m in await _moves(sessions, done.id)})
+    assert group.requests == len(steps)  # every step sent once: no replica ran it twice
+    np.testing.assert_array_equal(group.layout, target.placement)
