@@ -314,7 +314,7 @@ class Bus:
         return decode_reply(msg.data, reply, self.max_payload)
 
     def _decoder(self, schema: type[M], label: str) -> Callable[[bytes], M | WireError]:
-        max_payload = self.max_payload
+        max_payload = min(self.max_payload, schema.MAX_WIRE_BYTES or self.max_payload)
         warn = _RateLimitedWarning(label)
 
         def _decode(data: bytes) -> M | WireError:

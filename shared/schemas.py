@@ -119,6 +119,8 @@ class Capacity(_Part):
 class Hello(WireModel):
     """`sy.engine.<id>.hello`: who an engine is. Published on start and every `hello_interval_s`."""
 
+    MAX_WIRE_BYTES: ClassVar[int | None] = 256 * 1024  # up to 1024 GPU names
+
     engine_id: EngineId
     role: Role
     model: ModelShape
@@ -145,6 +147,8 @@ class Telemetry(WireModel):
 
     `seq` increases by one per message from an engine's start, so consumers can detect gaps and restarts.
     """
+
+    MAX_WIRE_BYTES: ClassVar[int | None] = 16 * 1024  # ~200 bytes in practice
 
     engine_id: EngineId
     seq: Count
@@ -270,6 +274,8 @@ class Announce(WireModel):
 
     `engine_id` narrows the request to one engine (e.g. telemetry arrived from an engine never introduced).
     """
+
+    MAX_WIRE_BYTES: ClassVar[int | None] = 4 * 1024
 
     requester: Annotated[str, Field(min_length=1, max_length=64)]
     engine_id: EngineId | None = None

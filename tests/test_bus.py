@@ -310,3 +310,22 @@ def test_the_shipped_nats_server_config_is_valid_and_allows_our_payloads() -> No
     assert "max_payload: 8MB" in text  # == SwitchyardSettings().max_payload_bytes
     assert re.search(r"^listen: 127\.0\.0\.1:4222", text, re.M) and re.search(r"^authorization \{", text, re.M)
     assert SwitchyardSettings().max_payload_bytes == 8 * 1024 * 1024
+
+
+async def test_small_message_classes_have_their_own_size_limit(bus: Bus) -> None:
+    """Finding 3: payloads near 8 MiB on `sy.engine.*.telemetry` were accepted up to the server's limit; a
+    telemetry message is ~200 bytes, so its class is refused beyond 16 KiB, before it is unpacked."""
+    got: list[int] = []
+    await bus.subscribe(bus.subjects.all_telemetry, s.Telemetry, lambda m, _: got.append(m.seq))
+    await bus.nc.flush()
+    before = rejected_count(bus.subjects.all_telemetry, "too_large")
+    padded = msgpack.packb({**msgpack.unpackb(encode(_telemetry(1))), "padding": "x" * 64 * 1024})
+    await bus.nc.publish(bus.subjects.telemetry("e1"), padded)  # valid apart from its size
+    await bus.publish(bus.subjects.telemetry("e1"), _telemetry(2))
+    await bus.nc.flush()
+    for _ in range(40):
+        if got:
+            break
+        await asyncio.sleep(0.05)
+    assert got == [2] and rejected_count(bus.subjects.all_telemetry, "too_large") == before + 1
+    assert bus.max_payload // 100 > s.Telemetry.MAX_WIRE_BYTES
