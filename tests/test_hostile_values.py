@@ -91,3 +91,28 @@ def test_expert_load_shapes_without_experts_or_far_beyond_a_model_are_refused(sh
     with pytest.raises(WireError, match="expert_counts"):
         decode(encode(bad), ExpertLoad)
     assert decode(encode(good), ExpertLoad).expert_counts.shape == (4, 8)
+
+
+def test_with_a_manifest_an_engine_cannot_claim_another_group_or_rank(tmp_path) -> None:
+    """The known hard spot of issue 15: bus permissions prove an engine's id, not its group. A hello from e1
+    naming group g0 at rank 0 made it g0's migrate coordinator; with a manifest it is refused and counted."""
+    from switchyard.services.fleet import UNBOUND_HELLOS, FleetView
+    from switchyard.shared.settings import SwitchyardSettings
+
+    manifest = tmp_path / "engines.json"
+    manifest.write_text('{"e0": {"ep_group": "g0", "dp_rank": 0}, "e1": {"ep_group": "g1", "dp_rank": 0}}')
+    bindings = SwitchyardSettings(engine_manifest=manifest).engine_bindings()
+    view = FleetView(clock=lambda: 0.0, bindings=bindings)
+    before = {r: UNBOUND_HELLOS.labels(r)._value.get() for r in ("unlisted", "wrong_group_or_rank")}
+    view.on_hello(hello("e1", "g0", ["x"], dp_rank=0))  # e1 is g1's
+    view.on_hello(hello("e0", "g0", ["a"], dp_rank=3))  # e0 is rank 0
+    view.on_hello(hello("intruder", "g0", ["y"]))
+    assert view.coordinator("g0") is None and view.engines == {}
+    view.on_hello(hello("e0", "g0", ["a"], dp_rank=0))
+    view.on_hello(hello("e1", "g1", ["b"], dp_rank=0))
+    assert (view.coordinator("g0"), view.coordinator("g1")) == ("e0", "e1")
+    assert UNBOUND_HELLOS.labels("wrong_group_or_rank")._value.get() == before["wrong_group_or_rank"] + 2
+    assert UNBOUND_HELLOS.labels("unlisted")._value.get() == before["unlisted"] + 1
+    unbound = FleetView(clock=lambda: 0.0)  # no manifest: every hello believed, as before
+    unbound.on_hello(hello("e1", "g0", ["x"], dp_rank=0))
+    assert unbound.coordinator("g0") == "e1"

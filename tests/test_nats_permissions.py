@@ -230,7 +230,16 @@ async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: S
 def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) -> None:
     out = tmp_path / "conf"
     result = subprocess.run(
-        [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(out), "--engines", "e0,e1"],
+        [
+            sys.executable,
+            "-m",
+            "switchyard.services.cli",
+            "nats-config",
+            "--out",
+            str(out),
+            "--engines",
+            "e0:g0:0,e1:g0:1",
+        ],
         capture_output=True,
         text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
@@ -239,6 +248,7 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
     users = json.loads((out / "credentials.json").read_text())
     assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1"}
     assert (out / "credentials.json").stat().st_mode & 0o077 == 0  # passwords readable by the owner only
+    assert json.loads((out / "engines.json").read_text())["e1"] == {"ep_group": "g0", "dp_rank": 1}
     config = (out / "nats-server.conf").read_text()
     assert 'listen: "127.0.0.1:4222"' in config and "authorization" in config
     checked = subprocess.run([str(find_nats_server()), "-c", str(out / "nats-server.conf"), "-t"], capture_output=True)

@@ -43,7 +43,7 @@ def create_app(settings: SwitchyardSettings, config: ApiSettings | None = None) 
         bus = await Bus.connect(settings, name="switchyard-api", role="api")
         try:
             await bus.ensure_streams()
-            fleet = FleetView()
+            fleet = FleetView(bindings=settings.engine_bindings())
             await fleet.subscribe(bus)
             kv = await bus.ensure_kv(bus.subjects.router_bucket)
             app.state.switchyard = ApiState(settings, config, engine, sessions, bus, fleet, kv)

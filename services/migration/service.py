@@ -84,7 +84,7 @@ class MigrationService:
         self.settings = settings
         self.config = config or MigrationSettings()
         self._warn = RateLimitedLog(log, "plans")
-        self.fleet = FleetView()
+        self.fleet = FleetView(bindings=settings.engine_bindings())
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.leases: GroupLeases | None = None
         self._wake: dict[str, asyncio.Event] = {}

@@ -89,7 +89,7 @@ class PlacementService:
             redundant_slots=self.config.redundant_slots,
             weights=Weights(load=self.config.weight_load, comm=self.config.weight_comm, mig=self.config.weight_mig),
         )
-        self.fleet = FleetView()
+        self.fleet = FleetView(bindings=settings.engine_bindings())
         self.layouts: LayoutProbe | None = None  # set once connected
         self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
         self.windows: dict[str, DecayedLoad] = {}
