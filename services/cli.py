@@ -143,7 +143,7 @@ async def _calibration_from_stream(
     from switchyard.services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
     from switchyard.shared.bus import Bus
 
-    bus = await Bus.connect(settings, name="switchyard-fit")
+    bus = await Bus.connect(settings, name="switchyard-fit", role="fit")
     try:
         live, top_k, model = decoders_of(await fleet_hellos(bus))
         read = await read_samples(bus, since_s, max_samples)
@@ -322,6 +322,72 @@ def gateway(
     except ImportError:
         pass
     run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
+
+
+@app.command("nats-config")
+def nats_config(
+    out: Annotated[Path, typer.Option(help="Folder for nats-server.conf and credentials.json.")],
+    engines: Annotated[
+        str | None,
+        typer.Option(
+            help="Engines, comma-separated, as ID or ID:EP_GROUP:DP_RANK: one NATS user each; with groups, also "
+            "an engines.json manifest that binds each engine to its group (SWITCHYARD_ENGINE_MANIFEST)."
+        ),
+    ] = None,
+    fleet_engines: Annotated[
+        str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
+    ] = None,
+    listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
+    monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
+    store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
+    tls_cert: Annotated[Path | None, typer.Option(help="Server TLS certificate (with --tls-key, --tls-ca).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server TLS key.")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
+) -> None:
+    """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
+    from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+    from switchyard.shared.subjects import check_token
+
+    settings = load_settings()
+    specs = [spec.split(":") for spec in _split_csv(engines) or []]
+    if any(len(parts) not in (1, 3) for parts in specs):
+        raise typer.BadParameter("--engines takes ID or ID:EP_GROUP:DP_RANK, comma-separated")
+    bound = [parts for parts in specs if len(parts) == 3]
+    if bound and len(bound) != len(specs):
+        raise typer.BadParameter("--engines: give every engine its group and rank, or none")
+    try:
+        manifest = {e: {"ep_group": check_token(g, "EP group"), "dp_rank": int(r)} for e, g, r in bound}
+    except ValueError as exc:
+        raise typer.BadParameter(f"--engines: {exc}") from None
+    engine_ids = [parts[0] for parts in specs]
+    fleet_ids = _split_csv(fleet_engines) or []
+    roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
+    tls = None
+    if tls_cert or tls_key or tls_ca:
+        if not (tls_cert and tls_key):
+            raise typer.BadParameter("--tls-cert and --tls-key go together")
+        tls = {"cert_file": str(tls_cert), "key_file": str(tls_key), **({"ca_file": str(tls_ca)} if tls_ca else {})}
+    credentials = Credentials.generate(roles)
+    config = render_server_config(
+        settings.subjects,
+        credentials,
+        fleet_engines=fleet_ids,
+        listen=listen,
+        monitor=monitor or None,
+        store_dir=store_dir,
+        max_payload=settings.max_payload_bytes,
+        tls=tls,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    conf_path = out / "nats-server.conf"
+    conf_path.touch(mode=0o600)
+    conf_path.write_text(config)
+    credentials.save(out / "credentials.json")
+    typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
+    if manifest:
+        (out / "engines.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for placement, migration and the API")
+    typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
 
 
 FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]

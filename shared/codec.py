@@ -143,6 +143,10 @@ class WireModel(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="ignore", arbitrary_types_allowed=True)
 
     VERSION: ClassVar[int] = 1
+    #: Largest encoding accepted for this message class on the bus (None: the bus-wide max payload). Small
+    #: messages on wildcard subscriptions get a limit far below the server's: a flood of 8 MiB "telemetry"
+    #: is then refused by size before it is unpacked (issue 15, finding 3).
+    MAX_WIRE_BYTES: ClassVar[int | None] = None
     v: int = 0
 
     @model_validator(mode="before")
