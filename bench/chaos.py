@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import logging
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +82,7 @@ class Probe:
     sent: float
     ok: bool
     engine: str = ""
-    misrouted: bool = False
+    answered: float = 0.0
 
 
 @dataclass
@@ -124,7 +126,10 @@ class Chaos:
         self.sent: dict[str, float] = {}  # request id -> wall time sent
         self.done: dict[str, float] = {}
         self.probes: list[Probe] = []
-        self.last_seen: dict[str, float] = {}  # engine id -> wall time of its last telemetry here
+        #: engine id -> the `ts` of each of its telemetry messages (same host, same clock); judged after the run,
+        #: so a message that reached this process late (its connection was reconnecting) still counts.
+        self.telemetry: dict[str, list[float]] = {}
+        self.windows: list[tuple[float, float]] = []  # (time, placement's windows counter) samples
         self.procs: dict[str, ServiceProcess] = {}
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -200,6 +205,8 @@ class Chaos:
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
         api_port = free_port()
+        self.placement_metrics = free_port()
+        env = {**env, "SWITCHYARD_PLACEMENT_METRICS_PORT": str(self.placement_metrics)}
         self.api_url = f"http://127.0.0.1:{api_port}"
         commands = {
             "router": cli("router"),
@@ -236,7 +243,7 @@ class Chaos:
         from switchyard.shared.schemas import Telemetry
 
         def on_telemetry(t: Telemetry, _msg: object) -> None:
-            self.last_seen[t.engine_id] = time.time()
+            self.telemetry.setdefault(t.engine_id, []).append(t.ts)
 
         def on_done(done: SimCompleted, _msg: object) -> None:
             self.done.setdefault(done.request_id, time.time())
@@ -283,9 +290,7 @@ class Chaos:
         except Exception:
             self.probes.append(Probe(sent, False))
             return
-        now = time.time()
-        silent = now - self.last_seen.get(reply.engine_id, 0.0)
-        self.probes.append(Probe(sent, True, reply.engine_id, silent > MISROUTE_AFTER_S))
+        self.probes.append(Probe(sent, True, reply.engine_id, time.time()))
 
     async def _probes(self) -> None:
         pending: set[asyncio.Task[None]] = set()
@@ -377,7 +382,11 @@ class Chaos:
             proc.start()
         for proc in self.procs.values():
             await asyncio.to_thread(proc.wait_port)
-        self._tasks = [asyncio.create_task(self._probes()), asyncio.create_task(self._load())]
+        self._tasks = [
+            asyncio.create_task(self._probes()),
+            asyncio.create_task(self._load()),
+            asyncio.create_task(self._sample_windows(self.placement_metrics)),
+        ]
         up = await self._wait_routing()
         log.info("loop up: routing answered %.1f s after the services started", up)
         await asyncio.sleep(5.0)  # telemetry, first windows
@@ -410,7 +419,7 @@ class Chaos:
             task.cancel()
         for name, proc in reversed(list(self.procs.items())):
             code = await asyncio.to_thread(proc.stop)
-            if code not in (0, None, -9):
+            if code not in (0, None, -9) and name != GHOST:
                 self.notes.append(f"{name} exited with {code} on SIGTERM")
         with contextlib.suppress(Exception):
             await self.bus.close()
@@ -476,6 +485,37 @@ class Chaos:
             await engine.dispose()
         return audit
 
+    def _misrouted(self, p: Probe) -> bool:
+        """Routed to an engine that had sent no telemetry for longer than the staleness limit (+ slack)."""
+        if not p.ok:
+            return False
+        stamps = self.telemetry.get(p.engine, [])
+        i = bisect.bisect_right(stamps, p.answered)
+        return i == 0 or p.answered - stamps[i - 1] > MISROUTE_AFTER_S
+
+    def _windows_stalled(self, r: FaultResult) -> bool:
+        """No expert-load window folded by placement in the last third of the fault's window."""
+        tail = [v for t, v in self.windows if r.end - (r.end - r.injected) / 3 <= t <= r.end]
+        return len(tail) >= 2 and tail[-1] == tail[0]
+
+    async def _sample_windows(self, port: int) -> None:
+        def scrape() -> float | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
+                    text = response.read().decode()
+            except OSError:
+                return None
+            for line in text.splitlines():
+                if line.startswith("switchyard_placement_windows_total "):
+                    return float(line.split()[1])
+            return None
+
+        while not self._stop.is_set():
+            value = await asyncio.to_thread(scrape)
+            if value is not None:
+                self.windows.append((time.time(), value))
+            await asyncio.sleep(0.5)
+
     def _score(self, results: list[FaultResult], audit: Audit) -> None:
         def window(t: float) -> FaultResult | None:
             for r in results:
@@ -487,7 +527,10 @@ class Chaos:
             in_window = [p for p in self.probes if r.start <= p.sent < r.end]
             r.probes = len(in_window)
             r.probe_failures = sum(not p.ok for p in in_window)
-            r.misrouted = sum(p.misrouted for p in in_window)
+            r.misrouted = sum(self._misrouted(p) for p in in_window)
+            if self._windows_stalled(r):
+                r.stuck += 1
+                r.note += "; placement stopped folding expert-load windows"
             failed = [p.sent for p in in_window if not p.ok]
             if failed:
                 after = [p.sent for p in in_window if p.ok and p.sent > failed[-1]]
