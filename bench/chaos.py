@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import json
 import logging
 import sys
 import tempfile
@@ -59,6 +60,7 @@ STALE_AFTER_S = 1.0
 #: interval + scheduling slack: the router and this process see the same telemetry a few ms apart).
 MISROUTE_AFTER_S = STALE_AFTER_S + 0.35
 FINAL = ("succeeded", "failed", "rolled_back", "refused")
+RETRY_AFTER_S = 20.0
 
 
 @dataclass
@@ -93,6 +95,7 @@ class FaultResult:
     end: float
     note: str = ""
     sent: int = 0
+    retried: int = 0
     lost: int = 0
     probes: int = 0
     probe_failures: int = 0
@@ -125,6 +128,8 @@ class Chaos:
         self.o = options
         self.sent: dict[str, float] = {}  # request id -> wall time sent
         self.done: dict[str, float] = {}
+        self.submits: dict[str, tuple[str, bytes]] = {}  # request id -> (subject, payload), for the one retry
+        self.retried: set[str] = set()
         self.probes: list[Probe] = []
         #: engine id -> the `ts` of each of its telemetry messages (same host, same clock); judged after the run,
         #: so a message that reached this process late (its connection was reconnecting) still counts.
@@ -253,6 +258,7 @@ class Chaos:
 
     async def _load(self) -> None:
         from switchyard.engine_agents.sim.protocol import SimSubmit
+        from switchyard.shared.codec import encode
 
         w = self.scenario.workload(4096, seed=self.o.seed + 1, rate=self.o.rate, max_tokens=self.max_tokens)
         # Short replies keep the final drain short: the faults are about the control plane, not long decodes.
@@ -271,12 +277,28 @@ class Chaos:
                 sent_at=time.time(),
             )
             self.sent[rid] = time.time()
+            subject = self.bus.subjects.sim_submit(prefills[i % len(prefills)])
+            self.submits[rid] = (subject, encode(submit))
             try:
-                await self.bus.publish(self.bus.subjects.sim_submit(prefills[i % len(prefills)]), submit)
+                await self.bus.publish(subject, submit)
             except Exception as exc:  # the client could not even send: counted as lost by the audit
                 log.warning("load: %s not sent: %s", rid, exc)
             i += 1
             await asyncio.sleep(float(rng.exponential(1.0 / self.o.rate)))
+
+    async def _retry(self) -> None:
+        """A client whose request has not finished after RETRY_AFTER_S sends it once more, as a real one would:
+        the simulated request path (submit and completion) rides core NATS, which drops what is in flight
+        while the server restarts. A request still unfinished after its retry is lost."""
+        while True:
+            now = time.time()
+            for rid, sent in list(self.sent.items()):
+                if now - sent > RETRY_AFTER_S and rid not in self.done and rid not in self.retried:
+                    self.retried.add(rid)
+                    subject, payload = self.submits[rid]
+                    with contextlib.suppress(Exception):
+                        await self.bus.nc.publish(subject, payload)
+            await asyncio.sleep(1.0)
 
     async def _probe_once(self, i: int) -> None:
         from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest
@@ -387,6 +409,7 @@ class Chaos:
             asyncio.create_task(self._load()),
             asyncio.create_task(self._sample_windows(self.placement_metrics)),
         ]
+        retry = asyncio.create_task(self._retry())
         up = await self._wait_routing()
         log.info("loop up: routing answered %.1f s after the services started", up)
         await asyncio.sleep(5.0)  # telemetry, first windows
@@ -402,9 +425,11 @@ class Chaos:
             results.append(FaultResult(fault, start, injected, time.time(), note))
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._drain()
+        await self._drain(RETRY_AFTER_S + 30.0)
+        retry.cancel()
         await asyncio.sleep(self.o.settle_s)
         audit = await self._audit()
+        (self.root / "windows.json").write_text(json.dumps(self.windows))
         self._score(results, audit)
         return results, audit
 
@@ -537,6 +562,7 @@ class Chaos:
                 r.resume_s = (after[0] if after else r.end) - r.injected
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
+            r.retried = sum(rid in self.retried for rid in sent)
             r.lost = sum(rid not in self.done for rid in sent)
         for _, _, _, created in audit.placements:
             if (r := window(created)) is not None:
@@ -580,15 +606,16 @@ def closing_line(results: list[FaultResult], audit: Audit) -> str:
 
 def table(results: list[FaultResult]) -> str:
     head = (
-        f"{'fault':<14}{'requests':>9}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}{'misrouted':>11}"
-        f"{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
+        f"{'fault':<14}{'requests':>9}{'retried':>8}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}"
+        f"{'misrouted':>11}{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.name:<14}{r.sent:>9}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
+            f"{r.name:<14}{r.sent:>9}{r.retried:>8}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
             f"{r.misrouted:>11}{r.placements:>7}{r.migrations:>7}{r.lost_rows:>10}{r.duplicated:>5}{r.stuck:>7}"
         )
+    lines += [f"{r.name}: {r.note}" for r in results]
     return "\n".join(lines)
 
 

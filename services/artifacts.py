@@ -48,7 +48,11 @@ MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
 
 
 class ArtifactError(ValueError):
-    """An artifact that cannot be read or trusted (undecodable, wrong hash)."""
+    """An artifact that cannot be read or trusted (undecodable, wrong hash); `code` says which, for counters."""
+
+    def __init__(self, message: str, code: str = "invalid") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def load_artifact(data: bytes, max_bytes: int = MAX_ARTIFACT_BYTES, where: str = "artifact") -> RoutingArtifact:
@@ -56,9 +60,9 @@ def load_artifact(data: bytes, max_bytes: int = MAX_ARTIFACT_BYTES, where: str =
     try:
         artifact = decode(data, RoutingArtifact, max_bytes)
     except WireError as exc:
-        raise ArtifactError(f"{where}: {exc}") from None
+        raise ArtifactError(f"{where}: {exc}", exc.code) from None
     if artifact_content_hash(artifact) != artifact.content_hash:
-        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…")
+        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…", "hash")
     return artifact
 
 
