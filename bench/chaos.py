@@ -135,6 +135,8 @@ class Chaos:
         #: so a message that reached this process late (its connection was reconnecting) still counts.
         self.telemetry: dict[str, list[float]] = {}
         self.windows: list[tuple[float, float]] = []  # (time, placement's windows counter) samples
+        #: When this process's own NATS connection was down: telemetry it missed then cannot judge a probe.
+        self.blind: list[tuple[float, float]] = []
         self.procs: dict[str, ServiceProcess] = {}
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -317,7 +319,13 @@ class Chaos:
     async def _probes(self) -> None:
         pending: set[asyncio.Task[None]] = set()
         i = 0
+        down_since: float | None = None
         while not self._stop.is_set():
+            if not self.bus.nc.is_connected and down_since is None:
+                down_since = time.time()
+            elif self.bus.nc.is_connected and down_since is not None:
+                self.blind.append((down_since, time.time()))
+                down_since = None
             task = asyncio.create_task(self._probe_once(i))
             pending.add(task)
             task.add_done_callback(pending.discard)
@@ -512,11 +520,14 @@ class Chaos:
 
     def _misrouted(self, p: Probe) -> bool:
         """Routed to an engine that had sent no telemetry for longer than the staleness limit (+ slack)."""
-        if not p.ok:
+        if not p.ok or self._blind(p.answered):
             return False
         stamps = self.telemetry.get(p.engine, [])
         i = bisect.bisect_right(stamps, p.answered)
         return i == 0 or p.answered - stamps[i - 1] > MISROUTE_AFTER_S
+
+    def _blind(self, t: float) -> bool:
+        return any(down <= t <= up + MISROUTE_AFTER_S + 1.0 for down, up in self.blind)
 
     def _windows_stalled(self, r: FaultResult) -> bool:
         """No expert-load window folded by placement in the last third of the fault's window."""
@@ -553,6 +564,9 @@ class Chaos:
             r.probes = len(in_window)
             r.probe_failures = sum(not p.ok for p in in_window)
             r.misrouted = sum(self._misrouted(p) for p in in_window)
+            unjudged = sum(p.ok and self._blind(p.answered) for p in in_window)
+            if unjudged:
+                r.note += f"; {unjudged} probes not judged for misrouting (this process was reconnecting)"
             if self._windows_stalled(r):
                 r.stuck += 1
                 r.note += "; placement stopped folding expert-load windows"

@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode, encode
-from switchyard.shared.db import RoutingArtifactRow, create_async_db, upgrade
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
@@ -103,6 +100,12 @@ def _file_version(path: Path) -> int:
 
 async def latest_db_version(database_url: str) -> int:
     """Highest artifact version in the table (0 if none). The schema must exist (`shared.db.upgrade`)."""
+    # The database layer (SQLAlchemy) is imported by the functions that write history, not by the router,
+    # which only reads artifacts from the bus: it restarts faster without it (docs/reliability.md).
+    from sqlalchemy import func, select
+
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session:
@@ -113,6 +116,8 @@ async def latest_db_version(database_url: str) -> int:
 
 async def store_artifact_db(database_url: str, artifact: RoutingArtifact, report: dict[str, Any] | None = None) -> None:
     """Append the artifact to the history table; raises IntegrityError if its version is taken."""
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session, session.begin():
@@ -165,6 +170,8 @@ async def publish_artifact(
 
     The database is written first (its unique version settles races), then the KV bucket, then the file.
     """
+    from sqlalchemy.exc import IntegrityError
+
     known = [0]
     if out is not None:
         known.append(await asyncio.to_thread(_file_version, Path(out)))
@@ -204,6 +211,8 @@ async def publish_to(
     """`publish_artifact` with connections made from settings: the schema is brought to head and the bus
     connected only for the destinations asked for."""
     if database_url is not None:
+        from switchyard.shared.db import upgrade
+
         await asyncio.to_thread(upgrade, database_url)
     bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers) if nats_servers else None
     try:

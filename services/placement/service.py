@@ -138,6 +138,7 @@ class PlacementService:
             stream=subjects.expert_load_stream,
             cb=self._on_expert_load,
             ordered_consumer=True,
+            idle_heartbeat=1.0,  # two missed (a NATS restart) and the consumer is recreated: a 2-3 s gap, not 10
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             config=ConsumerConfig(opt_start_seq=first),
         )
