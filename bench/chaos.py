@@ -60,7 +60,6 @@ STALE_AFTER_S = 1.0
 #: interval + scheduling slack: the router and this process see the same telemetry a few ms apart).
 MISROUTE_AFTER_S = STALE_AFTER_S + 0.35
 FINAL = ("succeeded", "failed", "rolled_back", "refused")
-RETRY_AFTER_S = 20.0
 
 
 @dataclass
@@ -73,6 +72,7 @@ class ChaosOptions:
     decode: int = 3
     speed: float = 1.0
     settle_s: float = 20.0  # after the last fault, before the audit
+    retry_after_s: float = 20.0  # a client resends a request unfinished this long (once)
     stuck_after_s: float = 30.0  # a placement or migration unresolved this long is stuck
     database: str = "auto"  # auto (PostgreSQL if installed), postgres, sqlite
     workdir: Path | None = None
@@ -100,6 +100,7 @@ class FaultResult:
     probes: int = 0
     probe_failures: int = 0
     resume_s: float = 0.0
+    resumed: bool = True  # a probe succeeded after the last failed one, within the window
     misrouted: int = 0
     placements: int = 0
     migrations: int = 0
@@ -289,13 +290,13 @@ class Chaos:
             await asyncio.sleep(float(rng.exponential(1.0 / self.o.rate)))
 
     async def _retry(self) -> None:
-        """A client whose request has not finished after RETRY_AFTER_S sends it once more, as a real one would:
+        """A client whose request has not finished after `retry_after_s` sends it once more, as a real one would:
         the simulated request path (submit and completion) rides core NATS, which drops what is in flight
         while the server restarts. A request still unfinished after its retry is lost."""
         while True:
             now = time.time()
             for rid, sent in list(self.sent.items()):
-                if now - sent > RETRY_AFTER_S and rid not in self.done and rid not in self.retried:
+                if now - sent > self.o.retry_after_s and rid not in self.done and rid not in self.retried:
                     self.retried.add(rid)
                     subject, payload = self.submits[rid]
                     with contextlib.suppress(Exception):
@@ -433,7 +434,7 @@ class Chaos:
             results.append(FaultResult(fault, start, injected, time.time(), note))
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._drain(RETRY_AFTER_S + 30.0)
+        await self._drain(self.o.retry_after_s + 30.0)
         retry.cancel()
         await asyncio.sleep(self.o.settle_s)
         audit = await self._audit()
@@ -574,6 +575,7 @@ class Chaos:
             if failed:
                 after = [p.sent for p in in_window if p.ok and p.sent > failed[-1]]
                 r.resume_s = (after[0] if after else r.end) - r.injected
+                r.resumed = bool(after)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
