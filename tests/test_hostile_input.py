@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 from nats.errors import MaxPayloadError
@@ -30,8 +31,8 @@ from switchyard.services.router import metrics as router_metrics
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import REJECTED, Bus
-from switchyard.shared.codec import ErrorReply, decode
-from switchyard.shared.errors import RemoteError
+from switchyard.shared.codec import ErrorReply, decode, encode
+from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import (
     CalibrationRequest,
     CalibrationSample,
@@ -49,7 +50,17 @@ from tests.hostile import over_limit, take
 
 LAYERS, EXPERTS, GPUS = 4, 8, 2
 PER_SUBJECT = 260  # every systematic variant of each message, then random ones
-pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dtype", [",2", "(,)", "<u,2", "i,i", "<u2,", "O", "<U4"])
+def test_dtype_strings_numpy_cannot_take_are_refused(dtype: str) -> None:
+    """Found by bench/hostile_input.py: a flipped byte made the dtype ',2', and numpy raised SyntaxError."""
+    message = RouteDpRequest(request_id="r", prompt_tokens=1)
+    obj = {"v": 1, "request_id": "r", "prompt_tokens": 1, "signature": {"dtype": dtype, "shape": [1], "data": b"\0"}}
+    payload = msgpack.packb({**obj, "v": RouteDecodeRequest.VERSION}, use_bin_type=True)
+    with pytest.raises(WireError):
+        decode(payload, RouteDecodeRequest)
+    assert decode(encode(message), RouteDpRequest) == message
 
 
 def _rejected(label: str) -> float:
@@ -119,6 +130,7 @@ async def _requests(bus: Bus, subject: str, payloads: list[bytes]) -> list[Error
     return answers
 
 
+@pytest.mark.slow
 async def test_hostile_input_on_every_subject(bus: Bus, settings: SwitchyardSettings, tmp_path: Path) -> None:
     settings = settings.model_copy(update={"database_url": f"sqlite:///{tmp_path / 'hostile.db'}"})
     rng = np.random.default_rng(15)
