@@ -47,7 +47,8 @@ def rss_mib(pid: int) -> float:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """switchyard_bus_rejected_total by subscription label, from one service's /metrics."""
+    """switchyard_bus_rejected_total by subscription label (and the router's refused artifact revisions under
+    "artifact"), from one service's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     counts: Counter[str] = Counter()
@@ -56,6 +57,8 @@ def scrape(port: int) -> dict[str, float]:
             labels, value = line.rsplit(" ", 1)
             subscription = labels.split('subscription="', 1)[1].split('"', 1)[0]
             counts[subscription] += float(value)
+        elif line.startswith("switchyard_router_artifacts_refused_total{"):
+            counts["artifact"] += float(line.rsplit(" ", 1)[1])
     return dict(counts)
 
 
@@ -131,6 +134,7 @@ def _valid(now: float) -> dict[str, object]:
 
 
 async def flood(n: int, root: Path, seed: int) -> int:
+    from switchyard.services.refit import read_samples
     from switchyard.shared.bus import Bus
     from switchyard.shared.codec import ErrorReply, decode
     from switchyard.shared.embedded import EmbeddedNats
@@ -190,14 +194,17 @@ async def flood(n: int, root: Path, seed: int) -> int:
             except Exception as exc:
                 bad_answers.append(f"{subject}: {type(exc).__name__}: {exc}")
 
-        for i in range(n):
+        i = -1
+        while sum(sent.values()) < n:
+            i += 1
             name = next(names)
             kind, payload, is_refused = next(streams[name])
             while kind == "at_limit" and at_limit[name] >= AT_LIMIT_PER_SUBJECT:
                 kind, payload, is_refused = next(streams[name])
             if kind == "at_limit":
                 at_limit[name] += 1
-            if not is_refused and name not in ("artifact",):
+            is_refused = is_refused or name == "artifact"  # nothing here is a RoutingArtifact
+            if not is_refused:
                 continue  # schema-valid hostile messages are for the CI test; here every one must be refused
             sent[name] += 1
             refused[name] += is_refused
@@ -242,6 +249,7 @@ async def flood(n: int, root: Path, seed: int) -> int:
         reply = await bus.request(
             s.route_decode, RouteDecodeRequest(request_id="ok", prompt_tokens=1), RouteDecodeReply
         )
+        samples = await read_samples(bus, limit=10**7)
         rss_after = {name: rss_mib(p.process.pid) for name, p in procs.items()}  # type: ignore[union-attr]
         rejected_after = {name: scrape(port) for name, port in ports.items()}
     finally:
@@ -264,13 +272,17 @@ async def flood(n: int, root: Path, seed: int) -> int:
         "calibration_request": s.calibration_request,
         "route_decode": s.route_decode,
         "route_dp": s.route_dp,
+        "artifact": "artifact",
     }
     print(f"{'subject':<22}{'sent':>8}{'refused':>9}  counted by service")
     for name in valid:
         label = labels.get(name)
         by = {svc: int(c[label]) for svc, c in counted.items() if label and c.get(label)}
-        extra = "(router: switchyard_router_artifacts_refused_total)" if name == "artifact" else ""
-        extra = extra or ("(read by `switchyard fit --from-stream`, which counts them)" if name == "sample" else "")
+        extra = "(switchyard_router_artifacts_refused_total)" if name == "artifact" else ""
+        if name == "sample":
+            extra = (
+                f"(the `switchyard fit --from-stream` reader: {samples.rejected} rejected, {len(samples.samples)} kept)"
+            )
         print(f"{name:<22}{sent[name]:>8}{refused[name]:>9}  {by or ''} {extra}")
     print(f"{'service':<12}{'alive':>7}{'RSS before MiB':>16}{'RSS after MiB':>15}")
     for name in ports:
@@ -280,6 +292,8 @@ async def flood(n: int, root: Path, seed: int) -> int:
         got = [int(c.get(label, 0)) for c in counted.values() if c.get(label)]
         if not got or any(g % refused[name] for g in got if refused[name]):
             problems.append(f"{name}: {refused[name]} refused, counted {got}")
+    if samples.rejected != refused["sample"] or samples.samples:
+        problems.append(f"samples: {refused['sample']} refused, the reader rejected {samples.rejected}")
     problems += bad_answers[:5]
     if not all(alive.values()):
         problems.append(f"service died: {alive}")
@@ -304,6 +318,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("switchyard").setLevel(logging.WARNING)
+    logging.getLogger("switchyard.services.refit").setLevel(logging.ERROR)  # one line per refused sample
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
         return asyncio.run(flood(args.messages, args.workdir, args.seed))
