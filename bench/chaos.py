@@ -35,6 +35,7 @@ import logging
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,9 @@ class FaultResult:
     resume_s: float = 0.0
     resumed: bool = True  # a probe succeeded after the last failed one, within the window
     misrouted: int = 0
+    api_failed: int = 0  # API probes unanswered (refused connection, timeout)
+    api_500: int = 0  # API probes answered with a 5xx other than 503 (an outage must say 503)
+    api_resume_s: float = 0.0  # seconds until the API answered again (its own restart)
     placements: int = 0
     migrations: int = 0
     lost_rows: int = 0
@@ -138,6 +142,7 @@ class Chaos:
         self.windows: list[tuple[float, float]] = []  # (time, placement's windows counter) samples
         #: When this process's own NATS connection was down: telemetry it missed then cannot judge a probe.
         self.blind: list[tuple[float, float]] = []
+        self.api_probes: list[tuple[float, int | None]] = []  # (time, HTTP status or None)
         self.procs: dict[str, ServiceProcess] = {}
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -350,8 +355,7 @@ class Chaos:
     async def _restart(self, name: str) -> None:
         proc = self.procs[name]
         await asyncio.to_thread(proc.kill)
-        proc.start()
-        await asyncio.to_thread(proc.wait_port)
+        proc.start()  # not waited for: the probes measure when it answers again
 
     async def _inject(self, fault: str) -> str:
         if fault in (*SERVICE_FAULTS, "gateway"):
@@ -417,6 +421,7 @@ class Chaos:
             asyncio.create_task(self._probes()),
             asyncio.create_task(self._load()),
             asyncio.create_task(self._sample_windows(self.placement_metrics)),
+            asyncio.create_task(self._probe_api()),
         ]
         retry = asyncio.create_task(self._retry())
         up = await self._wait_routing()
@@ -535,6 +540,23 @@ class Chaos:
         tail = [v for t, v in self.windows if r.end - (r.end - r.injected) / 3 <= t <= r.end]
         return len(tail) >= 2 and tail[-1] == tail[0]
 
+    async def _probe_api(self) -> None:
+        """The history API as a dashboard uses it: a page of placements every 0.25 s."""
+
+        def get() -> int | None:
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/v1/placements?limit=1", timeout=2) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+            except OSError:
+                return None
+
+        while not self._stop.is_set():
+            sent = time.time()
+            self.api_probes.append((sent, await asyncio.to_thread(get)))
+            await asyncio.sleep(0.25)
+
     async def _sample_windows(self, port: int) -> None:
         def scrape() -> float | None:
             try:
@@ -576,6 +598,14 @@ class Chaos:
                 after = [p.sent for p in in_window if p.ok and p.sent > failed[-1]]
                 r.resume_s = (after[0] if after else r.end) - r.injected
                 r.resumed = bool(after)
+            api = [(t, code) for t, code in self.api_probes if r.start <= t < r.end]
+            r.api_failed = sum(code is None for _, code in api)
+            r.api_500 = sum(code is not None and code >= 500 and code != 503 for _, code in api)
+            down = [t for t, code in api if code is None]
+            if down:  # the first answer after the last refused connection
+                after = [t for t, code in api if code is not None and t > down[-1]]
+                r.api_resume_s = (after[0] if after else r.end) - r.injected
+                r.resumed = r.resumed and bool(after)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
@@ -623,13 +653,15 @@ def closing_line(results: list[FaultResult], audit: Audit) -> str:
 def table(results: list[FaultResult]) -> str:
     head = (
         f"{'fault':<14}{'requests':>9}{'retried':>8}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}"
-        f"{'misrouted':>11}{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
+        f"{'misrouted':>11}{'api resume s':>13}{'api 5xx':>8}"
+        f"{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
             f"{r.name:<14}{r.sent:>9}{r.retried:>8}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
-            f"{r.misrouted:>11}{r.placements:>7}{r.migrations:>7}{r.lost_rows:>10}{r.duplicated:>5}{r.stuck:>7}"
+            f"{r.misrouted:>11}{r.api_resume_s:>13.2f}{r.api_500:>8}"
+            f"{r.placements:>7}{r.migrations:>7}{r.lost_rows:>10}{r.duplicated:>5}{r.stuck:>7}"
         )
     lines += [f"{r.name}: {r.note}" for r in results]
     return "\n".join(lines)
@@ -722,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for note in [*chaos.notes, *audit.notes]:
         print(f"note: {note}")
+    if any(r.api_500 for r in results):
+        print(f"note: the API answered {sum(r.api_500 for r in results)} requests with a 5xx other than 503")
     if audit.layout_mismatches:
         print(f"note: live layout differs from the applied placement on {', '.join(audit.layout_mismatches)}")
     print(closing_line(results, audit))
