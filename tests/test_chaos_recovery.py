@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 async def test_nats_restart_and_router_kill_lose_nothing(tmp_path: Path) -> None:
     options = ChaosOptions(
         faults=("nats", "router"),
-        fault_s=9.0,
+        fault_s=11.0,  # the last third (from ~7 s after the fault) must see placement folding windows again
         settle_s=3.0,
         retry_after_s=8.0,
         stuck_after_s=20.0,
