@@ -441,6 +441,9 @@ class Chaos:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._drain(self.o.retry_after_s + 30.0)
         retry.cancel()
+        # Quiesce before comparing live layouts with the database: no new plans, in-flight migrations finish.
+        await asyncio.to_thread(self.procs["placement"].stop)
+        await self._wait_migrations(self.o.stuck_after_s)
         await asyncio.sleep(self.o.settle_s)
         audit = await self._audit()
         (self.root / "windows.json").write_text(json.dumps(self.windows))
@@ -451,6 +454,24 @@ class Chaos:
         deadline = time.monotonic() + within_s
         while set(self.sent) - set(self.done) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
+
+    async def _wait_migrations(self, within_s: float) -> None:
+        """Until no migration is pending or running (or `within_s` passes: the audit then calls them stuck)."""
+        from sqlalchemy import func, select
+
+        from switchyard.shared.db import Migration, create_async_db
+
+        engine, sessions = create_async_db(self.database_url)
+        deadline = time.monotonic() + within_s
+        try:
+            while time.monotonic() < deadline:
+                async with sessions() as session:
+                    open_ = await session.scalar(select(func.count()).where(Migration.state.not_in(FINAL)))
+                if not open_:
+                    return
+                await asyncio.sleep(0.5)
+        finally:
+            await engine.dispose()
 
     async def _teardown(self) -> None:
         self._stop.set()
