@@ -21,12 +21,9 @@ from typing import Any
 
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode, encode
-from switchyard.shared.db import RoutingArtifactRow, create_async_db, upgrade
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
@@ -54,7 +51,11 @@ MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
 
 
 class ArtifactError(ValueError):
-    """An artifact that cannot be read or trusted (undecodable, wrong hash)."""
+    """An artifact that cannot be read or trusted (undecodable, wrong hash); `code` says which, for counters."""
+
+    def __init__(self, message: str, code: str = "invalid") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def artifact_signature(artifact: RoutingArtifact, key: bytes) -> str:
@@ -80,14 +81,14 @@ def load_artifact(
     try:
         artifact = decode(data, RoutingArtifact, max_bytes)
     except WireError as exc:
-        raise ArtifactError(f"{where}: {exc}") from None
+        raise ArtifactError(f"{where}: {exc}", exc.code) from None
     if artifact_content_hash(artifact) != artifact.content_hash:
-        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…")
+        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…", "hash")
     if key is not None:
         if artifact.signature is None:
-            raise ArtifactError(f"{where}: unsigned, and this process requires signed artifacts")
+            raise ArtifactError(f"{where}: unsigned, and this process requires signed artifacts", "unsigned")
         if not hmac.compare_digest(artifact.signature, artifact_signature(artifact, key)):
-            raise ArtifactError(f"{where}: signature does not match (not signed with this key)")
+            raise ArtifactError(f"{where}: signature does not match (not signed with this key)", "signature")
     return artifact
 
 
@@ -150,6 +151,12 @@ def _file_version(path: Path) -> int:
 
 async def latest_db_version(database_url: str) -> int:
     """Highest artifact version in the table (0 if none). The schema must exist (`shared.db.upgrade`)."""
+    # The database layer (SQLAlchemy) is imported by the functions that write history, not by the router,
+    # which only reads artifacts from the bus: it restarts faster without it (docs/reliability.md).
+    from sqlalchemy import func, select
+
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session:
@@ -160,6 +167,8 @@ async def latest_db_version(database_url: str) -> int:
 
 async def store_artifact_db(database_url: str, artifact: RoutingArtifact, report: dict[str, Any] | None = None) -> None:
     """Append the artifact to the history table; raises IntegrityError if its version is taken."""
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session, session.begin():
@@ -214,6 +223,8 @@ async def publish_artifact(
 
     The database is written first (its unique version settles races), then the KV bucket, then the file.
     """
+    from sqlalchemy.exc import IntegrityError
+
     known = [0]
     if out is not None:
         known.append(await asyncio.to_thread(_file_version, Path(out)))
@@ -258,6 +269,8 @@ async def publish_to(
     """`publish_artifact` with connections made from settings: the schema is brought to head and the bus
     connected only for the destinations asked for."""
     if database_url is not None:
+        from switchyard.shared.db import upgrade
+
         await asyncio.to_thread(upgrade, database_url)
     bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers, role="fit") if nats_servers else None
     try:

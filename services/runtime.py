@@ -16,7 +16,6 @@ from prometheus_client import start_http_server
 
 from switchyard.shared.bus import REJECTED, check_sender
 from switchyard.shared.codec import WireModel, decode
-from switchyard.shared.db.engine import upgrade
 from switchyard.shared.errors import WireError
 from switchyard.shared.subjects import Subjects
 
@@ -29,6 +28,9 @@ _UPGRADE_LOCK = threading.Lock()
 
 
 def _upgrade(database_url: str) -> None:
+    # imported here: the router uses this module but no database, and restarts faster without SQLAlchemy
+    from switchyard.shared.db.engine import upgrade
+
     with _UPGRADE_LOCK:  # Alembic's `context`/`op` are process globals: one upgrade at a time per process
         upgrade(database_url)
 

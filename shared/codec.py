@@ -65,7 +65,7 @@ def _wire_dtype(dtype_str: Any) -> np.dtype:
         raise _array_error(f"dtype must be a short numpy type string like '<u2', got {dtype_str!r}")
     try:
         dtype = np.dtype(dtype_str)
-    except TypeError:
+    except Exception:  # numpy parses some strings as Python (',2': SyntaxError), not only TypeError
         raise _array_error(f"unknown dtype {dtype_str!r}") from None
     if dtype.kind not in _ALLOWED_KINDS:
         raise _array_error(f"dtype {dtype_str!r} is not numeric (allowed kinds: bool, int, uint, float)")

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -144,13 +144,18 @@ class PlacementService:
     async def _follow_expert_load(self) -> None:
         subjects = self.bus.subjects
         since = datetime.now(UTC) - timedelta(seconds=self.config.warmup_s)
+        # By start sequence, not by start time: nats-py recreates an ordered consumer (after a NATS restart)
+        # by sequence but keeps the start time, a config the server refuses (err 10094), so a consumer made
+        # by time would stop delivering for good after the first restart.
+        first = await first_sequence_since(self.bus, subjects.expert_load_stream, since)
         subscription = await self.bus.js.subscribe(
             subjects.all_expert_load,
             stream=subjects.expert_load_stream,
             cb=self._on_expert_load,
             ordered_consumer=True,
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            config=ConsumerConfig(opt_start_time=since),
+            idle_heartbeat=1.0,  # two missed (a NATS restart) and the consumer is recreated: a 2-3 s gap, not 10
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            config=ConsumerConfig(opt_start_seq=first),
         )
         info = await subscription.consumer_info()
         if info.num_pending == 0:  # everything in range is on its way: caught up once we processed the last one
@@ -535,6 +540,22 @@ class PlacementService:
                 plans.append((row.id, plan_message(row, layout, NO_MOVES if moves is None else moves)))
         for placement_id, plan in plans:
             await publish_plan(self.bus, self.sessions, plan, placement_id)
+
+
+async def first_sequence_since(bus: Bus, stream: str, since: datetime) -> int:
+    """The stream sequence of the first message stored at or after `since` (one past the last if none)."""
+    info = await bus.js.add_consumer(
+        stream,
+        ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=since.isoformat(),
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=10.0,
+        ),
+    )
+    with contextlib.suppress(Exception):  # it expires by itself anyway
+        await bus.js.delete_consumer(stream, info.name)
+    return info.delivered.stream_seq + 1
 
 
 async def run_placement(

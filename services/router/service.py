@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
+from switchyard.services.router import metrics
 from switchyard.services.router.core import Decided, RouterCore
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.runtime import metrics_endpoint, supervised
@@ -172,6 +173,7 @@ class RouterService:
                 try:
                     artifact = load_artifact(entry.value, self.settings.max_payload_bytes, "KV artifact", signing_key)
                 except ArtifactError as exc:
+                    metrics.ARTIFACTS_REFUSED.labels(exc.code).inc()
                     log.error("ignoring routing artifact revision %s: %s", entry.revision, exc)
                     if self.core.artifact is not None:
                         continue  # keep the one in use
