@@ -164,8 +164,8 @@ async def test_hostile_input_on_every_subject(bus: Bus, settings: SwitchyardSett
 
         # --- pub/sub: counted once per subscription that decodes the subject; learn that from one message ---
         core: dict[str, tuple[str, Callable[[], str]]] = {
-            "hello": (subjects.all_hello, lambda: subjects.hello("e9")),
-            "telemetry": (subjects.all_telemetry, lambda: subjects.telemetry("e9")),
+            "hello": (subjects.all_hello, lambda: subjects.hello("e0")),  # the engine the payloads name
+            "telemetry": (subjects.all_telemetry, lambda: subjects.telemetry("e0")),
         }
         for name, (label, subject) in core.items():
             before = _rejected(label)
