@@ -151,6 +151,7 @@ async def test_client_disconnect_aborts_upstream(bus: Bus, settings: SwitchyardS
             async for _chunk in response.aiter_raw():
                 break  # the client reads one chunk and goes away
         await wait_for(lambda: len(engines["a"].aborted) == 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)  # nothing leaks
         assert engines["a"].finished == []
         assert engines["a"].received[0][1] == engines["a"].aborted[0]
 
@@ -211,6 +212,7 @@ async def test_client_disconnect_before_the_first_byte_aborts_upstream(
                 await task
         await wait_for(lambda: len(engines["a"].aborted) == 1)
         await wait_for(lambda: metric("switchyard_gateway_client_aborts_total", kind="dp") == before + 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)
     assert engines["a"].finished == []
 
 
@@ -236,6 +238,7 @@ async def test_router_down_falls_back_locally_and_counts_it(
         finally:
             await router.stop()
     assert all(a.status_code == 200 for a in answers)
+    assert all(e.inflight == 0 for e in gw.registry.engines.values())
     assert metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders") == before + 4
     assert len(engines["a"].received) == 5  # the router's choice again: b reports a long prefill backlog
     lines = [r.getMessage() for r in caplog.records if r.name == "switchyard.services.gateway.routing"]
