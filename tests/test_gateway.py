@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 from switchyard.services.gateway.choice import rendezvous_order
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.stub import StubConfig
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.embedded import free_port
@@ -148,6 +151,7 @@ async def test_client_disconnect_aborts_upstream(bus: Bus, settings: SwitchyardS
             async for _chunk in response.aiter_raw():
                 break  # the client reads one chunk and goes away
         await wait_for(lambda: len(engines["a"].aborted) == 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)  # nothing leaks
         assert engines["a"].finished == []
         assert engines["a"].received[0][1] == engines["a"].aborted[0]
 
@@ -208,20 +212,37 @@ async def test_client_disconnect_before_the_first_byte_aborts_upstream(
                 await task
         await wait_for(lambda: len(engines["a"].aborted) == 1)
         await wait_for(lambda: metric("switchyard_gateway_client_aborts_total", kind="dp") == before + 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)
     assert engines["a"].finished == []
 
 
-async def test_router_down_falls_back_locally_and_counts_it(bus: Bus, settings: SwitchyardSettings) -> None:
+async def test_router_down_falls_back_locally_and_counts_it(
+    bus: Bus, settings: SwitchyardSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="switchyard.services.gateway.routing")
     before = metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders")
-    stubs = [StubConfig("a"), StubConfig("b")]
+    stubs = [StubConfig("a"), StubConfig("b", waiting_prefill_tokens=50_000)]
     async with (
         deployment(settings, bus, stubs, router=False) as (gw, engines),
         httpx.AsyncClient(base_url=gw.url) as client,
     ):
         answers = [await client.post("/v1/completions", json=BODY) for _ in range(4)]
+        assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
+        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))  # the router comes back
+        await router.start()
+        try:
+            fleet = router.core.fleet
+            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines))
+            await asyncio.sleep(0.15)
+            answers += [await client.post("/v1/completions", json=BODY) for _ in range(3)]
+        finally:
+            await router.stop()
     assert all(a.status_code == 200 for a in answers)
+    assert all(e.inflight == 0 for e in gw.registry.engines.values())
     assert metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders") == before + 4
-    assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
+    assert len(engines["a"].received) == 5  # the router's choice again: b reports a long prefill backlog
+    lines = [r.getMessage() for r in caplog.records if r.name == "switchyard.services.gateway.routing"]
+    assert len(lines) == 2 and "router unavailable" in lines[0] and "after 4 local choices" in lines[1]
 
 
 async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: SwitchyardSettings) -> None:

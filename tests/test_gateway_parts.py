@@ -18,7 +18,7 @@ from switchyard.services.gateway.disagg import decode_body, prefill_body, signat
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.signatures import SignatureBox, new_request_id
+from switchyard.services.gateway.signatures import MISSES_BEFORE_NO_WAIT, SignatureBox, new_request_id
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.errors import ConfigError
@@ -166,6 +166,21 @@ async def test_signature_box_matches_vllm_request_ids_and_early_arrivals() -> No
     for _ in range(5):
         box.on_signature(_signature(new_request_id()))
     assert len(box.early) == 2  # bounded
+
+
+async def test_an_engine_without_bus_signatures_is_not_waited_for() -> None:
+    box = SignatureBox()
+    assert box.wait_for("p0", 0.2) == 0.2
+    for _ in range(MISSES_BEFORE_NO_WAIT):
+        rid = new_request_id()
+        box.expect(rid)
+        assert await box.wait(rid, 0.001, "p0") is None
+    assert box.wait_for("p0", 0.2) == 0.0 and box.wait_for("p1", 0.2) == 0.2
+    rid = new_request_id()
+    box.expect(rid)
+    box.on_signature(_signature(f"cmpl-{rid}-0"))  # a late signature from p0: it publishes them again
+    assert box.wait_for("p0", 0.2) == 0.2
+    assert await box.wait(rid, 0.0, "p0") is not None  # an early arrival is used even without waiting
 
 
 # ----- handoff bodies -----

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature, Telemetry
+from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, PrefillSignature, Telemetry
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
 
 #: Larger `max_tokens` are refused with 400, as an engine refuses a request beyond its context.
@@ -192,6 +192,12 @@ class StubEngine:
         assert self.bus is not None
         s, cfg = self.bus.subjects, self.config
         seq, last_hello = 0, -np.inf
+
+        async def on_announce(message: Announce, _msg: object) -> None:  # a service (re)started: hello now
+            if self.saying_hello and message.engine_id in (None, cfg.engine_id):
+                await self.bus.publish(s.hello(cfg.engine_id), self.hello())  # type: ignore[union-attr]
+
+        await self.bus.subscribe(s.announce, Announce, on_announce)
         while True:
             now = time.monotonic()
             if self.saying_hello and now - last_hello >= cfg.hello_interval_s:
