@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from switchyard.engine_agents.sim.http_loadgen import HttpLoadGenerator
 from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.loadgen import LoadGenerator
 from switchyard.engine_agents.sim.migration import MigrationCost
 from switchyard.engine_agents.sim.openai_wire import BadRequest, count_text_tokens, parse_request, replay_row
 from switchyard.engine_agents.sim.protocol import SimCompleted
@@ -263,3 +268,67 @@ async def test_a_client_that_goes_away_frees_its_decoder(fleet: LiveFleet, scena
         await asyncio.sleep(0.02)
     assert fleet.counters.aborted == 1 and fleet.counters.completed == 0 and fleet.in_flight() == 0
     assert decoder.engine.num_running == 0 and decoder.engine.used_blocks == 0 and not decoder.streams
+
+
+# ----- the HTTP load generator -----
+
+
+async def test_http_loadgen_measures_what_the_clients_see(bus: Bus, fleet: LiveFleet, scenario: Scenario) -> None:
+    simulated = LoadGenerator(bus, scenario.workload(1, seed=0, rate=1.0), fleet.config.prefill_ids())
+    await simulated.listen()  # only to collect the fleet's own (simulated-time) completions
+    workload = scenario.workload(24, seed=5, rate=30.0, max_tokens=min(fleet.max_tokens, 2048))
+    url = fleet.base_urls()["sim-p0"]
+    async with HttpLoadGenerator(url, workload, speed=fleet.config.speed) as loadgen:
+        assert loadgen.model == scenario.model.name  # found on /v1/models
+        await loadgen.run()
+        assert await loadgen.drain(timeout_s=60)
+    client = loadgen.stats.summary(scale=fleet.config.speed)
+    assert loadgen.sent == 24 and client["completed"] == 24 and not loadgen.stats.failed
+    assert loadgen.stats.tokens == int(workload.output.sum())  # every token of every answer
+    for _ in range(100):
+        if len(simulated.completions) == 24:
+            break
+        await asyncio.sleep(0.02)
+    sim = simulated.completions.summary()
+    assert sim["completed"] == 24
+    # Each client sees its first token no earlier than the engine emits it, so percentile by percentile
+    # the client's TTFT (in simulated seconds) bounds the simulated one from above.
+    assert client["ttft_p50_ms"] >= sim["ttft_p50_ms"] and client["ttft_p99_ms"] >= sim["ttft_p99_ms"]
+    assert client["tpot_p50_ms"] > 0
+
+
+async def test_http_loadgen_counts_failures(fleet: LiveFleet, scenario: Scenario) -> None:
+    workload = scenario.workload(3, seed=5, rate=100.0, max_tokens=min(fleet.max_tokens, 2048))
+    url = fleet.base_urls()["sim-p0"]
+    async with HttpLoadGenerator(url, workload, model="not-served") as loadgen:
+        await loadgen.run()
+        assert await loadgen.drain(timeout_s=30)
+    assert loadgen.stats.failed == {"http_404": 3} and len(loadgen.stats) == 0
+
+
+async def test_loadgen_command_with_url(fleet: LiveFleet, tmp_path: Path) -> None:
+    args = ["loadgen", "--url", fleet.base_urls()["sim-p0"], "--prefill", "1", "--decode", "2"]
+    args += ["--speed", "4", "--num-requests", "8", "--rate", "40"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "switchyard.services.cli", *args, stdout=PIPE, stderr=PIPE, cwd=tmp_path
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert result["sent"] == 8 and result["completed"] == 8 and result["failed"] == 0
+    assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
+    bad = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "switchyard.services.cli",
+        "loadgen",
+        "--url",
+        "http://127.0.0.1:9",
+        "--num-requests",
+        "1",
+        stdout=PIPE,
+        stderr=PIPE,
+        cwd=tmp_path,
+    )
+    _, err = await asyncio.wait_for(bad.communicate(), timeout=120)
+    assert bad.returncode != 0 and "cannot list the models" in err.decode() and "Traceback" not in err.decode()

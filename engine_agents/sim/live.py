@@ -56,7 +56,7 @@ from switchyard.engine_agents.sim.scenario import Scenario
 from switchyard.engine_agents.sim.token_stream import TokenStream
 from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
-from switchyard.shared.errors import RemoteError
+from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
     CalibrationSample,
     Capacity,
@@ -693,7 +693,7 @@ class LiveFleet:
         except OSError as exc:
             for sock in sockets.values():
                 sock.close()
-            raise OSError(f"cannot serve HTTP on {self.config.http_host}: {exc}") from exc
+            raise ConfigError(f"cannot serve the engines' HTTP on {self.config.http_host}: {exc}") from exc
         return sockets
 
     def base_urls(self) -> dict[str, str]:
