@@ -293,6 +293,27 @@ def router(
     run_until_signalled(RouterService(settings, router_settings).run)
 
 
+@app.command()
+def gateway(
+    nats_url: NatsUrl = None,
+    host: Annotated[
+        str | None, typer.Option(help="Listen address (default: SWITCHYARD_GATEWAY_HOST, 127.0.0.1).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default: SWITCHYARD_GATEWAY_PORT, 8000).")] = None,
+    mode: Annotated[
+        str | None, typer.Option(help="auto, dp or disagg (default: SWITCHYARD_GATEWAY_MODE, auto).")
+    ] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway: routes each request through sy.route.dp / sy.route.decode to engines."""
+    from switchyard.services.gateway.service import GatewayService
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url)
+    overrides = {k: v for k, v in {"host": host, "port": port, "mode": mode}.items() if v is not None}
+    run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
+
+
 FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]
 TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: the shipped ESFT trace).")]
 

@@ -242,6 +242,7 @@ def route_decisions(draw: st.DrawFn) -> s.RouteDecisions:
 
 announces = st.builds(s.Announce, requester=st.text(min_size=1, max_size=64), engine_id=st.none() | ids)
 
+
 @st.composite
 def prefill_signatures(draw: st.DrawFn) -> s.PrefillSignature:
     prompt = draw(st.integers(0, 100_000))

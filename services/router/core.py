@@ -29,7 +29,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from switchyard.solver.routing.dispatch import GimbalParams, pick_dp_engine
+from switchyard.solver.routing.dispatch import GimbalParams, pick_dp_engine, pick_vllm
 from switchyard.solver.scoring import Scorer, ScoringError
 
 
@@ -261,15 +261,19 @@ class RouterCore:
         view.rebuild()
         snap = view.refresh(now, self.settings.stale_after_s)
         f, rows = self.fleet, view.rows
-        index = pick_dp_engine(
-            snap.alive,
-            snap.kv_usage,
-            f.remaining_prefill[rows],
-            f.waiting_prefill[rows],
-            f.inflight_tokens[rows],
-            f.expert_pressure[rows],
-            self.dispatch,
-        )
+        rule = self.settings.dp_rule
+        if rule == "vllm":  # decisions since the last telemetry count as waiting, as vLLM's client counts them
+            index = pick_vllm(snap.alive, f.num_waiting[rows] + f.inflight[rows], f.num_running[rows])
+        else:
+            index = pick_dp_engine(
+                snap.alive,
+                snap.kv_usage,
+                f.remaining_prefill[rows],
+                f.waiting_prefill[rows],
+                f.inflight_tokens[rows],
+                f.expert_pressure[rows],
+                self.dispatch,
+            )
         if index < 0:
             return _unavailable("dp", "dp", snap.size)
         engine_id = snap.engine_ids[index]
@@ -277,7 +281,7 @@ class RouterCore:
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
         self._record(row)
         elapsed = time.perf_counter() - start
-        self._count("dp", "gimbal", "")
+        self._count("dp", rule, "")
         self._seconds["dp"].observe(elapsed)
         reply = RouteDpReply(
             request_id=request.request_id,

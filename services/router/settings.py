@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,6 +16,9 @@ class RouterSettings(BaseSettings):
 
     #: Decode policy for `sy.route.decode`: random, rr, jsq, p2c, domain, eldr, eldr-vanilla, eldr-tau0.
     policy: str = "eldr"
+    #: Data-parallel dispatch rule for `sy.route.dp`: Gimbal's pressure score (Algorithm 1), or vLLM's own DP
+    #: load balancer (4·waiting + running, counting this replica's decisions as waiting until telemetry).
+    dp_rule: Literal["gimbal", "vllm"] = "gimbal"
     #: An engine silent for longer than this leaves the candidate set (telemetry arrives every ~100 ms).
     stale_after_s: float = Field(default=1.0, gt=0)
     #: An engine silent for this long is forgotten entirely (a new hello brings it back).

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: Switchyard in the request path (issue 12)."""

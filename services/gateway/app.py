@@ -1,0 +1,84 @@
+"""The HTTP front door (Starlette): OpenAI's completion endpoints, models, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from switchyard.services.gateway import metrics
+from switchyard.services.gateway.body import BadBody, error_response, parse
+from switchyard.services.gateway.disagg import serve_disagg
+from switchyard.services.gateway.dp import serve_dp
+from switchyard.services.gateway.relay import Context
+from switchyard.services.gateway.signatures import new_request_id
+
+
+def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
+    served = ctx.registry.models()
+    if model is not None and served and model not in served:
+        return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return error_response(503, "no live engine can serve this request", "ServiceUnavailableError")
+
+
+async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> Response:
+    started = time.perf_counter()
+    raw = await request.body()
+    try:
+        parsed = parse(raw, chat, ctx.settings.affinity_prefix_chars)
+    except BadBody as exc:
+        metrics.BAD_REQUESTS.labels(exc.reason).inc()
+        return error_response(400, str(exc), param=exc.param)
+    registry, mode = ctx.registry, ctx.settings.mode
+    request_id = new_request_id()
+    if mode != "disagg":
+        dp = registry.live("dp", parsed.model)
+        if dp:
+            return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started)
+    if mode != "dp":
+        prefills, decoders = registry.live("prefill", parsed.model), registry.live("decode", parsed.model)
+        if prefills and decoders:
+            return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)
+    metrics.REQUESTS.labels("none", "unavailable").inc()
+    return _fleet_unavailable(ctx, parsed.model)
+
+
+def build_app(ctx: Context, is_connected: object = None) -> Starlette:
+    """`is_connected()` tells readiness whether the bus is up (None: assume it is)."""
+
+    async def completions(request: Request) -> Response:
+        return await _complete(ctx, request, "/v1/completions", chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(ctx, request, "/v1/chat/completions", chat=True)
+
+    async def models(_request: Request) -> Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard"} for m in ctx.registry.models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(_request: Request) -> Response:
+        bus_up = is_connected() if callable(is_connected) else True
+        engines = len(ctx.registry.live())
+        ready = bool(bus_up) and engines > 0
+        return JSONResponse({"ready": ready, "bus": bool(bus_up), "live_engines": engines}, 200 if ready else 503)
+
+    async def prometheus(_request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+        ]
+    )

@@ -1,0 +1,154 @@
+"""The prefill->decode handoff, as vLLM's disaggregated-serving proxy does it, with ELDR's decode routing.
+
+1. Prefill: the body with `max_tokens = 1`, `stream = false` and `kv_transfer_params.do_remote_decode = true`
+   goes to a prefill engine chosen by prefix-hash affinity with a load bound (`choice.pick_prefill`); one
+   retry on the next-ranked engine if it fails.
+2. Signature: `kv_transfer_params.switchyard_signature` in the prefill response, else the `PrefillSignature`
+   the engine publishes on the bus for this request id, waited for at most `signature_wait_s`; else none
+   (the router then routes by load and says so in its reply's `fallback`).
+3. `sy.route.decode` with the signature picks the decoder (ELDR).
+4. Decode: the original body plus the prefill response's `kv_transfer_params`, without the `switchyard_*`
+   keys, goes to that decoder; its answer streams back (one retry before the first byte on another decoder).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.services.gateway import metrics
+from switchyard.services.gateway.body import Parsed, error_response
+from switchyard.services.gateway.choice import pick_prefill
+from switchyard.services.gateway.registry import Engine
+from switchyard.services.gateway.relay import ClientGone, Context, final_hop, until_disconnect
+from switchyard.services.gateway.upstream import UpstreamError
+from switchyard.shared.errors import WireError
+from switchyard.shared.signature_json import SIGNATURE_KEY, signature_from_json
+
+#: What vLLM's proxy sends a prefill engine so that it keeps the KV blocks for a remote decoder.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS)}
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's body plus the prefill's transfer parameters, without Switchyard's own keys."""
+    return {**body, "kv_transfer_params": {k: v for k, v in kv_params.items() if not k.startswith("switchyard_")}}
+
+
+def signature_in(kv_params: dict[str, Any]) -> np.ndarray | None:
+    """The signature carried in the prefill response, None when absent or malformed (counted)."""
+    carried = kv_params.get(SIGNATURE_KEY)
+    if carried is None:
+        return None
+    try:
+        return signature_from_json(carried)
+    except WireError:
+        metrics.SIGNATURES.labels("malformed").inc()
+        return None
+
+
+async def _prefill(
+    ctx: Context, request: Request, engines: list[Engine], parsed: Parsed, path: str, request_id: str
+) -> tuple[Engine, dict[str, Any]] | Response:
+    order = pick_prefill(
+        parsed.prefix, [e.engine_id for e in engines], [e.inflight for e in engines], ctx.settings.affinity_load_bound
+    )
+    content = json.dumps(prefill_body(parsed.body)).encode()
+    headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    for index in order[:2]:
+        engine = engines[index]
+        engine.inflight += 1
+        try:
+            call = ctx.upstream.post(engine, path, content, headers, ctx.settings.prefill_timeout_s)
+            answer = await until_disconnect(request, call)
+        except UpstreamError as exc:
+            metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
+            metrics.RETRIES.labels("prefill").inc()
+            continue
+        finally:
+            engine.inflight -= 1
+        if answer.status_code >= 400:  # the engine refused the request itself: the client's answer
+            metrics.REQUESTS.labels("disagg", "client_error").inc()
+            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        try:
+            data = answer.json()
+        except ValueError:
+            metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", "not_json").inc()
+            continue
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            parsed.prompt_tokens = usage["prompt_tokens"]
+        return engine, kv if isinstance(kv, dict) else {}
+    metrics.REQUESTS.labels("disagg", "upstream_error").inc()
+    return error_response(502, "prefill failed on every engine tried", "BadGatewayError")
+
+
+async def serve_disagg(
+    ctx: Context,
+    request: Request,
+    parsed: Parsed,
+    path: str,
+    prefills: list[Engine],
+    decoders: list[Engine],
+    request_id: str,
+    started: float,
+) -> Response:
+    ctx.signatures.expect(request_id)  # before the prefill: the bus message may beat the HTTP answer
+    try:
+        done = await _prefill(ctx, request, prefills, parsed, path, request_id)
+    except ClientGone:
+        ctx.signatures.discard(request_id)
+        metrics.CLIENT_ABORTS.labels("disagg").inc()
+        metrics.REQUESTS.labels("disagg", "aborted").inc()
+        return Response(status_code=499)
+    except BaseException:
+        ctx.signatures.discard(request_id)
+        raise
+    if isinstance(done, Response):
+        ctx.signatures.discard(request_id)
+        return done
+    prefill_engine, kv = done
+    signature = signature_in(kv)
+    if signature is not None:
+        ctx.signatures.discard(request_id)
+        metrics.SIGNATURES.labels("response").inc()
+    else:
+        signature = await ctx.signatures.wait(request_id, ctx.settings.signature_wait_s)
+        metrics.SIGNATURES.labels("bus" if signature is not None else "missing").inc()
+    decoder, _reply = await ctx.router.route_decode(
+        request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders
+    )
+    if decoder is None:
+        return error_response(503, "no live decode engine", "ServiceUnavailableError")
+    return await final_hop(
+        ctx,
+        request,
+        kind="disagg",
+        hop="decode",
+        engine=decoder,
+        candidates=decoders,
+        path=path,
+        content=json.dumps(decode_body(parsed.body, kv)).encode(),
+        stream=parsed.stream,
+        request_id=request_id,
+        started=started,
+    )

@@ -1,0 +1,54 @@
+"""Prometheus metrics of the gateway, as the client sees its requests (labels: engine, route kind)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_GAP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+TTFT = Histogram(
+    "switchyard_gateway_ttft_seconds",
+    "Time from a request's arrival to its first byte of answer sent to the client, by serving engine and kind.",
+    ["engine", "kind"],
+    buckets=_LATENCY,
+)
+ITL = Histogram(
+    "switchyard_gateway_itl_seconds",
+    "Gap between consecutive stream chunks sent to the client (inter-token latency), by engine and kind.",
+    ["engine", "kind"],
+    buckets=_GAP,
+)
+E2E = Histogram(
+    "switchyard_gateway_e2e_seconds",
+    "Time from a request's arrival to the last byte of its answer, by serving engine and kind.",
+    ["engine", "kind"],
+    buckets=_LATENCY,
+)
+REQUESTS = Counter(
+    "switchyard_gateway_requests_total",
+    "Requests by route kind (dp|disagg) and outcome (ok, client_error, upstream_error, unavailable, aborted).",
+    ["kind", "outcome"],
+)
+BAD_REQUESTS = Counter("switchyard_gateway_bad_requests_total", "Request bodies refused with status 400.", ["reason"])
+FALLBACKS = Counter(
+    "switchyard_gateway_routing_fallbacks_total",
+    "Engine choices made locally instead of by the router, by route kind and reason.",
+    ["kind", "reason"],
+)
+UPSTREAM_ERRORS = Counter(
+    "switchyard_gateway_upstream_errors_total",
+    "Failed upstream calls, by engine, hop (dp, prefill, decode) and reason.",
+    ["engine", "hop", "reason"],
+)
+RETRIES = Counter(
+    "switchyard_gateway_retries_total", "Requests retried on another engine before the first byte.", ["hop"]
+)
+CLIENT_ABORTS = Counter(
+    "switchyard_gateway_client_aborts_total", "Client disconnects that aborted an upstream request.", ["kind"]
+)
+SIGNATURES = Counter(
+    "switchyard_gateway_signatures_total",
+    "Where a handoff's prefill signature came from (response, bus) or that none came (missing).",
+    ["source"],
+)

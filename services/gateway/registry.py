@@ -1,0 +1,74 @@
+"""The engines the gateway can send requests to, learnt from their hellos on the bus.
+
+An engine is a candidate while its last hello is younger than `hello_misses` of its own hello intervals
+and its hello names an HTTP `base_url`; one that stops saying hello leaves by itself (nothing to clean up:
+liveness is computed on read). The registry also counts the gateway's own requests in flight per engine,
+which is what the local fallback choice and the prefill load bound read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from switchyard.shared.schemas import Hello
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    role: str
+    model: str
+    base_url: str
+    hello_interval_s: float
+    last_hello: float
+    inflight: int = 0
+
+
+class EngineRegistry:
+    def __init__(self, hello_misses: float = 3.0) -> None:
+        self.hello_misses = hello_misses
+        self.engines: dict[str, Engine] = {}
+
+    def on_hello(self, hello: Hello, now: float | None = None) -> None:
+        """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored."""
+        now = time.monotonic() if now is None else now
+        if hello.base_url is None:
+            return
+        engine = self.engines.get(hello.engine_id)
+        if engine is None:
+            engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
+            self.engines[hello.engine_id] = engine
+        engine.role, engine.model = hello.role, hello.model.name
+        engine.base_url = hello.base_url.rstrip("/")
+        engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
+
+    def alive(self, engine: Engine, now: float) -> bool:
+        return now - engine.last_hello <= self.hello_misses * engine.hello_interval_s
+
+    def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[Engine]:
+        """Live engines, optionally of one role and serving one model, in engine-id order (deterministic)."""
+        now = time.monotonic() if now is None else now
+        return sorted(
+            (
+                e
+                for e in self.engines.values()
+                if self.alive(e, now) and (role is None or e.role == role) and (model is None or e.model == model)
+            ),
+            key=lambda e: e.engine_id,
+        )
+
+    def get_live(self, engine_id: str, now: float | None = None) -> Engine | None:
+        engine = self.engines.get(engine_id)
+        now = time.monotonic() if now is None else now
+        return engine if engine is not None and self.alive(engine, now) else None
+
+    def models(self, now: float | None = None) -> list[str]:
+        return sorted({e.model for e in self.live(now=now)})
+
+    def forget_dead(self, now: float | None = None, keep_s: float = 600.0) -> None:
+        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn)."""
+        now = time.monotonic() if now is None else now
+        for engine_id, e in list(self.engines.items()):
+            if e.inflight == 0 and now - e.last_hello > self.hello_misses * e.hello_interval_s + keep_s:
+                del self.engines[engine_id]

@@ -1,0 +1,169 @@
+"""The last hop of every request: send it to an engine, retry once before the first byte, relay the answer.
+
+Shared by both paths (a DP engine, or the decoder of a handoff). The client's disconnect aborts the upstream
+call in every phase: before the first byte by racing the call against the ASGI disconnect message, while
+streaming because Starlette cancels the relay, whose `finally` closes the upstream connection (vLLM aborts a
+request whose connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from switchyard.services.gateway import metrics
+from switchyard.services.gateway.body import error_response
+from switchyard.services.gateway.choice import least_loaded
+from switchyard.services.gateway.registry import Engine, EngineRegistry
+from switchyard.services.gateway.routing import Router
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.signatures import SignatureBox
+from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Context:
+    """What a request path needs: the gateway's parts, built once by the service."""
+
+    settings: GatewaySettings
+    registry: EngineRegistry
+    router: Router
+    upstream: Upstream
+    signatures: SignatureBox
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer started."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, call: Awaitable[T]) -> T:
+    """`await call`, unless the client disconnects first: then cancel it (closing its connection) and raise."""
+    task = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine | None:
+    others = [e for e in candidates if e is not failed]
+    index = least_loaded([e.inflight for e in others], turn)
+    return others[index] if index >= 0 else None
+
+
+async def final_hop(
+    ctx: Context,
+    request: Request,
+    *,
+    kind: str,
+    hop: str,
+    engine: Engine,
+    candidates: list[Engine],
+    path: str,
+    content: bytes,
+    stream: bool,
+    request_id: str,
+    started: float,
+) -> Response:
+    headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    for attempt in (0, 1):
+        engine.inflight += 1
+        try:
+            if stream:
+                opened = await until_disconnect(request, ctx.upstream.open_stream(engine, path, content, headers))
+            else:
+                answer = await until_disconnect(request, ctx.upstream.post(engine, path, content, headers))
+        except UpstreamError as exc:
+            engine.inflight -= 1
+            metrics.UPSTREAM_ERRORS.labels(engine.engine_id, hop, exc.reason).inc()
+            retry = other_engine(engine, candidates, attempt) if attempt == 0 else None
+            if retry is None:
+                metrics.REQUESTS.labels(kind, "upstream_error").inc()
+                return error_response(502, f"upstream engine failed: {exc}", "BadGatewayError")
+            metrics.RETRIES.labels(hop).inc()
+            engine = retry
+            continue
+        except ClientGone:
+            engine.inflight -= 1
+            metrics.CLIENT_ABORTS.labels(kind).inc()
+            metrics.REQUESTS.labels(kind, "aborted").inc()
+            return Response(status_code=499)
+        except BaseException:
+            engine.inflight -= 1
+            raise
+        if not stream:
+            engine.inflight -= 1
+            elapsed = time.perf_counter() - started
+            metrics.TTFT.labels(engine.engine_id, kind).observe(elapsed)
+            metrics.E2E.labels(engine.engine_id, kind).observe(elapsed)
+            metrics.REQUESTS.labels(kind, "ok" if answer.status_code < 400 else "client_error").inc()
+            return Response(
+                answer.content,
+                answer.status_code,
+                headers={"x-request-id": request_id},
+                media_type=answer.headers.get("content-type", "application/json"),
+            )
+        return _stream_back(opened, engine, kind, request_id, started)
+    raise AssertionError("unreachable")
+
+
+def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, started: float) -> Response:
+    response = opened.response
+    media_type = response.headers.get("content-type", "text/event-stream")
+    if opened.chunks is None:  # the engine refused the request (4xx): its answer, as it gave it
+        engine.inflight -= 1
+        metrics.REQUESTS.labels(kind, "client_error").inc()
+        return Response(opened.first, response.status_code, headers={"x-request-id": request_id}, media_type=media_type)
+    itl = metrics.ITL.labels(engine.engine_id, kind)
+    chunks = opened.chunks
+
+    async def relay() -> AsyncIterator[bytes]:
+        outcome = "aborted"
+        try:
+            last = time.perf_counter()
+            metrics.TTFT.labels(engine.engine_id, kind).observe(last - started)
+            yield opened.first
+            async for chunk in chunks:
+                now = time.perf_counter()
+                itl.observe(now - last)
+                last = now
+                yield chunk
+            outcome = "ok"
+        except Exception:  # the engine failed mid-stream: nothing to retry once bytes reached the client
+            outcome = "upstream_error"
+            metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "stream", "mid_stream").inc()
+        finally:
+            engine.inflight -= 1
+            if outcome == "aborted":
+                metrics.CLIENT_ABORTS.labels(kind).inc()
+            metrics.REQUESTS.labels(kind, outcome).inc()
+            metrics.E2E.labels(engine.engine_id, kind).observe(time.perf_counter() - started)
+            with anyio.CancelScope(shield=True):  # runs even when cancelled: closing is what aborts upstream
+                await response.aclose()
+
+    return StreamingResponse(relay(), response.status_code, headers={"x-request-id": request_id}, media_type=media_type)

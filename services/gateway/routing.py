@@ -1,0 +1,102 @@
+"""The gateway's calls to the router (`sy.route.dp`, `sy.route.decode`), with the local fallback.
+
+The router decides; the gateway only follows. When the router cannot be reached (no responder, timeout,
+an error reply, or a choice the gateway cannot send to) the gateway picks the least-loaded live engine by
+its own in-flight counts, counts it in `switchyard_gateway_routing_fallbacks_total` and logs once per
+incident (the first fallback after a success), so an outage is one line, not one per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from nats.errors import Error as NatsError
+
+from switchyard.services.gateway import metrics
+from switchyard.services.gateway.choice import least_loaded
+from switchyard.services.gateway.registry import Engine
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import RemoteError, WireError
+from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, RouteDpReply, RouteDpRequest
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, bus: Bus | None, timeout_s: float) -> None:
+        self.bus, self.timeout_s = bus, timeout_s
+        self.incident = False  # True from the first fallback until the router answers again
+        self.fallbacks_in_incident = 0
+        self._turn = 0
+
+    def local(self, candidates: list[Engine], kind: str, reason: str) -> Engine | None:
+        """Least-loaded candidate by the gateway's own in-flight counts; counted and logged once per incident."""
+        metrics.FALLBACKS.labels(kind, reason).inc()
+        if not self.incident:
+            self.incident = True
+            log.warning("router unavailable for %s (%s): choosing engines locally (least loaded)", kind, reason)
+        self.fallbacks_in_incident += 1
+        self._turn += 1
+        index = least_loaded([e.inflight for e in candidates], self._turn)
+        return candidates[index] if index >= 0 else None
+
+    def _recovered(self) -> None:
+        if self.incident:
+            log.warning("router answering again after %d local choices", self.fallbacks_in_incident)
+            self.incident, self.fallbacks_in_incident = False, 0
+
+    async def _ask(self, subject: str, request: Any, reply: type[Any]) -> tuple[Any, str]:
+        if self.bus is None:
+            return None, "no_bus"
+        try:
+            answer = await self.bus.request(subject, request, reply, timeout=self.timeout_s)
+        except TimeoutError:
+            return None, "timeout"
+        except RemoteError as exc:
+            return None, f"error_{exc.code}"
+        except WireError:
+            return None, "bad_reply"
+        except NatsError as exc:
+            return None, "no_responders" if "no responders" in str(exc).lower() else "nats_error"
+        return answer, ""
+
+    def _follow(self, engine_id: str, candidates: list[Engine], kind: str) -> Engine | None:
+        for engine in candidates:
+            if engine.engine_id == engine_id:
+                self._recovered()
+                return engine
+        return self.local(candidates, kind, "unknown_engine")
+
+    async def route_dp(self, request_id: str, prompt_tokens: int, candidates: list[Engine]) -> Engine | None:
+        if not candidates:
+            return None
+        subject = self.bus.subjects.route_dp if self.bus is not None else ""
+        request = RouteDpRequest(request_id=request_id, prompt_tokens=prompt_tokens)
+        reply, reason = await self._ask(subject, request, RouteDpReply)
+        if reply is None:
+            return self.local(candidates, "dp", reason)
+        return self._follow(reply.engine_id, candidates, "dp")
+
+    async def route_decode(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        signature: np.ndarray | None,
+        prefill_engine_id: str | None,
+        candidates: list[Engine],
+    ) -> tuple[Engine | None, RouteDecodeReply | None]:
+        if not candidates:
+            return None, None
+        subject = self.bus.subjects.route_decode if self.bus is not None else ""
+        request = RouteDecodeRequest(
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            signature=signature,
+            prefill_engine_id=prefill_engine_id,
+        )
+        reply, reason = await self._ask(subject, request, RouteDecodeReply)
+        if reply is None:
+            return self.local(candidates, "decode", reason), None
+        return self._follow(reply.engine_id, candidates, "decode"), reply

@@ -1,0 +1,96 @@
+"""The gateway service: the bus side (hellos, signatures) and the HTTP side (uvicorn) in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+from switchyard.services.gateway.app import build_app
+from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.relay import Context
+from switchyard.services.gateway.routing import Router
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.signatures import SignatureBox
+from switchyard.services.gateway.upstream import Upstream
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Announce, Hello, PrefillSignature
+from switchyard.shared.settings import SwitchyardSettings
+
+log = logging.getLogger(__name__)
+
+HOUSEKEEPING_S = 10.0
+
+
+class GatewayService:
+    def __init__(self, settings: SwitchyardSettings, gateway: GatewaySettings | None = None) -> None:
+        self.settings = settings
+        self.gateway = gateway or GatewaySettings()
+        self.registry = EngineRegistry(self.gateway.hello_misses)
+        self.signatures = SignatureBox()
+        self.bus: Bus | None = None
+        self.ctx: Context | None = None
+        self.server: uvicorn.Server | None = None
+        self.port: int | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.gateway.host}:{self.port}"
+
+    def _on_hello(self, hello: Hello, _msg: object) -> None:
+        self.registry.on_hello(hello)
+
+    async def _tidy(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            self.registry.forget_dead()
+
+    async def start(self, servers: list[str] | None = None) -> None:
+        g = self.gateway
+        self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers)
+        s = bus.subjects
+        await bus.subscribe(s.all_hello, Hello, self._on_hello)
+        await bus.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
+        await bus.publish(s.announce, Announce(requester=g.gateway_id))
+        await bus.nc.flush()
+        self.ctx = Context(g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures)
+        app = build_app(self.ctx, lambda: bus.nc.is_connected)
+        sock = socket.socket(socket.AF_INET6 if ":" in g.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((g.host, g.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours handle signals
+        self._serving = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._serving.done():
+                await self._serving  # raises what stopped it
+                raise RuntimeError("the gateway's HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        self._housekeeping = asyncio.create_task(self._tidy())
+        log.info("gateway %s serving OpenAI endpoints on %s", g.gateway_id, self.url)
+
+    async def stop(self) -> None:
+        if self.server is not None and self._serving is not None:
+            self.server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._serving
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        if self.ctx is not None:
+            await self.ctx.upstream.close()
+        if self.bus is not None:
+            await self.bus.close()
+
+    async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
+        await self.start(servers)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

@@ -1,0 +1,48 @@
+"""Gateway settings (`SWITCHYARD_GATEWAY_*`): where it listens, its per-hop timeouts, its handoff knobs."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_GATEWAY_", env_file=".env", extra="ignore")
+
+    #: Where clients connect: vLLM's own default port, so the gateway can stand in for `vllm serve`.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    #: auto: a DP fleet when live `dp` engines exist, else prefill->decode when both roles are live.
+    mode: Literal["auto", "dp", "disagg"] = "auto"
+
+    # --- per-hop timeouts (every upstream call has one) ---
+    #: Opening a TCP connection to an engine.
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    #: Waiting for an engine's first byte (headers and first chunk of a stream; a whole non-streaming answer).
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    #: Between two chunks of a stream once it has started.
+    read_timeout_s: float = Field(default=60.0, gt=0)
+    #: The whole prefill hop of a prefill->decode handoff (it returns one token).
+    prefill_timeout_s: float = Field(default=120.0, gt=0)
+    #: A `sy.route.dp` / `sy.route.decode` round trip; past it the gateway chooses locally (counted).
+    route_timeout_s: float = Field(default=0.25, gt=0)
+    #: How long the handoff waits for a `PrefillSignature` on the bus when the prefill response carried none.
+    signature_wait_s: float = Field(default=0.2, ge=0)
+
+    # --- engines ---
+    #: An engine that has not said hello for this many of its hello intervals leaves the candidate set.
+    hello_misses: float = Field(default=3.0, gt=0)
+    #: Prefill choice: rendezvous hash of the prompt's first this-many characters (prefix-cache affinity) ...
+    affinity_prefix_chars: int = Field(default=512, ge=1)
+    #: ... unless that engine already holds more than this factor times the mean in-flight count (+1).
+    affinity_load_bound: float = Field(default=1.25, ge=1.0)
+
+    # --- upstream connection pool ---
+    max_connections: int = Field(default=1024, ge=1)
+    max_keepalive: int = Field(default=256, ge=0)
+
+    #: Identifies this gateway on the bus (announce requests, connection name).
+    gateway_id: str = Field(default_factory=lambda: "gateway-" + uuid.uuid4().hex[:8])

@@ -1,0 +1,77 @@
+"""Prefill signatures that arrive on the bus (`sy.engine.<id>.signature`), matched to waiting handoffs.
+
+An engine whose counts live in a worker process (vLLM) publishes each request's `PrefillSignature` when its
+prefill ends, keyed by the engine's request id, which embeds the `X-Request-Id` the gateway sent (vLLM makes
+`cmpl-<id>-0` of it). The gateway's ids have one recognisable shape, so the match is a regex search, not a
+guess. A signature may arrive before the handoff starts waiting (the prefill response and the bus message
+race): it is kept for a short while in a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections import OrderedDict
+
+import numpy as np
+from nats.aio.msg import Msg
+
+from switchyard.shared.schemas import PrefillSignature
+
+#: The gateway's request ids: `sygw-` and 32 hex digits; sent upstream as `X-Request-Id`.
+REQUEST_ID = re.compile(r"sygw-[0-9a-f]{32}")
+
+
+def new_request_id() -> str:
+    return "sygw-" + uuid.uuid4().hex
+
+
+class SignatureBox:
+    """Waiters keyed by gateway request id, plus early arrivals (bounded, oldest dropped first)."""
+
+    def __init__(self, keep: int = 4096, keep_s: float = 30.0) -> None:
+        self.waiting: dict[str, asyncio.Future[PrefillSignature]] = {}
+        self.early: OrderedDict[str, tuple[float, PrefillSignature]] = OrderedDict()
+        self.keep, self.keep_s = keep, keep_s
+
+    def on_signature(self, message: PrefillSignature, _msg: Msg | None = None) -> None:
+        match = REQUEST_ID.search(message.request_id)
+        if match is None:
+            return  # a request that did not come through a gateway
+        key = match.group(0)
+        future = self.waiting.get(key)
+        if future is not None and not future.done():
+            future.set_result(message)
+            return
+        now = time.monotonic()
+        self.early[key] = (now, message)
+        while self.early and (len(self.early) > self.keep or now - next(iter(self.early.values()))[0] > self.keep_s):
+            self.early.popitem(last=False)
+
+    def expect(self, request_id: str) -> None:
+        """Start listening for `request_id` (before the prefill is sent, so no message is missed)."""
+        self.waiting[request_id] = asyncio.get_running_loop().create_future()
+
+    async def wait(self, request_id: str, timeout_s: float) -> np.ndarray | None:
+        """The signature for `request_id`, or None after `timeout_s`; always stops listening."""
+        try:
+            early = self.early.pop(request_id, None)
+            if early is not None:
+                return early[1].signature
+            future = self.waiting.get(request_id)
+            if future is None or timeout_s <= 0:
+                return None
+            try:
+                return (await asyncio.wait_for(future, timeout_s)).signature
+            except TimeoutError:
+                return None
+        finally:
+            self.discard(request_id)
+
+    def discard(self, request_id: str) -> None:
+        future = self.waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+        self.early.pop(request_id, None)

@@ -1,0 +1,251 @@
+"""A stub OpenAI engine for tests and the benchmark: real HTTP (Starlette on uvicorn), fake tokens.
+
+It is the engine, not infrastructure, so a stub is fair: it answers `/v1/completions` and
+`/v1/chat/completions` as vLLM does (SSE chunks then `data: [DONE]`, or one JSON answer with `usage`), acts
+as a prefill engine when asked for `do_remote_decode` (returns `kv_transfer_params`, with the signature inside
+or published on the bus as a `PrefillSignature`), can fail its first requests, and records what it received
+and which streams the client abandoned. With a bus it says hello and sends telemetry like an engine agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature, Telemetry
+from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
+
+
+@dataclass
+class StubConfig:
+    engine_id: str = "stub0"
+    role: str = "dp"
+    model: str = "stub-model"
+    tokens: int = 4
+    token_interval_s: float = 0.0
+    #: Answer this many requests with HTTP 500 before working normally.
+    fail_first: int = 0
+    #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
+    signature_via: str = "response"
+    signature: np.ndarray = field(default_factory=lambda: np.ones((2, 4), dtype=np.uint16))
+    hello_interval_s: float = 0.2
+    #: Reported in telemetry, so a test can make the router prefer one engine.
+    waiting_prefill_tokens: int = 0
+    telemetry_interval_s: float = 0.05
+
+
+class StubEngine:
+    def __init__(self, config: StubConfig, bus: Bus | None = None, host: str = "127.0.0.1") -> None:
+        self.config, self.bus, self.host = config, bus, host
+        self.received: list[tuple[str, str, dict[str, Any]]] = []  # (path, x-request-id, body)
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.saying_hello = True
+        self.port = 0
+        self._served = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.server: uvicorn.Server | None = None
+        self._serving: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ----- HTTP -----
+
+    async def _complete(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        request_id = request.headers.get("x-request-id", "")
+        self.received.append((request.url.path, request_id, body))
+        if next(self._served) < self.config.fail_first:
+            return JSONResponse({"error": {"message": "stub failure", "type": "InternalError", "code": 500}}, 500)
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode"):
+            return await self._prefill(body, request_id)
+        chat = request.url.path.endswith("chat/completions")
+        if body.get("stream"):
+            return StreamingResponse(self._stream(request_id, chat), media_type="text/event-stream")
+        await asyncio.sleep(self.config.token_interval_s * self.config.tokens)
+        self.finished.append(request_id)
+        return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
+
+    def _answer(self, request_id: str, chat: bool, text: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": f"cmpl-{request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": self.config.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": 7,
+                "completion_tokens": self.config.tokens,
+                "total_tokens": 7 + self.config.tokens,
+            },
+            "served_by": self.config.engine_id,
+        }
+
+    async def _prefill(self, body: dict[str, Any], request_id: str) -> Response:
+        cfg = self.config
+        kv: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": cfg.engine_id,
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": self.host,
+            "remote_port": self.port,
+        }
+        if cfg.signature_via == "response":
+            kv[SIGNATURE_KEY] = signature_to_json(cfg.signature)
+        elif cfg.signature_via == "bus" and self.bus is not None:
+            message = PrefillSignature(
+                engine_id=cfg.engine_id,
+                request_id=f"cmpl-{request_id}-0",
+                ts=time.time(),
+                prompt_tokens=7,
+                signature=cfg.signature,
+            )
+            await self.bus.publish(self.bus.subjects.signature(cfg.engine_id), message)
+        answer = self._answer(request_id, "messages" in body, "t")
+        answer["kv_transfer_params"] = kv
+        return JSONResponse(answer)
+
+    async def _stream(self, request_id: str, chat: bool) -> AsyncIterator[bytes]:
+        try:
+            for i in range(self.config.tokens):
+                if self.config.token_interval_s:
+                    await asyncio.sleep(self.config.token_interval_s)
+                delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
+                chunk = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, **delta, "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            self.finished.append(request_id)
+        except BaseException:
+            self.aborted.append(request_id)
+            raise
+
+    async def _models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model"}]})
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", lambda _r: Response(), methods=["GET"]),
+            ]
+        )
+
+    # ----- bus (the engine agent's part) -----
+
+    def hello(self) -> Hello:
+        cfg = self.config
+        return Hello(
+            engine_id=cfg.engine_id,
+            role=cfg.role,  # type: ignore[arg-type]
+            model=ModelShape(name=cfg.model, num_layers=2, num_experts=4, top_k=1),
+            ep_group=cfg.engine_id,
+            gpus=["0"],
+            capacity=Capacity(max_running=256, kv_blocks=1000, block_size=16),
+            ts=time.time(),
+            agent="sim",
+            hello_interval_s=cfg.hello_interval_s,
+            telemetry_interval_s=cfg.telemetry_interval_s,
+            base_url=self.base_url,
+        )
+
+    async def _agent(self) -> None:
+        assert self.bus is not None
+        s, cfg = self.bus.subjects, self.config
+        seq, last_hello = 0, -np.inf
+        while True:
+            now = time.monotonic()
+            if self.saying_hello and now - last_hello >= cfg.hello_interval_s:
+                await self.bus.publish(s.hello(cfg.engine_id), self.hello())
+                last_hello = now
+            if self.saying_hello:
+                telemetry = Telemetry(
+                    engine_id=cfg.engine_id,
+                    seq=seq,
+                    ts=time.time(),
+                    kv_usage=0.1,
+                    num_running=0,
+                    num_waiting=0,
+                    waiting_prefill_tokens=cfg.waiting_prefill_tokens,
+                    remaining_prefill_tokens=0,
+                    step_time_ema=0.01,
+                )
+                await self.bus.publish(s.telemetry(cfg.engine_id), telemetry)
+                seq += 1
+            await asyncio.sleep(cfg.telemetry_interval_s)
+
+    # ----- lifecycle -----
+
+    async def start(self, port: int = 0) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._serving = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._serving.done():
+                await self._serving
+            await asyncio.sleep(0.01)
+        if self.bus is not None:
+            self._tasks.append(asyncio.create_task(self._agent()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.server is not None and self._serving is not None:
+            self.server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._serving
+
+
+def main() -> None:
+    """`python -m switchyard.services.gateway.stub --port N`: a stand-alone stub engine (the benchmark's)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--token-interval-s", type=float, default=0.0)
+    args = parser.parse_args()
+
+    async def run() -> None:
+        engine = StubEngine(StubConfig(tokens=args.tokens, token_interval_s=args.token_interval_s), host=args.host)
+        await engine.start(args.port)
+        print(engine.base_url, flush=True)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

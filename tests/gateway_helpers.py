@@ -1,0 +1,64 @@
+"""A gateway, a router and stub engines on one real nats-server, for the gateway tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import REGISTRY
+
+from switchyard.services.gateway.service import GatewayService
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.stub import StubConfig, StubEngine
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.bus import Bus
+from switchyard.shared.settings import SwitchyardSettings
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for an event (not a timed assertion: the bound only stops a broken test from hanging)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def deployment(
+    settings: SwitchyardSettings,
+    bus: Bus,
+    stubs: list[StubConfig],
+    *,
+    router: bool = True,
+    gateway: GatewaySettings | None = None,
+    router_settings: RouterSettings | None = None,
+) -> AsyncIterator[tuple[GatewayService, dict[str, StubEngine]]]:
+    """Stub engines (hello + telemetry on the bus), an in-process router (optional) and a gateway on port 0."""
+    engines = {c.engine_id: StubEngine(c, bus) for c in stubs}
+    for engine in engines.values():
+        await engine.start()
+    replica = RouterService(settings, router_settings or RouterSettings(inflight_grace_s=0.0)) if router else None
+    if replica is not None:
+        await replica.start()
+    service = GatewayService(settings, gateway or GatewaySettings(port=0, route_timeout_s=0.5))
+    await service.start()
+    try:
+        await wait_for(lambda: len(service.registry.live()) == len(engines))
+        if replica is not None:  # the router routes only engines whose telemetry it has
+            fleet = replica.core.fleet
+            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines))
+            await asyncio.sleep(0.15)
+        yield service, engines
+    finally:
+        await service.stop()
+        if replica is not None:
+            await replica.stop()
+        for engine in engines.values():
+            await engine.stop()

@@ -1,0 +1,234 @@
+"""The gateway end to end: real nats-server, the real router service, stub engines as real HTTP servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.stub import StubConfig
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.embedded import free_port
+from switchyard.shared.schemas import RouteDecisions, RouteDecodeRequest
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.signature_json import SIGNATURE_KEY
+from tests.gateway_helpers import deployment, metric, wait_for
+
+BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
+
+
+async def _decisions(bus: Bus) -> dict[str, str]:
+    """request id -> engine id, from the router's shared decisions."""
+    seen: dict[str, str] = {}
+
+    def on_decided(message: RouteDecisions, _msg: object) -> None:
+        seen.update(zip(message.request_ids, message.engine_ids, strict=True))
+
+    await bus.subscribe(bus.subjects.route_decided, RouteDecisions, on_decided)
+    return seen
+
+
+async def test_dp_dispatch_goes_to_the_routers_choice(bus: Bus, settings: SwitchyardSettings) -> None:
+    decided = await _decisions(bus)
+    stubs = [
+        StubConfig("a", waiting_prefill_tokens=50_000),
+        StubConfig("b"),
+        StubConfig("c", waiting_prefill_tokens=9_000),
+    ]
+    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+        for _ in range(6):
+            answer = await client.post("/v1/completions", json=BODY)
+            assert answer.status_code == 200, answer.text
+        served = {rid: eid for eid, e in engines.items() for _path, rid, _body in e.received}
+        await wait_for(lambda: all(rid in decided for rid in served))
+    assert len(served) == 6
+    assert all(decided[rid] == eid for rid, eid in served.items())
+    assert set(served.values()) == {"b"}  # the least-pressured engine, as Gimbal's rule says
+    assert engines["b"].received[0][2] == BODY  # the body as sent
+
+
+async def test_sse_streaming_passes_chunks_and_done(bus: Bus, settings: SwitchyardSettings) -> None:
+    async with (
+        deployment(settings, bus, [StubConfig("a", tokens=5)]) as (gw, _),
+        httpx.AsyncClient(base_url=gw.url) as client,
+        client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert [json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]] == [f"t{i}" for i in range(5)]
+    assert metric("switchyard_gateway_ttft_seconds_count", engine="a", kind="dp") >= 1
+
+
+async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str) -> None:
+    decided = await _decisions(bus)
+    asked: list[RouteDecodeRequest] = []
+
+    async def on_route(msg: object) -> None:
+        asked.append(decode(msg.data, RouteDecodeRequest))  # type: ignore[attr-defined]
+
+    await bus.nc.subscribe(bus.subjects.route_decode, cb=on_route)  # a copy of every question the router gets
+    signature = np.arange(8, dtype=np.uint16).reshape(2, 4)
+    stubs = [
+        StubConfig("p0", role="prefill", signature_via=via, signature=signature),
+        StubConfig("d0", role="decode", tokens=3),
+        StubConfig("d1", role="decode", tokens=3),
+    ]
+    gateway = GatewaySettings(port=0, route_timeout_s=0.5, signature_wait_s=2.0)
+    async with (
+        deployment(settings, bus, stubs, gateway=gateway) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        answer = await client.post("/v1/completions", json={**BODY, "stream": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.text.rstrip().endswith("data: [DONE]")
+        ((path, rid, prefill),) = engines["p0"].received
+        decoder = next(e for e in ("d0", "d1") if engines[e].received)
+        ((_, decode_rid, decode_body),) = engines[decoder].received
+        await wait_for(lambda: rid in decided and len(asked) == 1)
+    assert path == "/v1/completions" and decode_rid == rid
+    assert (
+        prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["kv_transfer_params"]["do_remote_decode"]
+    )
+    assert np.array_equal(asked[0].signature, signature) and asked[0].prefill_engine_id == "p0"
+    assert decided[rid] == decoder  # the decoder the router chose served the decode
+    kv = decode_body["kv_transfer_params"]
+    assert kv["remote_engine_id"] == "p0" and kv["remote_block_ids"] == [1, 2, 3]
+    assert SIGNATURE_KEY not in kv and decode_body["stream"] is True and decode_body["max_tokens"] == 4
+
+
+async def test_handoff_with_the_signature_in_the_prefill_response(bus: Bus, settings: SwitchyardSettings) -> None:
+    await _handoff(bus, settings, "response")
+
+
+async def test_handoff_with_the_signature_on_the_bus(bus: Bus, settings: SwitchyardSettings) -> None:
+    await _handoff(bus, settings, "bus")
+
+
+async def test_a_failure_before_the_first_byte_is_retried_once(bus: Bus, settings: SwitchyardSettings) -> None:
+    stubs = [StubConfig("a", fail_first=1), StubConfig("b", waiting_prefill_tokens=50_000, fail_first=0)]
+    before = metric("switchyard_gateway_retries_total", hop="dp")
+    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+        answer = await client.post("/v1/completions", json=BODY)
+        assert answer.status_code == 200 and answer.json()["served_by"] == "b"
+        assert len(engines["a"].received) == 1
+        engines["b"].config.fail_first = 10**6
+        engines["a"].config.fail_first = 10**6
+        answer = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == 502
+    assert metric("switchyard_gateway_retries_total", hop="dp") == before + 2
+    assert metric("switchyard_gateway_upstream_errors_total", engine="a", hop="dp", reason="http_500") >= 2
+
+
+async def test_client_disconnect_aborts_upstream(bus: Bus, settings: SwitchyardSettings) -> None:
+    stubs = [StubConfig("a", tokens=10_000, token_interval_s=0.01)]
+    async with deployment(settings, bus, stubs) as (gw, engines):
+        async with (
+            httpx.AsyncClient(base_url=gw.url) as client,
+            client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response,
+        ):
+            async for _chunk in response.aiter_raw():
+                break  # the client reads one chunk and goes away
+        await wait_for(lambda: len(engines["a"].aborted) == 1)
+        assert engines["a"].finished == []
+        assert engines["a"].received[0][1] == engines["a"].aborted[0]
+
+
+async def test_router_down_falls_back_locally_and_counts_it(bus: Bus, settings: SwitchyardSettings) -> None:
+    before = metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders")
+    stubs = [StubConfig("a"), StubConfig("b")]
+    async with (
+        deployment(settings, bus, stubs, router=False) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        answers = [await client.post("/v1/completions", json=BODY) for _ in range(4)]
+    assert all(a.status_code == 200 for a in answers)
+    assert metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders") == before + 4
+    assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
+
+
+async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: SwitchyardSettings) -> None:
+    bad = [
+        b"{not json",
+        b"[1, 2]",
+        b'{"model": "stub-model"}',
+        b'{"prompt": "x", "stream": "yes"}',
+        b'{"prompt": "x", "max_tokens": -1}',
+        b"\xff\xfe",
+    ]
+    async with (
+        deployment(settings, bus, [StubConfig("a")]) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        answers = [await client.post("/v1/completions", content=body) for body in bad]
+        chat = await client.post("/v1/chat/completions", json={"model": "stub-model", "messages": []})
+    for answer in [*answers, chat]:
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
+    assert engines["a"].received == []
+
+
+async def test_an_engine_that_stops_saying_hello_leaves(bus: Bus, settings: SwitchyardSettings) -> None:
+    stubs = [StubConfig("a", hello_interval_s=0.1), StubConfig("b", hello_interval_s=0.1)]
+    async with (
+        deployment(settings, bus, stubs, router=False) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        assert (await client.get("/v1/models")).json()["data"][0]["id"] == "stub-model"
+        engines["a"].saying_hello = False
+        await wait_for(lambda: [e.engine_id for e in gw.registry.live()] == ["b"])
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        assert len(engines["a"].received) == 0 and len(engines["b"].received) == 3
+        engines["b"].saying_hello = False
+        await wait_for(lambda: not gw.registry.live())
+        assert (await client.get("/v1/models")).json()["data"] == []
+        assert (await client.get("/readyz")).status_code == 503
+        answer = await client.post("/v1/completions", json=BODY)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == 503
+    await asyncio.sleep(0)
+
+
+def test_gateway_command_deploys_alone_and_stops_on_sigterm(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env["SWITCHYARD_SUBJECT_PREFIX"] = settings.subject_prefix
+    cli = [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", settings.nats_servers[0]]
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([*cli, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        health = None
+        for _ in range(300):
+            if process.poll() is not None:
+                break
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert health is not None and health.status_code == 200, log.read_text()[-2000:]
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
+        assert ready.status_code == 503 and ready.json()["live_engines"] == 0  # no engine said hello
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    assert process.returncode == 0, log.read_text()[-2000:]
