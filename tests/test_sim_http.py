@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -198,7 +199,9 @@ async def test_disaggregated_hops_carry_the_signature_and_the_kv_params(
         np.testing.assert_array_equal(
             signature_from_json(seventh["kv_transfer_params"][SIGNATURE_KEY]), fleet.signatures[7]
         )
-        decode_hop = {**request, "kv_transfer_params": kv}
+        stripped = {k: v for k, v in kv.items() if not k.startswith("switchyard_")}  # as the gateway does
+        decode_hop = {**request, "kv_transfer_params": stripped}
+        decode_sent = time.time()
         async with client.stream("POST", f"{urls['sim-d1']}/v1/completions", json=decode_hop) as response:
             events = await _sse(response)
     assert events[-1] == "[DONE]"
@@ -212,7 +215,9 @@ async def test_disaggregated_hops_carry_the_signature_and_the_kv_params(
     # Three prefill-only hops; one request decoded, reported once, on the decoder the "gateway" chose.
     assert fleet.counters.prefilled_only == 3 and fleet.counters.completed == 1 and fleet.in_flight() == 0
     assert len(done) == 1 and (done[0].prefill_engine, done[0].decode_engine) == ("sim-p0", "sim-d1")
-    assert done[0].output_tokens == 12 and done[0].ttft_s > 0
+    assert done[0].output_tokens == 12
+    # TTFT runs from the prefill hop's arrival (found by remote_request_id), not the decode hop's.
+    assert done[0].sent_at < decode_sent and done[0].ttft_s > 0
 
 
 async def test_chat_and_a_decoder_without_kv_params(fleet: LiveFleet, scenario: Scenario) -> None:

@@ -38,6 +38,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,9 @@ from switchyard.shared.schemas import (
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
 
 log = logging.getLogger(__name__)
+
+#: Prefill-only hops remembered for their decode hop (older ones, whose decode never came, are forgotten).
+MAX_PREFILL_ARRIVALS = 100_000
 
 
 @dataclass(frozen=True)
@@ -286,7 +290,8 @@ class LiveDecoder(_Engine):
         rid, live = self.fleet.accept(request, self.engine_id)
         live.decode_engine, live.routed_by = self.engine_id, "http"
         kv = request.kv_transfer_params or {}
-        sent_at = kv.get("switchyard_sent_at")
+        # When the prefill hop ran here: its arrival (a gateway strips our `switchyard_*` keys, not vLLM's).
+        sent_at = self.fleet.prefill_arrival(kv.get("remote_request_id")) or kv.get("switchyard_sent_at")
         if isinstance(sent_at, (int, float)) and not isinstance(sent_at, bool) and 0 < sent_at <= live.sent_at:
             live.sent_at, live.sent_v = float(sent_at), max(self.fleet.to_v(float(sent_at)), 0.0)
         if isinstance(kv.get("remote_engine_id"), str):
@@ -411,6 +416,7 @@ class LivePrefill(_Engine):
             ENGINE_KEY: self.engine_id,
         }
         fleet.counters.prefilled_only += 1
+        fleet.remember_prefill(request.request_id, request.sent_at)
         fleet.counters.submitted -= 1  # its decode hop is the request
         request.stream.advance(1, finished=True)
 
@@ -485,6 +491,7 @@ class LiveFleet:
         self._rng = np.random.default_rng(scenario.seed)
         self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
+        self._prefill_arrivals: OrderedDict[str, float] = OrderedDict()
         self._boot = ""
         self._unix0 = time.time()
         decode_cost = cost_model(scenario.model, self.config.gpu, self.config.gpus_per_decoder)
@@ -565,6 +572,15 @@ class LiveFleet:
         )
         live.stream = TokenStream(request.max_tokens, self.config.stream_interval)
         return rid, live
+
+    def remember_prefill(self, request_id: str, sent_at: float) -> None:
+        """A prefill-only hop's arrival, so that its decode hop's TTFT starts there (bounded memory)."""
+        self._prefill_arrivals[request_id] = sent_at
+        while len(self._prefill_arrivals) > MAX_PREFILL_ARRIVALS:
+            self._prefill_arrivals.popitem(last=False)
+
+    def prefill_arrival(self, request_id: object) -> float | None:
+        return self._prefill_arrivals.pop(request_id, None) if isinstance(request_id, str) else None
 
     def abort(self, request: LiveRequest) -> None:
         """A request whose client went away left the fleet unfinished."""
