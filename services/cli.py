@@ -72,6 +72,13 @@ def up(
     refit: Annotated[bool, typer.Option(help="Fit a new routing artifact even if one exists.")] = False,
     api_port: Annotated[int | None, typer.Option(help="API port (default SWITCHYARD_API_PORT, 8080).")] = None,
     services_only: Annotated[bool, typer.Option(help="Only the control plane: no simulated fleet or load.")] = False,
+    gateway: Annotated[
+        bool, typer.Option(help="Send the load as HTTP clients through `switchyard gateway` (else on the bus).")
+    ] = True,
+    gateway_port: Annotated[int, typer.Option(min=0, max=65535, help="The gateway's port (0: a free one).")] = 8000,
+    stream_interval: Annotated[
+        int, typer.Option(min=1, help="Tokens per streamed chunk from the simulated engines (vLLM's).")
+    ] = 1,
     seed: int = 0,
 ) -> None:
     """Run the whole control plane and a simulated fleet (embedded NATS + SQLite unless told otherwise)."""
@@ -93,6 +100,8 @@ def up(
         refit=refit,
         api_port=api_port,
         services_only=services_only,
+        gateway_port=gateway_port if gateway else None,
+        stream_interval=stream_interval,
         seed=seed,
     )
     asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), options))
