@@ -67,7 +67,13 @@ def up(
     gpus_per_decoder: Annotated[int, typer.Option(min=1, help="Expert-parallel GPUs per decoder.")] = 2,
     gpu: Annotated[str, typer.Option(help="GPU preset of the simulated engines (H100, H200, MI300X).")] = "H100",
     speed: Annotated[float, typer.Option(min=0.01, help="Simulated seconds per wall second.")] = 1.0,
-    time_scale: Annotated[float, typer.Option(help="Compress the Azure trace's arrival times by this.")] = 10.0,
+    time_scale: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Compress the Azure trace's arrival times by this (default: 3 through the gateway, 10 on the bus).",
+        ),
+    ] = None,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate instead (req/s).")] = None,
     refit: Annotated[bool, typer.Option(help="Fit a new routing artifact even if one exists.")] = False,
     api_port: Annotated[int | None, typer.Option(help="API port (default SWITCHYARD_API_PORT, 8080).")] = None,

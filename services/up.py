@@ -61,6 +61,9 @@ from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
 log = logging.getLogger(__name__)
+
+#: Default compression of the Azure trace's arrival times (see `UpOptions.time_scale`).
+BUS_TIME_SCALE, GATEWAY_TIME_SCALE = 10.0, 3.0
 console = Console()
 
 
@@ -108,8 +111,10 @@ class UpOptions:
     gpu: str = "H100"
     #: Simulated seconds per wall second for the fleet (lower it on a slow machine).
     speed: float = 1.0
-    #: Request arrivals and lengths: the Azure conversation trace, its time divided by `time_scale`.
-    time_scale: float = 10.0
+    #: Request arrivals and lengths: the Azure conversation trace, its time divided by `time_scale`; None:
+    #: 10 (about 41 req/s) on the bus, 3 (about 11 req/s) through the gateway, which is what a 2-core machine
+    #: holds once every request crosses four HTTP hops in Python (docs/simulator.md).
+    time_scale: float | None = None
     rate: float | None = None
     requests_csv: Path | None = None
     trace: Path | None = None
@@ -472,13 +477,14 @@ async def _run_fleet(
         requests = await asyncio.to_thread(load_request_csv, csv_path)
         # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
         duration = options.duration_s if options.duration_s is not None else 600.0
-        expected = int((options.rate or requests.rate * options.time_scale) * duration * options.speed) + 100
+        time_scale = options.time_scale or (GATEWAY_TIME_SCALE if through_gateway else BUS_TIME_SCALE)
+        expected = int((options.rate or requests.rate * time_scale) * duration * options.speed) + 100
         workload = scenario.workload(
             expected,
             seed=options.seed + 1,
             rate=options.rate,
             requests=requests,
-            time_scale=options.time_scale,
+            time_scale=time_scale,
             max_tokens=fleet.max_tokens,
         )
         model = scenario.model.name

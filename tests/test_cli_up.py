@@ -50,7 +50,7 @@ def test_up_runs_the_whole_loop_and_keeps_its_state_across_restarts(tmp_path: Pa
     assert "embedded" in out and "stopped cleanly" in out
     assert "routing artifact v1 (fitted now)" in out
     sent, completed = re.search(r"(\d+) sent, (\d+) completed", out).groups()  # type: ignore[union-attr]
-    assert int(sent) > 50 and completed == sent  # every request of the load came back
+    assert int(sent) > 15 and completed == sent  # every request of the load came back (through the gateway)
     assert re.search(r"TPOT p50 / p99 +│ [0-9.]+ / [0-9.]+ ms", out)
     engine = create_engine(f"sqlite:///{data / 'switchyard.sqlite'}")
     with engine.connect() as conn:
