@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.shared.embedded import _die_with_parent
 from switchyard.shared.errors import ConfigError
@@ -66,6 +67,25 @@ class GatewayProcess:
                     await self.stop()
                     raise ConfigError(f"the gateway on {self.url} was not ready after {timeout_s:.0f} s")
                 await asyncio.sleep(0.1)
+
+    async def counters(self) -> dict[str, float]:
+        """The gateway's own counters (`/metrics`), summed per metric and first label value; {} if unreachable."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                text = (await client.get(f"{self.url}/metrics")).text
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.type != "counter" or not family.name.startswith("switchyard_gateway_"):
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                label = "/".join(str(v) for v in sample.labels.values())
+                key = f"{family.name.removeprefix('switchyard_gateway_')} {label}".strip()
+                out[key] = out.get(key, 0.0) + sample.value
+        return out
 
     async def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code."""

@@ -197,6 +197,8 @@ class Load:
     completions: Completions
     client: ClientStats | None = None
     gateway_url: str | None = None
+    #: The gateway's counters at the end (`GatewayProcess.counters`).
+    gateway_counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def sent(self) -> int:
@@ -303,11 +305,20 @@ def _summary(
     table.add_row(
         "routing artifact",
         f"v{artifact.version}, K={artifact.centroids.shape[0]}, "
-        f"{len(artifact.layer_mask)} layers, rho {artifact.rho:.3f}, mean band {s['mean_band_size']:.2f}",
+        f"{len(artifact.layer_mask)} layers, rho {artifact.rho:.3f}, "
+        + (f"mean band {s['mean_band_size']:.2f}" if done.band_sizes else "band sizes: in the router's metrics"),
     )
     by_engine = done.by_engine
     table.add_row("requests per decoder", ", ".join(f"{e} {by_engine[e]}" for e in sorted(by_engine)))
     fallbacks = dict(done.fallbacks)
+    if load.client is not None:  # the gateway asked the router, not the fleet: its counters say how it went
+        counters = load.gateway_counters
+        fallbacks = {k.split(" ", 1)[1]: int(v) for k, v in counters.items() if k.startswith("routing_fallbacks")}
+        shown = ("requests", "signatures", "upstream_errors", "retries", "client_aborts")
+        table.add_row(
+            "gateway counters",
+            ", ".join(f"{k} {v:.0f}" for k, v in sorted(counters.items()) if k.startswith(shown)) or "unavailable",
+        )
     table.add_row("routing fallbacks", ", ".join(f"{k} {v}" for k, v in fallbacks.items()) or "none")
     table.add_row("history", ", ".join(f"{k} {v}" for k, v in sorted(history.items())) or "no placements yet")
     return table
@@ -562,6 +573,8 @@ async def _run_fleet(
             await quiesce()
             quiesced = True
         if gateway is not None:
+            if load is not None:
+                load.gateway_counters = await gateway.counters()
             await gateway.stop()
         await fleet.stop()
     if not quiesced:
