@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/eldr_fit_time.py --repeats 1
 	$(BIN)/python bench/bench_placement.py --sections speed
 	$(BIN)/python bench/bench_sim.py
+	$(BIN)/python bench/bench_gateway.py --requests 200 --duration 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

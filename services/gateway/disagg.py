@@ -85,11 +85,11 @@ async def _prefill(
             continue
         finally:
             engine.inflight -= 1
-        if answer.status_code >= 400:  # the engine refused the request itself: the client's answer
+        if answer.status >= 400:  # the engine refused the request itself: the client's answer
             metrics.REQUESTS.labels("disagg", "client_error").inc()
-            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+            return Response(answer.content, answer.status, media_type=answer.content_type)
         try:
-            data = answer.json()
+            data = json.loads(answer.content)
         except ValueError:
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", "not_json").inc()
             continue

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -121,24 +120,20 @@ async def final_hop(
             elapsed = time.perf_counter() - started
             metrics.TTFT.labels(engine.engine_id, kind).observe(elapsed)
             metrics.E2E.labels(engine.engine_id, kind).observe(elapsed)
-            metrics.REQUESTS.labels(kind, "ok" if answer.status_code < 400 else "client_error").inc()
+            metrics.REQUESTS.labels(kind, "ok" if answer.status < 400 else "client_error").inc()
             return Response(
-                answer.content,
-                answer.status_code,
-                headers={"x-request-id": request_id},
-                media_type=answer.headers.get("content-type", "application/json"),
+                answer.content, answer.status, headers={"x-request-id": request_id}, media_type=answer.content_type
             )
         return _stream_back(opened, engine, kind, request_id, started)
     raise AssertionError("unreachable")
 
 
 def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, started: float) -> Response:
-    response = opened.response
-    media_type = response.headers.get("content-type", "text/event-stream")
+    headers = {"x-request-id": request_id}
     if opened.chunks is None:  # the engine refused the request (4xx): its answer, as it gave it
         engine.inflight -= 1
         metrics.REQUESTS.labels(kind, "client_error").inc()
-        return Response(opened.first, response.status_code, headers={"x-request-id": request_id}, media_type=media_type)
+        return Response(opened.first, opened.status, headers=headers, media_type=opened.content_type)
     itl = metrics.ITL.labels(engine.engine_id, kind)
     chunks = opened.chunks
 
@@ -163,7 +158,9 @@ def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, sta
                 metrics.CLIENT_ABORTS.labels(kind).inc()
             metrics.REQUESTS.labels(kind, outcome).inc()
             metrics.E2E.labels(engine.engine_id, kind).observe(time.perf_counter() - started)
-            with anyio.CancelScope(shield=True):  # runs even when cancelled: closing is what aborts upstream
-                await response.aclose()
+            if outcome == "ok":
+                opened.response.release()  # read to the end: the connection goes back to the pool
+            else:
+                opened.close()  # closing the connection is what aborts the request upstream
 
-    return StreamingResponse(relay(), response.status_code, headers={"x-request-id": request_id}, media_type=media_type)
+    return StreamingResponse(relay(), opened.status, headers=headers, media_type=opened.content_type)

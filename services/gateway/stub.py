@@ -39,6 +39,8 @@ class StubConfig:
     model: str = "stub-model"
     tokens: int = 4
     token_interval_s: float = 0.0
+    #: Delay of a non-streaming answer (None: as long as its tokens would take to stream).
+    answer_delay_s: float | None = None
     #: Answer this many requests with HTTP 500 before working normally.
     fail_first: int = 0
     #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
@@ -81,7 +83,8 @@ class StubEngine:
         chat = request.url.path.endswith("chat/completions")
         if body.get("stream"):
             return StreamingResponse(self._stream(request_id, chat), media_type="text/event-stream")
-        await asyncio.sleep(self.config.token_interval_s * self.config.tokens)
+        delay = self.config.answer_delay_s
+        await asyncio.sleep(self.config.token_interval_s * self.config.tokens if delay is None else delay)
         self.finished.append(request_id)
         return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
 
@@ -202,7 +205,9 @@ class StubEngine:
     # ----- lifecycle -----
 
     async def start(self, port: int = 0) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with
+        # proto 0, Nagle plus delayed ACKs add ~40 ms to every answer written in two parts.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, port))
         self.port = sock.getsockname()[1]

@@ -1,0 +1,454 @@
+"""The gateway's added latency and throughput against a fast stub upstream, side by side with direct access and a
+minimal pass-through proxy on the same HTTP stack; plus the prefill signature's JSON size and codec latency.
+
+Budgets (issue 12): added TTFT p50 ≤ 2 ms over direct (router round trip included), added inter-token p50
+≤ 0.1 ms, ≥ 500 non-streaming requests/s through one gateway process.
+
+Set-up, every part in its own process (so no two share an event loop):
+
+- a private nats-server;
+- the stub engine (`services.gateway.stub`, Starlette on uvicorn), role `dp`, with its engine agent's part:
+  hello (with its base URL) and telemetry on the bus; it streams `--tokens` SSE chunks `--token-interval-ms`
+  apart and answers non-streaming requests at once;
+- `switchyard router` (Gimbal's DP rule) and `switchyard gateway`, configured by environment only;
+- the pass-through proxy (`--role proxy`): what vLLM's example disaggregation proxy is, reduced to one
+  upstream: Starlette on uvicorn, httpx to the stub, the body parsed for `stream` and forwarded, the answer
+  relayed chunk by chunk;
+- the client: this process, a raw HTTP/1.1 client on keep-alive sockets (so the client's own cost stays
+  small next to what it measures).
+
+Latency: one streaming request at a time, the three targets alternating request by request (load drift on this
+shared machine hits all alike); TTFT is send → first chunk, inter-token latency the gaps between chunks. The
+added figures are a target's p50 minus direct's p50. Throughput: `--concurrency` connections each keep one
+non-streaming request in flight for `--duration` s per target; requests/s, and the CPU seconds the target
+process spent per request (from /proc).
+
+Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
+                                                [--profile PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import timeit
+from pathlib import Path
+
+import _single_core
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "benchgw"
+TICKS = os.sysconf("SC_CLK_TCK")
+BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
+
+
+# ----- helper processes ------------------------------------------------------------------------------------
+
+
+async def run_stub(url: str, port: int, tokens: int, interval_s: float) -> None:
+    from switchyard.services.gateway.stub import StubConfig, StubEngine
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-stub")
+    config = StubConfig(
+        "stub0",
+        tokens=tokens,
+        token_interval_s=interval_s,
+        answer_delay_s=0.0,
+        hello_interval_s=1.0,
+        telemetry_interval_s=0.1,
+    )
+    engine = StubEngine(config, bus)
+    await engine.start(port)
+    await asyncio.Event().wait()
+
+
+async def run_proxy(port: int, upstream: str, client_kind: str) -> None:
+    """The minimal pass-through proxy: the gateway's stack (Starlette on uvicorn, aiohttp upstream), none of its
+    routing; with `client_kind` httpx, the same proxy on httpx (the stack vLLM's example proxy uses)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    url = upstream + "/v1/completions"
+    if client_kind == "httpx":
+        import httpx
+
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=60)
+
+        async def completions(request: Request) -> Response:
+            raw = await request.body()
+            if json.loads(raw).get("stream"):
+                response = await client.send(
+                    client.build_request("POST", url, content=raw, headers=headers), stream=True
+                )
+
+                async def relay():
+                    try:
+                        async for chunk in response.aiter_raw():
+                            yield chunk
+                    finally:
+                        await response.aclose()
+
+                return StreamingResponse(relay(), response.status_code, media_type="text/event-stream")
+            response = await client.post(url, content=raw, headers=headers)
+            return Response(response.content, response.status_code, media_type="application/json")
+
+    else:
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), auto_decompress=False)
+
+        async def completions(request: Request) -> Response:
+            raw = await request.body()
+            if json.loads(raw).get("stream"):
+                response = await session.post(url, data=raw, headers=headers)
+
+                async def relay():
+                    try:
+                        async for chunk in response.content.iter_any():
+                            yield chunk
+                    finally:
+                        response.release()
+
+                return StreamingResponse(relay(), response.status, media_type="text/event-stream")
+            async with session.post(url, data=raw, headers=headers) as response:
+                return Response(await response.read(), response.status, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off")
+    await uvicorn.Server(config).serve()
+
+
+# ----- a raw HTTP/1.1 client -----------------------------------------------------------------------------------
+
+
+class Conn:
+    """One keep-alive connection: POST a JSON body, read a Content-Length or chunked answer."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+    def send(self, body: bytes) -> None:
+        assert self.writer is not None
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+
+    async def head(self) -> tuple[int, dict[str, str]]:
+        assert self.reader is not None
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
+        return status, headers
+
+    async def chunks(self):
+        """Chunk payloads of a chunked answer, with the time each arrived."""
+        assert self.reader is not None
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return
+            data = await self.reader.readexactly(size + 2)
+            yield time.perf_counter(), data[:-2]
+
+    async def post(self, body: bytes) -> int:
+        self.send(body)
+        status, headers = await self.head()
+        assert self.reader is not None
+        if "content-length" in headers:
+            await self.reader.readexactly(int(headers["content-length"]))
+        else:
+            async for _ in self.chunks():
+                pass
+        return status
+
+
+async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool]:
+    """TTFT and inter-chunk gaps of one streaming request; whether it ended with [DONE]."""
+    start = time.perf_counter()
+    conn.send(body)
+    status, _ = await conn.head()
+    assert status == 200, status
+    times, last = [], b""
+    async for at, data in conn.chunks():
+        times.append(at)
+        last = data
+    return times[0] - start, list(np.diff(times)), last.rstrip().endswith(b"[DONE]")
+
+
+async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[str, dict[str, float]]:
+    """Streaming TTFT/ITL per target, and the bare `sy.route.dp` round trip the gateway makes per request."""
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.schemas import RouteDpReply, RouteDpRequest
+    from switchyard.shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[nats_url], subject_prefix=PREFIX), name="bench-client")
+    body = json.dumps({**BODY, "stream": True}).encode()
+    conns = {name: Conn(port) for name, port in ports.items()}
+    for conn in conns.values():
+        await conn.open()
+    ttft: dict[str, list[float]] = {n: [] for n in ports}
+    itl: dict[str, list[float]] = {n: [] for n in ports}
+    route: list[float] = []
+    for i in range(requests + 20):
+        for name, conn in conns.items():
+            first, gaps, done = await stream_once(conn, body)
+            assert done, name
+            if i >= 20:  # warm-up
+                ttft[name].append(first)
+                itl[name].extend(gaps)
+        start = time.perf_counter()
+        await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
+        if i >= 20:
+            route.append(time.perf_counter() - start)
+    await bus.close()
+    router = {"route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3)}
+    result: dict[str, dict[str, float]] = {
+        n: {
+            "ttft_p50_ms": float(np.percentile(ttft[n], 50) * 1e3),
+            "ttft_p99_ms": float(np.percentile(ttft[n], 99) * 1e3),
+            "itl_p50_ms": float(np.percentile(itl[n], 50) * 1e3),
+            "itl_p99_ms": float(np.percentile(itl[n], 99) * 1e3),
+        }
+        for n in ports
+    }
+    return {**result, "router": router}
+
+
+async def throughput(port: int, duration: float, concurrency: int, pid: int | None) -> dict[str, float]:
+    body = json.dumps(BODY).encode()
+    conns = [Conn(port) for _ in range(concurrency)]
+    for conn in conns:
+        await conn.open()
+    for conn in conns:  # warm-up
+        await conn.post(body)
+    done, errors = 0, 0
+    stop_at = time.perf_counter() + duration
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+
+    async def worker(conn: Conn) -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop_at:
+            if await conn.post(body) == 200:
+                done += 1
+            else:
+                errors += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - start
+    cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+    return {"req_per_s": done / elapsed, "errors": errors, "cpu_ms_per_req": cpu / max(done, 1) * 1e3}
+
+
+# ----- signatures --------------------------------------------------------------------------------------------
+
+
+def signature_figures() -> list[dict[str, object]]:
+    from switchyard.shared.signature_json import signature_from_json, signature_to_json
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for layers, experts in ((26, 64), (58, 256)):
+        for dtype in (np.uint16, np.uint32):
+            counts = rng.integers(0, 2000, size=(layers, experts)).astype(dtype)
+            obj = signature_to_json(counts)
+            text = json.dumps(obj)
+            n = 2000
+            enc = min(timeit.repeat(lambda c=counts: json.dumps(signature_to_json(c)), number=n, repeat=3)) / n
+            dec = min(timeit.repeat(lambda t=text: signature_from_json(json.loads(t)), number=n, repeat=3)) / n
+            assert np.array_equal(signature_from_json(json.loads(text)), counts)
+            rows.append(
+                {
+                    "shape": f"{layers}x{experts}",
+                    "dtype": np.dtype(dtype).str,
+                    "json_bytes": len(text),
+                    "encode_us": enc * 1e6,
+                    "decode_us": dec * 1e6,
+                }
+            )
+    return rows
+
+
+# ----- orchestration -----------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def wait_http(port: int, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listening on port {port}")
+
+
+def wait_ready(port: int, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError("the gateway never became ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx"], default="main")
+    parser.add_argument("--url", default="")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--upstream", default="")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--token-interval-ms", type=float, default=2.0)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="Run the gateway under cProfile, stats to PATH.")
+    args = parser.parse_args()
+    if args.role == "stub":
+        asyncio.run(run_stub(args.url, args.port, args.tokens, args.token_interval_ms / 1e3))
+        return
+    if args.role in ("proxy", "proxy-httpx"):
+        asyncio.run(run_proxy(args.port, args.upstream, "httpx" if args.role == "proxy-httpx" else "aiohttp"))
+        return
+
+    import tempfile
+
+    from switchyard.shared.embedded import EmbeddedNats, free_port
+
+    here = [sys.executable, str(Path(__file__).resolve())]
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env |= {"SWITCHYARD_SUBJECT_PREFIX": PREFIX, "SWITCHYARD_LOG_LEVEL": "WARNING"}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        nats = EmbeddedNats(Path(tmp))
+        url = nats.start()
+        ports = {"direct": free_port(), "proxy": free_port(), "proxy-httpx": free_port(), "gateway": free_port()}
+        try:
+            procs["stub"] = subprocess.Popen(
+                [
+                    *here,
+                    "--role",
+                    "stub",
+                    "--url",
+                    url,
+                    "--port",
+                    str(ports["direct"]),
+                    "--tokens",
+                    str(args.tokens),
+                    "--token-interval-ms",
+                    str(args.token_interval_ms),
+                ],
+                env=env,
+            )
+            procs["router"] = subprocess.Popen([str(bin_dir / "switchyard"), "router", "--nats-url", url], env=env)
+            upstream = f"http://127.0.0.1:{ports['direct']}"
+            for role in ("proxy", "proxy-httpx"):
+                procs[role] = subprocess.Popen(
+                    [*here, "--role", role, "--port", str(ports[role]), "--upstream", upstream], env=env
+                )
+            gateway = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway"])]
+            if args.profile:
+                gateway = ["-m", "cProfile", "-o", str(args.profile), *gateway]
+            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=env)
+            for port in ports.values():
+                wait_http(port)
+            wait_ready(ports["gateway"])
+            time.sleep(1.0)  # the router has the stub's telemetry
+            load_before = os.getloadavg()
+            lat = asyncio.run(latency(ports, args.requests, url))
+            pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
+            tput = {
+                name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name]))
+                for name, port in ports.items()
+            }
+            load_after = os.getloadavg()
+        finally:
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs.values():
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            nats.stop()
+    sigs = signature_figures()
+    router_rtt = lat.pop("router")["route_dp_rtt_p50_ms"]
+    direct = lat["direct"]
+    report = {
+        "machine": _single_core.machine(),
+        "load_avg_1m_before_after": [load_before[0], load_after[0]],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("role", "url", "port", "upstream", "json")},
+        "latency": lat,
+        "added_vs_direct": {
+            name: {
+                "ttft_p50_ms": lat[name]["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                "itl_p50_ms": lat[name]["itl_p50_ms"] - direct["itl_p50_ms"],
+            }
+            for name in ports
+            if name != "direct"
+        },
+        "route_dp_rtt_p50_ms": router_rtt,
+        "throughput": tput,
+        "signature_json": sigs,
+    }
+    print(f"# {report['machine']}; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    print(
+        f"{'target':8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
+        f" {'req/s':>7} {'CPU ms/req':>10}"
+    )
+    for name in ports:
+        added = report["added_vs_direct"].get(name, {"ttft_p50_ms": 0.0, "itl_p50_ms": 0.0})
+        print(
+            f"{name:11} {lat[name]['ttft_p50_ms']:9.3f} {lat[name]['ttft_p99_ms']:7.2f} {lat[name]['itl_p50_ms']:8.3f}"
+            f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
+            f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
+        )
+    print(f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms")
+    print("signature in kv_transfer_params (JSON):")
+    for row in sigs:
+        print(
+            f"  {row['shape']:7} {row['dtype']}: {row['json_bytes']:6d} B, encode {row['encode_us']:6.1f} µs, "
+            f"decode {row['decode_us']:6.1f} µs"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
