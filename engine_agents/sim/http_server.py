@@ -137,7 +137,9 @@ class _InProcessServer(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on `host:port` (0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; with proto 0
+    # Nagle and delayed ACKs hold a small answer (the prefill hop's) for ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
