@@ -267,6 +267,8 @@ async def throughput(port: int, duration: float, concurrency: int, pid: int | No
 
 
 def signature_figures() -> list[dict[str, object]]:
+    from switchyard.shared.codec import decode, encode
+    from switchyard.shared.schemas import PrefillSignature
     from switchyard.shared.signature_json import signature_from_json, signature_to_json
 
     rng = np.random.default_rng(0)
@@ -280,6 +282,12 @@ def signature_figures() -> list[dict[str, object]]:
             enc = min(timeit.repeat(lambda c=counts: json.dumps(signature_to_json(c)), number=n, repeat=3)) / n
             dec = min(timeit.repeat(lambda t=text: signature_from_json(json.loads(t)), number=n, repeat=3)) / n
             assert np.array_equal(signature_from_json(json.loads(text)), counts)
+            message = PrefillSignature(
+                engine_id="p0", request_id="cmpl-sygw-" + "0" * 32 + "-0", ts=0.0, prompt_tokens=1, signature=counts
+            )
+            wire = encode(message)
+            bus_enc = min(timeit.repeat(lambda m=message: encode(m), number=n, repeat=3)) / n
+            bus_dec = min(timeit.repeat(lambda w=wire: decode(w, PrefillSignature), number=n, repeat=3)) / n
             rows.append(
                 {
                     "shape": f"{layers}x{experts}",
@@ -287,6 +295,9 @@ def signature_figures() -> list[dict[str, object]]:
                     "json_bytes": len(text),
                     "encode_us": enc * 1e6,
                     "decode_us": dec * 1e6,
+                    "bus_bytes": len(wire),
+                    "bus_encode_us": bus_enc * 1e6,
+                    "bus_decode_us": bus_dec * 1e6,
                 }
             )
     return rows
@@ -440,11 +451,12 @@ def main() -> None:
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
         )
     print(f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms")
-    print("signature in kv_transfer_params (JSON):")
+    print("signature: in kv_transfer_params (JSON) | as a PrefillSignature on the bus (msgpack)")
     for row in sigs:
         print(
             f"  {row['shape']:7} {row['dtype']}: {row['json_bytes']:6d} B, encode {row['encode_us']:6.1f} µs, "
-            f"decode {row['decode_us']:6.1f} µs"
+            f"decode {row['decode_us']:6.1f} µs | {row['bus_bytes']:6d} B, encode {row['bus_encode_us']:6.1f} µs, "
+            f"decode {row['bus_decode_us']:6.1f} µs"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -297,6 +297,9 @@ def fit(
 def router(
     nats_url: NatsUrl = None,
     policy: Annotated[str | None, typer.Option(help="Decode policy (default: SWITCHYARD_ROUTER_POLICY, eldr).")] = None,
+    dp_rule: Annotated[
+        str | None, typer.Option(help="sy.route.dp rule: gimbal or vllm (default: SWITCHYARD_ROUTER_DP_RULE, gimbal).")
+    ] = None,
 ) -> None:
     """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
     from switchyard.services.router.service import RouterService
@@ -304,7 +307,8 @@ def router(
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
-    router_settings = RouterSettings(**({"policy": policy} if policy else {}))
+    overrides = {k: v for k, v in {"policy": policy, "dp_rule": dp_rule}.items() if v}
+    router_settings = RouterSettings(**overrides)
     run_until_signalled(RouterService(settings, router_settings).run)
 
 

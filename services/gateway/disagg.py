@@ -73,15 +73,16 @@ async def _prefill(
     )
     content = json.dumps(prefill_body(parsed.body)).encode()
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
-    for index in order[:2]:
+    for attempt, index in enumerate(order[:2]):
         engine = engines[index]
+        if attempt:
+            metrics.RETRIES.labels("prefill").inc()
         engine.inflight += 1
         try:
             call = ctx.upstream.post(engine, path, content, headers, ctx.settings.prefill_timeout_s)
             answer = await until_disconnect(request, call)
         except UpstreamError as exc:
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
-            metrics.RETRIES.labels("prefill").inc()
             continue
         finally:
             engine.inflight -= 1
