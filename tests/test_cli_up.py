@@ -147,24 +147,24 @@ def test_up_stops_on_signal_with_no_process_left(tmp_path: Path, sig: signal.Sig
     assert _nats_children(data) == []
 
 
-def test_killed_up_takes_its_nats_server_with_it(tmp_path: Path) -> None:
-    data = tmp_path / "state"
+def test_killed_up_takes_its_nats_server_and_gateway_with_it(tmp_path: Path) -> None:
+    data, port = tmp_path / "state", free_port()
     proc = subprocess.Popen(
-        [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", "0", "--gateway-port", "0"],
+        [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", "0", "--gateway-port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(),
     )
-    deadline = time.monotonic() + 60
-    while not _nats_children(data) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while not (_nats_children(data) and _gateway_children(port)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _nats_children(data)
+    assert _nats_children(data) and _gateway_children(port)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while _nats_children(data) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 15
+    while (_nats_children(data) or _gateway_children(port)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _nats_children(data) == []
+    assert _nats_children(data) == [] and _gateway_children(port) == []
 
 
 def test_db_upgrade_command(tmp_path: Path) -> None:

@@ -164,7 +164,9 @@ async def test_engines_announce_their_url_and_serve_the_openai_api(
         chunks = [e for e in events[:-1] if isinstance(e, dict)]
         sizes = [count_text_tokens(c["choices"][0]["text"]) for c in chunks]
         edges = list(np.cumsum(sizes))
-        assert edges[-1] == 10 and set(edges) <= {1, 5, 9, 10} and edges[0] in (1, 5)  # first token at once
+        # Chunk edges fall where vLLM's would (the first token at once, then every 4); a reader that is late
+        # under load gets neighbouring chunks merged, as vLLM's output collector merges them.
+        assert edges[-1] == 10 and set(edges) <= {1, 5, 9, 10}
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
         whole = await client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
         assert whole.status_code == 200
