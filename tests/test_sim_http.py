@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from switchyard.engine_agents.sim.http_loadgen import HttpLoadGenerator
 from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
@@ -26,6 +27,8 @@ from switchyard.engine_agents.sim.openai_wire import BadRequest, count_text_toke
 from switchyard.engine_agents.sim.protocol import SimCompleted
 from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.token_stream import TokenStream
+from switchyard.services.gateway.service import GatewayService
+from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
@@ -33,6 +36,7 @@ from switchyard.shared.schemas import Hello
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_from_json
 from tests.conftest import SHIPPED_DATA
+from tests.gateway_helpers import metric, wait_for
 
 ESFT = SHIPPED_DATA / "routing" / "esft_deepseek_v2_lite"
 
@@ -339,3 +343,53 @@ async def test_loadgen_command_with_url(fleet: LiveFleet, tmp_path: Path) -> Non
     )
     _, err = await asyncio.wait_for(bad.communicate(), timeout=120)
     assert bad.returncode != 0 and "cannot list the models" in err.decode() and "Traceback" not in err.decode()
+
+
+# ----- behind the gateway -----
+
+
+async def test_through_the_gateway_the_routed_decoder_serves_and_a_hang_up_frees_it(
+    bus: Bus, settings: SwitchyardSettings, fleet: LiveFleet, scenario: Scenario
+) -> None:
+    """The request path `switchyard up` uses: gateway -> prefill engine -> sy.route.decode -> decoder."""
+    done: list[SimCompleted] = []
+    await bus.subscribe(bus.subjects.sim_completed, SimCompleted, lambda m, _: done.append(m))
+    service = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0))
+    await service.start()
+    try:
+        await wait_for(lambda: len(service.registry.live()) == 3)
+
+        def served() -> dict[str, float]:
+            return {d: metric("switchyard_gateway_ttft_seconds_count", engine=d, kind="disagg") for d in fleet.decoders}
+
+        def fallbacks() -> float:  # local choices instead of the router's, whatever the reason
+            return sum(
+                sample.value
+                for family in REGISTRY.collect()
+                if family.name == "switchyard_gateway_routing_fallbacks"
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            )
+
+        before, fallbacks_before = served(), fallbacks()
+        body = {"model": scenario.model.name, "prompt": "route me", "max_tokens": 6, "stream": True}
+        async with httpx.AsyncClient(base_url=service.url, timeout=30) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                events = await _sse(response)
+            assert events[-1] == "[DONE]"
+            await wait_for(lambda: len(done) == 1)
+            # The decoder the gateway sent the decode hop to, on the router's word (no local fallback), is
+            # the one the fleet says served the request, after the prefill on the only prefill engine.
+            after = served()
+            assert [d for d in after if after[d] > before[d]] == [done[0].decode_engine]
+            assert fallbacks() == fallbacks_before and done[0].prefill_engine == "sim-p0"
+            long = {**body, "max_tokens": 4000}
+            async with client.stream("POST", "/v1/completions", json=long) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # hang up on the gateway after the first token
+        await wait_for(lambda: fleet.counters.aborted == 1, timeout_s=30)
+        assert fleet.counters.completed == 1 and fleet.in_flight() == 0
+        assert all(d.engine.num_running == 0 and not d.streams for d in fleet.decoders.values())
+    finally:
+        await service.stop()
