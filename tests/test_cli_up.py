@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,6 +118,17 @@ def test_curl_streams_through_the_gateway_while_up_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, err[-3000:]
     assert "stopped cleanly" in out and "completed at the HTTP clients" in out
     assert _nats_children(data) == [] and _gateway_children(port) == []
+
+
+def test_a_busy_gateway_port_is_one_plain_line(tmp_path: Path) -> None:
+    data = tmp_path / "state"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = _up(data, "--duration", "5", "--gateway-port", str(busy.getsockname()[1]))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "the gateway did not start" in result.stderr and "Address already in use" in result.stderr
+    assert _nats_children(data) == []
 
 
 def test_up_services_only(tmp_path: Path) -> None:
