@@ -67,11 +67,24 @@ def up(
     gpus_per_decoder: Annotated[int, typer.Option(min=1, help="Expert-parallel GPUs per decoder.")] = 2,
     gpu: Annotated[str, typer.Option(help="GPU preset of the simulated engines (H100, H200, MI300X).")] = "H100",
     speed: Annotated[float, typer.Option(min=0.01, help="Simulated seconds per wall second.")] = 1.0,
-    time_scale: Annotated[float, typer.Option(help="Compress the Azure trace's arrival times by this.")] = 10.0,
+    time_scale: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Compress the Azure trace's arrival times by this (default: 3 through the gateway, 10 on the bus).",
+        ),
+    ] = None,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate instead (req/s).")] = None,
     refit: Annotated[bool, typer.Option(help="Fit a new routing artifact even if one exists.")] = False,
     api_port: Annotated[int | None, typer.Option(help="API port (default SWITCHYARD_API_PORT, 8080).")] = None,
     services_only: Annotated[bool, typer.Option(help="Only the control plane: no simulated fleet or load.")] = False,
+    gateway: Annotated[
+        bool, typer.Option(help="Send the load as HTTP clients through `switchyard gateway` (else on the bus).")
+    ] = True,
+    gateway_port: Annotated[int, typer.Option(min=0, max=65535, help="The gateway's port (0: a free one).")] = 8000,
+    stream_interval: Annotated[
+        int, typer.Option(min=1, help="Tokens per streamed chunk from the simulated engines (vLLM's).")
+    ] = 1,
     seed: int = 0,
 ) -> None:
     """Run the whole control plane and a simulated fleet (embedded NATS + SQLite unless told otherwise)."""
@@ -93,6 +106,8 @@ def up(
         refit=refit,
         api_port=api_port,
         services_only=services_only,
+        gateway_port=gateway_port if gateway else None,
+        stream_interval=stream_interval,
         seed=seed,
     )
     asyncio.run(run_up(load_settings(nats_url, database_url, data_dir), options))
@@ -395,13 +410,13 @@ TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: th
 
 
 def _fleet_config(
-    name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float
+    name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float, **http: object
 ) -> LiveFleetConfig:
     from switchyard.engine_agents.sim.live import LiveFleetConfig
 
     return LiveFleetConfig(
-        prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name
-    )
+        prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name, **http
+    )  # type: ignore[arg-type]
 
 
 @app.command()
@@ -414,14 +429,31 @@ def fleet(
     gpus_per_decoder: Annotated[int, typer.Option(min=1)] = 2,
     gpu: str = "H100",
     speed: Annotated[float, typer.Option(min=0.01, help="Simulated seconds per wall second.")] = 1.0,
+    http: Annotated[bool, typer.Option(help="Each engine serves OpenAI-compatible HTTP (Hello.base_url).")] = True,
+    http_host: Annotated[str, typer.Option(help="Address the engines' HTTP servers listen on.")] = "127.0.0.1",
+    http_port: Annotated[
+        int, typer.Option(min=0, max=65535, help="First engine's port, the others follow (0: free ports).")
+    ] = 0,
+    stream_interval: Annotated[int, typer.Option(min=1, help="Tokens per streamed chunk (vLLM's).")] = 1,
     seed: int = 0,
 ) -> None:
-    """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol)."""
+    """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol and OpenAI HTTP)."""
     from switchyard.engine_agents.sim.processes import run_fleet
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
-    config = _fleet_config(name, prefill, decode, gpus_per_decoder, gpu, speed)
+    config = _fleet_config(
+        name,
+        prefill,
+        decode,
+        gpus_per_decoder,
+        gpu,
+        speed,
+        http=http,
+        http_host=http_host,
+        http_port=http_port,
+        stream_interval=stream_interval,
+    )
     path = trace or settings.trace(shipped.ESFT)
     run_until_signalled(lambda stop: run_fleet(settings, config, path, seed, stop))
 
@@ -440,10 +472,19 @@ def loadgen(
     requests: Annotated[Path | None, typer.Option(help="Azure-format request CSV (arrivals and lengths).")] = None,
     time_scale: float = 10.0,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate (req/s).")] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Send the requests as OpenAI HTTP clients to this base URL (a gateway or an engine)."),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="With --url: the model (default: the first listed).")] = None,
     seed: int = 0,
 ) -> None:
-    """Replay a request trace against a running simulated fleet and print TTFT/TPOT as JSON."""
-    from switchyard.engine_agents.sim.processes import run_loadgen
+    """Replay a request trace against a running simulated fleet and print TTFT/TPOT as JSON.
+
+    On the bus (default) the latencies are the fleet's simulated ones; with --url they are what the HTTP
+    clients measured (wall time x --speed), from each request's scheduled send time.
+    """
+    from switchyard.engine_agents.sim.processes import run_http_loadgen, run_loadgen
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
@@ -452,8 +493,16 @@ def loadgen(
     if requests is None and rate is None:
         requests = settings.trace(shipped.AZURE_CONV)
 
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"--url must be an http:// or https:// base URL, got {url!r}")
+
     async def main(stop: asyncio.Event) -> None:
-        result = await run_loadgen(settings, config, path, seed, num_requests, requests, time_scale, rate, stop)
+        if url is not None:
+            result = await run_http_loadgen(
+                url, config, path, seed, num_requests, requests, time_scale, rate, stop, model=model
+            )
+        else:
+            result = await run_loadgen(settings, config, path, seed, num_requests, requests, time_scale, rate, stop)
         typer.echo(json.dumps(result))
 
     run_until_signalled(main)

@@ -8,9 +8,16 @@ under the data dir, then:
 2. starts the router, placement, migration and API services (each also deployable alone: `switchyard router`,
    `placement`, `migration`, `api`);
 3. starts a live simulated xPyD fleet (`engine_agents.sim.live`) replaying the trace's held-out requests,
-   and a load generator replaying the Azure conversation trace against it for `--duration` seconds;
+   each engine serving OpenAI HTTP, and `switchyard gateway` in front of it (a child process, port 8000 by
+   default); a load generator replays the Azure conversation trace for `--duration` seconds as HTTP clients
+   of the gateway (`engine_agents.sim.http_loadgen`), so every request takes the path a real fleet's do:
+   gateway -> prefill engine -> `sy.route.decode` (ELDR) -> decoder -> streamed back. `--no-gateway` sends
+   the load on the bus instead (`sy.sim.submit`), the prefill engines handing off themselves;
 4. shows a live table of per-engine load (from the engines' telemetry on the bus) and running TTFT/TPOT,
-   then a summary; Ctrl-C or SIGTERM stops everything in reverse order, leaving no process behind.
+   simulated (the fleet's virtual clock) and as the HTTP clients measured them, then a summary; Ctrl-C or
+   SIGTERM stops everything in reverse order, leaving no process behind: the load first, then placement
+   (and the migrations it started, so none is left to resume against the next run's fresh engines), the
+   gateway, the fleet, and the other services.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,15 +37,18 @@ from rich.table import Table
 from sqlalchemy import func, select
 
 from switchyard import data as shipped
+from switchyard.engine_agents.sim.http_loadgen import ClientStats, HttpLoadGenerator
 from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from switchyard.engine_agents.sim.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.loadgen import Completions, LoadGenerator
+from switchyard.engine_agents.sim.protocol import SimCompleted
 from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.workload import load_request_csv
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact
 from switchyard.services.fleet import FleetView
-from switchyard.services.migration.service import run_migration
+from switchyard.services.gateway_process import GatewayProcess
+from switchyard.services.migration.service import UNFINISHED, run_migration
 from switchyard.services.placement.service import run_placement
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
@@ -51,6 +61,9 @@ from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
 log = logging.getLogger(__name__)
+
+#: Default compression of the Azure trace's arrival times (see `UpOptions.time_scale`).
+BUS_TIME_SCALE, GATEWAY_TIME_SCALE = 10.0, 3.0
 console = Console()
 
 
@@ -98,8 +111,10 @@ class UpOptions:
     gpu: str = "H100"
     #: Simulated seconds per wall second for the fleet (lower it on a slow machine).
     speed: float = 1.0
-    #: Request arrivals and lengths: the Azure conversation trace, its time divided by `time_scale`.
-    time_scale: float = 10.0
+    #: Request arrivals and lengths: the Azure conversation trace, its time divided by `time_scale`; None:
+    #: 10 (about 41 req/s) on the bus, 3 (about 11 req/s) through the gateway, which is what a 2-core machine
+    #: holds once every request crosses four HTTP hops in Python (docs/simulator.md).
+    time_scale: float | None = None
     rate: float | None = None
     requests_csv: Path | None = None
     trace: Path | None = None
@@ -108,6 +123,11 @@ class UpOptions:
     api_port: int | None = None
     #: Only the control plane (no simulated fleet, no load): what operators run beside real engines.
     services_only: bool = False
+    #: The load goes through `switchyard gateway` on this port (0: a free one); None: on the bus, no gateway.
+    gateway_port: int | None = 8000
+    gateway_host: str = "127.0.0.1"
+    #: Tokens per streamed chunk from the simulated engines (vLLM's `--stream-interval`).
+    stream_interval: int = 1
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -194,7 +214,27 @@ def _ms(value: float) -> str:
     return "-" if value != value else f"{value:.2f}"  # NaN-safe
 
 
-def _live_table(view: FleetView, loadgen: LoadGenerator, fleet: LiveFleet, started: float) -> Group:
+@dataclass
+class Load:
+    """What sends the load and what measured it: the fleet's simulated completions, the clients' own view."""
+
+    sender: LoadGenerator | HttpLoadGenerator
+    completions: Completions
+    client: ClientStats | None = None
+    gateway_url: str | None = None
+    #: The gateway's counters at the end (`GatewayProcess.counters`).
+    gateway_counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sent(self) -> int:
+        return self.sender.sent
+
+
+def _latency_rows(table: Table, name: str, s: dict[str, float]) -> None:
+    table.add_row(name, _ms(s["ttft_p50_ms"]), _ms(s["ttft_p99_ms"]), _ms(s["tpot_p50_ms"]), _ms(s["tpot_p99_ms"]))
+
+
+def _live_table(view: FleetView, load: Load, fleet: LiveFleet, started: float) -> Group:
     engines = Table(title="engines (from their telemetry on the bus)")
     for column in ("engine", "role", "running", "waiting", "KV %", "step ms", "expert pressure", "migrating"):
         engines.add_column(column, justify="right" if column not in ("engine", "role") else "left")
@@ -214,15 +254,16 @@ def _live_table(view: FleetView, loadgen: LoadGenerator, fleet: LiveFleet, start
             f"{t.expert_pressure:.2f}",
             "yes" if t.migrating else "",
         )
-    done = loadgen.completions
-    recent, overall = done.summary(recent=200), done.summary()
-    latency = Table(title=f"requests: {loadgen.sent} sent, {len(done)} done, {time.monotonic() - started:.0f} s")
+    done = load.completions
+    latency = Table(title=f"requests: {load.sent} sent, {len(done)} done, {time.monotonic() - started:.0f} s")
     for column in ("window", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
         latency.add_column(column, justify="right")
-    for name, s in (("last 200", recent), ("all", overall)):
-        latency.add_row(
-            name, _ms(s["ttft_p50_ms"]), _ms(s["ttft_p99_ms"]), _ms(s["tpot_p50_ms"]), _ms(s["tpot_p99_ms"])
-        )
+    _latency_rows(latency, "simulated, last 200", done.summary(recent=200))
+    _latency_rows(latency, "simulated, all", done.summary())
+    if load.client is not None:
+        speed = fleet.config.speed
+        _latency_rows(latency, "HTTP clients, last 200", load.client.summary(recent=200, scale=speed))
+        _latency_rows(latency, "HTTP clients, all", load.client.summary(scale=speed))
     behind = fleet.behind_s()
     note = (
         f"fleet keeps up with the wall clock (behind {behind * 1e3:.1f} ms)"
@@ -249,34 +290,60 @@ async def _history_counts(database_url: str) -> dict[str, int]:
 
 def _summary(
     options: UpOptions,
-    loadgen: LoadGenerator,
+    load: Load,
     fleet: LiveFleet,
     artifact: RoutingArtifact,
     history: dict[str, int],
     elapsed: float,
 ) -> Table:
-    s = loadgen.completions.summary()
+    done = load.completions
+    s = done.summary()
     table = Table(title=f"summary: policy {options.policy}, {options.prefill}P{options.decode}D", show_header=False)
-    table.add_row("workload", loadgen.workload.description)
-    table.add_row(
-        "requests",
-        f"{loadgen.sent} sent, {len(loadgen.completions)} completed, {fleet.counters.rejected} rejected by the fleet",
-    )
+    table.add_row("workload", load.sender.workload.description)
+    if load.client is not None:
+        failed = ", ".join(f"{k} {v}" for k, v in sorted(load.client.failed.items())) or "none"
+        table.add_row(
+            "requests",
+            f"{load.sent} sent, {len(load.client)} completed at the HTTP clients (failed: {failed}); "
+            f"{len(done)} finished in the fleet, {fleet.counters.rejected} rejected by it",
+        )
+        table.add_row("path", f"HTTP clients -> gateway {load.gateway_url} -> prefill -> router -> decoder")
+    else:
+        table.add_row(
+            "requests", f"{load.sent} sent, {len(done)} completed, {fleet.counters.rejected} rejected by the fleet"
+        )
     table.add_row(
         "throughput",
-        f"{len(loadgen.completions) / max(elapsed, 1e-9):.1f} req/s, "
-        f"{loadgen.completions.tokens / max(elapsed, 1e-9):.0f} output tokens/s (wall)",
+        f"{len(done) / max(elapsed, 1e-9):.1f} req/s, {done.tokens / max(elapsed, 1e-9):.0f} output tokens/s (wall)",
     )
     table.add_row("TTFT p50 / p99", f"{_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p99_ms'])} ms (simulated time)")
     table.add_row("TPOT p50 / p99", f"{_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p99_ms'])} ms (simulated time)")
+    if load.client is not None:
+        c = load.client.summary(scale=fleet.config.speed)
+        scaled = f", wall x speed {fleet.config.speed:g}" if fleet.config.speed != 1 else ""
+        table.add_row(
+            "client TTFT p50 / p99", f"{_ms(c['ttft_p50_ms'])} / {_ms(c['ttft_p99_ms'])} ms (HTTP clients{scaled})"
+        )
+        table.add_row(
+            "client TPOT p50 / p99", f"{_ms(c['tpot_p50_ms'])} / {_ms(c['tpot_p99_ms'])} ms (HTTP clients{scaled})"
+        )
     table.add_row(
         "routing artifact",
         f"v{artifact.version}, K={artifact.centroids.shape[0]}, "
-        f"{len(artifact.layer_mask)} layers, rho {artifact.rho:.3f}, mean band {s['mean_band_size']:.2f}",
+        f"{len(artifact.layer_mask)} layers, rho {artifact.rho:.3f}, "
+        + (f"mean band {s['mean_band_size']:.2f}" if done.band_sizes else "band sizes: in the router's metrics"),
     )
-    by_engine = loadgen.completions.by_engine
+    by_engine = done.by_engine
     table.add_row("requests per decoder", ", ".join(f"{e} {by_engine[e]}" for e in sorted(by_engine)))
-    fallbacks = dict(loadgen.completions.fallbacks)
+    fallbacks = dict(done.fallbacks)
+    if load.client is not None:  # the gateway asked the router, not the fleet: its counters say how it went
+        counters = load.gateway_counters
+        fallbacks = {k.split(" ", 1)[1]: int(v) for k, v in counters.items() if k.startswith("routing_fallbacks")}
+        shown = ("requests", "signatures", "upstream_errors", "retries", "client_aborts")
+        table.add_row(
+            "gateway counters",
+            ", ".join(f"{k} {v:.0f}" for k, v in sorted(counters.items()) if k.startswith(shown)) or "unavailable",
+        )
     table.add_row("routing fallbacks", ", ".join(f"{k} {v}" for k, v in fallbacks.items()) or "none")
     table.add_row("history", ", ".join(f"{k} {v}" for k, v in sorted(history.items())) or "no placements yet")
     return table
@@ -333,16 +400,26 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
     api = ApiSettings(**({"port": options.api_port} if options.api_port is not None else {}))
     if api.port == 0:  # any free port, but one we can print
         api = api.model_copy(update={"port": free_port(api.host)})
-    stop_services = asyncio.Event()
+    stop_placement, stop_services = asyncio.Event(), asyncio.Event()
     router = RouterService(services_settings, RouterSettings(policy=options.policy, seed=options.seed))
     await router.start()
+    placement = asyncio.create_task(run_placement(services_settings, stop_placement), name="placement")
     tasks = [
-        asyncio.create_task(run_placement(services_settings, stop_services), name="placement"),
+        placement,
         asyncio.create_task(run_migration(services_settings, stop_services), name="migration"),
         asyncio.create_task(run_api(services_settings, stop_services, api), name="api"),
     ]
     for task in tasks:
         task.add_done_callback(_log_death)
+
+    async def quiesce() -> None:
+        """No new placements, and the migrations already started finish against the engines they began on."""
+        stop_placement.set()
+        await asyncio.gather(placement, return_exceptions=True)
+        left = await _wait_for_migrations(infra.database_url, timeout_s=30.0)
+        if left:
+            log.warning("stopping with %d migration(s) unfinished; the migration service resumes them", left)
+
     console.print(_describe(infra, settings, f"http://{api.host}:{api.port}"))
     try:
         if options.services_only:
@@ -353,9 +430,10 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
                     break
         else:
             async with role_buses(services_settings, infra) as buses:
-                await _run_fleet(settings, options, infra, stop, tasks, buses)
+                await _run_fleet(settings, options, infra, stop, tasks, quiesce, buses)
         console.print("stopping...")
     finally:
+        stop_placement.set()
         await router.stop()
         stop_services.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -364,10 +442,35 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
                 console.print(f"[red]{task.get_name()} service failed: {result}[/red]")
 
 
+async def _wait_for_migrations(database_url: str, timeout_s: float) -> int:
+    """Wait until no migration is pending or running (or `timeout_s` passes); returns how many are left."""
+    engine, sessions = create_async_db(database_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            async with sessions() as session:
+                left = int(await session.scalar(select(func.count()).where(Migration.state.in_(UNFINISHED))) or 0)
+            if left == 0 or time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(0.2)
+    finally:
+        await engine.dispose()
+
+
 def _log_death(task: asyncio.Task[None]) -> None:
     """A service that dies puts its traceback in the log at once (the console only says it failed)."""
     if not task.cancelled() and task.exception() is not None:
         log.error("%s service died", task.get_name(), exc_info=task.exception())
+
+
+async def _start_gateway(
+    settings: SwitchyardSettings, options: UpOptions, infra: Infrastructure, model: str
+) -> GatewayProcess:
+    port = options.gateway_port or free_port(options.gateway_host)
+    gateway = GatewayProcess(infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log")
+    gateway.start()
+    await gateway.wait_ready(model)
+    return gateway
 
 
 async def _run_fleet(
@@ -376,17 +479,21 @@ async def _run_fleet(
     infra: Infrastructure,
     stop: asyncio.Event,
     services: list[asyncio.Task[None]],
+    quiesce: Callable[[], Awaitable[None]],
     buses: dict[str, Bus],
 ) -> None:
     trace = options.trace or settings.trace(shipped.ESFT)
     csv_path = options.requests_csv or settings.trace(shipped.AZURE_CONV)
     scenario = await asyncio.to_thread(prepare, trace, gpu=options.gpu, seed=options.seed)
+    through_gateway = options.gateway_port is not None
     config = LiveFleetConfig(
         prefill=options.prefill,
         decode=options.decode,
         gpus_per_decoder=options.gpus_per_decoder,
         gpu=options.gpu,
         speed=options.speed,
+        http=through_gateway,
+        stream_interval=options.stream_interval,
     )
     artifact, fitted = await ensure_artifact(
         infra, scenario, config.decode_ids(), settings, options.refit, options.seed, buses["fit"]
@@ -397,33 +504,56 @@ async def _run_fleet(
         f"{artifact.model.num_layers} layers, {artifact.representation}, rho {artifact.rho:.3f}"
     )
     fleet = LiveFleet(scenario, config)
-    await fleet.start(buses["fleet"])
-    view = FleetView()
-    await view.subscribe(buses["readonly"], requester="switchyard-up")
-    requests = await asyncio.to_thread(load_request_csv, csv_path)
-    # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
-    duration = options.duration_s if options.duration_s is not None else 600.0
-    expected = int((options.rate or requests.rate * options.time_scale) * duration * options.speed) + 100
-    workload = scenario.workload(
-        expected,
-        seed=options.seed + 1,
-        rate=options.rate,
-        requests=requests,
-        time_scale=options.time_scale,
-        max_tokens=fleet.max_tokens,
-    )
-    loadgen = LoadGenerator(buses["loadgen"], workload, config.prefill_ids(), speed=options.speed)
-    await loadgen.listen()
-    console.print(
-        f"fleet {config.prefill}P{config.decode}D ({scenario.model.name} on {options.gpu}, "
-        f"{config.gpus_per_decoder} GPUs per decoder), policy {options.policy}; load: {workload.description}"
-    )
-    started = time.monotonic()
-    sending = asyncio.create_task(loadgen.run(options.duration_s, repeat=options.duration_s is None))
-    interactive = console.is_terminal
+    gateway: GatewayProcess | None = None
+    load: Load | None = None
+    sending: asyncio.Task[None] | None = None
+    quiesced = False
     try:
+        await fleet.start(buses["fleet"])
+        view = FleetView()
+        await view.subscribe(buses["readonly"], requester="switchyard-up")
+        requests = await asyncio.to_thread(load_request_csv, csv_path)
+        # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
+        duration = options.duration_s if options.duration_s is not None else 600.0
+        time_scale = options.time_scale or (GATEWAY_TIME_SCALE if through_gateway else BUS_TIME_SCALE)
+        expected = int((options.rate or requests.rate * time_scale) * duration * options.speed) + 100
+        workload = scenario.workload(
+            expected,
+            seed=options.seed + 1,
+            rate=options.rate,
+            requests=requests,
+            time_scale=time_scale,
+            max_tokens=fleet.max_tokens,
+        )
+        model = scenario.model.name
+        if through_gateway:
+            gateway = await _start_gateway(settings, options, infra, model)
+            completions = Completions()
+            await buses["loadgen"].subscribe(
+                buses["loadgen"].subjects.sim_completed, SimCompleted, lambda done, _msg: completions.add(done)
+            )
+            client = HttpLoadGenerator(gateway.url, workload, model=model, speed=options.speed)
+            await client.__aenter__()
+            load = Load(client, completions, client.stats, gateway.url)
+            console.print(
+                f"gateway {gateway.url}: try curl -N {gateway.url}/v1/completions -H 'content-type: "
+                f'application/json\' -d \'{{"model": "{model}", "prompt": "hi", "max_tokens": 8, '
+                f'"stream": true}}\''
+            )
+        else:
+            bus_load = LoadGenerator(buses["loadgen"], workload, config.prefill_ids(), speed=options.speed)
+            await bus_load.listen()
+            load = Load(bus_load, bus_load.completions)
+        console.print(
+            f"fleet {config.prefill}P{config.decode}D ({model} on {options.gpu}, "
+            f"{config.gpus_per_decoder} GPUs per decoder), policy {options.policy}; load: {workload.description}"
+            + (" through the gateway" if through_gateway else " on the bus")
+        )
+        started = time.monotonic()
+        sending = asyncio.create_task(load.sender.run(options.duration_s, repeat=options.duration_s is None))
+        interactive = console.is_terminal
         with (
-            Live(_live_table(view, loadgen, fleet, started), console=console, refresh_per_second=2, transient=False)
+            Live(_live_table(view, load, fleet, started), console=console, refresh_per_second=2, transient=False)
             if interactive
             else contextlib.nullcontext() as live
         ):
@@ -431,26 +561,52 @@ async def _run_fleet(
             while not sending.done() and not stop.is_set():
                 if any(t.done() for t in services):
                     break  # a service died: stop and report it
+                if gateway is not None and gateway.process is not None and gateway.process.poll() is not None:
+                    console.print(f"[red]the gateway exited ({gateway.process.returncode}); see its log[/red]")
+                    break
                 await _wait(stop, 0.5)
                 if live is not None:
-                    live.update(_live_table(view, loadgen, fleet, started))
+                    live.update(_live_table(view, load, fleet, started))
                 elif time.monotonic() - last_print >= 10:
                     last_print = time.monotonic()
-                    s = loadgen.completions.summary(recent=200)
-                    console.print(
-                        f"{time.monotonic() - started:5.0f} s: {loadgen.sent} sent, "
-                        f"{len(loadgen.completions)} done; TTFT p50 {_ms(s['ttft_p50_ms'])} ms, "
-                        f"TPOT p50 {_ms(s['tpot_p50_ms'])} ms (last 200)"
+                    s = load.completions.summary(recent=200)
+                    line = (
+                        f"{time.monotonic() - started:5.0f} s: {load.sent} sent, "
+                        f"{len(load.completions)} done; TTFT p50 {_ms(s['ttft_p50_ms'])} ms, "
+                        f"TPOT p50 {_ms(s['tpot_p50_ms'])} ms (simulated, last 200)"
                     )
+                    if load.client is not None:
+                        c = load.client.summary(recent=200, scale=options.speed)
+                        line += f"; clients: TTFT p50 {_ms(c['ttft_p50_ms'])} ms, TPOT p50 {_ms(c['tpot_p50_ms'])} ms"
+                    console.print(line)
         if not stop.is_set():
-            await loadgen.drain(timeout_s=30.0)
+            if isinstance(load.sender, HttpLoadGenerator):
+                await load.sender.drain(timeout_s=30.0)
+                for _ in range(20):  # the fleet's own reports of the last requests
+                    if len(load.completions) >= len(load.sender.stats):
+                        break
+                    await asyncio.sleep(0.1)
+            else:
+                await load.sender.drain(timeout_s=30.0)
         elapsed = time.monotonic() - started
     finally:
-        sending.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sending
+        if sending is not None:
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+        if load is not None and isinstance(load.sender, HttpLoadGenerator):
+            await load.sender.__aexit__(None, None, None)
+        with contextlib.suppress(Exception):
+            await quiesce()
+            quiesced = True
+        if gateway is not None:
+            if load is not None:
+                load.gateway_counters = await gateway.counters()
+            await gateway.stop()
         await fleet.stop()
+    if not quiesced:
+        log.warning("placement did not stop cleanly")
     history = await _history_counts(infra.database_url)
     with contextlib.suppress(Exception):  # a refit (`switchyard fit --from-stream`) may have replaced it meanwhile
         artifact = await get_artifact_kv(buses["fit"], settings.artifact_key()) or artifact
-    console.print(_summary(options, loadgen, fleet, artifact, history, elapsed))
+    console.print(_summary(options, load, fleet, artifact, history, elapsed))

@@ -168,8 +168,12 @@ class DecodeEngine:
 
     # -- requests in -----------------------------------------------------------------------------------
 
-    def add(self, rid: int, replay: int, prompt_tokens: int, output_tokens: int) -> None:
-        """Queue a request whose prompt KV has arrived; it generates `output_tokens` (≥ 1) tokens."""
+    def add(self, rid: int, replay: int, prompt_tokens: int, output_tokens: int, recompute: bool = False) -> None:
+        """Queue a request whose prompt KV has arrived; it generates `output_tokens` (≥ 1) tokens.
+
+        With `recompute` the prompt's KV did not arrive: the engine prefills it in the step that admits it
+        (as a preempted request's), which is what a decode engine does with a request no prefill engine saw.
+        """
         if output_tokens < 1 or prompt_tokens < 1:
             raise ValueError("a request has at least one prompt token and generates at least one token")
         if -(-(prompt_tokens + output_tokens) // self.block_size) > self.kv_blocks:
@@ -177,7 +181,31 @@ class DecodeEngine:
                 f"request {rid} needs {prompt_tokens + output_tokens} KV tokens; the engine holds "
                 f"{self.kv_blocks * self.block_size}"
             )
-        self.waiting.append(_Req(rid, replay, prompt_tokens, output_tokens))
+        self.waiting.append(_Req(rid, replay, prompt_tokens, output_tokens, recompute=recompute))
+
+    def generated(self, rid: int) -> int | None:
+        """Tokens a running request has generated so far; None if it is not running."""
+        req = self._reqs.get(rid)
+        return None if req is None else int(self._gen[req.slot])
+
+    def abort(self, rid: int) -> bool:
+        """Drop a request (its client went away), freeing its slot and KV; only between steps."""
+        if self._busy:
+            raise RuntimeError("abort during a step")
+        for w in self.waiting:
+            if w.rid == rid:
+                self.waiting.remove(w)
+                return True
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return False
+        ctx = req.prompt + int(self._gen[req.slot])
+        self._used_blocks -= -(-ctx // self.block_size)
+        self._ctx_sum -= ctx
+        self._phase[(req.admitted_step - req.admitted_ctx) % self.block_size] -= 1
+        self._finish_at[req.admitted_step + req.output - req.generated - 1].discard(rid)
+        self._free_slot(req.slot)
+        return True
 
     # -- one step ----------------------------------------------------------------------------------------
 

@@ -17,6 +17,16 @@ full protocol peer, exactly as the vLLM agent will be:
   so a router outage slows nothing down;
 - finished requests are reported on `sy.sim.completed` with TTFT and TPOT in simulated seconds.
 
+With `http=True` every engine also serves OpenAI-compatible HTTP on its own port (`http_server`), announced
+as `Hello.base_url`, streaming its tokens at the simulated pace:
+
+- a prefill engine given `kv_transfer_params.do_remote_decode` (vLLM's disaggregated-serving proxy's first
+  hop) prefills, answers one token, and returns `kv_transfer_params` for the decode hop with the prompt's
+  prefill signature (`shared.signature_json`); without it, it does the whole request itself, handing off to
+  a decoder through the router as above and streaming the decoder's tokens;
+- a decoder given the prefill's `kv_transfer_params` waits the KV transfer's physics time and decodes;
+  without them it prefills the prompt itself inside its batch (as a recomputed request).
+
 What a request replays (its prefill signature, its decode experts) comes from a real routing trace through
 `Scenario`; nothing is drawn from a made-up distribution.
 """
@@ -26,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,13 +48,16 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.engine_agents.agent import EngineAgent
 from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
 from switchyard.engine_agents.sim.experts import rank_masks, token_counts
+from switchyard.engine_agents.sim.http_server import EngineHttpServer, bind
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.openai_wire import BadRequest, ParsedRequest, replay_row
 from switchyard.engine_agents.sim.physics import cost_model
 from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
 from switchyard.engine_agents.sim.scenario import Scenario
+from switchyard.engine_agents.sim.token_stream import TokenStream
 from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
-from switchyard.shared.errors import RemoteError
+from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
     CalibrationSample,
     Capacity,
@@ -52,9 +67,13 @@ from switchyard.shared.schemas import (
     RouteDecodeReply,
     RouteDecodeRequest,
 )
+from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
 from switchyard.shared.streams import stream
 
 log = logging.getLogger(__name__)
+
+#: Prefill-only hops remembered for their decode hop (older ones, whose decode never came, are forgotten).
+MAX_PREFILL_ARRIVALS = 100_000
 
 
 @dataclass(frozen=True)
@@ -76,12 +95,21 @@ class LiveFleetConfig:
     route_timeout_s: float = 0.5
     name: str = "sim"
     migration: MigrationCost = field(default_factory=MigrationCost)
+    #: Serve OpenAI-compatible HTTP on each engine (announced as `Hello.base_url`).
+    http: bool = False
+    http_host: str = "127.0.0.1"
+    #: The first engine's port (prefill engines first, then decoders, one port each); 0: free ports.
+    http_port: int = 0
+    #: Tokens per streamed chunk after the first, as vLLM's `--stream-interval`.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.gpus_per_decoder < 1:
             raise ValueError("a fleet needs at least one prefill engine, one decoder and one GPU per decoder")
         if self.speed <= 0:
             raise ValueError("speed must be positive")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
 
     def prefill_ids(self) -> list[str]:
         return [f"{self.name}-p{i}" for i in range(self.prefill)]
@@ -104,6 +132,11 @@ class LiveRequest:
     fallback: str | None = None
     band_size: int = 0
     first_token_v: float = -1.0
+    #: An HTTP request's tokens (None for requests submitted on the bus).
+    stream: TokenStream | None = None
+    #: Prefill only (`do_remote_decode`): answer at the end of prefill with the decode hop's KV params.
+    prefill_only: bool = False
+    recompute: bool = False
 
 
 @dataclass
@@ -112,6 +145,17 @@ class FleetCounters:
     completed: int = 0
     rejected: int = 0
     route_fallbacks: int = 0
+    #: HTTP requests answered at the end of prefill (their decode hop counts in `submitted`).
+    prefilled_only: int = 0
+    #: HTTP requests dropped because their client went away.
+    aborted: int = 0
+
+
+def _url(sock: socket.socket | None) -> str | None:
+    if sock is None:
+        return None
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _rank_of_expert(layout: np.ndarray, num_experts: int) -> np.ndarray:
@@ -147,6 +191,18 @@ class _Engine:
         self.step_time_ema = 0.0
         self.vt = 0.0
         self.behind_s = 0.0
+        self.server: EngineHttpServer | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.fleet.scenario.model.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.fleet.max_tokens
+
+    def open(self, request: ParsedRequest) -> TokenStream:
+        raise NotImplementedError
 
     async def _idle(self) -> None:
         """Wait for work; an idle engine's clock catches up with the present."""
@@ -185,6 +241,7 @@ class LiveDecoder(_Engine):
         self.window_start = time.time()
         self.window_seq = 0
         self.rids: dict[int, LiveRequest] = {}
+        self.streams: dict[int, TokenStream] = {}
 
     def _masks(self) -> np.ndarray:
         ranks = _rank_of_expert(self.group.layout, self.model.num_experts)
@@ -220,9 +277,52 @@ class LiveDecoder(_Engine):
         }
 
     def submit(self, rid: int, request: LiveRequest) -> None:
+        if request.stream is not None and request.stream.cancelled:
+            self.fleet.abort(request)
+            return
         self.rids[rid] = request
-        self.engine.add(rid, request.replay, request.prompt, request.output)
+        self.engine.add(rid, request.replay, request.prompt, request.output, recompute=request.recompute)
+        if request.stream is not None:
+            self.streams[rid] = request.stream
         self.wake.set()
+
+    def open(self, request: ParsedRequest) -> TokenStream:
+        """An HTTP request: the decode hop of a disaggregated request, or a whole one prefilled here."""
+        rid, live = self.fleet.accept(request, self.engine_id)
+        live.decode_engine, live.routed_by = self.engine_id, "http"
+        kv = request.kv_transfer_params or {}
+        # When the prefill hop ran here: its arrival (a gateway strips our `switchyard_*` keys, not vLLM's).
+        sent_at = self.fleet.prefill_arrival(kv.get("remote_request_id")) or kv.get("switchyard_sent_at")
+        if isinstance(sent_at, (int, float)) and not isinstance(sent_at, bool) and 0 < sent_at <= live.sent_at:
+            live.sent_at, live.sent_v = float(sent_at), max(self.fleet.to_v(float(sent_at)), 0.0)
+        if isinstance(kv.get("remote_engine_id"), str):
+            live.prefill_engine = kv["remote_engine_id"]
+        if request.remote_prefill:
+            self.fleet.spawn_transfer(self, rid, live)
+        else:
+            live.recompute = True
+            self.submit(rid, live)
+        assert live.stream is not None
+        return live.stream
+
+    def _stream_progress(self, finished: list[int], finished_tokens: list[int]) -> None:
+        """Feed the HTTP streams this step's tokens; drop requests whose client went away."""
+        for rid, tokens in zip(finished, finished_tokens, strict=True):
+            stream = self.streams.pop(rid, None)
+            if stream is not None:
+                stream.advance(tokens, finished=True)
+        gone: list[int] = []
+        for rid, stream in self.streams.items():
+            if stream.cancelled:
+                gone.append(rid)
+                continue
+            generated = self.engine.generated(rid)
+            if generated is not None:
+                stream.advance(generated)
+        for rid in gone:
+            del self.streams[rid]
+            self.engine.abort(rid)
+            self.fleet.abort(self.rids.pop(rid))
 
     async def run(self) -> None:
         bank, experts = self.fleet.scenario.bank, self.model.num_experts
@@ -244,6 +344,8 @@ class LiveDecoder(_Engine):
                 self.rids[rid].first_token_v = now
             for rid, tokens in zip(out.finished, out.finished_tokens, strict=True):
                 self.fleet.finish(self.rids.pop(rid), tokens, now)
+            if self.streams:
+                self._stream_progress(out.finished, out.finished_tokens)
 
     def flush_window(self) -> ExpertLoad:
         end = time.time()
@@ -286,7 +388,41 @@ class LivePrefill(_Engine):
         self.engine.add(rid, request.replay, request.prompt)
         self.wake.set()
 
+    def open(self, request: ParsedRequest) -> TokenStream:
+        """An HTTP request: prefill only (`do_remote_decode`), or the whole request through a decoder."""
+        rid, live = self.fleet.accept(request, self.engine_id)
+        if request.remote_decode:
+            live.prefill_only = True
+            live.stream = TokenStream(1)
+        self.submit(rid, live)
+        assert live.stream is not None
+        return live.stream
+
+    def _prefilled(self, request: LiveRequest) -> None:
+        """A prefill-only request is done: one token, and what the decode hop needs in `kv_transfer_params`."""
+        assert request.stream is not None
+        fleet = self.fleet
+        block = fleet.scenario.cost.block_size
+        request.stream.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(range(-(-request.prompt // block))),
+            "remote_host": fleet.config.http_host,
+            "remote_port": int(self.server.sock.getsockname()[1]) if self.server else 0,
+            "tp_size": 1,
+            "switchyard_sent_at": request.sent_at,
+            SIGNATURE_KEY: signature_to_json(fleet.signatures[request.replay]),
+            ENGINE_KEY: self.engine_id,
+        }
+        fleet.counters.prefilled_only += 1
+        fleet.remember_prefill(request.request_id, request.sent_at)
+        fleet.counters.submitted -= 1  # its decode hop is the request
+        request.stream.advance(1, finished=True)
+
     async def run(self) -> None:
+        fleet = self.fleet
         while True:
             plan = self.engine.begin_step()
             if plan is None:
@@ -295,7 +431,14 @@ class LivePrefill(_Engine):
             self._observe_step(plan.duration)
             await self._run_for(plan.duration)
             for rid in self.engine.end_step():
-                task = asyncio.create_task(self.handoff(int(rid), self.rids.pop(int(rid))))
+                request = self.rids.pop(int(rid))
+                if request.prefill_only:
+                    self._prefilled(request)
+                    continue
+                if request.stream is not None and request.stream.cancelled:
+                    fleet.abort(request)
+                    continue
+                task = asyncio.create_task(self.handoff(int(rid), request))
                 self._handoffs.add(task)
                 task.add_done_callback(self._handoffs.discard)
 
@@ -349,13 +492,14 @@ class LiveFleet:
         self._rng = stream(scenario.seed, "live.calibration")
         self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
+        self._prefill_arrivals: OrderedDict[str, float] = OrderedDict()
         self._boot = ""
         self._unix0 = time.time()
         decode_cost = cost_model(scenario.model, self.config.gpu, self.config.gpus_per_decoder)
         #: Largest prompt + output a decoder's KV cache holds (the load generator clips to it).
         self.max_tokens = decode_cost.kv_capacity_blocks * decode_cost.block_size
 
-    def _hello(self, engine_id: str, role: str, gpus: int) -> Hello:
+    def _hello(self, engine_id: str, role: str, gpus: int, base_url: str | None = None) -> Hello:
         model = self.scenario.model
         cost = cost_model(model, self.config.gpu, gpus)
         return Hello(
@@ -376,6 +520,7 @@ class LiveFleet:
             agent_version="live-1",
             hello_interval_s=self.config.hello_interval_s,
             telemetry_interval_s=self.config.telemetry_interval_s,
+            base_url=base_url,
         )
 
     # ----- requests -----
@@ -408,6 +553,49 @@ class LiveFleet:
                 prefill.engine_id,
             ),
         )
+
+    def accept(self, request: ParsedRequest, engine_id: str) -> tuple[int, LiveRequest]:
+        """An HTTP request for one of the engines, checked and numbered (raises `BadRequest`)."""
+        total = request.prompt_tokens + request.max_tokens
+        if total > self.max_tokens:
+            self.counters.rejected += 1
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_tokens} tokens; the request needs {total} "
+                f"({request.prompt_tokens} in the prompt, {request.max_tokens} to generate).",
+                "max_tokens",
+            )
+        replay = replay_row(request, self.scenario.bank.num_requests)
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        self.counters.submitted += 1
+        now = time.time()
+        live = LiveRequest(
+            request.request_id, replay, request.prompt_tokens, request.max_tokens, now, self.now_v(), engine_id
+        )
+        live.stream = TokenStream(request.max_tokens, self.config.stream_interval)
+        return rid, live
+
+    def remember_prefill(self, request_id: str, sent_at: float) -> None:
+        """A prefill-only hop's arrival, so that its decode hop's TTFT starts there (bounded memory)."""
+        self._prefill_arrivals[request_id] = sent_at
+        while len(self._prefill_arrivals) > MAX_PREFILL_ARRIVALS:
+            self._prefill_arrivals.popitem(last=False)
+
+    def prefill_arrival(self, request_id: object) -> float | None:
+        return self._prefill_arrivals.pop(request_id, None) if isinstance(request_id, str) else None
+
+    def abort(self, request: LiveRequest) -> None:
+        """A request whose client went away left the fleet unfinished."""
+        self.counters.aborted += 1
+        self.counters.submitted -= 1
+
+    def spawn_transfer(self, decoder: LiveDecoder, rid: int, request: LiveRequest) -> None:
+        """Move a request's prompt KV to `decoder` (its physics time), then queue it there."""
+
+        async def transfer() -> None:
+            await asyncio.sleep(float(self.scenario.cost.kv_transfer_time(request.prompt)) / self.config.speed)
+            decoder.submit(rid, request)
+
+        self._spawn(transfer())
 
     # ----- clocks -----
 
@@ -488,13 +676,21 @@ class LiveFleet:
         self._unix0 = time.time()
         self._boot = f"{self._unix0:.0f}"
         await bus.ensure_streams()
-        for engine_id in self.config.decode_ids():
-            self.decoders[engine_id] = LiveDecoder(self, self._hello(engine_id, "decode", self.config.gpus_per_decoder))
+        sockets = self._bind()
         for engine_id in self.config.prefill_ids():
-            self.prefills[engine_id] = LivePrefill(self, self._hello(engine_id, "prefill", 1))
+            sock = sockets.get(engine_id)
+            self.prefills[engine_id] = LivePrefill(self, self._hello(engine_id, "prefill", 1, _url(sock)))
+        for engine_id in self.config.decode_ids():
+            sock = sockets.get(engine_id)
+            hello = self._hello(engine_id, "decode", self.config.gpus_per_decoder, _url(sock))
+            self.decoders[engine_id] = LiveDecoder(self, hello)
+        for engine_id, sock in sockets.items():
+            engine = self.prefills.get(engine_id) or self.decoders[engine_id]
+            engine.server = EngineHttpServer(engine, sock)
+            await engine.server.start()
         for decoder in self.decoders.values():
             await serve_migrate(bus, decoder.engine_id, decoder.group)
-        engines: list[_Engine] = [*self.prefills.values(), *self.decoders.values()]
+        engines: list[_Engine] = [*self.decoders.values(), *self.prefills.values()]
         for engine in engines:
             await engine.agent.start()
         await bus.subscribe(f"{bus.subjects.prefix}.sim.submit.*", SimSubmit, self._on_submit)
@@ -502,13 +698,41 @@ class LiveFleet:
         self._tasks.append(asyncio.create_task(self._publish_load()))
         await bus.nc.flush()
 
+    def _bind(self) -> dict[str, socket.socket]:
+        """Each engine's listening socket (prefill engines first), or none without `http`."""
+        if not self.config.http:
+            return {}
+        sockets: dict[str, socket.socket] = {}
+        try:
+            for i, engine_id in enumerate([*self.config.prefill_ids(), *self.config.decode_ids()]):
+                port = self.config.http_port + i if self.config.http_port else 0
+                sockets[engine_id] = bind(self.config.http_host, port)
+        except OSError as exc:
+            for sock in sockets.values():
+                sock.close()
+            raise ConfigError(f"cannot serve the engines' HTTP on {self.config.http_host}: {exc}") from exc
+        return sockets
+
+    def base_urls(self) -> dict[str, str]:
+        """Each HTTP-serving engine's OpenAI base URL."""
+        engines: list[_Engine] = [*self.prefills.values(), *self.decoders.values()]
+        return {e.engine_id: e.server.base_url for e in engines if e.server is not None}
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for engine in [*self.prefills.values(), *self.decoders.values()]:
+        engines: list[_Engine] = [*self.prefills.values(), *self.decoders.values()]
+        for engine in engines:  # open HTTP requests end with an error event, not a hang
+            for request in getattr(engine, "rids", {}).values():
+                if request.stream is not None:
+                    request.stream.fail("the engine is stopping")
+        for engine in engines:
+            if engine.server is not None:
+                await engine.server.stop()
+        for engine in engines:
             await engine.agent.stop()
         if self._publishes:
             await asyncio.wait(self._publishes, timeout=2)

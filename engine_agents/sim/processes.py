@@ -12,6 +12,7 @@ import contextlib
 import logging
 from pathlib import Path
 
+from switchyard.engine_agents.sim.http_loadgen import HttpLoadGenerator
 from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
 from switchyard.engine_agents.sim.loadgen import LoadGenerator
 from switchyard.engine_agents.sim.scenario import prepare
@@ -32,6 +33,8 @@ async def run_fleet(
     try:
         await fleet.start(bus)
         log.info("fleet %s: prefill %s, decode %s", config.name, config.prefill_ids(), config.decode_ids())
+        for engine_id, url in fleet.base_urls().items():
+            log.info("%s serves OpenAI HTTP at %s", engine_id, url)
         await stop.wait()
     finally:
         await fleet.stop()
@@ -73,3 +76,36 @@ async def run_loadgen(
         return {"sent": float(loadgen.sent), **loadgen.completions.summary()}
     finally:
         await bus.close()
+
+
+async def run_http_loadgen(
+    url: str,
+    config: LiveFleetConfig,
+    trace: Path,
+    seed: int,
+    num_requests: int,
+    requests_csv: Path | None,
+    time_scale: float,
+    rate: float | None,
+    stop: asyncio.Event,
+    model: str | None = None,
+) -> dict[str, float]:
+    """Send `num_requests` as HTTP clients to `url` (a gateway or an engine); client-measured percentiles."""
+    scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
+    requests = await asyncio.to_thread(load_request_csv, requests_csv) if requests_csv else None
+    fleet_limit = LiveFleet(scenario, config).max_tokens
+    workload = scenario.workload(
+        num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit
+    )
+    async with HttpLoadGenerator(url, workload, model=model, speed=config.speed) as loadgen:
+        sending = asyncio.create_task(loadgen.run())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        sending.cancel()
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        if not stop.is_set():
+            await loadgen.drain(timeout_s=120.0)
+        failed = {f"failed_{reason}": float(n) for reason, n in loadgen.stats.failed.items()}
+        return {"sent": float(loadgen.sent), **loadgen.stats.summary(), **failed}
