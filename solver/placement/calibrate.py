@@ -36,6 +36,8 @@ from switchyard.solver.placement.problem import PlacementError, PlacementProblem
 from switchyard.solver.placement.refine import place
 
 COARSE_GRID = 2.0 ** np.arange(-6, 7)
+#: MINLP solves per window: the reference started from keep-layout and the one started from EPLB.
+REFERENCE_SOLVES = 2
 FINE_STEPS = 2.0 ** (np.arange(-4, 5) / 4)
 
 
