@@ -187,6 +187,8 @@ def calibration(windows: list[Window], time_limit: float) -> dict:
         "params": vars(result.params),
         "online": {"agreement": result.agreement, "comm_gap": result.comm_gap, "objective_gap": result.objective_gap},
         "greedy": result.greedy,
+        "methods": result.methods,  # per method, against a reference MINLP not started from it
+        "reference_agreement": result.reference_agreement,
         "minlp_gap": result.minlp_gap,
         "minlp_seconds": result.minlp_seconds,
         "fit_seconds": result.fit_seconds,

@@ -32,6 +32,7 @@ from switchyard.services.runtime import decode_stream_message
 from switchyard.shared.db import Calibration
 from switchyard.shared.schemas import CalibrationRequest
 from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementError
+from switchyard.solver.placement.calibrate import REFERENCE_SOLVES
 
 if TYPE_CHECKING:
     from switchyard.services.placement.service import PlacementService
@@ -141,7 +142,8 @@ async def calibrate(
     layers = min(request.layers or 2**31, *(w.source_counts.shape[0] for w in windows)) if windows else 0
     budget = service.config.calibration_budget_s
     options = MinlpOptions(cancel=cancel)
-    limit = per_layer_limit(request.time_limit_s, budget, len(windows) * layers, options.parallel_layers)
+    solves = REFERENCE_SOLVES * len(windows) * layers  # calibrate solves each window's MINLP twice
+    limit = per_layer_limit(request.time_limit_s, budget, solves, options.parallel_layers)
     extra = {
         "request_id": request.request_id,
         "trigger": "api",

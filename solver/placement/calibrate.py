@@ -36,6 +36,8 @@ from switchyard.solver.placement.problem import PlacementError, PlacementProblem
 from switchyard.solver.placement.refine import place
 
 COARSE_GRID = 2.0 ** np.arange(-6, 7)
+#: MINLP solves per window: the reference started from keep-layout and the one started from EPLB.
+REFERENCE_SOLVES = 2
 FINE_STEPS = 2.0 ** (np.arange(-4, 5) / 4)
 
 
@@ -190,14 +192,20 @@ def calibrate(
     copies = [resolve_replicas(p, None) for p in problems]
     keep = [keep_layout_hosts(p) for p in problems]
     eplb = [_eplb_hosts(p) for p in problems]
+    unit = [greedy_hosts(p, GreedyParams(), c) for p, c in zip(problems, copies, strict=True)]
+    # main start: keep-layout where it holds the copies the MINLP must place; else the unit-weight greedy
+    main_start = [
+        ("keep_layout", k) if (k.sum(axis=2) == c).all() else ("greedy_unit", u)
+        for k, c, u in zip(keep, copies, unit, strict=True)
+    ]
+    # second start: EPLB where it applies; else the unit-weight greedy
+    second_start = [("eplb", e) if e is not None else ("greedy_unit", u) for e, u in zip(eplb, unit, strict=True)]
     began = time.perf_counter()
     solutions = [
-        solve_minlp(p, options, replicas=c, hint=_hint(k, c, e, p))
-        for p, c, k, e in zip(problems, copies, keep, eplb, strict=True)
+        solve_minlp(p, options, replicas=c, hint=h) for p, c, (_, h) in zip(problems, copies, main_start, strict=True)
     ]
     others = [
-        solve_minlp(p, options, replicas=c, hint=e if e is not None else greedy_hosts(p, GreedyParams(), c))
-        for p, c, e in zip(problems, copies, eplb, strict=True)
+        solve_minlp(p, options, replicas=c, hint=h) for p, c, (_, h) in zip(problems, copies, second_start, strict=True)
     ]
     minlp_seconds = time.perf_counter() - began
     references = [hosts_from_slots(s.slot_map, p.num_experts) for p, s in zip(problems, solutions, strict=True)]
@@ -231,10 +239,11 @@ def calibrate(
     methods = {"greedy": greedy, "place": online, "keep_layout": _overall(windows, "keep_layout", "minlp_from_eplb")}
     if all("eplb" in w for w in windows):
         methods["eplb"] = _overall(windows, "eplb")
-    for name, ref in (("greedy", "keep_layout"), ("place", "keep_layout"), ("eplb", "keep_layout")):
+    main_name, second_name = _start_name(main_start), _start_name(second_start)
+    for name in ("greedy", "place", "eplb"):
         if name in methods:
-            methods[name]["reference"] = f"MINLP warm-started from {ref}"
-    methods["keep_layout"]["reference"] = "MINLP warm-started from eplb"
+            methods[name]["reference"] = f"MINLP warm-started from {main_name}"
+    methods["keep_layout"]["reference"] = f"MINLP warm-started from {second_name}"
     bound_total = sum(float(s.bound.sum()) for s in solutions)
     model_total = sum(float(s.objective.sum()) for s in solutions)
     return CalibrationResult(
@@ -273,11 +282,9 @@ def _eplb_hosts(problem: PlacementProblem) -> np.ndarray | None:
     return hosts_from_slots(slots, problem.num_experts)
 
 
-def _hint(keep: np.ndarray, copies: np.ndarray, eplb: np.ndarray | None, problem: PlacementProblem) -> np.ndarray:
-    """Keep-layout as the main reference's start when it holds the copies the MINLP must place."""
-    if (keep.sum(axis=2) == copies).all():
-        return keep
-    return eplb if eplb is not None else greedy_hosts(problem, GreedyParams(), copies)
+def _start_name(starts: list[tuple[str, np.ndarray]]) -> str:
+    names = sorted({name for name, _ in starts})
+    return names[0] if len(names) == 1 else " / ".join(names) + " (per window)"
 
 
 def _versus(problem: PlacementProblem, hosts: np.ndarray, reference: np.ndarray) -> dict:
