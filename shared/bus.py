@@ -145,10 +145,13 @@ class _RateLimitedWarning:
         self.next_at, self.suppressed = now + self.interval_s, 0
 
 
-def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
+def _quiet_callbacks(
+    name: str, closing: list[bool], on_reconnect: list[Callable[[], None]] | None = None
+) -> dict[str, Any]:
     """One log line per connection event instead of nats-py's default tracebacks.
 
-    `closing[0]` is set when we close the connection ourselves, which is not worth a warning.
+    `closing[0]` is set when we close the connection ourselves, which is not worth a warning; each of
+    `on_reconnect` is called after a reconnect.
     """
 
     async def on_error(exc: Exception) -> None:
@@ -160,6 +163,8 @@ def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
 
     async def on_reconnected() -> None:
         log.info("%s: reconnected to NATS", name)
+        for hook in on_reconnect or ():
+            hook()
 
     return {"error_cb": on_error, "disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected}
 
@@ -174,6 +179,23 @@ class Bus:
         self.subjects: Subjects = settings.subjects
         self.max_payload = settings.max_payload_bytes
         self._closing = [False]  # shared with the connection's callbacks: our own close is not an outage
+        #: Reconnects so far, and futures resolved at the next one (`next_reconnect`).
+        self.reconnects = 0
+        self._reconnect_waiters: set[asyncio.Future[None]] = set()
+
+    def _on_reconnected(self) -> None:
+        self.reconnects += 1
+        for waiter in self._reconnect_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._reconnect_waiters.clear()
+
+    def next_reconnect(self) -> asyncio.Future[None]:
+        """A future resolved when the connection next comes back after a drop: a request in flight then has
+        lost its reply (replies are core NATS) and can be resent at once instead of waiting out its timeout."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reconnect_waiters.add(waiter)
+        return waiter
 
     @classmethod
     async def connect(
@@ -197,7 +219,12 @@ class Bus:
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1
         closing = [False]
-        options = {**connect_options(settings, servers, role), **_quiet_callbacks(name, closing), "no_echo": no_echo}
+        hooks: list[Callable[[], None]] = []
+        options = {
+            **connect_options(settings, servers, role),
+            **_quiet_callbacks(name, closing, hooks),
+            "no_echo": no_echo,
+        }
         # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
         # one quick attempt per round and do the backing off here.
         probe_closing = [False]
@@ -224,6 +251,7 @@ class Bus:
         nc = await nats.connect(name=name, **options)
         bus = cls(nc, settings)
         bus._closing = closing
+        hooks.append(bus._on_reconnected)
         return bus
 
     async def close(self) -> None:
