@@ -134,6 +134,8 @@ class _RateLimitedWarning:
         self.label, self.interval_s = label, interval_s
         self.next_at = 0.0
         self.suppressed = 0
+        self.next_failure_at = 0.0
+        self.failures_suppressed = 0
 
     def __call__(self, exc: WireError) -> None:
         now = time.monotonic()
@@ -143,6 +145,17 @@ class _RateLimitedWarning:
         more = f" ({self.suppressed} more since the last warning)" if self.suppressed else ""
         log.warning("rejected message on %s: %s%s", self.label, exc, more)
         self.next_at, self.suppressed = now + self.interval_s, 0
+
+    def failed(self, what: str) -> None:
+        """Log the exception being handled (with its traceback) at most once per interval, with a count of the
+        failures held back since: a handler failing on every message must not flood the log."""
+        now = time.monotonic()
+        if now < self.next_failure_at:
+            self.failures_suppressed += 1
+            return
+        more = f" ({self.failures_suppressed} more since the last one)" if self.failures_suppressed else ""
+        log.exception("%s for %s failed%s", what, self.label, more)
+        self.next_failure_at, self.failures_suppressed = now + self.interval_s, 0
 
 
 def _quiet_callbacks(
@@ -383,7 +396,7 @@ class Bus:
                     await result  # type: ignore[misc]
             except Exception:
                 HANDLER_ERRORS.labels(subject).inc()
-                log.exception("handler for %s failed", subject)
+                warn.failed("handler")
 
         return await self.nc.subscribe(subject, queue=queue, cb=_on_message)
 
@@ -405,6 +418,7 @@ class Bus:
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
         subscription: list[Subscription] = []  # bound once subscribed (a request may be handled before that)
+        failures = _RateLimitedWarning(subject)
 
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
@@ -423,7 +437,7 @@ class Bus:
                     payload = encode(ErrorReply.from_exception(exc))
                 except Exception as exc:
                     HANDLER_ERRORS.labels(subject).inc()
-                    log.exception("handler for %s failed", subject)
+                    failures.failed("handler")
                     payload = encode(ErrorReply.from_exception(exc))
             await msg.respond(payload)
             if idle is not None and (not subscription or subscription[0].pending_msgs == 0):
@@ -431,7 +445,7 @@ class Bus:
                     await idle()
                 except Exception:
                     HANDLER_ERRORS.labels(subject).inc()
-                    log.exception("idle hook of %s failed", subject)
+                    failures.failed("idle hook")
 
         subscription.append(await self.nc.subscribe(subject, queue=queue, cb=_on_request))
         return subscription[0]
