@@ -134,6 +134,8 @@ class _RateLimitedWarning:
         self.label, self.interval_s = label, interval_s
         self.next_at = 0.0
         self.suppressed = 0
+        self.next_failure_at = 0.0
+        self.failures_suppressed = 0
 
     def __call__(self, exc: WireError) -> None:
         now = time.monotonic()
@@ -144,11 +146,25 @@ class _RateLimitedWarning:
         log.warning("rejected message on %s: %s%s", self.label, exc, more)
         self.next_at, self.suppressed = now + self.interval_s, 0
 
+    def failed(self, what: str) -> None:
+        """Log the exception being handled (with its traceback) at most once per interval, with a count of the
+        failures held back since: a handler failing on every message must not flood the log."""
+        now = time.monotonic()
+        if now < self.next_failure_at:
+            self.failures_suppressed += 1
+            return
+        more = f" ({self.failures_suppressed} more since the last one)" if self.failures_suppressed else ""
+        log.exception("%s for %s failed%s", what, self.label, more)
+        self.next_failure_at, self.failures_suppressed = now + self.interval_s, 0
 
-def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
+
+def _quiet_callbacks(
+    name: str, closing: list[bool], on_reconnect: list[Callable[[], None]] | None = None
+) -> dict[str, Any]:
     """One log line per connection event instead of nats-py's default tracebacks.
 
-    `closing[0]` is set when we close the connection ourselves, which is not worth a warning.
+    `closing[0]` is set when we close the connection ourselves, which is not worth a warning; each of
+    `on_reconnect` is called after a reconnect.
     """
 
     async def on_error(exc: Exception) -> None:
@@ -160,6 +176,8 @@ def _quiet_callbacks(name: str, closing: list[bool]) -> dict[str, Any]:
 
     async def on_reconnected() -> None:
         log.info("%s: reconnected to NATS", name)
+        for hook in on_reconnect or ():
+            hook()
 
     return {"error_cb": on_error, "disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected}
 
@@ -174,6 +192,23 @@ class Bus:
         self.subjects: Subjects = settings.subjects
         self.max_payload = settings.max_payload_bytes
         self._closing = [False]  # shared with the connection's callbacks: our own close is not an outage
+        #: Reconnects so far, and futures resolved at the next one (`next_reconnect`).
+        self.reconnects = 0
+        self._reconnect_waiters: set[asyncio.Future[None]] = set()
+
+    def _on_reconnected(self) -> None:
+        self.reconnects += 1
+        for waiter in self._reconnect_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._reconnect_waiters.clear()
+
+    def next_reconnect(self) -> asyncio.Future[None]:
+        """A future resolved when the connection next comes back after a drop: a request in flight then has
+        lost its reply (replies are core NATS) and can be resent at once instead of waiting out its timeout."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reconnect_waiters.add(waiter)
+        return waiter
 
     @classmethod
     async def connect(
@@ -197,7 +232,12 @@ class Bus:
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1
         closing = [False]
-        options = {**connect_options(settings, servers, role), **_quiet_callbacks(name, closing), "no_echo": no_echo}
+        hooks: list[Callable[[], None]] = []
+        options = {
+            **connect_options(settings, servers, role),
+            **_quiet_callbacks(name, closing, hooks),
+            "no_echo": no_echo,
+        }
         # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
         # one quick attempt per round and do the backing off here.
         probe_closing = [False]
@@ -224,6 +264,7 @@ class Bus:
         nc = await nats.connect(name=name, **options)
         bus = cls(nc, settings)
         bus._closing = closing
+        hooks.append(bus._on_reconnected)
         return bus
 
     async def close(self) -> None:
@@ -355,7 +396,7 @@ class Bus:
                     await result  # type: ignore[misc]
             except Exception:
                 HANDLER_ERRORS.labels(subject).inc()
-                log.exception("handler for %s failed", subject)
+                warn.failed("handler")
 
         return await self.nc.subscribe(subject, queue=queue, cb=_on_message)
 
@@ -377,6 +418,7 @@ class Bus:
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
         subscription: list[Subscription] = []  # bound once subscribed (a request may be handled before that)
+        failures = _RateLimitedWarning(subject)
 
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
@@ -395,7 +437,7 @@ class Bus:
                     payload = encode(ErrorReply.from_exception(exc))
                 except Exception as exc:
                     HANDLER_ERRORS.labels(subject).inc()
-                    log.exception("handler for %s failed", subject)
+                    failures.failed("handler")
                     payload = encode(ErrorReply.from_exception(exc))
             await msg.respond(payload)
             if idle is not None and (not subscription or subscription[0].pending_msgs == 0):
@@ -403,7 +445,7 @@ class Bus:
                     await idle()
                 except Exception:
                     HANDLER_ERRORS.labels(subject).inc()
-                    log.exception("idle hook of %s failed", subject)
+                    failures.failed("idle hook")
 
         subscription.append(await self.nc.subscribe(subject, queue=queue, cb=_on_request))
         return subscription[0]

@@ -329,3 +329,27 @@ async def test_small_message_classes_have_their_own_size_limit(bus: Bus) -> None
         await asyncio.sleep(0.05)
     assert got == [2] and rejected_count(bus.subjects.all_telemetry, "too_large") == before + 1
     assert bus.max_payload // 100 > s.Telemetry.MAX_WIRE_BYTES
+
+
+async def test_a_handler_failing_on_every_message_does_not_flood_the_log(bus: Bus, caplog) -> None:
+    """Finding 9: logs grew ~150 MB in minutes under hostile input. Every failure is counted; tracebacks are
+    logged at most once per second per subscription, with a count of those held back."""
+
+    def handler(_message: s.Telemetry, _msg: object) -> None:
+        raise RuntimeError("this handler always fails")
+
+    subject = bus.subjects.all_telemetry
+    await bus.subscribe(subject, s.Telemetry, handler)
+    await bus.nc.flush()
+    before = HANDLER_ERRORS.labels(subject)._value.get()
+    with caplog.at_level("ERROR", logger="switchyard.shared.bus"):
+        for i in range(200):
+            await bus.publish(bus.subjects.telemetry("e1"), _telemetry(i))
+        await bus.nc.flush()
+        for _ in range(100):
+            if HANDLER_ERRORS.labels(subject)._value.get() == before + 200:
+                break
+            await asyncio.sleep(0.05)
+    assert HANDLER_ERRORS.labels(subject)._value.get() == before + 200
+    logged = [r for r in caplog.records if "handler for" in r.getMessage()]
+    assert 1 <= len(logged) < 20

@@ -319,3 +319,57 @@ async def test_a_second_replica_leaves_a_running_migration_to_its_owner(
     steps = sorted({m.step for m in await _moves(sessions, done.id)})
     assert group.requests == len(steps)  # every step sent once: no replica ran it twice
     np.testing.assert_array_equal(group.layout, target.placement)
+
+
+async def test_a_nats_restart_mid_step_resends_at_once_not_after_the_step_timeout(tmp_path, database_url: str) -> None:
+    """Finding 9: a NATS blip during a step cost the full step timeout (30 s). The engine here takes the first
+    request and never answers it (its reply lost with the connection); NATS restarts; the step is resent as
+    soon as the connection is back, long before its 120 s timeout."""
+    import uuid
+
+    from switchyard.shared.codec import decode, encode
+    from switchyard.shared.embedded import EmbeddedNats
+    from switchyard.shared.schemas import MigrateReply, MigrateRequest
+
+    server = EmbeddedNats(tmp_path / "nats")
+    await asyncio.to_thread(server.start)
+    settings = SwitchyardSettings(
+        nats_servers=[server.url], subject_prefix="b" + uuid.uuid4().hex[:8], database_url=database_url
+    )
+    bus = await Bus.connect(settings, name="test-engine")
+    seen: list[int] = []
+
+    async def engine(msg) -> None:
+        request = decode(msg.data, MigrateRequest)
+        seen.append(request.step)
+        if len(seen) == 1:
+            return  # taken, never answered: the reply is lost with the connection
+        reply = MigrateReply(
+            plan_id=request.plan_id, version=request.version, step=request.step, applied=1, duration_s=0.0
+        )
+        await msg.respond(encode(reply))
+
+    try:
+        await bus.ensure_streams()
+        await bus.nc.subscribe(bus.subjects.migrate("e0"), cb=engine)
+        target = plan("g0", 1, shuffled(default_layout(LAYERS, EXPERTS, GPUS), 1))
+        config = FAST.model_copy(update={"step_timeout_s": 120.0})
+        async with (
+            announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
+            migration_service(settings, config) as sessions,
+        ):
+            await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+
+            async def first_taken() -> bool:
+                return len(seen) >= 1
+
+            await eventually(first_taken)
+            await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.start)  # same port, same JetStream store
+            done = await eventually(lambda: _finished(sessions, target.plan_id), timeout=60)
+            assert done.state == "succeeded"
+            first_step = [m for m in await _moves(sessions, done.id) if m.step == 0]
+            assert {m.attempts for m in first_step} == {2} and seen[:2] == [0, 0]
+    finally:
+        await bus.close()
+        await asyncio.to_thread(server.stop)

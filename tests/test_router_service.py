@@ -383,3 +383,20 @@ async def test_a_decoder_the_artifact_does_not_name_stays_out_of_the_bands(
         assert (await _route(bus, "new", near_first)).engine_id == "phantom"  # configured: new capacity serves
     finally:
         await opted_in.stop()
+
+
+async def test_engine_ingest_has_its_own_connection(bus: Bus, settings: SwitchyardSettings) -> None:
+    """Finding 3: a flood on the engines' wildcard subjects made nats-server cut services off as slow consumers.
+    The router's hello/telemetry ingest is on its own connection: losing it leaves route requests answered."""
+    engines = Engines(bus, {"d0": "decode", "d1": "decode"})
+    await engines.answer_announces()
+    router = await _start(settings, policy="jsq")
+    try:
+        await engines.report()
+        await _settle()
+        assert router.ingest is not None and router.ingest.nc is not router.bus.nc
+        await router.ingest.nc.close()  # what the server does to a slow consumer
+        reply = await _route(bus, "after-ingest-loss")
+        assert reply.engine_id in ("d0", "d1")
+    finally:
+        await router.stop()

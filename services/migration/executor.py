@@ -23,6 +23,7 @@ forward ones, so they have idempotency keys of their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -265,6 +266,25 @@ class Executor:
             assert placement is not None
             return placement.plan_id
 
+    async def _request_step(self, engine: str, request: MigrateRequest) -> MigrateReply:
+        """The engine's reply to one step; raises `_Reconnected` if NATS reconnects before it comes."""
+        reconnected = self.bus.next_reconnect()
+        asking = asyncio.ensure_future(
+            self.bus.request(
+                self.bus.subjects.migrate(engine), request, MigrateReply, timeout=self.config.step_timeout_s
+            )
+        )
+        try:
+            await asyncio.wait({asking, reconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reconnected.cancel()
+        if asking.done():
+            return asking.result()
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asking
+        raise _Reconnected
+
     async def _send(
         self, migration: Migration, plan_id: str, step: int, rows: list[MigrationMove], kind: str, settle: Settle
     ) -> StepOutcome:
@@ -288,9 +308,14 @@ class Executor:
                 await _settle(session, settle)
                 await _update(session, rows, state="sent", engine_id=engine, attempts=MigrationMove.attempts + 1)
             try:
-                reply = await self.bus.request(
-                    self.bus.subjects.migrate(engine), request, MigrateReply, timeout=self.config.step_timeout_s
-                )
+                reply = await self._request_step(engine, request)
+            except _Reconnected:
+                # NATS went away and came back mid-step: the reply is lost, the engine may have applied it;
+                # resend now (idempotent) instead of waiting out the step timeout (30 s by default)
+                last_error = f"engine {engine}: NATS reconnected while waiting (attempt {attempt})"
+                STEPS.labels(kind, "unacknowledged").inc()
+                log.warning("migration %d step %d: %s; resending", migration.id, step, last_error)
+                continue
             except (NatsTimeoutError, NoRespondersError, ConnectionClosedError, TimeoutError, WireError) as exc:
                 # no answer, or one that cannot be read: the step may or may not have been applied; resend it
                 what = "did not acknowledge" if not isinstance(exc, WireError) else f"answered garbage ({exc})"
@@ -311,6 +336,10 @@ class Executor:
             STEPS.labels(kind, "applied").inc()
             return StepOutcome(applied=True, duration_s=reply.duration_s)
         return StepOutcome(applied=False, in_doubt=last_error)
+
+
+class _Reconnected(Exception):
+    """The bus reconnected while a step's reply was awaited."""
 
 
 #: Move-row updates waiting to be written with the next transaction: (rows, column values).

@@ -222,7 +222,7 @@ class MigrationService:
                 with contextlib.suppress(Exception):
                     await self._note_error(migration_id, exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+                backoff = min(backoff * 2, self.config.retry_max_s)
 
     async def _take_up(self, migration_id: int | None) -> bool:
         """Count one more run of the migration; past `max_runs` mark it failed instead, so it cannot wedge the group.

@@ -29,6 +29,9 @@ class MigrationSettings(BaseSettings):
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    #: Longest wait before a group's worker tries again after an unexpected error (a database outage): the
+    #: migrations resume this soon after it ends (it was 30 s).
+    retry_max_s: float = Field(default=5.0, gt=0, le=60)
     #: One replica acts for a group at a time: it holds the group's lease (`<prefix>-leases`), renewed every
     #: third of this; a replica that stops renewing loses the group to another after this long.
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)

@@ -113,6 +113,7 @@ class RouterService:
         self.router = router or RouterSettings()
         self.core = RouterCore(self.router)
         self.bus: Bus | None = None
+        self.ingest: Bus | None = None  # hello and telemetry, on a connection of their own
         self.sharer: DecisionSharer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: list[Subscription] = []
@@ -211,9 +212,14 @@ class RouterService:
         )
         s = bus.subjects
         self.sharer = DecisionSharer(bus, self.router.replica_id, self.router.share_interval_s)
-        await bus.subscribe(s.all_hello, Hello, self._on_hello)
-        await bus.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
-        await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)
+        # Engine ingest (wildcard subjects any engine publishes on) has its own connection: a flood there can
+        # make the server cut that connection off as a slow consumer, never the one answering route requests.
+        self.ingest = ingest = await Bus.connect(
+            self.settings, name=f"{self.router.replica_id}-ingest", servers=servers, role="router"
+        )
+        await ingest.subscribe(s.all_hello, Hello, self._on_hello)
+        await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
+        await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)  # no_echo: not our own
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact watcher", self._watch_artifact)),
             asyncio.create_task(self._housekeeping()),
@@ -249,6 +255,8 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await self.sharer.close()
             await self.bus.close()
+        if self.ingest is not None:
+            await self.ingest.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         with metrics_endpoint(self.router.metrics_port, self.router.metrics_host):
