@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint bench clean check-wheel
+.PHONY: run test test-vllm lint bench chaos hostile clean check-wheel
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
@@ -45,6 +45,16 @@ bench: $(STAMP)
 	$(BIN)/python bench/eldr_fit_time.py --repeats 1
 	$(BIN)/python bench/bench_placement.py --sections speed
 	$(BIN)/python bench/bench_sim.py
+	$(BIN)/python bench/bench_gateway.py --requests 200 --duration 3
+
+## chaos: the whole loop as processes, each fault in turn (SIGKILLs, NATS and PostgreSQL restarts, a vanished
+## and a slow engine), measured; a few minutes (docs/reliability.md)
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py $(ARGS)
+
+## hostile: >= 100,000 malformed messages on every subject against the services, with their memory before/after
+hostile: $(STAMP)
+	$(BIN)/python bench/hostile_input.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

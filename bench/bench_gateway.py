@@ -10,7 +10,10 @@ Set-up, every part in its own process (so no two share an event loop):
 - the stub engine (`services.gateway.stub`, Starlette on uvicorn), role `dp`, with its engine agent's part:
   hello (with its base URL) and telemetry on the bus; it streams `--tokens` SSE chunks `--token-interval-ms`
   apart and answers non-streaming requests at once;
-- `switchyard router` (Gimbal's DP rule) and `switchyard gateway`, configured by environment only;
+- a prefill stub and a decode stub serving another model name (`stub-pd`), so the same gateway hands those
+  requests off (the prefill answer carries a 26 × 64 uint16 signature in `kv_transfer_params`);
+- `switchyard router` (Gimbal's DP rule; ELDR's decode policy, without an artifact here, so by load) and
+  `switchyard gateway`, configured by environment only;
 - the pass-through proxy (`--role proxy`): what vLLM's example disaggregation proxy is, reduced to one
   upstream: Starlette on uvicorn, httpx to the stub, the body parsed for `stream` and forwarded, the answer
   relayed chunk by chunk;
@@ -21,9 +24,12 @@ Latency: one streaming request at a time, the three targets alternating request 
 shared machine hits all alike); TTFT is send → first chunk, inter-token latency the gaps between chunks. The
 added figures are a target's p50 minus direct's p50. Throughput: `--concurrency` connections each keep one
 non-streaming request in flight for `--duration` s per target; requests/s, and the CPU seconds the target
-process spent per request (from /proc).
+process spent per request (from /proc). Handoff: the same streaming request with model `stub-pd`, through the
+gateway and straight to the decode stub, alternating; the added TTFT is the whole handoff (prefill hop,
+signature decode, `sy.route.decode`, decode hop) over a direct decode.
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
+                                                [--profile PATH]
 """
 
 from __future__ import annotations
@@ -46,23 +52,28 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "benchgw"
 TICKS = os.sysconf("SC_CLK_TCK")
+HANDOFF_MODEL = "stub-pd"
 BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
 
 
 # ----- helper processes ------------------------------------------------------------------------------------
 
 
-async def run_stub(url: str, port: int, tokens: int, interval_s: float) -> None:
+async def run_stub(url: str, port: int, tokens: int, interval_s: float, engine_id: str, engine_role: str) -> None:
+    """A stub engine; a prefill one answers with a DeepSeek-V2-Lite-sized signature (26 x 64, uint16)."""
     from switchyard.services.gateway.stub import StubConfig, StubEngine
     from switchyard.shared.bus import Bus
     from switchyard.shared.settings import SwitchyardSettings
 
     bus = await Bus.connect(SwitchyardSettings(nats_servers=[url], subject_prefix=PREFIX), name="bench-stub")
     config = StubConfig(
-        "stub0",
+        engine_id,
+        role=engine_role,
+        model=HANDOFF_MODEL if engine_role != "dp" else "stub-model",
         tokens=tokens,
         token_interval_s=interval_s,
         answer_delay_s=0.0,
+        signature=np.random.default_rng(0).integers(0, 500, size=(26, 64)).astype(np.uint16),
         hello_interval_s=1.0,
         telemetry_interval_s=0.1,
     )
@@ -197,13 +208,20 @@ async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool
     return times[0] - start, list(np.diff(times)), last.rstrip().endswith(b"[DONE]")
 
 
-async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, float]]:
+async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[str, dict[str, float]]:
+    """Streaming TTFT/ITL per target, and the bare `sy.route.dp` round trip the gateway makes per request."""
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.schemas import RouteDpReply, RouteDpRequest
+    from switchyard.shared.settings import SwitchyardSettings
+
+    bus = await Bus.connect(SwitchyardSettings(nats_servers=[nats_url], subject_prefix=PREFIX), name="bench-client")
     body = json.dumps({**BODY, "stream": True}).encode()
     conns = {name: Conn(port) for name, port in ports.items()}
     for conn in conns.values():
         await conn.open()
     ttft: dict[str, list[float]] = {n: [] for n in ports}
     itl: dict[str, list[float]] = {n: [] for n in ports}
+    route: list[float] = []
     for i in range(requests + 20):
         for name, conn in conns.items():
             first, gaps, done = await stream_once(conn, body)
@@ -211,7 +229,13 @@ async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, f
             if i >= 20:  # warm-up
                 ttft[name].append(first)
                 itl[name].extend(gaps)
-    return {
+        start = time.perf_counter()
+        await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
+        if i >= 20:
+            route.append(time.perf_counter() - start)
+    await bus.close()
+    router = {"route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3)}
+    result: dict[str, dict[str, float]] = {
         n: {
             "ttft_p50_ms": float(np.percentile(ttft[n], 50) * 1e3),
             "ttft_p99_ms": float(np.percentile(ttft[n], 99) * 1e3),
@@ -220,6 +244,25 @@ async def latency(ports: dict[str, int], requests: int) -> dict[str, dict[str, f
         }
         for n in ports
     }
+    return {**result, "router": router}
+
+
+async def handoff_latency(gateway_port: int, decode_port: int, requests: int) -> dict[str, float]:
+    """TTFT of a streaming request handed off through the gateway (prefill stub, `sy.route.decode`, decode
+    stub) against the same request sent straight to the decode stub; alternating, after a warm-up."""
+    body = json.dumps({**BODY, "model": HANDOFF_MODEL, "stream": True}).encode()
+    via, direct = Conn(gateway_port), Conn(decode_port)
+    await via.open()
+    await direct.open()
+    ttft: dict[str, list[float]] = {"gateway": [], "direct": []}
+    for i in range(requests + 20):
+        for name, conn in (("gateway", via), ("direct", direct)):
+            first, _gaps, done = await stream_once(conn, body)
+            assert done, name
+            if i >= 20:
+                ttft[name].append(first)
+    g, d = (float(np.percentile(ttft[n], 50) * 1e3) for n in ("gateway", "direct"))
+    return {"gateway_ttft_p50_ms": g, "direct_decoder_ttft_p50_ms": d, "added_ttft_p50_ms": g - d}
 
 
 async def throughput(port: int, duration: float, concurrency: int, pid: int | None) -> dict[str, float]:
@@ -252,6 +295,8 @@ async def throughput(port: int, duration: float, concurrency: int, pid: int | No
 
 
 def signature_figures() -> list[dict[str, object]]:
+    from switchyard.shared.codec import decode, encode
+    from switchyard.shared.schemas import PrefillSignature
     from switchyard.shared.signature_json import signature_from_json, signature_to_json
 
     rng = np.random.default_rng(0)
@@ -265,6 +310,12 @@ def signature_figures() -> list[dict[str, object]]:
             enc = min(timeit.repeat(lambda c=counts: json.dumps(signature_to_json(c)), number=n, repeat=3)) / n
             dec = min(timeit.repeat(lambda t=text: signature_from_json(json.loads(t)), number=n, repeat=3)) / n
             assert np.array_equal(signature_from_json(json.loads(text)), counts)
+            message = PrefillSignature(
+                engine_id="p0", request_id="cmpl-sygw-" + "0" * 32 + "-0", ts=0.0, prompt_tokens=1, signature=counts
+            )
+            wire = encode(message)
+            bus_enc = min(timeit.repeat(lambda m=message: encode(m), number=n, repeat=3)) / n
+            bus_dec = min(timeit.repeat(lambda w=wire: decode(w, PrefillSignature), number=n, repeat=3)) / n
             rows.append(
                 {
                     "shape": f"{layers}x{experts}",
@@ -272,6 +323,9 @@ def signature_figures() -> list[dict[str, object]]:
                     "json_bytes": len(text),
                     "encode_us": enc * 1e6,
                     "decode_us": dec * 1e6,
+                    "bus_bytes": len(wire),
+                    "bus_encode_us": bus_enc * 1e6,
+                    "bus_decode_us": bus_dec * 1e6,
                 }
             )
     return rows
@@ -299,21 +353,25 @@ def wait_http(port: int, timeout: float = 60.0) -> None:
 
 
 def wait_ready(port: int, timeout: float = 60.0) -> None:
+    """Until the gateway lists both models (every stub said hello)."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+            models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).json()["data"]
+            if {m["id"] for m in models} == {"stub-model", HANDOFF_MODEL}:
                 return
         time.sleep(0.1)
-    raise RuntimeError("the gateway never became ready")
+    raise RuntimeError("the gateway never saw every stub engine")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx"], default="main")
     parser.add_argument("--url", default="")
+    parser.add_argument("--engine-id", default="stub0")
+    parser.add_argument("--engine-role", choices=["dp", "prefill", "decode"], default="dp")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--upstream", default="")
     parser.add_argument("--requests", type=int, default=300)
@@ -322,9 +380,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="Run the gateway under cProfile, stats to PATH.")
     args = parser.parse_args()
     if args.role == "stub":
-        asyncio.run(run_stub(args.url, args.port, args.tokens, args.token_interval_ms / 1e3))
+        interval = args.token_interval_ms / 1e3
+        asyncio.run(run_stub(args.url, args.port, args.tokens, interval, args.engine_id, args.engine_role))
         return
     if args.role in ("proxy", "proxy-httpx"):
         asyncio.run(run_proxy(args.port, args.upstream, "httpx" if args.role == "proxy-httpx" else "aiohttp"))
@@ -360,21 +420,29 @@ def main() -> None:
                 ],
                 env=env,
             )
+            handoff_ports = {"p0": free_port(), "d0": free_port()}
+            for engine_id, role in (("p0", "prefill"), ("d0", "decode")):
+                stub = ["--role", "stub", "--url", url, "--port", str(handoff_ports[engine_id]), "--tokens"]
+                stub += [str(args.tokens), "--token-interval-ms", str(args.token_interval_ms)]
+                stub += ["--engine-id", engine_id, "--engine-role", role]
+                procs[engine_id] = subprocess.Popen([*here, *stub], env=env)
             procs["router"] = subprocess.Popen([str(bin_dir / "switchyard"), "router", "--nats-url", url], env=env)
             upstream = f"http://127.0.0.1:{ports['direct']}"
             for role in ("proxy", "proxy-httpx"):
                 procs[role] = subprocess.Popen(
                     [*here, "--role", role, "--port", str(ports[role]), "--upstream", upstream], env=env
                 )
-            procs["gateway"] = subprocess.Popen(
-                [str(bin_dir / "switchyard"), "gateway", "--nats-url", url, "--port", str(ports["gateway"])], env=env
-            )
-            for port in ports.values():
+            gateway = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway"])]
+            if args.profile:
+                gateway = ["-m", "cProfile", "-o", str(args.profile), *gateway]
+            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=env)
+            for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
             wait_ready(ports["gateway"])
-            time.sleep(1.0)  # the router has the stub's telemetry
+            time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
-            lat = asyncio.run(latency(ports, args.requests))
+            lat = asyncio.run(latency(ports, args.requests, url))
+            handoff = asyncio.run(handoff_latency(ports["gateway"], handoff_ports["d0"], args.requests))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             tput = {
                 name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name]))
@@ -391,6 +459,7 @@ def main() -> None:
                     proc.kill()
             nats.stop()
     sigs = signature_figures()
+    router_rtt = lat.pop("router")["route_dp_rtt_p50_ms"]
     direct = lat["direct"]
     report = {
         "machine": _single_core.machine(),
@@ -405,12 +474,14 @@ def main() -> None:
             for name in ports
             if name != "direct"
         },
+        "route_dp_rtt_p50_ms": router_rtt,
+        "handoff": handoff,
         "throughput": tput,
         "signature_json": sigs,
     }
     print(f"# {report['machine']}; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(
-        f"{'target':8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
+        f"{'target':11} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
         f" {'req/s':>7} {'CPU ms/req':>10}"
     )
     for name in ports:
@@ -420,11 +491,18 @@ def main() -> None:
             f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
         )
-    print("signature in kv_transfer_params (JSON):")
+    print(f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms")
+    print(
+        f"handoff (prefill stub, 26x64 signature, sy.route.decode, decode stub): TTFT p50 "
+        f"{handoff['gateway_ttft_p50_ms']:.3f} ms vs {handoff['direct_decoder_ttft_p50_ms']:.3f} ms straight to the "
+        f"decoder: +{handoff['added_ttft_p50_ms']:.3f} ms"
+    )
+    print("signature: in kv_transfer_params (JSON) | as a PrefillSignature on the bus (msgpack)")
     for row in sigs:
         print(
             f"  {row['shape']:7} {row['dtype']}: {row['json_bytes']:6d} B, encode {row['encode_us']:6.1f} µs, "
-            f"decode {row['decode_us']:6.1f} µs"
+            f"decode {row['decode_us']:6.1f} µs | {row['bus_bytes']:6d} B, encode {row['bus_encode_us']:6.1f} µs, "
+            f"decode {row['bus_decode_us']:6.1f} µs"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

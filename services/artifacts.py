@@ -12,18 +12,18 @@ unique version column settles a race between two publishers: the loser retries w
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode, encode
-from switchyard.shared.db import RoutingArtifactRow, create_async_db, upgrade
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
@@ -32,13 +32,16 @@ from switchyard.solver.eldr_fit import artifact_content_hash
 __all__ = [
     "MAX_ARTIFACT_BYTES",
     "ArtifactError",
+    "artifact_signature",
     "get_artifact_kv",
+    "last_valid_artifact",
     "latest_db_version",
     "load_artifact",
     "publish_artifact",
     "publish_to",
     "put_artifact_kv",
     "read_artifact_file",
+    "sign_artifact",
     "store_artifact_db",
     "write_artifact_file",
 ]
@@ -48,18 +51,67 @@ MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
 
 
 class ArtifactError(ValueError):
-    """An artifact that cannot be read or trusted (undecodable, wrong hash)."""
+    """An artifact that cannot be read or trusted (undecodable, wrong hash); `code` says which, for counters."""
+
+    def __init__(self, message: str, code: str = "invalid") -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def load_artifact(data: bytes, max_bytes: int = MAX_ARTIFACT_BYTES, where: str = "artifact") -> RoutingArtifact:
-    """Decode and verify an artifact's wire encoding."""
+def artifact_signature(artifact: RoutingArtifact, key: bytes) -> str:
+    """HMAC-SHA256 over the version and the content hash (which covers every field a router uses)."""
+    message = f"switchyard-routing-artifact:{artifact.version}:{artifact.content_hash}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign_artifact(artifact: RoutingArtifact, key: bytes | None) -> RoutingArtifact:
+    """The artifact with its signature (unchanged when there is no key)."""
+    if key is None:
+        return artifact
+    return artifact.model_copy(update={"signature": artifact_signature(artifact, key)})
+
+
+def load_artifact(
+    data: bytes, max_bytes: int = MAX_ARTIFACT_BYTES, where: str = "artifact", key: bytes | None = None
+) -> RoutingArtifact:
+    """Decode and verify an artifact's wire encoding; with `key`, also its signature (unsigned is refused).
+
+    The content hash is a checksum anyone can recompute; only the signature says the fit job made it.
+    """
     try:
         artifact = decode(data, RoutingArtifact, max_bytes)
     except WireError as exc:
-        raise ArtifactError(f"{where}: {exc}") from None
+        raise ArtifactError(f"{where}: {exc}", exc.code) from None
     if artifact_content_hash(artifact) != artifact.content_hash:
-        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…")
+        raise ArtifactError(f"{where}: content does not match its hash {artifact.content_hash[:16]}…", "hash")
+    if key is not None:
+        if artifact.signature is None:
+            raise ArtifactError(f"{where}: unsigned, and this process requires signed artifacts", "unsigned")
+        if not hmac.compare_digest(artifact.signature, artifact_signature(artifact, key)):
+            raise ArtifactError(f"{where}: signature does not match (not signed with this key)", "signature")
     return artifact
+
+
+async def last_valid_artifact(
+    kv: KeyValue, key_name: str, max_bytes: int, key: bytes | None = None
+) -> tuple[RoutingArtifact, int] | None:
+    """The newest revision of the KV key that is a valid (and, with `key`, signed) artifact, and its revision.
+
+    One garbage write must not disable ELDR for every router started after it: they fall back to the last
+    good revision the bucket still keeps (its history).
+    """
+    try:
+        entries = await kv.history(key_name)
+    except NoKeysError:
+        return None
+    for entry in reversed(entries):
+        if entry.value is None or entry.operation in ("DEL", "PURGE"):
+            return None  # removed on purpose: nothing older is current
+        try:
+            return load_artifact(entry.value, max_bytes, "KV artifact", key), entry.revision
+        except ArtifactError:
+            continue
+    return None
 
 
 def write_artifact_file(artifact: RoutingArtifact, path: str | Path) -> None:
@@ -99,6 +151,12 @@ def _file_version(path: Path) -> int:
 
 async def latest_db_version(database_url: str) -> int:
     """Highest artifact version in the table (0 if none). The schema must exist (`shared.db.upgrade`)."""
+    # The database layer (SQLAlchemy) is imported by the functions that write history, not by the router,
+    # which only reads artifacts from the bus: it restarts faster without it (docs/reliability.md).
+    from sqlalchemy import func, select
+
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session:
@@ -109,6 +167,8 @@ async def latest_db_version(database_url: str) -> int:
 
 async def store_artifact_db(database_url: str, artifact: RoutingArtifact, report: dict[str, Any] | None = None) -> None:
     """Append the artifact to the history table; raises IntegrityError if its version is taken."""
+    from switchyard.shared.db import RoutingArtifactRow, create_async_db
+
     engine, sessions = create_async_db(database_url)
     try:
         async with sessions() as session, session.begin():
@@ -130,7 +190,7 @@ async def store_artifact_db(database_url: str, artifact: RoutingArtifact, report
         await engine.dispose()
 
 
-async def get_artifact_kv(bus: Bus) -> RoutingArtifact | None:
+async def get_artifact_kv(bus: Bus, key: bytes | None = None) -> RoutingArtifact | None:
     """The current artifact in the KV bucket, or None if none was ever published."""
     kv = await bus.ensure_kv(bus.subjects.router_bucket)
     try:
@@ -139,7 +199,7 @@ async def get_artifact_kv(bus: Bus) -> RoutingArtifact | None:
         return None
     if entry.value is None:
         return None
-    return load_artifact(entry.value, bus.max_payload, where=f"KV {bus.subjects.router_bucket}")
+    return load_artifact(entry.value, bus.max_payload, where=f"KV {bus.subjects.router_bucket}", key=key)
 
 
 async def put_artifact_kv(bus: Bus, artifact: RoutingArtifact) -> int:
@@ -156,22 +216,31 @@ async def publish_artifact(
     database_url: str | None = None,
     bus: Bus | None = None,
     attempts: int = 5,
+    key: bytes | None = None,
 ) -> RoutingArtifact:
-    """Give the artifact its version and write it to every destination given; returns the versioned copy.
+    """Give the artifact its version (and, with `key`, its signature) and write it to every destination given;
+    returns the versioned copy.
 
     The database is written first (its unique version settles races), then the KV bucket, then the file.
     """
+    from sqlalchemy.exc import IntegrityError
+
     known = [0]
     if out is not None:
         known.append(await asyncio.to_thread(_file_version, Path(out)))
     if bus is not None:
-        current = await get_artifact_kv(bus)
+        try:
+            current = await get_artifact_kv(bus)
+        except ArtifactError:  # a garbage current value: the history still knows the versions
+            kv = await bus.ensure_kv(bus.subjects.router_bucket)
+            found = await last_valid_artifact(kv, bus.subjects.artifact_key, bus.max_payload)
+            current = found[0] if found else None
         known.append(current.version if current else 0)
     if database_url is not None:
         known.append(await latest_db_version(database_url))
     version = max(known) + 1
     for attempt in range(attempts):
-        versioned = artifact.model_copy(update={"version": version})
+        versioned = sign_artifact(artifact.model_copy(update={"version": version}), key)
         if database_url is None:
             break
         try:
@@ -200,10 +269,14 @@ async def publish_to(
     """`publish_artifact` with connections made from settings: the schema is brought to head and the bus
     connected only for the destinations asked for."""
     if database_url is not None:
+        from switchyard.shared.db import upgrade
+
         await asyncio.to_thread(upgrade, database_url)
-    bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers) if nats_servers else None
+    bus = await Bus.connect(settings, name="switchyard-fit", servers=nats_servers, role="fit") if nats_servers else None
     try:
-        return await publish_artifact(artifact, report, out=out, database_url=database_url, bus=bus)
+        return await publish_artifact(
+            artifact, report, out=out, database_url=database_url, bus=bus, key=settings.artifact_key()
+        )
     finally:
         if bus is not None:
             await bus.close()

@@ -143,7 +143,7 @@ async def _calibration_from_stream(
     from switchyard.services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
     from switchyard.shared.bus import Bus
 
-    bus = await Bus.connect(settings, name="switchyard-fit")
+    bus = await Bus.connect(settings, name="switchyard-fit", role="fit")
     try:
         live, top_k, model = decoders_of(await fleet_hellos(bus))
         read = await read_samples(bus, since_s, max_samples)
@@ -282,6 +282,9 @@ def fit(
 def router(
     nats_url: NatsUrl = None,
     policy: Annotated[str | None, typer.Option(help="Decode policy (default: SWITCHYARD_ROUTER_POLICY, eldr).")] = None,
+    dp_rule: Annotated[
+        str | None, typer.Option(help="sy.route.dp rule: gimbal or vllm (default: SWITCHYARD_ROUTER_DP_RULE, gimbal).")
+    ] = None,
 ) -> None:
     """Run one router replica: answers sy.route.decode and sy.route.dp in a queue group."""
     from switchyard.services.router.service import RouterService
@@ -289,7 +292,8 @@ def router(
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
-    router_settings = RouterSettings(**({"policy": policy} if policy else {}))
+    overrides = {k: v for k, v in {"policy": policy, "dp_rule": dp_rule}.items() if v}
+    router_settings = RouterSettings(**overrides)
     run_until_signalled(RouterService(settings, router_settings).run)
 
 
@@ -311,7 +315,79 @@ def gateway(
 
     settings = load_settings(nats_url)
     overrides = {k: v for k, v in {"host": host, "port": port, "mode": mode}.items() if v is not None}
+    try:  # the request path is socket-bound: uvloop's event loop costs less per request where it is installed
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
+
+
+@app.command("nats-config")
+def nats_config(
+    out: Annotated[Path, typer.Option(help="Folder for nats-server.conf and credentials.json.")],
+    engines: Annotated[
+        str | None,
+        typer.Option(
+            help="Engines, comma-separated, as ID or ID:EP_GROUP:DP_RANK: one NATS user each; with groups, also "
+            "an engines.json manifest that binds each engine to its group (SWITCHYARD_ENGINE_MANIFEST)."
+        ),
+    ] = None,
+    fleet_engines: Annotated[
+        str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
+    ] = None,
+    listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
+    monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
+    store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
+    tls_cert: Annotated[Path | None, typer.Option(help="Server TLS certificate (with --tls-key, --tls-ca).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server TLS key.")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
+) -> None:
+    """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
+    from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+    from switchyard.shared.subjects import check_token
+
+    settings = load_settings()
+    specs = [spec.split(":") for spec in _split_csv(engines) or []]
+    if any(len(parts) not in (1, 3) for parts in specs):
+        raise typer.BadParameter("--engines takes ID or ID:EP_GROUP:DP_RANK, comma-separated")
+    bound = [parts for parts in specs if len(parts) == 3]
+    if bound and len(bound) != len(specs):
+        raise typer.BadParameter("--engines: give every engine its group and rank, or none")
+    try:
+        manifest = {e: {"ep_group": check_token(g, "EP group"), "dp_rank": int(r)} for e, g, r in bound}
+    except ValueError as exc:
+        raise typer.BadParameter(f"--engines: {exc}") from None
+    engine_ids = [parts[0] for parts in specs]
+    fleet_ids = _split_csv(fleet_engines) or []
+    roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
+    tls = None
+    if tls_cert or tls_key or tls_ca:
+        if not (tls_cert and tls_key):
+            raise typer.BadParameter("--tls-cert and --tls-key go together")
+        tls = {"cert_file": str(tls_cert), "key_file": str(tls_key), **({"ca_file": str(tls_ca)} if tls_ca else {})}
+    credentials = Credentials.generate(roles)
+    config = render_server_config(
+        settings.subjects,
+        credentials,
+        fleet_engines=fleet_ids,
+        listen=listen,
+        monitor=monitor or None,
+        store_dir=store_dir,
+        max_payload=settings.max_payload_bytes,
+        tls=tls,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    conf_path = out / "nats-server.conf"
+    conf_path.touch(mode=0o600)
+    conf_path.write_text(config)
+    credentials.save(out / "credentials.json")
+    typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
+    if manifest:
+        (out / "engines.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for placement, migration and the API")
+    typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
 
 
 FleetName = Annotated[str, typer.Option(help="Engine id prefix of the simulated fleet.")]
@@ -403,6 +479,24 @@ def db_downgrade(revision: str, database_url: DatabaseUrl = None) -> None:
     typer.echo(f"schema at {current_revision(url)}")
 
 
+def _weights_summary(params: object, weights: object) -> dict:
+    """The fitted (α, β, γ) beside the Gimbal paper's, with what each is measured in."""
+    return {
+        "alpha": params.alpha,  # type: ignore[attr-defined]
+        "beta": params.beta,  # type: ignore[attr-defined]
+        "gamma": params.gamma,  # type: ignore[attr-defined]
+        "units": "dimensionless multipliers of the exact marginal increase of each weighted objective term; "
+        "objective in canonical units (mean GPU load per layer = 1) with weights "
+        f"w_load={weights.load:g}, w_comm={weights.comm:g}, w_mig={weights.mig:g}",  # type: ignore[attr-defined]
+        "paper": {
+            "alpha": 1.0,
+            "beta": 0.0025,
+            "gamma": 1.0,
+            "units": "Gimbal's score on its un-normalised terms (its own load and traffic units); not transferable",
+        },
+    }
+
+
 @app.command()
 def calibrate(
     windows: Annotated[
@@ -481,7 +575,9 @@ def calibrate(
         "agreement": result.agreement,
         "comm_gap": result.comm_gap,
         "objective_gap": result.objective_gap,
-        "greedy": result.greedy,
+        **result.methods,  # greedy, place, keep_layout, eplb: objective_gap, agreement, agreement_moved, comm_gap
+        "reference_agreement": result.reference_agreement,
+        "weights": _weights_summary(result.params, weights),
         "minlp_gap": result.minlp_gap,
         "solve_seconds": result.minlp_seconds,
         "fit_seconds": result.fit_seconds,
@@ -490,13 +586,18 @@ def calibrate(
     if as_json:
         typer.echo(json.dumps(summary))
         return
-    typer.echo(
+    lines = [
         f"calibration {row_id}: alpha={result.params.alpha:g} beta={result.params.beta:.4g} "
-        f"gamma={result.params.gamma:.4g}; agreement {result.agreement:.1%}, comm gap {result.comm_gap:+.2%}, "
-        f"objective gap {result.objective_gap:+.2%} (greedy alone: agreement {result.greedy['agreement']:.1%}, "
-        f"comm gap {result.greedy['comm_gap']:+.2%}); MINLP gap {result.minlp_gap:.2%} in {result.minlp_seconds:.1f} s "
-        f"over {result.num_windows} windows"
-    )
+        f"gamma={result.params.gamma:.4g} (paper: 1, 0.0025, 1 in its own units); MINLP gap {result.minlp_gap:.2%}, "
+        f"{result.minlp_seconds:.1f} s over {result.num_windows} windows"
+    ]
+    for name, m in result.methods.items():
+        moved = "n/a" if m["agreement_moved"] is None else f"{m['agreement_moved']:.1%}"
+        lines.append(
+            f"  {name}: objective gap {m['objective_gap']:+.2%}, agreement {m['agreement']:.1%} "
+            f"(moved copies {moved}), comm gap {m['comm_gap']:+.2%} vs {m['reference']}"
+        )
+    typer.echo("\n".join(lines))
 
 
 @app.command()
@@ -662,11 +763,22 @@ def report(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     data_dir: DataDir = None,
     progress: Annotated[bool, typer.Option(help="Show progress.")] = True,
+    sections: Annotated[
+        str | None,
+        typer.Option(
+            "--sections",
+            help="Comma-separated sections to run: fig2, fig4, fig11, fig15, fig16, table2, bracket (default: all).",
+        ),
+    ] = None,
 ) -> None:
-    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2) as Markdown + PNG."""
-    from switchyard.engine_agents.sim.report import ReportOptions, build_report
+    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
+    from switchyard.engine_agents.sim.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
+    chosen = tuple(x.strip() for x in sections.split(",") if x.strip()) if sections else SECTIONS
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown or not chosen:
+        raise typer.BadParameter(f"unknown section(s) {', '.join(unknown) or '(none)'}; known: {', '.join(SECTIONS)}")
     opts = ReportOptions(
         quick=quick,
         trace=trace or settings.trace(shipped.ESFT),
@@ -676,6 +788,7 @@ def report(
         gpu=gpu,
         seed=seed,
         progress=progress,
+        sections=chosen,
     )
     path = build_report(out or settings.data_dir / "report", opts)
     typer.echo(f"report written to {path}")

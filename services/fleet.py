@@ -16,10 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.subscription import Subscription
+from prometheus_client import Counter
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Announce, Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
+
+UNBOUND_HELLOS = Counter(
+    "switchyard_fleet_hellos_refused_total",
+    "Hellos refused by the engine manifest: an unlisted engine, or another group or DP rank than listed.",
+    ["reason"],
+)
 
 
 @dataclass
@@ -41,9 +48,17 @@ class FleetView:
     """Engines by id, refreshed by `sy.engine.*.hello` and `sy.engine.*.telemetry`."""
 
     def __init__(
-        self, clock: Callable[[], float] = time.time, stale_intervals: float = 3.0, forget_after_s: float = 3600.0
+        self,
+        clock: Callable[[], float] = time.time,
+        stale_intervals: float = 3.0,
+        forget_after_s: float = 3600.0,
+        bindings: dict[str, tuple[str, int]] | None = None,
     ) -> None:
         self.clock = clock
+        #: engine id -> (ep_group, dp_rank) from the engine manifest: a hello claiming anything else is refused
+        #: (an engine's credentials prove its id; without this it could name any group and become its
+        #: migrate coordinator). None: every hello is believed.
+        self.bindings = bindings
         self.stale_intervals = stale_intervals
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
@@ -69,6 +84,10 @@ class FleetView:
         return self.engines.setdefault(engine_id, EngineState(engine_id))
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:
+        if self.bindings is not None and self.bindings.get(hello.engine_id) != (hello.ep_group, hello.dp_rank):
+            reason = "unlisted" if hello.engine_id not in self.bindings else "wrong_group_or_rank"
+            UNBOUND_HELLOS.labels(reason).inc()
+            return
         state = self._state(hello.engine_id)
         state.hello, state.hello_at = hello, self.clock()
         self._changed.set()

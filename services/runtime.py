@@ -7,16 +7,17 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.msg import Msg
 from prometheus_client import start_http_server
 
-from switchyard.shared.bus import REJECTED
+from switchyard.shared.bus import REJECTED, check_sender
 from switchyard.shared.codec import WireModel, decode
-from switchyard.shared.db.engine import upgrade
 from switchyard.shared.errors import WireError
+from switchyard.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,9 @@ _UPGRADE_LOCK = threading.Lock()
 
 
 def _upgrade(database_url: str) -> None:
+    # imported here: the router uses this module but no database, and restarts faster without SQLAlchemy
+    from switchyard.shared.db.engine import upgrade
+
     with _UPGRADE_LOCK:  # Alembic's `context`/`op` are process globals: one upgrade at a time per process
         upgrade(database_url)
 
@@ -44,15 +48,44 @@ async def ensure_schema(database_url: str, attempts: int = 5) -> None:
             await asyncio.sleep(0.2 * attempt)
 
 
+class RateLimitedLog:
+    """At most one warning per `interval_s` for one source of trouble, then a summary of how many were held back:
+    hostile input at line rate must not turn the log into the bottleneck (logs grew 150 MB in minutes)."""
+
+    def __init__(self, logger: logging.Logger, label: str, interval_s: float = 10.0) -> None:
+        self.logger, self.label, self.interval_s = logger, label, interval_s
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        more = f" ({self.suppressed} more {self.label} warnings held back)" if self.suppressed else ""
+        self.logger.warning("%s%s", message, more)
+        self.next_at, self.suppressed = now + self.interval_s, 0
+
+
+_stream_warnings: dict[str, RateLimitedLog] = {}
+
+
 async def decode_stream_message(
-    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True
+    msg: Msg, schema: type[M], label: str, max_payload: int, *, acked: bool = True, subjects: Subjects | None = None
 ) -> M | None:
-    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered."""
+    """Decode a JetStream message; a malformed one is counted, logged and (if `acked`) terminated, never redelivered.
+
+    With `subjects`, a message on an engine's subject that names another engine is refused (`check_sender`)."""
     try:
-        return decode(msg.data, schema, max_payload)
+        message = decode(msg.data, schema, max_payload)
+        if subjects is not None:
+            check_sender(subjects, msg.subject, message)
+        return message
     except WireError as exc:
         REJECTED.labels(label, exc.code).inc()
-        log.warning("rejected message on %s: %s", label, exc)
+        _stream_warnings.setdefault(label, RateLimitedLog(log, "rejected-message", 1.0))(
+            f"rejected message on {label}: {exc}"
+        )
         if acked:
             await msg.term()
         return None

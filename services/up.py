@@ -36,7 +36,7 @@ from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.workload import load_request_csv
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
-from switchyard.services.artifacts import get_artifact_kv, publish_artifact
+from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact
 from switchyard.services.fleet import FleetView
 from switchyard.services.migration.service import run_migration
 from switchyard.services.placement.service import run_placement
@@ -76,7 +76,7 @@ async def infrastructure(settings: SwitchyardSettings) -> AsyncIterator[Infrastr
     try:
         database_url = settings.resolved_database_url()
         await asyncio.to_thread(upgrade, database_url)
-        bus = await Bus.connect(settings, name="switchyard-up", servers=servers)
+        bus = await Bus.connect(settings, name="switchyard-up", servers=servers, role="admin")
         try:
             await bus.ensure_streams()
             await bus.ensure_kv(bus.subjects.router_bucket)
@@ -140,9 +140,16 @@ async def ensure_artifact(
     settings: SwitchyardSettings,
     refit: bool,
     seed: int,
+    fit_bus: Bus | None = None,
 ) -> tuple[RoutingArtifact, bool]:
     """The KV bucket's artifact if it was fitted for these decoders and this model; else fit and publish one."""
-    current = await get_artifact_kv(infra.bus)
+    fit_bus = fit_bus or infra.bus
+    key = settings.artifact_key()
+    try:
+        current = await get_artifact_kv(fit_bus, key)
+    except ArtifactError as exc:  # garbage, or unsigned while a key is set: fit a good one
+        log.warning("the KV bucket's routing artifact is not usable (%s): fitting a new one", exc)
+        current = None
     model = scenario.model
     if (
         current is not None
@@ -160,9 +167,27 @@ async def ensure_artifact(
         report,
         out=settings.data_dir / "routing-artifact.msgpack",
         database_url=infra.database_url,
-        bus=infra.bus,
+        bus=fit_bus,
+        key=key,
     )
     return versioned, True
+
+
+@contextlib.asynccontextmanager
+async def role_buses(settings: SwitchyardSettings, infra: Infrastructure) -> AsyncIterator[dict[str, Bus]]:
+    """One connection per role (fit, fleet, loadgen, readonly) under per-role credentials; else the shared one."""
+    roles = ("fit", "fleet", "loadgen", "readonly")
+    if settings.nats_credentials is None:
+        yield dict.fromkeys(roles, infra.bus)
+        return
+    buses: dict[str, Bus] = {}
+    try:
+        for role in roles:
+            buses[role] = await Bus.connect(settings, name=f"switchyard-up-{role}", servers=[infra.nats_url], role=role)
+        yield buses
+    finally:
+        for bus in buses.values():
+            await bus.close()
 
 
 def _ms(value: float) -> str:
@@ -327,7 +352,8 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
                 if await _wait(stop, min(0.5, max(deadline - time.monotonic(), 0.0))):
                     break
         else:
-            await _run_fleet(settings, options, infra, stop, tasks)
+            async with role_buses(services_settings, infra) as buses:
+                await _run_fleet(settings, options, infra, stop, tasks, buses)
         console.print("stopping...")
     finally:
         await router.stop()
@@ -350,6 +376,7 @@ async def _run_fleet(
     infra: Infrastructure,
     stop: asyncio.Event,
     services: list[asyncio.Task[None]],
+    buses: dict[str, Bus],
 ) -> None:
     trace = options.trace or settings.trace(shipped.ESFT)
     csv_path = options.requests_csv or settings.trace(shipped.AZURE_CONV)
@@ -362,7 +389,7 @@ async def _run_fleet(
         speed=options.speed,
     )
     artifact, fitted = await ensure_artifact(
-        infra, scenario, config.decode_ids(), settings, options.refit, options.seed
+        infra, scenario, config.decode_ids(), settings, options.refit, options.seed, buses["fit"]
     )
     console.print(
         f"routing artifact v{artifact.version} ({'fitted now' if fitted else 'reused'}): "
@@ -370,9 +397,9 @@ async def _run_fleet(
         f"{artifact.model.num_layers} layers, {artifact.representation}, rho {artifact.rho:.3f}"
     )
     fleet = LiveFleet(scenario, config)
-    await fleet.start(infra.bus)
+    await fleet.start(buses["fleet"])
     view = FleetView()
-    await view.subscribe(infra.bus, requester="switchyard-up")
+    await view.subscribe(buses["readonly"], requester="switchyard-up")
     requests = await asyncio.to_thread(load_request_csv, csv_path)
     # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
     duration = options.duration_s if options.duration_s is not None else 600.0
@@ -385,7 +412,7 @@ async def _run_fleet(
         time_scale=options.time_scale,
         max_tokens=fleet.max_tokens,
     )
-    loadgen = LoadGenerator(infra.bus, workload, config.prefill_ids(), speed=options.speed)
+    loadgen = LoadGenerator(buses["loadgen"], workload, config.prefill_ids(), speed=options.speed)
     await loadgen.listen()
     console.print(
         f"fleet {config.prefill}P{config.decode}D ({scenario.model.name} on {options.gpu}, "
@@ -425,5 +452,5 @@ async def _run_fleet(
         await fleet.stop()
     history = await _history_counts(infra.database_url)
     with contextlib.suppress(Exception):  # a refit (`switchyard fit --from-stream`) may have replaced it meanwhile
-        artifact = await get_artifact_kv(infra.bus) or artifact
+        artifact = await get_artifact_kv(buses["fit"], settings.artifact_key()) or artifact
     console.print(_summary(options, loadgen, fleet, artifact, history, elapsed))

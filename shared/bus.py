@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
@@ -32,7 +33,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
-from switchyard.shared.errors import ConfigError, WireError
+from switchyard.shared.errors import ConfigError, Impersonation, WireError
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
 
@@ -53,6 +54,17 @@ HANDLER_ERRORS = Counter(
 )
 
 
+def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
+    """Refuse a message on `<prefix>.engine.<id>.` whose `engine_id` is not `<id>` (raises `Impersonation`).
+
+    The bus permissions let engine X publish only under its own subject, so the subject says who sent it.
+    """
+    sender = subjects.engine_of(subject)
+    claimed = getattr(message, "engine_id", None)
+    if sender is not None and claimed is not None and claimed != sender:
+        raise Impersonation("engine_id", f"{claimed!r} published on {sender!r}'s subject")
+
+
 def rejected_count(subscription: str, code: str) -> float:
     """Current value of the rejection counter (for tests and status pages)."""
     return REJECTED.labels(subscription, code)._value.get()
@@ -67,8 +79,24 @@ def _tls_context(settings: SwitchyardSettings) -> ssl.SSLContext | None:
     return context
 
 
-def connect_options(settings: SwitchyardSettings, servers: list[str]) -> dict[str, Any]:
-    """nats-py connect() keyword arguments for these settings."""
+def role_user(settings: SwitchyardSettings, role: str | None) -> tuple[str, str] | None:
+    """(user, password) of `role` from the per-role credentials file, if settings name one."""
+    if role is None or settings.nats_credentials is None:
+        return None
+    from switchyard.shared.nats_auth import Credentials
+
+    users = Credentials.load(settings.nats_credentials).users
+    if role not in users:
+        raise ConfigError(f"no NATS credentials for role {role!r} in {settings.nats_credentials}")
+    return users[role]["user"], users[role]["password"]
+
+
+def connect_options(settings: SwitchyardSettings, servers: list[str], role: str | None = None) -> dict[str, Any]:
+    """nats-py connect() keyword arguments for these settings (as `role`, when per-role credentials are set).
+
+    A connection with a user name takes replies on its own inbox prefix (`_INBOX_<user>.`), which is all the
+    generated server configuration lets it subscribe to (see `shared.nats_auth`).
+    """
     options: dict[str, Any] = {
         "servers": servers,
         "connect_timeout": settings.nats_connect_timeout_s,
@@ -77,8 +105,18 @@ def connect_options(settings: SwitchyardSettings, servers: list[str]) -> dict[st
         "reconnect_time_wait": 1,
         "tls": _tls_context(settings),
     }
-    if settings.nats_user is not None:
+    user = role_user(settings, role)
+    if user is not None:
+        options["user"], options["password"] = user
+    elif settings.nats_user is not None:
         options["user"], options["password"] = settings.nats_user, settings.nats_password
+    if "user" in options:
+        from switchyard.shared.nats_auth import inbox_prefix
+
+        with contextlib.suppress(ValueError):  # a user name that is no subject token keeps the default inbox
+            options["inbox_prefix"] = inbox_prefix(options["user"])
+    if user is not None:
+        return {k: v for k, v in options.items() if v is not None}
     if settings.nats_token is not None:
         options["token"] = settings.nats_token
     if settings.nats_nkey_seed_file is not None:
@@ -145,10 +183,12 @@ class Bus:
         servers: list[str] | None = None,
         *,
         no_echo: bool = False,
+        role: str | None = None,
     ) -> Bus:
         """Connect, retrying with capped exponential backoff for `nats_initial_connect_s` seconds.
 
         `no_echo`: the server does not deliver this connection's own publishes to its own subscriptions.
+        `role`: connect as this role's user when settings name a per-role credentials file.
         """
         servers = servers or settings.nats_servers
         if not servers:
@@ -157,7 +197,7 @@ class Bus:
         deadline = loop.time() + settings.nats_initial_connect_s
         delay = 0.1
         closing = [False]
-        options = {**connect_options(settings, servers), **_quiet_callbacks(name, closing), "no_echo": no_echo}
+        options = {**connect_options(settings, servers, role), **_quiet_callbacks(name, closing), "no_echo": no_echo}
         # nats-py's own loop never gives up on a first connection when attempts are unlimited, so probe with
         # one quick attempt per round and do the backing off here.
         probe_closing = [False]
@@ -244,14 +284,16 @@ class Bus:
         await self.js.add_consumer(stream, config=config)  # create-or-update on NATS >= 2.9
         return await self.js.pull_subscribe_bind(durable, stream)
 
-    async def ensure_kv(self, bucket: str, history: int = 16) -> KeyValue:
-        """Open a KV bucket, creating it on first use."""
+    async def ensure_kv(self, bucket: str, history: int = 16, ttl: float | None = None) -> KeyValue:
+        """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write)."""
         try:
             return await self.js.key_value(bucket)
         except BucketNotFoundError:
             pass
         try:
-            return await self.js.create_key_value(bucket=bucket, history=history, max_value_size=self.max_payload)
+            return await self.js.create_key_value(
+                bucket=bucket, history=history, max_value_size=self.max_payload, ttl=ttl
+            )
         except BadRequestError:  # created concurrently with another config: use what exists
             return await self.js.key_value(bucket)
 
@@ -272,7 +314,7 @@ class Bus:
         return decode_reply(msg.data, reply, self.max_payload)
 
     def _decoder(self, schema: type[M], label: str) -> Callable[[bytes], M | WireError]:
-        max_payload = self.max_payload
+        max_payload = min(self.max_payload, schema.MAX_WIRE_BYTES or self.max_payload)
         warn = _RateLimitedWarning(label)
 
         def _decode(data: bytes) -> M | WireError:
@@ -295,10 +337,17 @@ class Bus:
         """Deliver decoded messages to `handler`; malformed ones are counted and dropped."""
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
+        warn = _RateLimitedWarning(subject)
 
         async def _on_message(msg: Msg) -> None:
             message = decode_one(msg.data)
             if isinstance(message, WireError):
+                return
+            try:
+                check_sender(self.subjects, msg.subject, message)
+            except Impersonation as exc:
+                REJECTED.labels(subject, exc.code).inc()
+                warn(exc)
                 return
             try:
                 result = handler(message, msg)

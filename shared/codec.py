@@ -65,7 +65,7 @@ def _wire_dtype(dtype_str: Any) -> np.dtype:
         raise _array_error(f"dtype must be a short numpy type string like '<u2', got {dtype_str!r}")
     try:
         dtype = np.dtype(dtype_str)
-    except TypeError:
+    except Exception:  # numpy parses some strings as Python (',2': SyntaxError), not only TypeError
         raise _array_error(f"unknown dtype {dtype_str!r}") from None
     if dtype.kind not in _ALLOWED_KINDS:
         raise _array_error(f"dtype {dtype_str!r} is not numeric (allowed kinds: bool, int, uint, float)")
@@ -143,6 +143,10 @@ class WireModel(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="ignore", arbitrary_types_allowed=True)
 
     VERSION: ClassVar[int] = 1
+    #: Largest encoding accepted for this message class on the bus (None: the bus-wide max payload). Small
+    #: messages on wildcard subscriptions get a limit far below the server's: a flood of 8 MiB "telemetry"
+    #: is then refused by size before it is unpacked (issue 15, finding 3).
+    MAX_WIRE_BYTES: ClassVar[int | None] = None
     v: int = 0
 
     @model_validator(mode="before")

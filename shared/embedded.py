@@ -57,9 +57,16 @@ class EmbeddedNats:
     """Start with `start()` (or `with EmbeddedNats(dir) as nats:`), connect to `nats.url`."""
 
     def __init__(
-        self, store_dir: Path, host: str = "127.0.0.1", port: int | None = None, max_payload: int = 8 * 1024 * 1024
+        self,
+        store_dir: Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+        extra_config: str = "",
     ) -> None:
         self.store_dir = Path(store_dir)
+        #: Appended to the generated config, e.g. an `authorization` block from `shared.nats_auth`.
+        self.extra_config = extra_config
         self.host = host
         self.port = port
         self.max_payload = max_payload
@@ -79,7 +86,7 @@ class EmbeddedNats:
         config.write_text(
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
-            f'jetstream {{\n  store_dir: "{jetstream_dir}"\n  max_memory_store: 268435456\n}}\n'
+            f'jetstream {{\n  store_dir: "{jetstream_dir}"\n  max_memory_store: 268435456\n}}\n' + self.extra_config
         )
         return config
 

@@ -48,6 +48,13 @@ class ArrayMismatch(WireError):
     code = "array"
 
 
+class Impersonation(WireError):
+    """A message names another engine than the subject it was published on (`sy.engine.<id>.`): with
+    per-engine bus permissions the subject is the proof of who sent it, the payload's claim is not."""
+
+    code = "engine_id_mismatch"
+
+
 class ConfigError(ValueError):
     """A setting or URL the user gave cannot work (unknown scheme, missing server): said in one line."""
 

@@ -59,10 +59,22 @@ __all__ = [
 #: Engine and group ids become NATS subject tokens: no dots, spaces or wildcards.
 EngineId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
-Count = Annotated[int, Field(ge=0)]
-Positive = Annotated[int, Field(gt=0)]
+#: Bounded to what every consumer can hold: numpy int64 columns and BIGINT in the database (2**63 would raise
+#: `OverflowError` in a handler, not a validation error at the door).
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Positive = Annotated[int, Field(gt=0, le=2**63 - 1)]
+#: Plan versions are INTEGER columns in the history database.
+Version = Annotated[int, Field(gt=0, le=2**31 - 1)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-Timestamp = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: Unix seconds up to 9999-12-31 (what `datetime` and the database hold; 1e308 is no time).
+Timestamp = Annotated[float, Field(ge=0.0, le=253_402_300_799.0, allow_inf_nan=False)]
+#: A plan id is stored as VARCHAR(64) and named in logs: no NUL or other control characters.
+PlanId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+#: Largest layers x experts of an expert-load window (DeepSeek-V3: 58 x 256 = 14,848): a receiver keeps a
+#: float64 copy per group, so a window of [2048, 4000] from an invented group cost 65 MB.
+MAX_EXPERT_CELLS = 1 << 18
+#: Longest interval an engine may announce between hellos: who is silent longer is gone, not resting.
+MAX_HELLO_INTERVAL_S = 60.0
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Role = Literal["prefill", "decode", "dp"]
@@ -107,6 +119,8 @@ class Capacity(_Part):
 class Hello(WireModel):
     """`sy.engine.<id>.hello`: who an engine is. Published on start and every `hello_interval_s`."""
 
+    MAX_WIRE_BYTES: ClassVar[int | None] = 256 * 1024  # up to 1024 GPU names
+
     engine_id: EngineId
     role: Role
     model: ModelShape
@@ -120,8 +134,8 @@ class Hello(WireModel):
     #: Whether the engine applies `sy.engine.<id>.migrate` steps; the placement service plans only groups
     #: whose coordinator does (a plan for the others could only be refused).
     migrates: bool = True
-    hello_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
-    telemetry_interval_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 0.1
+    hello_interval_s: Annotated[float, Field(gt=0.0, le=MAX_HELLO_INTERVAL_S, allow_inf_nan=False)] = 5.0
+    telemetry_interval_s: Annotated[float, Field(gt=0.0, le=MAX_HELLO_INTERVAL_S, allow_inf_nan=False)] = 0.1
     #: The engine's OpenAI-compatible HTTP base URL (e.g. `http://10.0.0.5:8000`), where the gateway sends the
     #: requests it routes there; None for an engine that serves no HTTP. The model it serves is `model.name`;
     #: role `dp` is a mixed (prefill and decode) engine of a data-parallel fleet.
@@ -133,6 +147,8 @@ class Telemetry(WireModel):
 
     `seq` increases by one per message from an engine's start, so consumers can detect gaps and restarts.
     """
+
+    MAX_WIRE_BYTES: ClassVar[int | None] = 16 * 1024  # ~200 bytes in practice
 
     engine_id: EngineId
     seq: Count
@@ -173,6 +189,11 @@ class ExpertLoad(WireModel):
     def _consistent(self) -> ExpertLoad:
         if self.window_end < self.window_start:
             raise ValueError("window_end precedes window_start")
+        layers, experts = self.expert_counts.shape
+        if layers == 0 or experts == 0:
+            raise ValueError(f"expert_counts shape {[layers, experts]} has no layer or no expert")
+        if layers * experts > MAX_EXPERT_CELLS:
+            raise ValueError(f"expert_counts shape {[layers, experts]} exceeds {MAX_EXPERT_CELLS} layer x expert cells")
         _at_least(self.expert_counts, 0, "expert_counts")
         _at_least(self.source_counts, 0, "source_counts")
         if self.source_counts is not None:
@@ -254,6 +275,8 @@ class Announce(WireModel):
     `engine_id` narrows the request to one engine (e.g. telemetry arrived from an engine never introduced).
     """
 
+    MAX_WIRE_BYTES: ClassVar[int | None] = 4 * 1024
+
     requester: Annotated[str, Field(min_length=1, max_length=64)]
     engine_id: EngineId | None = None
 
@@ -299,10 +322,10 @@ def _check_moves(moves: np.ndarray) -> None:
 class PlacementPlan(WireModel):
     """`sy.placement.plan` (JetStream): a versioned expert placement for one engine group."""
 
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     engine_group: EngineId
-    base_version: Count | None = None
+    base_version: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     created_at: Timestamp
     source: Literal["greedy", "minlp", "manual", "rollback"]
     gpus: Annotated[list[str], Field(min_length=1, max_length=1024)]
@@ -324,8 +347,8 @@ class PlacementPlan(WireModel):
 class MigrateRequest(WireModel):
     """`sy.engine.<id>.migrate`: apply one ordered batch of moves of a plan (idempotent per plan+step)."""
 
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     engine_group: EngineId
     step: Count
     moves: SignedMatrix
@@ -337,8 +360,8 @@ class MigrateRequest(WireModel):
 
 
 class MigrateReply(WireModel):
-    plan_id: Annotated[str, Field(min_length=1, max_length=64)]
-    version: Positive
+    plan_id: PlanId
+    version: Version
     step: Count
     applied: Count
     duration_s: Seconds
@@ -439,7 +462,7 @@ class CalibrationRequest(WireModel):
 class RoutingArtifact(WireModel):
     """KV bucket `sy-router`, key `artifact`: the offline ELDR fit the router scores signatures against."""
 
-    version: Positive
+    version: Version
     content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]
     created_at: Timestamp
     model: ModelShape
@@ -451,6 +474,8 @@ class RoutingArtifact(WireModel):
     rho: Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
     decoder_ids: list[EngineId] | None = None
     num_calibration: Count = 0
+    #: HMAC-SHA256 by the fit job (`services.artifacts.sign_artifact`); required by routers given a key.
+    signature: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RoutingArtifact:

@@ -19,11 +19,17 @@ class Seq(Enum):
     RESTART = "restart"
 
 
+#: Late messages are at most this many behind: NATS keeps one publisher's order, so a step back at all
+#: needs a reconnect. A bigger step back is a restart (or a forged jump forward before it, which must not
+#: make the engine's real messages "late" until its counter catches up: one forged +300 silenced an engine
+#: for 30 s), so it is accepted and the consumer starts over from it.
+MAX_REORDER = 32
+
+
 def classify(last: int | None, seq: int) -> tuple[Seq, int]:
     """What `seq` means after `last` (None: nothing accepted yet), and how many messages were missed.
 
-    A step back counts as a restart when it lands below half of `last` or more than 1,000 back: late
-    messages over NATS are reordered by a few, never by that much.
+    A step back counts as a restart when it lands below half of `last` or more than `MAX_REORDER` back.
     """
     if last is None or last < 0:
         return Seq.FIRST, 0
@@ -31,6 +37,6 @@ def classify(last: int | None, seq: int) -> tuple[Seq, int]:
         return Seq.NEXT, 0
     if seq > last:
         return Seq.GAP, seq - last - 1
-    if seq < max(last // 2, last - 1000):
+    if seq < max(last // 2, last - MAX_REORDER):
         return Seq.RESTART, 0
     return Seq.LATE, 0

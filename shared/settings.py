@@ -28,6 +28,10 @@ class SwitchyardSettings(BaseSettings):
     nats_token: str | None = None
     nats_nkey_seed_file: Path | None = None
     nats_creds_file: Path | None = None
+    #: Per-role NATS users (`switchyard nats-config` writes this JSON file): each component connects as its
+    #: role (router, placement, migration, fit, api, readonly, fleet, loadgen, admin, engine-<id>).
+    #: Overrides nats_user/nats_password for a component whose role is in the file.
+    nats_credentials: Path | None = None
     nats_tls_ca: Path | None = None
     nats_tls_cert: Path | None = None
     nats_tls_key: Path | None = None
@@ -44,6 +48,13 @@ class SwitchyardSettings(BaseSettings):
     #: A folder of the user's own traces laid out like the shipped `switchyard.data` (routing/, requests/,
     #: expert_load/); the CLI defaults take a file from it where it has one, else the shipped copy.
     trace_dir: Path | None = None
+    #: JSON `{engine_id: {"ep_group": ..., "dp_rank": ...}}` (`switchyard nats-config --engines id:group:rank`):
+    #: when set, placement, migration and the API believe a hello only from a listed engine for its listed group
+    #: and rank (bus permissions prove who an engine is, not which group it belongs to).
+    engine_manifest: Path | None = None
+    #: A secret shared by the fit job (signs routing artifacts) and the routers (refuse unsigned or wrongly
+    #: signed ones). Unset: artifacts are neither signed nor checked beyond their content hash.
+    artifact_key_file: Path | None = None
     #: Largest bus payload accepted by decoders (and configured on the embedded server).
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     log_level: str = "INFO"
@@ -86,6 +97,27 @@ class SwitchyardSettings(BaseSettings):
     @property
     def sqlite_path(self) -> Path:
         return self.data_dir / "switchyard.sqlite"
+
+    def engine_bindings(self) -> dict[str, tuple[str, int]] | None:
+        """The engine manifest as engine id -> (ep_group, dp_rank), or None when there is none."""
+        if self.engine_manifest is None:
+            return None
+        import json
+
+        try:
+            raw = json.loads(self.engine_manifest.read_text())
+            return {e: (str(v["ep_group"]), int(v.get("dp_rank", 0))) for e, v in raw.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"SWITCHYARD_ENGINE_MANIFEST {self.engine_manifest}: {exc}") from exc
+
+    def artifact_key(self) -> bytes | None:
+        """The artifact signing key (the key file's bytes, surrounding whitespace removed), or None."""
+        if self.artifact_key_file is None:
+            return None
+        key = self.artifact_key_file.read_bytes().strip()
+        if len(key) < 16:
+            raise ValueError(f"SWITCHYARD_ARTIFACT_KEY_FILE {self.artifact_key_file}: a key needs >= 16 bytes")
+        return key
 
     def trace(self, relative: str) -> Path:
         """A shipped trace (`switchyard.data` names), or the user's copy under `trace_dir` when it has one."""

@@ -54,6 +54,13 @@ class Subjects:
     def all_signatures(self) -> str:
         return f"{self.prefix}.engine.*.signature"
 
+    def engine_of(self, subject: str) -> str | None:
+        """The engine id of a `<prefix>.engine.<id>.<kind>` subject (None for any other subject)."""
+        parts = subject.split(".")
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1] == "engine":
+            return parts[2]
+        return None
+
     # --- engine -> control plane (JetStream, must not be lost) ---
     def expert_load(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.expert_load"
@@ -126,6 +133,11 @@ class Subjects:
     @property
     def router_bucket(self) -> str:
         return f"{self.prefix}-router"
+
+    @property
+    def lease_bucket(self) -> str:
+        """One owner per engine group across replicas of the placement and migration services."""
+        return f"{self.prefix}-leases"
 
     @property
     def artifact_key(self) -> str:

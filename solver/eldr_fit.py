@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 import numpy as np
 
 from switchyard.shared.codec import array_to_wire
 from switchyard.shared.schemas import ModelShape, RoutingArtifact
-from switchyard.solver.kmeans import spherical_kmeans
 from switchyard.solver.representations import (
     ONLINE_REPRESENTATIONS,
     REPRESENTATIONS,
@@ -35,19 +34,11 @@ from switchyard.solver.representations import (
     idf_weights,
     signature_vectors,
 )
-from switchyard.solver.rho import (
-    LayerSearch,
-    calibration_pairs,
-    decode_target,
-    greedy_layer_search,
-    pair_cosine_distances,
-    rho,
-    rho_along,
-    rho_of_distances,
-    rho_sampling_error,
-)
 from switchyard.solver.signatures import RequestCounts, request_counts
 from switchyard.solver.traces import RoutingTrace
+
+if TYPE_CHECKING:
+    from switchyard.solver.rho import LayerSearch
 
 __all__ = ["DEFAULT_TAU", "FitError", "FitOptions", "artifact_content_hash", "content_hash", "fit_routing_artifact"]
 
@@ -158,6 +149,20 @@ def fit_routing_artifact(
 ) -> tuple[RoutingArtifact, dict[str, Any]]:
     """Fit one centroid per decoder from calibration requests; returns the artifact (version 1: the caller
     that persists it assigns the real version) and a JSON-ready report."""
+    # SciPy (k-means' assignment, rho's rank statistics) costs seconds to import; a router only hashes
+    # artifacts (`artifact_content_hash`), so it is imported here, by the fit alone.
+    from switchyard.solver.kmeans import spherical_kmeans
+    from switchyard.solver.rho import (
+        calibration_pairs,
+        decode_target,
+        greedy_layer_search,
+        pair_cosine_distances,
+        rho,
+        rho_along,
+        rho_of_distances,
+        rho_sampling_error,
+    )
+
     options = options or FitOptions()
     clock = time.perf_counter
     start = clock()

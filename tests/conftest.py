@@ -112,7 +112,7 @@ async def _delete_jetstream_state(b: Bus) -> None:
     """Drop the test's streams and KV bucket, so a long session does not pile up JetStream state on disk."""
     from nats.js.errors import NotFoundError
 
-    for name in [*b.subjects.streams(), f"KV_{b.subjects.router_bucket}"]:
+    for name in [*b.subjects.streams(), f"KV_{b.subjects.router_bucket}", f"KV_{b.subjects.lease_bucket}"]:
         with contextlib.suppress(NotFoundError):
             await b.js.delete_stream(name)
 

@@ -13,18 +13,22 @@ request_ids = st.text(min_size=1, max_size=128)
 counts = st.integers(min_value=0, max_value=2**40)
 small_counts = st.integers(min_value=0, max_value=10_000)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False)
+#: Plan ids: printable (no NUL or control characters, which storage refuses).
+plan_ids = st.text(
+    st.characters(min_codepoint=0x20, exclude_characters="\x7f", exclude_categories=("Cs",)), min_size=1, max_size=64
+)
 fractions = st.floats(min_value=0, max_value=1, allow_nan=False)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 nonneg = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
 uint_dtypes = st.sampled_from([np.uint8, np.uint16, np.uint32, np.int32, np.int64])
 
 
-def int_arrays(ndim: int, max_side: int = 6, signed: bool = False) -> st.SearchStrategy[np.ndarray]:
+def int_arrays(ndim: int, max_side: int = 6, signed: bool = False, min_side: int = 0) -> st.SearchStrategy[np.ndarray]:
     dtypes = st.sampled_from([np.int8, np.int16, np.int32, np.int64]) if signed else uint_dtypes
     return dtypes.flatmap(
         lambda dt: hnp.arrays(
             dt,
-            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=0, max_side=max_side),
+            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=min_side, max_side=max_side),
             elements=st.integers(0 if not signed else -1, 100),
         )
     )
@@ -74,7 +78,7 @@ telemetries = st.builds(
 
 @st.composite
 def expert_loads(draw: st.DrawFn) -> s.ExpertLoad:
-    b = draw(int_arrays(2))
+    b = draw(int_arrays(2, min_side=1))  # a window has at least one layer and one expert
     start = draw(times)
     a = None
     if draw(st.booleans()):
@@ -140,7 +144,7 @@ def placement_plans(draw: st.DrawFn) -> s.PlacementPlan:
         )
     )
     return s.PlacementPlan(
-        plan_id=draw(st.text(min_size=1, max_size=64)),
+        plan_id=draw(plan_ids),
         version=draw(st.integers(1, 10**6)),
         engine_group=draw(ids),
         base_version=draw(st.none() | small_counts),
@@ -157,7 +161,7 @@ def placement_plans(draw: st.DrawFn) -> s.PlacementPlan:
 
 migrate_requests = st.builds(
     s.MigrateRequest,
-    plan_id=st.text(min_size=1, max_size=64),
+    plan_id=plan_ids,
     version=st.integers(1, 10**6),
     engine_group=ids,
     step=small_counts,
@@ -165,7 +169,7 @@ migrate_requests = st.builds(
 )
 migrate_replies = st.builds(
     s.MigrateReply,
-    plan_id=st.text(min_size=1, max_size=64),
+    plan_id=plan_ids,
     version=st.integers(1, 10**6),
     step=small_counts,
     applied=small_counts,
@@ -225,6 +229,7 @@ def routing_artifacts(draw: st.DrawFn) -> s.RoutingArtifact:
         rho=draw(st.floats(-1, 1)),
         decoder_ids=decoders,
         num_calibration=draw(small_counts),
+        signature=draw(st.none() | st.from_regex(r"\A[0-9a-f]{64}\Z")),
     )
 
 

@@ -55,6 +55,23 @@ def test_file_round_trip_and_tampering_is_detected(tmp_path: Path, fitted: tuple
         read_artifact_file(tmp_path / "absent.msgpack")
 
 
+def test_a_key_demands_the_fit_jobs_signature(fitted: tuple[RoutingArtifact, dict]) -> None:
+    from switchyard.services.artifacts import load_artifact, sign_artifact
+
+    artifact, _ = fitted
+    key = b"a signing key of 32 bytes......."
+    signed = sign_artifact(artifact, key)
+    assert load_artifact(encode(signed), key=key).signature == signed.signature
+    assert load_artifact(encode(artifact)).signature is None  # no key configured: unsigned is accepted
+    with pytest.raises(ArtifactError, match="unsigned"):
+        load_artifact(encode(artifact), key=key)
+    with pytest.raises(ArtifactError, match="signature does not match"):
+        load_artifact(encode(sign_artifact(artifact, b"x" * 32)), key=key)
+    bumped = signed.model_copy(update={"version": signed.version + 1})  # the signature covers the version
+    with pytest.raises(ArtifactError, match="signature does not match"):
+        load_artifact(encode(bumped), key=key)
+
+
 async def test_publish_versions_from_every_destination(
     bus: Bus, database_url: str, tmp_path: Path, fitted: tuple[RoutingArtifact, dict]
 ) -> None:

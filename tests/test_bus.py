@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -296,7 +298,34 @@ async def test_durable_pull_follows_the_settings_in_the_code(bus: Bus) -> None:
 
 def test_the_shipped_nats_server_config_is_valid_and_allows_our_payloads() -> None:
     config = Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf"
-    checked = subprocess.run([str(find_nats_server()), "-c", str(config), "-t"], capture_output=True, text=True)
+    from switchyard.shared.nats_auth import password_variable
+
+    text = config.read_text()
+    users = re.findall(r'user: "([^"]+)"', text)
+    env = {**os.environ, **{password_variable(u): "pw-" + u for u in users}}  # the passwords come from here
+    checked = subprocess.run(
+        [str(find_nats_server()), "-c", str(config), "-t"], capture_output=True, text=True, env=env
+    )
     assert checked.returncode == 0, checked.stderr
-    assert "max_payload: 8MB" in config.read_text()  # == SwitchyardSettings().max_payload_bytes
+    assert "max_payload: 8MB" in text  # == SwitchyardSettings().max_payload_bytes
+    assert re.search(r"^listen: 127\.0\.0\.1:4222", text, re.M) and re.search(r"^authorization \{", text, re.M)
     assert SwitchyardSettings().max_payload_bytes == 8 * 1024 * 1024
+
+
+async def test_small_message_classes_have_their_own_size_limit(bus: Bus) -> None:
+    """Finding 3: payloads near 8 MiB on `sy.engine.*.telemetry` were accepted up to the server's limit; a
+    telemetry message is ~200 bytes, so its class is refused beyond 16 KiB, before it is unpacked."""
+    got: list[int] = []
+    await bus.subscribe(bus.subjects.all_telemetry, s.Telemetry, lambda m, _: got.append(m.seq))
+    await bus.nc.flush()
+    before = rejected_count(bus.subjects.all_telemetry, "too_large")
+    padded = msgpack.packb({**msgpack.unpackb(encode(_telemetry(1))), "padding": "x" * 64 * 1024})
+    await bus.nc.publish(bus.subjects.telemetry("e1"), padded)  # valid apart from its size
+    await bus.publish(bus.subjects.telemetry("e1"), _telemetry(2))
+    await bus.nc.flush()
+    for _ in range(40):
+        if got:
+            break
+        await asyncio.sleep(0.05)
+    assert got == [2] and rejected_count(bus.subjects.all_telemetry, "too_large") == before + 1
+    assert bus.max_payload // 100 > s.Telemetry.MAX_WIRE_BYTES

@@ -71,6 +71,11 @@ def test_calibrate_reads_the_sglang_statistics(tmp_path: Path) -> None:
     summary = _run("--windows", str(SGLANG), "--layers", "2", "--experts", "32", "--database-url", url, *FAST)
     assert summary["num_windows"] == 3  # one decode and two prefill windows of four workloads each
     assert summary["comm_gap"] > -1 and summary["solve_seconds"] > 0
+    for method in ("greedy", "place", "keep_layout", "eplb"):
+        assert {"objective_gap", "agreement", "agreement_moved", "comm_gap"} <= set(summary[method]), method
+    assert summary["place"]["agreement"] == summary["agreement"]
+    assert summary["keep_layout"]["objective_gap"] > summary["place"]["objective_gap"]
+    assert summary["weights"]["paper"] == {**summary["weights"]["paper"], "alpha": 1.0, "beta": 0.0025, "gamma": 1.0}
 
 
 def test_sglang_windows_use_workloads_as_equal_volume_sources() -> None:

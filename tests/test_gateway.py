@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,9 +15,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
+from switchyard.services.gateway.choice import rendezvous_order
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.stub import StubConfig
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.embedded import free_port
@@ -145,21 +151,98 @@ async def test_client_disconnect_aborts_upstream(bus: Bus, settings: SwitchyardS
             async for _chunk in response.aiter_raw():
                 break  # the client reads one chunk and goes away
         await wait_for(lambda: len(engines["a"].aborted) == 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)  # nothing leaks
         assert engines["a"].finished == []
         assert engines["a"].received[0][1] == engines["a"].aborted[0]
 
 
-async def test_router_down_falls_back_locally_and_counts_it(bus: Bus, settings: SwitchyardSettings) -> None:
+async def test_handoff_survives_a_failed_prefill_and_a_missing_router(bus: Bus, settings: SwitchyardSettings) -> None:
+    ranked = rendezvous_order(BODY["prompt"].encode(), ["p0", "p1"])  # the prompt's affinity order
+    stubs = [
+        StubConfig(f"p{ranked[0]}", role="prefill", fail_first=1),
+        StubConfig(f"p{ranked[1]}", role="prefill"),
+        StubConfig("d0", role="decode"),
+    ]
+    before = metric("switchyard_gateway_routing_fallbacks_total", kind="decode", reason="no_responders")
+    retries = metric("switchyard_gateway_retries_total", hop="prefill")
+    async with (
+        deployment(settings, bus, stubs, router=False) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        first = await client.post("/v1/completions", json=BODY)  # the first-ranked prefill engine fails once
+        second = await client.post("/v1/completions", json=BODY)
+        scraped = (await client.get("/metrics")).text
+    assert first.status_code == 200 and second.status_code == 200
+    assert first.json()["served_by"] == "d0"
+    # the first-ranked engine failed once (retried on the other), then took the second request: affinity
+    assert len(engines[f"p{ranked[0]}"].received) == 2 and len(engines[f"p{ranked[1]}"].received) == 1
+    assert metric("switchyard_gateway_retries_total", hop="prefill") == retries + 1
+    assert metric("switchyard_gateway_routing_fallbacks_total", kind="decode", reason="no_responders") == before + 2
+    assert "switchyard_gateway_ttft_seconds_bucket" in scraped and 'kind="disagg"' in scraped
+
+
+async def test_engine_refusals_pass_through_and_unknown_models_get_404(bus: Bus, settings: SwitchyardSettings) -> None:
+    retries = metric("switchyard_gateway_retries_total", hop="dp")
+    async with (
+        deployment(settings, bus, [StubConfig("a"), StubConfig("b")]) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        refused = await client.post("/v1/completions", json={**BODY, "max_tokens": 10**6})
+        streamed = await client.post("/v1/completions", json={**BODY, "max_tokens": 10**6, "stream": True})
+        unknown = await client.post("/v1/completions", json={**BODY, "model": "nope"})
+    for answer in (refused, streamed):
+        assert answer.status_code == 400 and "exceeds the context" in answer.json()["error"]["message"]
+    assert sum(len(e.received) for e in engines.values()) == 2  # each tried once: a refusal is not retried
+    assert metric("switchyard_gateway_retries_total", hop="dp") == retries
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_before_the_first_byte_aborts_upstream(
+    bus: Bus, settings: SwitchyardSettings, stream: bool
+) -> None:
+    stubs = [StubConfig("a", tokens=2, token_interval_s=60.0)]  # nothing for a minute
+    before = metric("switchyard_gateway_client_aborts_total", kind="dp")
+    async with deployment(settings, bus, stubs) as (gw, engines):
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": stream}))
+            await wait_for(lambda: len(engines["a"].received) == 1)
+            task.cancel()  # the client gives up and closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await wait_for(lambda: len(engines["a"].aborted) == 1)
+        await wait_for(lambda: metric("switchyard_gateway_client_aborts_total", kind="dp") == before + 1)
+        await wait_for(lambda: gw.registry.engines["a"].inflight == 0)
+    assert engines["a"].finished == []
+
+
+async def test_router_down_falls_back_locally_and_counts_it(
+    bus: Bus, settings: SwitchyardSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="switchyard.services.gateway.routing")
     before = metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders")
-    stubs = [StubConfig("a"), StubConfig("b")]
+    stubs = [StubConfig("a"), StubConfig("b", waiting_prefill_tokens=50_000)]
     async with (
         deployment(settings, bus, stubs, router=False) as (gw, engines),
         httpx.AsyncClient(base_url=gw.url) as client,
     ):
         answers = [await client.post("/v1/completions", json=BODY) for _ in range(4)]
+        assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
+        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))  # the router comes back
+        await router.start()
+        try:
+            fleet = router.core.fleet
+            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines))
+            await asyncio.sleep(0.15)
+            answers += [await client.post("/v1/completions", json=BODY) for _ in range(3)]
+        finally:
+            await router.stop()
     assert all(a.status_code == 200 for a in answers)
+    assert all(e.inflight == 0 for e in gw.registry.engines.values())
     assert metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason="no_responders") == before + 4
-    assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
+    assert len(engines["a"].received) == 5  # the router's choice again: b reports a long prefill backlog
+    lines = [r.getMessage() for r in caplog.records if r.name == "switchyard.services.gateway.routing"]
+    assert len(lines) == 2 and "router unavailable" in lines[0] and "after 4 local choices" in lines[1]
 
 
 async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: SwitchyardSettings) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 
 import numpy as np
 import pytest
@@ -15,10 +16,14 @@ from switchyard.services.gateway.body import BadBody, parse
 from switchyard.services.gateway.choice import least_loaded, pick_prefill, rendezvous_order
 from switchyard.services.gateway.disagg import decode_body, prefill_body, signature_in
 from switchyard.services.gateway.registry import EngineRegistry
-from switchyard.services.gateway.signatures import SignatureBox, new_request_id
+from switchyard.services.gateway.service import GatewayService
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.signatures import MISSES_BEFORE_NO_WAIT, SignatureBox, new_request_id
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.errors import ConfigError
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature, RouteDpRequest, Telemetry
+from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
 
 
@@ -163,6 +168,21 @@ async def test_signature_box_matches_vllm_request_ids_and_early_arrivals() -> No
     assert len(box.early) == 2  # bounded
 
 
+async def test_an_engine_without_bus_signatures_is_not_waited_for() -> None:
+    box = SignatureBox()
+    assert box.wait_for("p0", 0.2) == 0.2
+    for _ in range(MISSES_BEFORE_NO_WAIT):
+        rid = new_request_id()
+        box.expect(rid)
+        assert await box.wait(rid, 0.001, "p0") is None
+    assert box.wait_for("p0", 0.2) == 0.0 and box.wait_for("p1", 0.2) == 0.2
+    rid = new_request_id()
+    box.expect(rid)
+    box.on_signature(_signature(f"cmpl-{rid}-0"))  # a late signature from p0: it publishes them again
+    assert box.wait_for("p0", 0.2) == 0.2
+    assert await box.wait(rid, 0.0, "p0") is not None  # an early arrival is used even without waiting
+
+
 # ----- handoff bodies -----
 
 
@@ -212,3 +232,13 @@ def test_router_dp_rule_is_selectable() -> None:
     assert _dp_core("vllm").route_dp(request, 0.0).reply.engine_id == "b"
     with pytest.raises(ValueError, match="dp_rule"):
         RouterSettings(dp_rule="p2c")
+
+
+def test_a_busy_port_is_one_plain_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        service = GatewayService(SwitchyardSettings(), GatewaySettings(port=port))
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            service._listen()

@@ -252,3 +252,70 @@ async def test_a_migration_taken_up_too_often_is_given_up(bus: Bus, db_settings:
         assert done.state == "failed" and f"gave up after {FAST.max_runs} runs" in done.error
         assert "RuntimeError: boom" in done.error
         assert await _status(sessions, cursed.plan_id) == "failed"
+
+
+async def test_plans_that_can_never_be_stored_are_terminated_not_redelivered(
+    bus: Bus, db_settings: SwitchyardSettings
+) -> None:
+    """Finding 4: a plan id with a NUL byte or `created_at: 1e308` was NAKed forever (~205 tracebacks a minute)."""
+    import msgpack
+
+    from switchyard.services.migration.service import is_poison
+    from switchyard.shared.codec import encode
+
+    await bus.ensure_streams()
+    subject, stream = bus.subjects.placement_plan, bus.subjects.placement_stream
+    good = plan("g9", 1, default_layout(LAYERS, EXPERTS, GPUS))
+    raw = msgpack.unpackb(encode(good), raw=False)
+    before = rejected_count(subject, "schema")
+    for poison in ({"plan_id": "g9\x00v1"}, {"created_at": 1e308}, {"version": 2**40}):
+        await bus.js.publish(subject, msgpack.packb({**raw, **poison}, use_bin_type=True))
+    async with migration_service(db_settings):
+
+        async def settled() -> bool:
+            from nats.js.errors import NotFoundError
+
+            try:
+                info = await bus.js.consumer_info(stream, FAST.consumer)
+            except NotFoundError:  # the service has not created it yet
+                return False
+            return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.stream_seq == 3
+
+        await eventually(settled)
+        info = await bus.js.consumer_info(stream, FAST.consumer)
+        assert info.num_redelivered == 0 and info.delivered.stream_seq == 3
+    assert rejected_count(subject, "schema") == before + 3
+    # what the schema cannot see is judged by the error storing it raised
+    from sqlalchemy.exc import DataError, OperationalError
+
+    assert is_poison(DataError("INSERT", {}, ValueError("NUL"))) and is_poison(OverflowError("date"))
+    assert not is_poison(OperationalError("SELECT 1", {}, OSError("connection refused")))
+
+
+async def test_a_second_replica_leaves_a_running_migration_to_its_owner(
+    bus: Bus, db_settings: SwitchyardSettings
+) -> None:
+    """Finding 7: a second migration service resumed the migration the first was executing (17 duplicate
+    step requests; correctness rested on the engine's dedup). Now the group's lease keeps it out."""
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=1.0))  # ~0.2-0.5 s per step
+    await serve_migrate(bus, "e0", group)
+    await bus.ensure_streams()
+    target = plan("g0", 1, shuffled(base, 1))
+    async with (
+        announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
+        migration_service(db_settings, FAST.model_copy(update={"replica_id": "first"})) as sessions,
+    ):
+        await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+
+        async def running() -> bool:
+            migration = await _migration(sessions, target.plan_id)
+            return migration is not None and migration.state == "running"
+
+        await eventually(running)
+        async with migration_service(db_settings, FAST.model_copy(update={"replica_id": "second"})):
+            done = await eventually(lambda: _finished(sessions, target.plan_id))
+    assert done.state == "succeeded" and done.attempts == 1
+    steps = sorted({m.step for m in await _moves(sessions, done.id)})
+    assert group.requests == len(steps)  # every step sent once: no replica ran it twice
+    np.testing.assert_array_equal(group.layout, target.placement)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from switchyard.solver.placement import GreedyParams, MinlpOptions, greedy_hosts, hosts_from_slots, objective_of_hosts
-from switchyard.solver.placement.calibrate import agreement, calibrate, fit_params
+from switchyard.solver.placement import calibrate as calibrate_module
+from switchyard.solver.placement.calibrate import agreement, calibrate, fit_params, keep_layout_hosts
 from switchyard.solver.placement.refine import place
 from tests.placement_cases import random_problem
 
@@ -52,5 +53,37 @@ def test_calibration_reports_agreement_and_gaps_of_the_online_placement_and_the_
         assert summary["comm_gap"] == pytest.approx(comm / comm_minlp - 1)
     for window in result.windows:
         assert window["shape"] == [3, 12, 4]
-        assert window["minlp"]["total"] <= window["online"]["total"] + 1e-9  # the online placement is the hint
+        # the main reference starts from the current layout, so it is never worse than keeping it
+        keep = objective_of_hosts(problems[0], keep_layout_hosts(problems[0])).total
+        assert result.windows[0]["minlp"]["total"] <= keep + 1e-9
     assert result.details()["windows"] == list(result.windows)
+
+
+def test_every_method_is_judged_against_a_reference_that_did_not_start_from_it(monkeypatch) -> None:
+    """The references start from keep-layout and EPLB, never from `place`/greedy; keep-layout is judged
+    against the EPLB-started one. Keep-layout agrees on no moved copy and costs more than `place`."""
+    rng = np.random.default_rng(3)
+    problems = [random_problem(rng, layers=3, experts=12, gpus=4, sources=4, migration=0.01) for _ in range(2)]
+    hints: list[np.ndarray] = []
+    real = calibrate_module.solve_minlp
+
+    def spy(problem, options, *, replicas=None, hint=None):  # type: ignore[no-untyped-def]
+        assert hint is not None, "an unhinted solve would start from place()"
+        hints.append(np.asarray(hint) > 0)
+        return real(problem, options, replicas=replicas, hint=hint)
+
+    monkeypatch.setattr(calibrate_module, "solve_minlp", spy)
+    result = calibrate(problems, MinlpOptions(time_limit_s=1.0, parallel_layers=2))
+    assert len(hints) == 4
+    for p, hint in zip(problems, hints[:2], strict=True):
+        np.testing.assert_array_equal(hint, keep_layout_hosts(p) > 0)
+        assert not np.array_equal(hint, hosts_from_slots(place(p, result.params), 12) > 0)
+    assert set(result.methods) == {"greedy", "place", "keep_layout", "eplb"}
+    for m in result.methods.values():
+        assert {"objective_gap", "agreement", "agreement_moved", "comm_gap", "reference"} <= set(m)
+        assert 0.0 <= m["agreement"] <= 1.0
+    keep = result.methods["keep_layout"]
+    assert "eplb" in keep["reference"] and "keep_layout" in result.methods["place"]["reference"]
+    assert keep["agreement_moved"] == 0.0, "keeping the layout moves nothing the reference moves"
+    assert keep["objective_gap"] > result.methods["place"]["objective_gap"]
+    assert 0.0 < result.reference_agreement["agreement"] <= 1.0

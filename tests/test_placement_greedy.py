@@ -71,7 +71,12 @@ def test_the_score_is_the_exact_marginal_of_the_objective() -> None:
 
 
 def test_the_greedy_is_a_myopic_descent_on_tiny_instances() -> None:
-    """Never better than the optimum, and close to it (brute force over all assignments)."""
+    """Never better than the optimum, and close to it (brute force over all assignments).
+
+    Measured on these ten instances: 7 optimal, mean ratio 1.0816, worst 1.668. The bounds sit just above
+    those, so a greedy a few per cent worse (one more suboptimal case, +1 % on the mean, +0.5 % on the
+    worst) fails here.
+    """
     rng = np.random.default_rng(2)
     ratios = []
     for _ in range(10):
@@ -86,7 +91,10 @@ def test_the_greedy_is_a_myopic_descent_on_tiny_instances() -> None:
         found = objective(problem, greedy(problem, GreedyParams(1.0, 1.0, 1.0))).total
         assert found >= best - 1e-9
         ratios.append(found / best)
-    assert np.median(ratios) < 1.5
+    ratios_ = np.array(ratios)
+    assert (ratios_ <= 1 + 1e-9).sum() >= 7, np.round(ratios_, 4)
+    assert ratios_.mean() <= 1.09, np.round(ratios_, 4)
+    assert ratios_.max() <= 1.67, np.round(ratios_, 4)
 
 
 def test_communication_weight_keeps_traffic_local_when_sources_specialise() -> None:

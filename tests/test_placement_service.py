@@ -169,6 +169,94 @@ async def test_windows_from_a_skewed_clock_are_refused(
     assert FUTURE_WINDOWS._value.get() == before + 1
 
 
+async def _value(value: object) -> object:
+    return value
+
+
+async def test_windows_must_fit_the_announced_model_and_orphan_groups_are_dropped(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Finding 2: windows of invented groups and shapes took placement from 249 to 963 MB, kept forever."""
+    from switchyard.services.placement.service import WINDOWS_REFUSED
+
+    await bus.ensure_streams()
+    await publish_load(bus, "old", "g-invented", 0, range(4))  # in the stream from before the start
+    refused = {r: WINDOWS_REFUSED.labels(r)._value.get() for r in ("unknown_engine", "wrong_shape", "wrong_group")}
+    config = QUICK.model_copy(update={"orphan_window_s": 0.3, "period_s": 3600, "gain_threshold": 1e9})
+    service = PlacementService(db_settings, config)
+    hellos = [hello(f"e{i}", "g0", [f"gpu{i}"], dp_rank=i) for i in range(3)]
+    async with announcing(bus, *hellos), running(service.run):
+        await asyncio.wait_for(service.caught_up.wait(), 10)
+        await eventually(lambda: _value(len(service.fleet.group("g0")) == 3))
+        await publish_load(bus, "e0", "g0", 0, range(4))  # as announced: kept
+        await publish_load(bus, "e1", "g0", 0, range(4), layers=LAYERS + 2)  # another model shape
+        await publish_load(bus, "e2", "g-other", 0, range(4))  # another group than its hello says
+        await publish_load(bus, "ghost", "g-ghost", 0, range(4))  # never said hello
+        await eventually(lambda: _value("g0" in service.windows and "g-invented" not in service.windows))
+        assert set(service.windows) == {"g0"} and service.windows["g0"].load.shape == (LAYERS, EXPERTS)
+        await eventually(
+            lambda: _value(WINDOWS_REFUSED.labels("unknown_engine")._value.get() > refused["unknown_engine"])
+        )
+    assert WINDOWS_REFUSED.labels("wrong_shape")._value.get() == refused["wrong_shape"] + 1
+    assert WINDOWS_REFUSED.labels("wrong_group")._value.get() == refused["wrong_group"] + 1
+
+
+async def test_identical_rejections_are_coalesced_and_a_group_without_engines_writes_none(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Finding 6: a `rejected` row per group per tick, even for groups with no live engine (2,834 in an hour)."""
+    from switchyard.services.placement.window import DecayedLoad
+    from switchyard.shared.schemas import ExpertLoad
+
+    service = PlacementService(db_settings, QUICK.model_copy(update={"gain_threshold": 1e9}))
+    service.sessions = sessions
+    service.fleet = FleetView(clock=lambda: 1000.0)  # e0 stays live however slow this machine is
+    service.fleet.on_hello(hello("e0", "gc", ["a", "b"]))
+    for group in ("gc", "g-gone"):
+        window = DecayedLoad(300.0)
+        counts = np.arange(LAYERS * EXPERTS, dtype=np.uint32).reshape(LAYERS, EXPERTS)
+        window.add(
+            ExpertLoad(engine_id="e0", ep_group=group, seq=0, window_start=0, window_end=1, expert_counts=counts)
+        )
+        service.windows[group] = window
+    async with sessions() as session, session.begin():  # g-gone was placed once, by engines long gone
+        await add_placement(session, plan("g-gone", 1, default_layout(LAYERS, EXPERTS, 2)), "applied")
+    for _ in range(5):
+        await service.plan_group("gc", "period")
+        assert await service.plan_group("g-gone", "period") is None
+    rows = await _placements(sessions, "gc")
+    assert [r.status for r in rows] == ["rejected"] and rows[0].details["repeats"] == 4
+    assert [r.status for r in await _placements(sessions, "g-gone")] == ["applied"]
+
+
+async def test_engines_not_seen_for_their_retention_are_pruned(
+    db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    from switchyard.shared.db import Engine
+
+    async with sessions() as session, session.begin():
+        for engine_id, days in (("fresh", 0), ("gone", 30)):
+            session.add(
+                Engine(
+                    engine_id=engine_id,
+                    role="decode",
+                    ep_group="g",
+                    agent="sim",
+                    model_name="m",
+                    num_layers=2,
+                    num_experts=8,
+                    top_k=2,
+                    hello={},
+                    last_seen=utcnow() - timedelta(days=days),
+                )
+            )
+    service = PlacementService(db_settings, QUICK.model_copy(update={"engine_retention_s": 7 * 86400}))
+    service.sessions = sessions
+    assert await service.prune_engines() == 1
+    async with sessions() as session:
+        assert list(await session.scalars(select(Engine.engine_id))) == ["fresh"]
+
+
 async def test_rejected_decisions_are_pruned_after_their_retention(
     db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:

@@ -185,3 +185,30 @@ def test_forgetting_silent_engines_compacts_rows_and_keeps_the_rest() -> None:
     assert fleet.num_running[2] == 0 and fleet.last_seen[2] == -np.inf  # freed rows are blank again
     fleet.on_hello(hello("d1"), 6.5)  # a forgotten engine comes back with a new row
     assert fleet.index["d1"] == 2 and fleet.role[2] >= 0
+
+
+def test_a_forged_sequence_jump_does_not_silence_the_engine() -> None:
+    """Finding 1: one telemetry message with seq + 300 made the router drop the engine's real ones for 30 s."""
+    fleet = Fleet()
+    fleet.on_hello(hello("d0"), now=0.0)
+    fleet.on_telemetry(telemetry("d0", 1000, running=1), now=0.0)
+    fleet.on_telemetry(telemetry("d0", 1300, running=50), now=0.01)  # forged
+    fleet.on_telemetry(telemetry("d0", 1001, running=2), now=0.1)  # the engine's own next report
+    assert fleet.num_running[fleet.index["d0"]] == 2
+    fleet.on_telemetry(telemetry("d0", 1002, running=3), now=0.2)
+    assert fleet.num_running[fleet.index["d0"]] == 3
+
+
+def test_sequence_numbers_beyond_int64_are_refused_at_the_door() -> None:
+    """Finding 8: seq >= 2**63 raised OverflowError inside the router's handler; now the schema refuses it."""
+    import pytest
+
+    from switchyard.shared.codec import decode, encode
+    from switchyard.shared.errors import WireError
+
+    fleet = Fleet()
+    fleet.on_telemetry(telemetry("d0", 2**63 - 1), now=0.0)  # the largest one fits the int64 column
+    assert fleet.last_seq[fleet.index["d0"]] == 2**63 - 1
+    data = encode(telemetry("d0", 5)).replace(b"\x05", b"\xcf\x80\x00\x00\x00\x00\x00\x00\x00", 1)
+    with pytest.raises(WireError, match="seq"):
+        decode(data, Telemetry)

@@ -295,3 +295,91 @@ async def test_telemetry_from_an_unknown_engine_triggers_an_announce(bus: Bus, s
         assert asked.count("new-engine") == 1
     finally:
         await router.stop()
+
+
+async def _wait_for_version(router: RouterService, version: int | None) -> None:
+    for _ in range(60):
+        current = router.core.artifact.version if router.core.artifact is not None else None
+        if current == version:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_a_router_started_after_a_garbage_write_uses_the_last_valid_revision(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """Finding 5: one garbage write to the artifact key must not disable ELDR on every router started later."""
+    engines = Engines(bus, {"d0": "decode", "d1": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, _artifact(1, ["d0", "d1"]))
+    kv = await bus.ensure_kv(bus.subjects.router_bucket)
+    await kv.put(bus.subjects.artifact_key, b"\x93garbage")  # not an artifact at all
+    router = await _start(settings, policy="eldr", inflight_grace_s=10.0)
+    try:
+        await engines.report()
+        await _settle()
+        near_first = np.array([[9, 0, 1, 0], [8, 1, 0, 0]], np.uint16)
+        reply = await _route(bus, "x", near_first)
+        assert (reply.engine_id, reply.artifact_version, reply.fallback) == ("d0", 1, None)
+    finally:
+        await router.stop()
+
+
+async def test_with_a_key_routers_take_only_artifacts_signed_with_it(
+    bus: Bus, settings: SwitchyardSettings, tmp_path
+) -> None:
+    """Finding 1: a re-hashed artifact (the content hash is only a checksum) written by anyone is ignored."""
+    from switchyard.services.artifacts import sign_artifact
+
+    key_file = tmp_path / "artifact.key"
+    key_file.write_text("k" * 32 + "\n")
+    keyed = settings.model_copy(update={"artifact_key_file": key_file})
+    key = keyed.artifact_key()
+    engines = Engines(bus, {"d0": "decode", "d1": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, sign_artifact(_artifact(1, ["d0", "d1"]), key))
+    router = await _start(keyed, policy="eldr", inflight_grace_s=10.0)
+    try:
+        await _wait_for_version(router, 1)
+        assert router.core.artifact is not None and router.core.artifact.version == 1
+        await put_artifact_kv(bus, _artifact(2, ["d1", "d0"]))  # valid, re-hashed, unsigned
+        await put_artifact_kv(bus, sign_artifact(_artifact(3, ["d1", "d0"]), b"another key of 32 bytes........."))
+        await asyncio.sleep(0.3)
+        assert router.core.artifact.version == 1  # neither replaced the signed one
+        await put_artifact_kv(bus, sign_artifact(_artifact(4, ["d1", "d0"]), key))
+        await _wait_for_version(router, 4)
+        assert router.core.artifact.version == 4
+    finally:
+        await router.stop()
+    unkeyed = await _start(settings, policy="eldr")  # no key configured: signed or not, a valid artifact is taken
+    try:
+        await _wait_for_version(unkeyed, 4)
+        assert unkeyed.core.artifact is not None and unkeyed.core.artifact.version == 4
+    finally:
+        await unkeyed.stop()
+
+
+async def test_a_decoder_the_artifact_does_not_name_stays_out_of_the_bands(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """Finding 1: a phantom decoder (hello + telemetry saying it is idle) drew 555 of 600 requests."""
+    engines = Engines(bus, {"d0": "decode", "d1": "decode", "phantom": "decode"})
+    await engines.answer_announces()
+    await put_artifact_kv(bus, _artifact(1, ["d0", "d1"]))
+    router = await _start(settings, policy="eldr", inflight_grace_s=0.0)
+    try:
+        engines.load.update(d0=5, d1=5, phantom=0)
+        await engines.report()
+        await _settle()
+        near_first = np.array([[9, 0, 1, 0], [8, 1, 0, 0]], np.uint16)
+        chosen = Counter([(await _route(bus, f"r{i}", near_first)).engine_id for i in range(20)])
+        assert chosen["phantom"] == 0 and chosen["d0"] == 20
+    finally:
+        await router.stop()
+    opted_in = await _start(settings, policy="eldr", inflight_grace_s=0.0, unnamed_decoders_in_bands=True)
+    try:
+        await engines.report()
+        await _settle()
+        assert (await _route(bus, "new", near_first)).engine_id == "phantom"  # configured: new capacity serves
+    finally:
+        await opted_in.stop()

@@ -19,8 +19,10 @@ from switchyard.shared.sequence import Seq, classify
         (100, 98, Seq.LATE, 0),
         (100, 100, Seq.LATE, 0),  # a duplicate is late too
         (100, 3, Seq.RESTART, 0),
-        (5000, 3000, Seq.RESTART, 0),  # more than 1,000 back
-        (5000, 4500, Seq.LATE, 0),
+        (5000, 3000, Seq.RESTART, 0),
+        (5000, 4990, Seq.LATE, 0),
+        (1300, 1001, Seq.RESTART, 0),  # after a forged +300: the engine's next real message is taken
+        (2**63 - 1, 0, Seq.RESTART, 0),
     ],
 )
 def test_classify(last: int | None, seq: int, event: Seq, missed: int) -> None:

@@ -72,7 +72,7 @@ def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
 
     opts = ReportOptions(trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=80, progress=False)
     md = build_report(tmp_path, opts).read_text()
-    for section in ("Fig. 2", "Fig. 4", "Fig. 11", "Fig. 15", "Fig. 16", "Table 2"):
+    for section in ("Fig. 2", "Fig. 4", "Fig. 11", "Fig. 15", "Fig. 16", "Table 2", "Bracket"):
         assert f"## {section}" in md, section
     assert md.count("Seed: ") == 6, "every experiment prints the seed's numbers beside ours"
     for png in ("fig2_moe_time", "fig4_same_vs_mixed", "fig11_rate_sweep", "fig15_balance", "fig16_tau"):
@@ -82,3 +82,21 @@ def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
     assert {r["fleet"] for r in results["table2"]} == {"8P8D", "8P16D"}
     rows = (tmp_path / "runs.csv").read_text().splitlines()
     assert len(rows) - 1 == results["meta"]["runs"]
+    bracket = results["bracket"]["rows"]
+    assert len(bracket) == 8 and {(r["step_overhead_ms"], r["a2a"]) for r in bracket} >= {(0.0, False), (5.0, True)}
+    plain = next(r for r in bracket if (r["step_overhead_ms"], r["a2a"]) == (0.0, False))
+    worst = next(r for r in bracket if (r["step_overhead_ms"], r["a2a"]) == (5.0, True))
+    assert worst["best_tpot_p50_ms"] > plain["best_tpot_p50_ms"] + 5.0, "every step pays the overhead"
+    assert worst["expert_share_best"] < plain["expert_share_best"]
+
+
+def test_report_runs_only_the_sections_asked_for(tmp_path: Path) -> None:
+    from switchyard.engine_agents.sim.report import ReportOptions, build_report
+
+    opts = ReportOptions(
+        trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=60, progress=False, sections=("bracket",)
+    )
+    md = build_report(tmp_path, opts).read_text()
+    assert "## Bracket" in md and "## Fig. 11" not in md and "--sections bracket" in md
+    with pytest.raises(ValueError, match="unknown report section"):
+        ReportOptions(trace=ESFT_DIR, requests=AZURE_CONV, sections=("fig99",))

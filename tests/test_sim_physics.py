@@ -108,3 +108,25 @@ def test_expert_parallel_splits_dense_and_transfer() -> None:
     assert eight.dense_read_s == pytest.approx(one.dense_read_s / 8)
     assert eight.kv_transfer_time(1000) == pytest.approx(one.kv_transfer_time(1000) / 8)
     assert one.kv_transfer_time(1000) == pytest.approx(1000 * 96 * 1024 / 50e9)
+
+
+def test_bracketing_cost_terms_add_what_they_say_and_the_fast_path_keeps_them() -> None:
+    """Step overhead adds its seconds once per step; all-to-all reproduces DeepEP's published EP8 figure;
+    HBM efficiency slows every read; the fast path and the per-layer model agree with all of them on."""
+    base = cost_model("deepseek-v2-lite", "MI300X")
+    distinct = np.full(base.model.moe_layers, 20)
+    plain = base.decode_time(distinct, 32, 32 * 500)
+    with_overhead = cost_model("deepseek-v2-lite", "MI300X", step_overhead_s=2e-3)
+    assert with_overhead.decode_time(distinct, 32, 32 * 500) == pytest.approx(plain + 2e-3, rel=1e-12)
+    # DeepEP low-latency, EP8: 128 tokens x top-8 x hidden 7168, dispatch 77 µs + combine 114 µs per layer
+    v3_like = cost_model("qwen3-30b-a3b", "H100", a2a=True).model.with_(hidden=7168, top_k=8, moe_layers=1)
+    one_layer = cost_model(v3_like, "H100", a2a=True)
+    assert one_layer.extra_time(128) == pytest.approx(191e-6, rel=0.15)
+    slow = cost_model("deepseek-v2-lite", "MI300X", hbm_efficiency=0.7)
+    assert slow.b == pytest.approx(base.b / 0.7) and slow.decode_time(distinct, 32, 32 * 500) > plain
+    every = cost_model("deepseek-v2-lite", "MI300X", step_overhead_s=1e-3, a2a=True, hbm_efficiency=0.8)
+    expected = every.decode_time(distinct, 32, 32 * 500, prefill_tokens=100)
+    assert every.decode_time_total(int(distinct.sum()), 32, 32 * 500, prefill_tokens=100) == pytest.approx(expected)
+    assert expected > plain + 1e-3
+    with pytest.raises(ValueError, match="hbm_efficiency"):
+        cost_model("deepseek-v2-lite", "MI300X", hbm_efficiency=1.5)

@@ -39,6 +39,7 @@ from switchyard.engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTab
 from switchyard.engine_agents.sim.experts import ReplayBank
 from switchyard.engine_agents.sim.physics import CostModel
 from switchyard.engine_agents.sim.workload import Workload
+from switchyard.shared.streams import stream
 from switchyard.solver.routing.dispatch import (
     DISPATCH_POLICIES,
     GimbalParams,
@@ -261,7 +262,7 @@ def simulate_dp(
         for _ in range(n)
     ]
     disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s, fleet.inflight_drain_tokens_per_s)
-    rng = np.random.default_rng(seed)
+    rng = stream(seed, "dp.telemetry")
     phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
     if fleet.telemetry_aligned:
         phases[:] = phases[0]

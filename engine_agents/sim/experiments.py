@@ -6,6 +6,7 @@ import numpy as np
 
 from switchyard.engine_agents.sim.experts import ReplayBank
 from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.shared.streams import stream
 
 __all__ = ["batch_distinct", "moe_layer_grid"]
 
@@ -26,7 +27,7 @@ def batch_distinct(
     their co-location differs. Returns (same, mixed, {label: (same, mixed)}); mixed per label is the mixed
     value restricted to batches whose first request has that label (for symmetry of the comparison).
     """
-    rng = np.random.default_rng(seed)
+    rng = stream(seed, "fig4")
     labels = bank.labels
     names = bank.label_names
     groups = [np.flatnonzero(labels == g) for g in range(len(names))]

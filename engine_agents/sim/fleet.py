@@ -23,6 +23,7 @@ from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
 from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
 from switchyard.engine_agents.sim.physics import CostModel
 from switchyard.engine_agents.sim.workload import Workload
+from switchyard.shared.streams import stream
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
 __all__ = ["FleetConfig", "SimResult", "simulate"]
@@ -120,7 +121,7 @@ def simulate(
         for _ in range(fleet.prefill)
     ]
     snap = FleetSnapshot.build([f"d{i:03d}" for i in range(fleet.decode)])
-    state = RouterState.seeded(seed)
+    state = RouterState(rng=stream(seed, "router"))  # never the workload's stream (shared.streams)
     label_names = bank.label_names
     layers = bank.num_layers
 

@@ -52,6 +52,7 @@ from switchyard.shared.schemas import (
     RouteDecodeReply,
     RouteDecodeRequest,
 )
+from switchyard.shared.streams import stream
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class LiveFleet:
         self.decoders: dict[str, LiveDecoder] = {}
         self.prefills: dict[str, LivePrefill] = {}
         self._next_rid = 0
-        self._rng = np.random.default_rng(scenario.seed)
+        self._rng = stream(scenario.seed, "live.calibration")
         self._tasks: list[asyncio.Task[None]] = []
         self._publishes: set[asyncio.Task[None]] = set()
         self._boot = ""

@@ -342,8 +342,18 @@ class CostModel:
 
     With `gpus` > 1 the engine is tensor-parallel for dense weights and KV (split evenly) and
     expert-parallel for routed experts; each MoE layer waits for its slowest rank, so its time uses the
-    largest per-rank distinct-expert count (pass per-rank counts to `moe_time`). All-to-all traffic is not
-    modelled.
+    largest per-rank distinct-expert count (pass per-rank counts to `moe_time`).
+
+    Three cost terms bracket what the weight-read physics leaves out; all default to *off* (the figures of
+    docs/results are the upper bound they give) and `switchyard report` sweeps them (docs/simulator.md):
+
+    - `step_overhead_s`: fixed CPU time per forward step (scheduling, input preparation, sampling, launch)
+      that does not overlap the GPU;
+    - `a2a`: expert-parallel all-to-all per MoE layer, a dispatch (FP8, 1 byte per hidden element) and a
+      combine (BF16, 2 bytes) of every (token, expert) pair at `a2a_bytes_per_s`, plus `a2a_latency_s` per
+      transfer; DeepEP's published low-latency kernels (EP8, H800, RDMA) move 128 tokens × top-8 × 7168
+      in 77 µs (dispatch) + 114 µs (combine), 22 MB in 191 µs, which 120 GB/s + 2 × 5 µs reproduces;
+    - `hbm_efficiency`: the fraction of datasheet HBM bandwidth the kernels achieve (every HBM read).
     """
 
     model: ModelSpec
@@ -353,13 +363,24 @@ class CostModel:
     link_bytes_per_s: float = 400e9 / 8  # seed: 400 Gb/s NDR InfiniBand per GPU (ConnectX-7)
     gpu_memory_utilization: float = 0.9  # vLLM default
     block_size: int = 16  # vLLM default KV block size (tokens)
+    step_overhead_s: float = 0.0
+    a2a: bool = False
+    a2a_bytes_per_s: float = 120e9  # DeepEP low-latency kernels, EP8 over RDMA (see above)
+    a2a_latency_s: float = 5e-6  # per dispatch or combine: an assumption (launch + one RDMA round trip)
+    hbm_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.step_overhead_s < 0 or self.a2a_bytes_per_s <= 0 or self.a2a_latency_s < 0:
+            raise ValueError("step overhead and a2a latency must be >= 0, a2a bandwidth > 0")
+        if not 0 < self.hbm_efficiency <= 1:
+            raise ValueError(f"hbm_efficiency must lie in (0, 1], got {self.hbm_efficiency}")
 
     # -- constants of the linear model ---------------------------------------------------------------------
 
     @cached_property
     def b(self) -> float:
         """Seconds to stream one expert's weights from HBM."""
-        return self.model.expert_bytes / self.gpu.hbm_bytes_per_s
+        return self.model.expert_bytes / (self.gpu.hbm_bytes_per_s * self.hbm_efficiency)
 
     @cached_property
     def expert_pair_flops_s(self) -> float:
@@ -368,7 +389,7 @@ class CostModel:
 
     @cached_property
     def dense_read_s(self) -> float:
-        return self.model.dense_bytes / (self.gpus * self.gpu.hbm_bytes_per_s)
+        return self.model.dense_bytes / (self.gpus * self.gpu.hbm_bytes_per_s * self.hbm_efficiency)
 
     @cached_property
     def dense_flops_s_per_token(self) -> float:
@@ -376,7 +397,24 @@ class CostModel:
 
     @cached_property
     def kv_read_s_per_token(self) -> float:
-        return self.model.kv_bytes_per_token_layer / (self.gpus * self.gpu.hbm_bytes_per_s)
+        return self.model.kv_bytes_per_token_layer / (self.gpus * self.gpu.hbm_bytes_per_s * self.hbm_efficiency)
+
+    @cached_property
+    def a2a_fixed_s(self) -> float:
+        """All-to-all seconds per step that do not scale with tokens: a dispatch and a combine per MoE layer."""
+        return self.model.moe_layers * 2 * self.a2a_latency_s if self.a2a else 0.0
+
+    @cached_property
+    def a2a_s_per_token(self) -> float:
+        """All-to-all seconds per token per step: top-k copies of the hidden state out (FP8) and back (BF16)."""
+        if not self.a2a:
+            return 0.0
+        m = self.model
+        return m.moe_layers * m.top_k * m.hidden * 3.0 / self.a2a_bytes_per_s
+
+    def extra_time(self, tokens: int | float) -> float:
+        """The bracketing terms of a step of `tokens` tokens: CPU overhead and all-to-all (0 when off)."""
+        return self.step_overhead_s + self.a2a_fixed_s + tokens * self.a2a_s_per_token
 
     @cached_property
     def attn_flops_s_per_context(self) -> float:
@@ -437,14 +475,18 @@ class CostModel:
         attn = float(self.kv_read_time(ctx)) + float(ctx.sum()) * self.attn_flops_s_per_context
         if prefill_tokens:
             attn += 0.5 * prefill_tokens * prefill_tokens * self.attn_flops_s_per_context
-        return moe + dense + attn
+        return moe + dense + attn + self.extra_time(tokens)
 
     @cached_property
     def _decode_consts(self) -> tuple[float, float, float, float]:
         """(fixed s, s per distinct expert-layer, s per batch token, s per context token) of a decode step."""
         m = self.model
-        fixed = m.moe_layers * self.moe_overhead_s + self.dense_read_s
-        per_token = m.moe_layers * m.top_k / self.gpus * self.expert_pair_flops_s + self.dense_flops_s_per_token
+        fixed = m.moe_layers * self.moe_overhead_s + self.dense_read_s + self.step_overhead_s + self.a2a_fixed_s
+        per_token = (
+            m.moe_layers * m.top_k / self.gpus * self.expert_pair_flops_s
+            + self.dense_flops_s_per_token
+            + self.a2a_s_per_token
+        )
         per_ctx = m.num_layers * self.kv_read_s_per_token + self.attn_flops_s_per_context
         return fixed, self.b, per_token, per_ctx
 
@@ -476,7 +518,7 @@ class CostModel:
         """
         moe = float(self.moe_time(distinct, tokens).sum())
         dense = self.dense_read_s + tokens * self.dense_flops_s_per_token
-        return moe + dense + attn_pairs * self.attn_flops_s_per_context
+        return moe + dense + attn_pairs * self.attn_flops_s_per_context + self.extra_time(tokens)
 
     def kv_transfer_time(self, prompt_tokens: int | np.ndarray) -> np.ndarray | float:
         """Seconds to move a prompt's KV cache from the prefill to the decode engine over the link.

@@ -27,7 +27,7 @@ async def run_fleet(
 ) -> None:
     """Serve a live simulated fleet until `stop` is set."""
     scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
-    bus = await Bus.connect(settings, name=f"{config.name}-fleet")
+    bus = await Bus.connect(settings, name=f"{config.name}-fleet", role="fleet")
     fleet = LiveFleet(scenario, config)
     try:
         await fleet.start(bus)
@@ -57,7 +57,7 @@ async def run_loadgen(
     workload = scenario.workload(
         num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit
     )
-    bus = await Bus.connect(settings, name="loadgen")
+    bus = await Bus.connect(settings, name="loadgen", role="loadgen")
     try:
         loadgen = LoadGenerator(bus, workload, config.prefill_ids(), speed=config.speed)
         await loadgen.listen()

@@ -22,6 +22,7 @@ from switchyard.engine_agents.sim.experts import ReplayBank
 from switchyard.engine_agents.sim.fleet import FleetConfig, SimResult, simulate
 from switchyard.engine_agents.sim.physics import MODELS, CostModel, ModelSpec, cost_model
 from switchyard.engine_agents.sim.workload import RequestTrace, Workload, build_workload
+from switchyard.shared.streams import stream
 from switchyard.solver.routing import DecodePolicy, RoutingTables, get_policy
 from switchyard.solver.signatures import RequestCounts, request_counts
 from switchyard.solver.traces import RoutingTrace, TraceFormat, load_trace
@@ -38,7 +39,7 @@ def split_calibration(
     """
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"calibration fraction must lie strictly between 0 and 1, got {fraction}")
-    rng = np.random.default_rng(seed)
+    rng = stream(seed, "split")
     groups = np.zeros(num_requests, np.int64) if labels is None else np.asarray(labels)
     calib: list[np.ndarray] = []
     replay: list[np.ndarray] = []

@@ -4,7 +4,8 @@ Arrivals and token lengths come from a real request trace (the Azure LLM inferen
 `switchyard.data`, with a time-compression factor) or, for rate sweeps without a CSV, from a Poisson process
 at a given rate with each replayed trace request's own prompt/output lengths. Which
 routing-trace request each simulated request replays is drawn with replacement from the replay pool,
-deterministically from the seed.
+deterministically from the seed. Replay choices and arrivals draw from their own named streams
+(`shared.streams`), never from the router's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from switchyard.shared.streams import stream
 
 __all__ = ["RequestTrace", "Workload", "build_workload", "load_request_csv"]
 
@@ -98,13 +101,12 @@ def build_workload(
     """
     if num_requests <= 0:
         raise ValueError("num_requests must be positive")
-    rng = np.random.default_rng(seed)
-    pick = rng.integers(len(replay_pool), size=num_requests)
+    pick = stream(seed, "workload.replay").integers(len(replay_pool), size=num_requests)
     replay = np.asarray(replay_pool)[pick]
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive")
     if rate is not None:
-        arrival = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
+        arrival = np.cumsum(stream(seed, "workload.arrival").exponential(1.0 / rate, size=num_requests))
         arrival -= arrival[0]
     if requests is not None:
         n = len(requests.arrival)

@@ -34,6 +34,7 @@ from switchyard.engine_agents.vllm.config import (
     moe_layers,
     queue_tokens,
 )
+from switchyard.shared.nats_auth import engine_user
 
 if TYPE_CHECKING:  # the bus side is imported only by a process that attaches (vLLM loads plugins everywhere)
     from switchyard.engine_agents.vllm.runtime import ExpertLoadPublisher
@@ -168,7 +169,9 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
     ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
-    agent = EngineCoreAgent(hello, probe.read, AgentThread(f"core-{hello.engine_id}"), ep_size)
+    agent = EngineCoreAgent(
+        hello, probe.read, AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id)), ep_size
+    )
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
@@ -285,7 +288,12 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     tp_size = int(getattr(config.parallel_config, "tensor_parallel_size", 1) or 1)
     sources = (dp_rank, dp_size, tp_size) if ep_size > 1 and dp_size > 1 else None
     publisher = ExpertLoadPublisher(
-        engine_id, group, counter.take, settings.expert_load_interval_s, AgentThread(f"worker-{engine_id}"), sources
+        engine_id,
+        group,
+        counter.take,
+        settings.expert_load_interval_s,
+        AgentThread(f"worker-{engine_id}", role=engine_user(engine_id)),
+        sources,
     )
     if not publisher.start():
         return  # no bus: count nothing

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 class AgentThread:
     """Connects to NATS on its own thread; `submit` schedules a coroutine there from any thread."""
 
-    def __init__(self, name: str, settings: SwitchyardSettings | None = None) -> None:
+    def __init__(self, name: str, settings: SwitchyardSettings | None = None, role: str | None = None) -> None:
         self.name = name
+        self.role = role  # `engine-<id>`: the NATS user of this engine when per-role credentials are set
         self.settings = settings or SwitchyardSettings()
         self.loop = asyncio.new_event_loop()
         self.bus: Bus | None = None
@@ -90,7 +91,7 @@ class AgentThread:
         self._thread.join(timeout_s)
 
     async def _connect(self) -> None:
-        self.bus = await Bus.connect(self.settings, name=f"switchyard-vllm-{self.name}")
+        self.bus = await Bus.connect(self.settings, name=f"switchyard-vllm-{self.name}", role=self.role)
         await self._on_connect(self.bus)  # type: ignore[misc]
 
     def submit(self, coroutine: object) -> None:

@@ -13,12 +13,12 @@ from sqlalchemy import select, text
 
 from switchyard.services.api import models as m
 from switchyard.services.api.deps import Session, State
-from switchyard.shared.codec import decode_reply
+from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
 from switchyard.shared.db import Engine
-from switchyard.shared.errors import WireError
-from switchyard.shared.schemas import RoutingArtifact
 
 router = APIRouter()
+#: Largest page of `/v1/engines` (20,000 hellos once made it a 10.5 MB response).
+ENGINES_PAGE_MAX = 500
 
 
 def _when(ts: float | None) -> datetime | None:
@@ -29,10 +29,18 @@ def _when(ts: float | None) -> datetime | None:
 async def list_engines(
     state: State,
     session: Session,
+    response: Response,
     ep_group: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = None,
     role: Literal["prefill", "decode", "dp"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=ENGINES_PAGE_MAX, description="Page size.")] = ENGINES_PAGE_MAX,
+    offset: Annotated[
+        int, Query(ge=0, le=10**7, description="Engines to skip (`X-Next-Offset` of the last page).")
+    ] = 0,
 ) -> list[m.EngineOut]:
-    """Every engine heard live since the API started, plus those only known from earlier hellos (marked stale)."""
+    """Every engine heard live since the API started, plus those only known from earlier hellos (marked stale).
+
+    Paged: at most `limit` engines; when more follow, the `X-Next-Offset` header says where the next page starts
+    (`X-Total-Count`: how many match)."""
     engines: dict[str, m.EngineOut] = {}
     for s in state.fleet.engines.values():
         hello = s.hello
@@ -74,7 +82,11 @@ async def list_engines(
     selected = [
         e for e in engines.values() if (ep_group is None or e.ep_group == ep_group) and (role is None or e.role == role)
     ]
-    return sorted(selected, key=lambda e: (e.ep_group or "", e.dp_rank or 0, e.engine_id))
+    ordered = sorted(selected, key=lambda e: (e.ep_group or "", e.dp_rank or 0, e.engine_id))
+    response.headers["X-Total-Count"] = str(len(ordered))
+    if offset + limit < len(ordered):
+        response.headers["X-Next-Offset"] = str(offset + limit)
+    return ordered[offset : offset + limit]
 
 
 @router.get("/v1/router/artifact", response_model=m.ArtifactOut, tags=["router"])
@@ -87,16 +99,20 @@ async def router_artifact(
         entry = await state.kv.get(state.bus.subjects.artifact_key)
     except KeyNotFoundError:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no routing artifact has been published yet") from None
+    key, revision = state.settings.artifact_key(), entry.revision or 0
     try:
-        artifact = decode_reply(entry.value or b"", RoutingArtifact, state.bus.max_payload)
-    except (WireError, RuntimeError) as exc:
-        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"the stored routing artifact is invalid: {exc}") from None
+        artifact = load_artifact(entry.value or b"", state.bus.max_payload, "KV artifact", key)
+    except ArtifactError as exc:  # what the routers do: the last valid revision the bucket keeps
+        found = await last_valid_artifact(state.kv, state.bus.subjects.artifact_key, state.bus.max_payload, key)
+        if found is None:
+            raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"the stored routing artifact is invalid: {exc}") from None
+        artifact, revision = found
     return m.ArtifactOut(
         **artifact.model_dump(include=set(m.ArtifactOut.model_fields) - {"model", "idf", "centroids"}),
         model=m.ModelOut.model_validate(artifact.model),
         idf_shape=list(artifact.idf.shape),
         centroids_shape=list(artifact.centroids.shape),
-        kv_revision=entry.revision or 0,
+        kv_revision=revision,
         idf=artifact.idf.tolist() if include_arrays else None,
         centroids=artifact.centroids.tolist() if include_arrays else None,
     )

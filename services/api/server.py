@@ -9,6 +9,7 @@ import uvicorn
 
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
+from switchyard.services.http_limits import HttpLimits
 from switchyard.shared.settings import SwitchyardSettings
 
 
@@ -24,9 +25,11 @@ async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: Api
     config = config or ApiSettings()
     server = _InProcessServer(
         uvicorn.Config(
-            create_app(settings, config),
+            HttpLimits(create_app(settings, config), config.max_body_bytes, config.body_timeout_s),
             host=config.host,
             port=config.port,
+            limit_concurrency=config.max_connections,
+            timeout_keep_alive=5,
             log_level=settings.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through the process's own handlers (up: file + console)
             lifespan="on",

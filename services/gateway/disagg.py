@@ -4,8 +4,9 @@
    goes to a prefill engine chosen by prefix-hash affinity with a load bound (`choice.pick_prefill`); one
    retry on the next-ranked engine if it fails.
 2. Signature: `kv_transfer_params.switchyard_signature` in the prefill response, else the `PrefillSignature`
-   the engine publishes on the bus for this request id, waited for at most `signature_wait_s`; else none
-   (the router then routes by load and says so in its reply's `fallback`).
+   the engine publishes on the bus for this request id, waited for at most `signature_wait_s` (not at all
+   for an engine that published none for its last few handoffs); else none (the router then routes by load
+   and says so in its reply's `fallback`).
 3. `sy.route.decode` with the signature picks the decoder (ELDR).
 4. Decode: the original body plus the prefill response's `kv_transfer_params`, without the `switchyard_*`
    keys, goes to that decoder; its answer streams back (one retry before the first byte on another decoder).
@@ -73,15 +74,16 @@ async def _prefill(
     )
     content = json.dumps(prefill_body(parsed.body)).encode()
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
-    for index in order[:2]:
+    for attempt, index in enumerate(order[:2]):
         engine = engines[index]
+        if attempt:
+            metrics.RETRIES.labels("prefill").inc()
         engine.inflight += 1
         try:
             call = ctx.upstream.post(engine, path, content, headers, ctx.settings.prefill_timeout_s)
             answer = await until_disconnect(request, call)
         except UpstreamError as exc:
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
-            metrics.RETRIES.labels("prefill").inc()
             continue
         finally:
             engine.inflight -= 1
@@ -132,7 +134,9 @@ async def serve_disagg(
         ctx.signatures.discard(request_id)
         metrics.SIGNATURES.labels("response").inc()
     else:
-        signature = await ctx.signatures.wait(request_id, ctx.settings.signature_wait_s)
+        engine_id = prefill_engine.engine_id
+        wait_s = ctx.signatures.wait_for(engine_id, ctx.settings.signature_wait_s)
+        signature = await ctx.signatures.wait(request_id, wait_s, engine_id)
         metrics.SIGNATURES.labels("bus" if signature is not None else "missing").inc()
     decoder, _reply = await ctx.router.route_decode(
         request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders

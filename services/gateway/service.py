@@ -17,6 +17,7 @@ from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Upstream
 from switchyard.shared.bus import Bus
+from switchyard.shared.errors import ConfigError
 from switchyard.shared.schemas import Announce, Hello, PrefillSignature
 from switchyard.shared.settings import SwitchyardSettings
 
@@ -50,9 +51,31 @@ class GatewayService:
             await asyncio.sleep(HOUSEKEEPING_S)
             self.registry.forget_dead()
 
+    def _listen(self) -> socket.socket:
+        """Bind the listening socket first: a busy port is one plain error before anything else starts."""
+        g = self.gateway
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with
+        # proto 0, Nagle plus delayed ACKs add ~40 ms to every answer written in two parts.
+        sock = socket.socket(
+            socket.AF_INET6 if ":" in g.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+        )
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((g.host, g.port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"the gateway cannot listen on {g.host}:{g.port}: {exc.strerror or exc}") from None
+        self.port = sock.getsockname()[1]
+        return sock
+
     async def start(self, servers: list[str] | None = None) -> None:
         g = self.gateway
-        self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers)
+        sock = self._listen()
+        try:
+            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers)
+        except BaseException:
+            sock.close()
+            raise
         s = bus.subjects
         await bus.subscribe(s.all_hello, Hello, self._on_hello)
         await bus.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
@@ -60,14 +83,6 @@ class GatewayService:
         await bus.nc.flush()
         self.ctx = Context(g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures)
         app = build_app(self.ctx, lambda: bus.nc.is_connected)
-        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with
-        # proto 0, Nagle plus delayed ACKs add ~40 ms to every answer written in two parts.
-        sock = socket.socket(
-            socket.AF_INET6 if ":" in g.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-        )
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((g.host, g.port))
-        self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours handle signals

@@ -10,6 +10,7 @@ race): it is kept for a short while in a bounded buffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
@@ -28,6 +29,12 @@ def new_request_id() -> str:
     return "sygw-" + uuid.uuid4().hex
 
 
+#: After this many handoffs in a row without a bus signature from a prefill engine, the gateway stops waiting
+#: for that engine's signatures (an engine without the signature capture would otherwise cost every request
+#: the whole wait); the next signature it publishes makes the gateway wait again.
+MISSES_BEFORE_NO_WAIT = 3
+
+
 class SignatureBox:
     """Waiters keyed by gateway request id, plus early arrivals (bounded, oldest dropped first)."""
 
@@ -35,8 +42,14 @@ class SignatureBox:
         self.waiting: dict[str, asyncio.Future[PrefillSignature]] = {}
         self.early: OrderedDict[str, tuple[float, PrefillSignature]] = OrderedDict()
         self.keep, self.keep_s = keep, keep_s
+        self.misses: dict[str, int] = {}  # prefill engine id -> handoffs in a row without its bus signature
+
+    def wait_for(self, engine_id: str, wait_s: float) -> float:
+        """How long to wait for `engine_id`'s signature: `wait_s`, or 0 while it publishes none."""
+        return wait_s if self.misses.get(engine_id, 0) < MISSES_BEFORE_NO_WAIT else 0.0
 
     def on_signature(self, message: PrefillSignature, _msg: Msg | None = None) -> None:
+        self.misses.pop(message.engine_id, None)
         match = REQUEST_ID.search(message.request_id)
         if match is None:
             return  # a request that did not come through a gateway
@@ -54,19 +67,24 @@ class SignatureBox:
         """Start listening for `request_id` (before the prefill is sent, so no message is missed)."""
         self.waiting[request_id] = asyncio.get_running_loop().create_future()
 
-    async def wait(self, request_id: str, timeout_s: float) -> np.ndarray | None:
-        """The signature for `request_id`, or None after `timeout_s`; always stops listening."""
+    async def wait(self, request_id: str, timeout_s: float, engine_id: str | None = None) -> np.ndarray | None:
+        """The signature for `request_id`, or None after `timeout_s`; always stops listening.
+
+        With `engine_id`, a miss counts towards that engine's streak (see `MISSES_BEFORE_NO_WAIT`).
+        """
         try:
             early = self.early.pop(request_id, None)
             if early is not None:
                 return early[1].signature
             future = self.waiting.get(request_id)
-            if future is None or timeout_s <= 0:
-                return None
-            try:
-                return (await asyncio.wait_for(future, timeout_s)).signature
-            except TimeoutError:
-                return None
+            if future is not None and future.done() and not future.cancelled():
+                return future.result().signature
+            if future is not None and timeout_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    return (await asyncio.wait_for(future, timeout_s)).signature
+            if engine_id is not None:
+                self.misses[engine_id] = self.misses.get(engine_id, 0) + 1
+            return None
         finally:
             self.discard(request_id)
 

@@ -28,8 +28,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature, Telemetry
+from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, PrefillSignature, Telemetry
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
+
+#: Larger `max_tokens` are refused with 400, as an engine refuses a request beyond its context.
+MAX_TOKENS = 100_000
 
 
 @dataclass
@@ -77,6 +80,9 @@ class StubEngine:
         self.received.append((request.url.path, request_id, body))
         if next(self._served) < self.config.fail_first:
             return JSONResponse({"error": {"message": "stub failure", "type": "InternalError", "code": 500}}, 500)
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > MAX_TOKENS:  # as vLLM refuses one
+            message = f"max_tokens {body['max_tokens']} exceeds the context ({MAX_TOKENS})"
+            return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, 400)
         kv = body.get("kv_transfer_params") or {}
         if kv.get("do_remote_decode"):
             return await self._prefill(body, request_id)
@@ -84,7 +90,12 @@ class StubEngine:
         if body.get("stream"):
             return StreamingResponse(self._stream(request_id, chat), media_type="text/event-stream")
         delay = self.config.answer_delay_s
-        await asyncio.sleep(self.config.token_interval_s * self.config.tokens if delay is None else delay)
+        deadline = time.monotonic() + (self.config.token_interval_s * self.config.tokens if delay is None else delay)
+        while (left := deadline - time.monotonic()) > 0:  # as vLLM does, notice a client that went away
+            if await request.is_disconnected():
+                self.aborted.append(request_id)
+                return Response(status_code=499)
+            await asyncio.sleep(min(left, 0.01))
         self.finished.append(request_id)
         return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
 
@@ -181,6 +192,12 @@ class StubEngine:
         assert self.bus is not None
         s, cfg = self.bus.subjects, self.config
         seq, last_hello = 0, -np.inf
+
+        async def on_announce(message: Announce, _msg: object) -> None:  # a service (re)started: hello now
+            if self.saying_hello and message.engine_id in (None, cfg.engine_id):
+                await self.bus.publish(s.hello(cfg.engine_id), self.hello())  # type: ignore[union-attr]
+
+        await self.bus.subscribe(s.announce, Announce, on_announce)
         while True:
             now = time.monotonic()
             if self.saying_hello and now - last_hello >= cfg.hello_interval_s:

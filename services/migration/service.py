@@ -16,14 +16,15 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
 from sqlalchemy import case, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.fleet import FleetView
 from switchyard.services.history import add_placement
+from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint
+from switchyard.services.runtime import RateLimitedLog, decode_stream_message, ensure_schema, metrics_endpoint
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.schemas import PlacementPlan
@@ -66,22 +67,35 @@ async def record_plan(sessions: async_sessionmaker[AsyncSession], plan: Placemen
         return None
 
 
+def is_poison(exc: BaseException) -> bool:
+    """Whether storing failed because of the plan itself (a value the database or Python cannot hold), so no
+    redelivery can succeed; a database outage or a lost connection is not (the plan is retried)."""
+    if isinstance(exc, (OperationalError, InterfaceError, OSError, TimeoutError)):
+        return False
+    if isinstance(exc, (DataError, ValueError, OverflowError, TypeError)):
+        return True
+    return isinstance(exc, StatementError) and isinstance(exc.orig, (ValueError, OverflowError, TypeError))
+
+
 class MigrationService:
     """Start with `await service.run(stop)`; returns once `stop` is set and the workers have stopped."""
 
     def __init__(self, settings: SwitchyardSettings, config: MigrationSettings | None = None) -> None:
         self.settings = settings
         self.config = config or MigrationSettings()
-        self.fleet = FleetView()
+        self._warn = RateLimitedLog(log, "plans")
+        self.fleet = FleetView(bindings=settings.engine_bindings())
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self.leases: GroupLeases | None = None
         self._wake: dict[str, asyncio.Event] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         database_url = self.settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
-        bus = await Bus.connect(self.settings, name="switchyard-migration")
+        bus = await Bus.connect(self.settings, name="switchyard-migration", role="migration")
         consumer = None
+        renewing: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
@@ -95,6 +109,9 @@ class MigrationService:
                     ack_wait=30.0,  # recording a plan takes milliseconds; unacked means this replica died
                     max_deliver=-1,  # a plan is never dropped: recording it is idempotent
                 )
+                self.leases = GroupLeases(bus, "migration", self.config.replica_id, self.config.lease_ttl_s)
+                await self.leases.start()
+                renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
                 while not stop.is_set():
@@ -105,11 +122,14 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            for task in self._workers.values():
+            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
                 task.cancel()
-            for task in self._workers.values():
+            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.leases is not None:
+                with contextlib.suppress(Exception):
+                    await self.leases.release_all()
             if consumer is not None:  # unfetched messages would otherwise hold up draining the connection
                 with contextlib.suppress(Exception):
                     await consumer.unsubscribe()
@@ -123,13 +143,28 @@ class MigrationService:
             return
         try:
             migration_id = await record_plan(self.sessions, plan)
-        except Exception:
-            log.exception("cannot record plan %s; it will be redelivered", plan.plan_id)
+        except Exception as exc:
+            if is_poison(exc):  # it can never be stored: redelivering it would fail forever
+                PLANS.labels("poison").inc()
+                self._warn(f"plan {plan.plan_id!r} can never be stored ({type(exc).__name__}: {exc}); terminated")
+                await msg.term()
+                return
+            self._warn(f"cannot record plan {plan.plan_id!r} ({type(exc).__name__}: {exc}); it will be redelivered")
             await msg.nak(delay=2.0)
             return
         await msg.ack()
         if migration_id is not None:
             self._kick(plan.engine_group)
+
+    async def _renew_leases(self) -> None:
+        """Keep the held group leases alive while their migrations run (they may take longer than the TTL)."""
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            try:
+                if self.leases is not None:
+                    await self.leases.renew()
+            except Exception:  # NATS briefly away: try again next round (the lease outlives a short blip)
+                log.warning("renewing migration leases failed; retrying", exc_info=True)
 
     async def _resume(self) -> None:
         async with self.sessions() as session:
@@ -169,7 +204,14 @@ class MigrationService:
                 if migration_id is None:
                     if wake.is_set():
                         continue
+                    if self.leases is not None:
+                        await self.leases.release(group)
                     return
+                if self.leases is not None and not await self.leases.acquire(group):
+                    # another replica runs this group: look again once its lease could have lapsed
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), self.config.lease_ttl_s / 2)
+                    continue
                 if await self._take_up(migration_id):
                     await self.executor.run(migration_id)
                 backoff = 1.0

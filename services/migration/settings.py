@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import uuid
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,3 +29,8 @@ class MigrationSettings(BaseSettings):
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    #: One replica acts for a group at a time: it holds the group's lease (`<prefix>-leases`), renewed every
+    #: third of this; a replica that stops renewing loses the group to another after this long.
+    lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
+    #: This replica's name as a lease owner.
+    replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")

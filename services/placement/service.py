@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -46,6 +46,7 @@ from switchyard.services.history import (
     plan_message,
     publish_plan,
 )
+from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.decide import Decision, Policy, decide
 from switchyard.services.placement.recalibrate import serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
@@ -65,6 +66,11 @@ WINDOWS = Counter("switchyard_placement_windows_total", "Expert-load windows fol
 FUTURE_WINDOWS = Counter(
     "switchyard_placement_windows_refused_total", "Expert-load windows refused: they end too far in the future."
 )
+WINDOWS_REFUSED = Counter(
+    "switchyard_placement_windows_mismatched_total",
+    "Expert-load windows refused: from an engine that never said hello, or for another group or model shape.",
+    ["reason"],
+)
 RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
 ENGINE_ROW_EVERY_S = 30.0
 PRUNE_EVERY_S = 3600.0
@@ -83,16 +89,20 @@ class PlacementService:
             redundant_slots=self.config.redundant_slots,
             weights=Weights(load=self.config.weight_load, comm=self.config.weight_comm, mig=self.config.weight_mig),
         )
-        self.fleet = FleetView()
+        self.fleet = FleetView(bindings=settings.engine_bindings())
         self.layouts: LayoutProbe | None = None  # set once connected
+        self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
         self.windows: dict[str, DecayedLoad] = {}
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
         self._engine_rows: dict[str, float] = {}
         self._processed_seq = 0
         self._future_engines: set[str] = set()
+        self._window_warnings: set[str] = set()
+        self._orphan_since: dict[str, float] = {}
         self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
+        self._last_engine_prune = -PRUNE_EVERY_S
         self._catch_up_to = 2**63  # known once the replay consumer exists
 
     # ----- lifecycle -----
@@ -101,12 +111,14 @@ class PlacementService:
         database_url = self.settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
-        self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement")
+        self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement", role="placement")
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
                 await self.fleet.subscribe(bus, telemetry=False)  # hellos say who is alive and owns which GPUs
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
+                self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
+                await self.leases.start()
                 await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
                 await self._follow_expert_load()
                 calibrations = asyncio.create_task(
@@ -123,19 +135,27 @@ class PlacementService:
                         await asyncio.wait_for(stop.wait(), self.config.tick_s)
                 await calibrations
         finally:
+            if self.leases is not None:
+                with contextlib.suppress(Exception):
+                    await self.leases.release_all()
             await bus.close()
             await engine.dispose()
 
     async def _follow_expert_load(self) -> None:
         subjects = self.bus.subjects
         since = datetime.now(UTC) - timedelta(seconds=self.config.warmup_s)
+        # By start sequence, not by start time: nats-py recreates an ordered consumer (after a NATS restart)
+        # by sequence but keeps the start time, a config the server refuses (err 10094), so a consumer made
+        # by time would stop delivering for good after the first restart.
+        first = await first_sequence_since(self.bus, subjects.expert_load_stream, since)
         subscription = await self.bus.js.subscribe(
             subjects.all_expert_load,
             stream=subjects.expert_load_stream,
             cb=self._on_expert_load,
             ordered_consumer=True,
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            config=ConsumerConfig(opt_start_time=since),
+            idle_heartbeat=1.0,  # two missed (a NATS restart) and the consumer is recreated: a 2-3 s gap, not 10
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            config=ConsumerConfig(opt_start_seq=first),
         )
         info = await subscription.consumer_info()
         if info.num_pending == 0:  # everything in range is on its way: caught up once we processed the last one
@@ -145,8 +165,14 @@ class PlacementService:
 
     async def _on_expert_load(self, msg: Msg) -> None:
         subject = self.bus.subjects.all_expert_load
-        window = await decode_stream_message(msg, ExpertLoad, subject, self.bus.max_payload, acked=False)
-        if window is not None:
+        window = await decode_stream_message(
+            msg, ExpertLoad, subject, self.bus.max_payload, acked=False, subjects=self.bus.subjects
+        )
+        refusal = self._window_refusal(window) if window is not None else None
+        if refusal is not None:
+            WINDOWS_REFUSED.labels(refusal).inc()
+            self._warn_window(window.engine_id, refusal)  # type: ignore[union-attr]
+        elif window is not None:
             ahead = window.window_end - msg.metadata.timestamp.timestamp()
             if ahead > self.config.max_clock_skew_s:  # it would outweigh every honest window until time caught up
                 FUTURE_WINDOWS.inc()
@@ -157,6 +183,47 @@ class PlacementService:
         self._processed_seq = msg.metadata.sequence.stream
         if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
             self.caught_up.set()
+
+    def _window_refusal(self, window: ExpertLoad) -> str | None:
+        """Why a window cannot be kept, or None: it must come from an engine that said hello, for the group and
+        model shape that hello announced. While replaying the stream after a start the hellos may not be in yet:
+        windows are kept then, and `_drop_orphans` removes the groups that turn out to have no live engine."""
+        state = self.fleet.engines.get(window.engine_id)
+        hello = state.hello if state is not None else None
+        if hello is None:
+            return "unknown_engine" if self.caught_up.is_set() else None
+        if hello.ep_group != window.ep_group:
+            return "wrong_group"
+        if window.expert_counts.shape != (hello.model.num_layers, hello.model.num_experts):
+            return "wrong_shape"
+        return None
+
+    def _warn_window(self, engine_id: str, reason: str) -> None:
+        key = f"{engine_id}:{reason}"
+        if key not in self._window_warnings and len(self._window_warnings) < 1000:
+            self._window_warnings.add(key)
+            log.warning(
+                "expert-load window from %s refused (%s); switchyard_placement_windows_mismatched_total counts them",
+                engine_id,
+                reason,
+            )
+
+    def _drop_orphans(self, now: float) -> list[str]:
+        """Forget the windows of groups with no live engine for `orphan_window_s`; returns their names."""
+        dropped = []
+        for group in list(self.windows):
+            if self.fleet.group(group):
+                self._orphan_since.pop(group, None)
+                continue
+            since = self._orphan_since.setdefault(group, now)
+            if now - since >= self.config.orphan_window_s:
+                del self.windows[group]
+                self._orphan_since.pop(group, None)
+                self._last_run.pop(group, None)
+                dropped.append(group)
+        if dropped:
+            log.info("dropped the expert-load windows of %d group(s) with no live engine", len(dropped))
+        return dropped
 
     def _warn_future(self, engine_id: str, ahead: float) -> None:
         if engine_id not in self._future_engines:
@@ -198,17 +265,36 @@ class PlacementService:
 
     async def tick(self) -> None:
         await self.republish_proposed()
+        await self.prune_engines()
         await self.prune_rejected()
         if not self.caught_up.is_set():
             return
+        self._drop_orphans(time.monotonic())
         for group in list(self.windows):
             trigger = self._trigger(group)
+            if trigger is not None and self.leases is not None and not await self.leases.acquire(group):
+                continue  # another replica plans this group (one owner per group)
             if trigger is not None:
                 try:
                     await self.plan_group(group, trigger)
                 except Exception:  # one group's trouble never stops the others
                     PLANS.labels("error").inc()
                     log.exception("planning group %s failed", group)
+
+    async def prune_engines(self, now: float | None = None) -> int:
+        """Delete `engines` rows not seen for `engine_retention_s`, at most once per `PRUNE_EVERY_S`; returns how
+        many. Every engine id that ever said hello gets a row (20,000 invented ids made 20,009 rows)."""
+        now = time.monotonic() if now is None else now
+        if self.config.engine_retention_s == 0 or now - self._last_engine_prune < PRUNE_EVERY_S:
+            return 0
+        self._last_engine_prune = now
+        cutoff = utcnow() - timedelta(seconds=self.config.engine_retention_s)
+        async with self.sessions() as session, session.begin():
+            result = await session.execute(delete(Engine).where(Engine.last_seen < cutoff))
+        pruned = int(result.rowcount or 0)  # type: ignore[attr-defined]
+        if pruned:
+            log.info("pruned %d engines not seen for %.0f s", pruned, self.config.engine_retention_s)
+        return pruned
 
     async def prune_rejected(self, now: float | None = None) -> int:
         """Delete `rejected` decisions past their retention, at most once per `PRUNE_EVERY_S`; returns how many.
@@ -319,6 +405,8 @@ class PlacementService:
             log.info("group %s: no live engine has said hello; cannot place its experts", group)
             return None
         gpus, ranks = topology
+        if not self.fleet.group(group):  # its stored GPUs outlive its engines: nobody to move experts on
+            return None
         if not self._migrates(group):
             return None
         num_layers, num_experts = window.load.shape
@@ -347,12 +435,32 @@ class PlacementService:
         RUN_SECONDS.observe(time.perf_counter() - started)
         self._last_run[group] = (time.monotonic(), window.distribution())
         details = {"trigger": trigger, "current_from": current_from}
+        if not decision.publish and (repeated := await self._coalesce_rejected(group, applied, decision)) is not None:
+            PLANS.labels("rejected").inc()
+            return repeated
         row, plan = await self._store(group, details, window, applied, gpus, params, calibration_id, decision)
         PLANS.labels("published" if decision.publish else "rejected").inc()
         log.info("group %s v%d (%s): %s", group, row.version, trigger, decision.reason)
         if decision.publish:
             await publish_plan(self.bus, self.sessions, plan, row.id)
         return row
+
+    async def _coalesce_rejected(self, group: str, applied: Placement | None, decision: Decision) -> Placement | None:
+        """Count a rejected decision into the group's newest row when that is a rejection from the same base:
+        one row per unchanged situation instead of one per period (2,834 rows an hour across idle groups)."""
+        base = applied.version if applied is not None else None
+        async with self.sessions() as session, session.begin():
+            newest = await session.scalar(
+                select(Placement).where(Placement.engine_group == group).order_by(Placement.id.desc()).limit(1)
+            )
+            if newest is None or newest.status != "rejected" or newest.base_version != base:
+                return None
+            details = dict(newest.details or {})
+            details["repeats"] = int(details.get("repeats", 0)) + 1
+            details["last_decision"] = decision.reason
+            details["last_at"] = utcnow().isoformat()
+            newest.details = details
+            return newest
 
     async def _store(
         self,
@@ -432,6 +540,22 @@ class PlacementService:
                 plans.append((row.id, plan_message(row, layout, NO_MOVES if moves is None else moves)))
         for placement_id, plan in plans:
             await publish_plan(self.bus, self.sessions, plan, placement_id)
+
+
+async def first_sequence_since(bus: Bus, stream: str, since: datetime) -> int:
+    """The stream sequence of the first message stored at or after `since` (one past the last if none)."""
+    info = await bus.js.add_consumer(
+        stream,
+        ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=since.isoformat(),
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=10.0,
+        ),
+    )
+    with contextlib.suppress(Exception):  # it expires by itself anyway
+        await bus.js.delete_consumer(stream, info.name)
+    return info.delivered.stream_seq + 1
 
 
 async def run_placement(

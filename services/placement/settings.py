@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import uuid
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,6 +34,11 @@ class PlacementSettings(BaseSettings):
     weight_load: float = Field(default=50.0, ge=0)
     weight_comm: float = Field(default=1.0, ge=0)
     weight_mig: float = Field(default=1.0, ge=0)
+    #: Delete rows of the `engines` table not seen for this long (checked hourly); 0 keeps them forever.
+    engine_retention_s: float = Field(default=7 * 86400.0, ge=0)
+    #: Drop a group's decayed window once no live engine of the group has said hello for this long (a window
+    #: for an invented group must not be kept forever; a restart's stream replay brings back only live ones).
+    orphan_window_s: float = Field(default=30.0, ge=0)
     #: Do not plan a group while its last published plan is unresolved, unless it is older than this.
     inflight_timeout_s: float = Field(default=600.0, gt=0)
     #: Store the slot layout of rejected plans too (each is L x G x slots rows).
@@ -50,3 +58,8 @@ class PlacementSettings(BaseSettings):
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    #: One replica acts for a group at a time: it holds the group's lease (`<prefix>-leases`), renewed every
+    #: third of this; a replica that stops renewing loses the group to another after this long.
+    lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
+    #: This replica's name as a lease owner.
+    replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")

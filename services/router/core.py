@@ -209,6 +209,7 @@ class RouterCore:
                 decoder_ids=artifact.decoder_ids if artifact is not None else None,
                 tau=tau,
                 label_shares=self.settings.domain_shares or None,
+                unnamed_serve_all=self.settings.unnamed_decoders_in_bands,
             )
             self._tables_for = self.decode.version
         return self.tables

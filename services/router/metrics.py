@@ -29,6 +29,11 @@ UNROUTABLE = Counter(
 STALE_ENGINES = Gauge("switchyard_router_stale_engines", "Known engines silent for longer than stale_after_s.")
 LIVE_ENGINES = Gauge("switchyard_router_live_engines", "Engines in the candidate set, by role.", ["role"])
 ARTIFACT_VERSION = Gauge("switchyard_router_artifact_version", "Version of the routing artifact in use (0: none).")
+ARTIFACTS_REFUSED = Counter(
+    "switchyard_router_artifacts_refused_total",
+    "Revisions of the routing-artifact key that could not be used (undecodable, wrong hash), by reason code.",
+    ["code"],
+)
 TELEMETRY_GAPS = Counter("switchyard_router_telemetry_gaps_total", "Telemetry sequence gaps detected.")
 
 

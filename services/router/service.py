@@ -22,7 +22,8 @@ import time
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from switchyard.services.artifacts import ArtifactError, load_artifact
+from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
+from switchyard.services.router import metrics
 from switchyard.services.router.core import Decided, RouterCore
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.runtime import metrics_endpoint, supervised
@@ -157,6 +158,7 @@ class RouterService:
         """Load the current artifact, then apply every update to the KV key as it happens."""
         assert self.bus is not None
         subjects = self.bus.subjects
+        signing_key = self.settings.artifact_key()
         kv = await self.bus.ensure_kv(subjects.router_bucket)
         watcher = await kv.watch(subjects.artifact_key)
         try:
@@ -169,10 +171,19 @@ class RouterService:
                     self.core.set_artifact(None)
                     continue
                 try:
-                    artifact = load_artifact(entry.value, self.settings.max_payload_bytes, "KV artifact")
+                    artifact = load_artifact(entry.value, self.settings.max_payload_bytes, "KV artifact", signing_key)
                 except ArtifactError as exc:
+                    metrics.ARTIFACTS_REFUSED.labels(exc.code).inc()
                     log.error("ignoring routing artifact revision %s: %s", entry.revision, exc)
-                    continue
+                    if self.core.artifact is not None:
+                        continue  # keep the one in use
+                    found = await last_valid_artifact(
+                        kv, subjects.artifact_key, self.settings.max_payload_bytes, signing_key
+                    )
+                    if found is None:
+                        continue
+                    artifact, revision = found
+                    log.warning("using the last valid routing artifact, KV revision %s", revision)
                 self.core.set_artifact(artifact)
                 log.info(
                     "routing artifact v%s (K=%s, tau=%s) in use",
@@ -195,7 +206,9 @@ class RouterService:
     # ----- lifecycle -----
 
     async def start(self, servers: list[str] | None = None) -> None:
-        self.bus = bus = await Bus.connect(self.settings, name=self.router.replica_id, servers=servers, no_echo=True)
+        self.bus = bus = await Bus.connect(
+            self.settings, name=self.router.replica_id, servers=servers, no_echo=True, role="router"
+        )
         s = bus.subjects
         self.sharer = DecisionSharer(bus, self.router.replica_id, self.router.share_interval_s)
         await bus.subscribe(s.all_hello, Hello, self._on_hello)

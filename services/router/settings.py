@@ -31,6 +31,10 @@ class RouterSettings(BaseSettings):
     #: the replies' socket write, at most one message per this interval; none waits more than twice it
     #: (0: at the end of every burst).
     share_interval_s: float = Field(default=0.002, ge=0, le=0.1)
+    #: Whether decoders the routing artifact does not name (added after the fit) serve every ELDR band. Off by
+    #: default: they take a request only when its band has no live engine, so a phantom decoder announced on
+    #: the bus cannot draw the traffic (finding 1 of issue 15). Turn on to give new capacity traffic at once.
+    unnamed_decoders_in_bands: bool = False
     #: Identifies this replica on `sy.route.decided`.
     replica_id: str = Field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
     #: Seed of the replica's random choices (random, p2c, tie-breaks).

@@ -11,10 +11,8 @@ import contextlib
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -22,6 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 
 import switchyard.infra as infra
 from switchyard.shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 ALEMBIC_DIR = Path(infra.__file__).resolve().parent / "alembic"
 
@@ -96,6 +97,10 @@ def create_async_db(url: str | URL, **kwargs: Any) -> tuple[AsyncEngine, async_s
 
 
 def alembic_config(url: str | URL) -> Config:
+    # Alembic is imported by the functions that migrate, not by every process that reads the history: a
+    # restarted router must not wait for it (docs/reliability.md).
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(ALEMBIC_DIR))
     config.set_main_option("sqlalchemy.url", sync_url(url).render_as_string(hide_password=False).replace("%", "%%"))
@@ -106,6 +111,8 @@ def upgrade(url: str | URL, revision: str = "head") -> None:
     """Bring the schema up to `revision` (idempotent); a SQLite file is also put in WAL mode, once."""
     parsed = sync_url(url)
     ensure_sqlite_dir(parsed)
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         with contextlib.closing(sqlite3.connect(parsed.database, timeout=5.0)) as connection:
@@ -113,6 +120,8 @@ def upgrade(url: str | URL, revision: str = "head") -> None:
 
 
 def downgrade(url: str | URL, revision: str = "base") -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(url), revision)
 
 

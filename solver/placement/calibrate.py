@@ -11,6 +11,12 @@ Agreement is the fraction of expert copies placed on the same GPU by both placem
 expert: the fraction of identical expert→GPU decisions). Where the objective cannot tell GPUs apart
 (`PlacementProblem.interchangeable_gpus`), GPU labels are arbitrary, so each layer's labels are first
 matched (Hungarian algorithm on the overlap) within those classes.
+
+Agreement alone is close to trivial: most copies stay where they are, so keeping the current layout agrees
+with most of the MINLP's decisions at a far worse objective. Each method (greedy, `place`, keep-layout,
+EPLB) is therefore reported by its objective gap first, then agreement on all copies, agreement on the
+copies the reference *moves*, and the communication gap; against a reference MINLP that did not start from
+that method (`calibrate`).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from switchyard.solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts
+from switchyard.solver.placement.eplb_baseline import eplb_global
+from switchyard.solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
 from switchyard.solver.placement.minlp import MinlpOptions, solve_minlp
 from switchyard.solver.placement.objective import objective_of_hosts
-from switchyard.solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, contiguous_slots, hosts_from_slots
 from switchyard.solver.placement.refine import place
 
 COARSE_GRID = 2.0 ** np.arange(-6, 7)
@@ -52,12 +59,19 @@ class CalibrationResult:
     num_windows: int
     windows: tuple[dict, ...] = field(default=())
     references: tuple[np.ndarray, ...] = field(default=(), repr=False)  # the MINLP slot maps, per window
+    #: per method (greedy, place, keep_layout, eplb): objective_gap, agreement, agreement_moved, comm_gap
+    #: against a reference MINLP not warm-started from that method (`reference` says which)
+    methods: dict = field(default_factory=dict)
+    #: the two references (from keep-layout, from EPLB) judged against each other: the noise floor
+    reference_agreement: dict = field(default_factory=dict)
 
     def details(self) -> dict:
         """JSON-ready summary (the `details` column of a `calibrations` row)."""
         return {
             "objective_gap": self.objective_gap,
             "greedy": self.greedy,
+            "methods": self.methods,
+            "reference_agreement": self.reference_agreement,
             "minlp_gap": self.minlp_gap,
             "fit_seconds": self.fit_seconds,
             "windows": list(self.windows),
@@ -70,18 +84,23 @@ def agreement(problem: PlacementProblem, placement: np.ndarray, reference: np.nd
 
 
 def _matches(problem: PlacementProblem, placement: np.ndarray, reference: np.ndarray) -> int:
+    return int((_aligned(problem, placement, reference) & reference).sum())
+
+
+def _aligned(problem: PlacementProblem, placement: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """`placement` with each layer's interchangeable GPUs relabelled to overlap `reference` most."""
     classes = problem.interchangeable_gpus()
     if not classes:
-        return int((placement & reference).sum())
+        return placement
     same_class = np.eye(problem.num_gpus, dtype=bool)
     for members in classes:
         same_class[np.ix_(members, members)] = True
-    total = 0
+    out = np.zeros_like(placement)
     for layer in range(problem.num_layers):  # one small assignment problem per layer
         overlap = reference[layer].T.astype(np.int64) @ placement[layer]
         rows, cols = linear_sum_assignment(np.where(same_class, overlap, -1), maximize=True)
-        total += int(overlap[rows, cols].sum())
-    return total
+        out[layer][:, rows] = placement[layer][:, cols]
+    return out
 
 
 def fit_params(
@@ -160,33 +179,62 @@ def calibrate(
     alpha: float = 1.0,
     objective_tolerance: float = 0.01,
 ) -> CalibrationResult:
-    """Solve each window's MINLP, fit the greedy's weights to it, and measure what the online placement loses."""
+    """Solve each window's MINLP, fit the greedy's weights to it, and measure every method against it.
+
+    No method is judged against a MINLP that started from it: the main reference is warm-started from the
+    current layout (keep-layout), which the greedy, `place` and EPLB are judged against and the weights are
+    fitted to; keep-layout itself is judged against a second MINLP warm-started from EPLB's layout. The two
+    references' agreement with each other is the floor below which agreement says nothing.
+    """
     options = options or MinlpOptions()
+    copies = [resolve_replicas(p, None) for p in problems]
+    keep = [keep_layout_hosts(p) for p in problems]
+    eplb = [_eplb_hosts(p) for p in problems]
     began = time.perf_counter()
-    solutions = [solve_minlp(p, options) for p in problems]
+    solutions = [
+        solve_minlp(p, options, replicas=c, hint=_hint(k, c, e, p))
+        for p, c, k, e in zip(problems, copies, keep, eplb, strict=True)
+    ]
+    others = [
+        solve_minlp(p, options, replicas=c, hint=e if e is not None else greedy_hosts(p, GreedyParams(), c))
+        for p, c, e in zip(problems, copies, eplb, strict=True)
+    ]
     minlp_seconds = time.perf_counter() - began
     references = [hosts_from_slots(s.slot_map, p.num_experts) for p, s in zip(problems, solutions, strict=True)]
+    second = [hosts_from_slots(s.slot_map, p.num_experts) for p, s in zip(problems, others, strict=True)]
 
     began = time.perf_counter()
     params, _ = fit_params(problems, references, alpha=alpha, objective_tolerance=objective_tolerance)
     fit_seconds = time.perf_counter() - began
 
     windows = []
-    for p, solution, reference in zip(problems, solutions, references, strict=True):
-        copies = reference.sum(axis=2)
+    for i, (p, solution, reference) in enumerate(zip(problems, solutions, references, strict=True)):
+        c = copies[i]
         window = {
             "shape": list(p.shape),
             "minlp_gap": solution.gap,
             "minlp_optimal_layers": solution.optimal_layers,
             "minlp_seconds": solution.wall_seconds,
             "minlp": objective_of_hosts(p, reference).totals(),
-            "online": _versus(p, hosts_from_slots(place(p, params, copies), p.num_experts), reference),
+            "minlp_from_eplb": objective_of_hosts(p, second[i]).totals(),
+            "online": _versus(p, hosts_from_slots(place(p, params, c), p.num_experts), reference),
+            "keep_layout": _versus(p, keep[i], second[i]),
+            "reference_vs_reference": _versus(p, second[i], reference),
         }
+        if eplb[i] is not None:
+            window["eplb"] = _versus(p, eplb[i], reference)
         # beside the fitted greedy: the uncalibrated one (exact marginals, α = β = γ = 1) and the seed's weights
         for name, candidate in (("greedy", params), ("greedy_unit", GreedyParams()), ("greedy_seed", SEED_PARAMS)):
-            window[name] = _versus(p, greedy_hosts(p, candidate, copies), reference)
+            window[name] = _versus(p, greedy_hosts(p, candidate, c), reference)
         windows.append(window)
     online, greedy = _overall(windows, "online"), _overall(windows, "greedy")
+    methods = {"greedy": greedy, "place": online, "keep_layout": _overall(windows, "keep_layout", "minlp_from_eplb")}
+    if all("eplb" in w for w in windows):
+        methods["eplb"] = _overall(windows, "eplb")
+    for name, ref in (("greedy", "keep_layout"), ("place", "keep_layout"), ("eplb", "keep_layout")):
+        if name in methods:
+            methods[name]["reference"] = f"MINLP warm-started from {ref}"
+    methods["keep_layout"]["reference"] = "MINLP warm-started from eplb"
     bound_total = sum(float(s.bound.sum()) for s in solutions)
     model_total = sum(float(s.objective.sum()) for s in solutions)
     return CalibrationResult(
@@ -201,23 +249,64 @@ def calibrate(
         num_windows=len(problems),
         windows=tuple(windows),
         references=tuple(s.slot_map for s in solutions),
+        methods=methods,
+        reference_agreement=_overall(windows, "reference_vs_reference"),
     )
 
 
+def keep_layout_hosts(problem: PlacementProblem) -> np.ndarray:
+    """The do-nothing placement: the engines' current layout (the contiguous default when there is none)."""
+    current = problem.current
+    if current is None:
+        current = contiguous_slots(problem.num_layers, problem.num_experts, problem.num_gpus, problem.slots_per_gpu)
+    return hosts_from_slots(current, problem.num_experts)
+
+
+def _eplb_hosts(problem: PlacementProblem) -> np.ndarray | None:
+    """EPLB's global layout of the window's load, or None where EPLB does not apply (G ∤ E + R, slots differ)."""
+    try:
+        slots = eplb_global(problem.load, problem.num_gpus, problem.redundant_slots)
+    except PlacementError:
+        return None
+    if slots.shape[2] > problem.slots_per_gpu:
+        return None
+    return hosts_from_slots(slots, problem.num_experts)
+
+
+def _hint(keep: np.ndarray, copies: np.ndarray, eplb: np.ndarray | None, problem: PlacementProblem) -> np.ndarray:
+    """Keep-layout as the main reference's start when it holds the copies the MINLP must place."""
+    if (keep.sum(axis=2) == copies).all():
+        return keep
+    return eplb if eplb is not None else greedy_hosts(problem, GreedyParams(), copies)
+
+
 def _versus(problem: PlacementProblem, hosts: np.ndarray, reference: np.ndarray) -> dict:
-    """A placement's objective terms and its agreement with the reference."""
-    matched = _matches(problem, hosts > 0, reference)
-    return {**objective_of_hosts(problem, hosts).totals(), "matched": matched, "copies": int(reference.sum())}
-
-
-def _overall(windows: list[dict], name: str) -> dict:
-    """Agreement, communication gap and objective gap of one placement method over all windows."""
-    total = {key: sum(w[name][key] for w in windows) for key in ("matched", "copies", "comm", "total")}
-    minlp = {key: sum(w["minlp"][key] for w in windows) for key in ("comm", "total")}
+    """A placement's objective terms, its agreement with the reference, and its agreement on the copies the
+    reference moves away from the current layout (`moved`: reference copies the current layout lacks)."""
+    aligned = _aligned(problem, hosts > 0, reference > 0)
+    moved = reference > 0
+    current = problem.current_hosts()
+    if current is not None:
+        moved = moved & ~(current > 0)
     return {
+        **objective_of_hosts(problem, hosts).totals(),
+        "matched": int((aligned & (reference > 0)).sum()),
+        "copies": int((reference > 0).sum()),
+        "matched_moved": int((aligned & moved).sum()) if current is not None else 0,
+        "moved": int(moved.sum()) if current is not None else 0,
+    }
+
+
+def _overall(windows: list[dict], name: str, reference: str = "minlp") -> dict:
+    """Objective gap, agreement (all copies, moved copies) and communication gap of one method over all windows."""
+    keys = ("matched", "copies", "matched_moved", "moved", "comm", "total")
+    total = {key: sum(w[name][key] for w in windows) for key in keys}
+    ref = {key: sum(w[reference][key] for w in windows) for key in ("comm", "total")}
+    return {
+        "objective_gap": _relative(total["total"], ref["total"]),
         "agreement": total["matched"] / total["copies"],
-        "comm_gap": _relative(total["comm"], minlp["comm"]),
-        "objective_gap": _relative(total["total"], minlp["total"]),
+        "agreement_moved": total["matched_moved"] / total["moved"] if total["moved"] else None,
+        "comm_gap": _relative(total["comm"], ref["comm"]),
     }
 
 

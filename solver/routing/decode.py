@@ -115,9 +115,10 @@ class RoutingTables:
         decoder_ids: Sequence[str] | None = None,
         tau: float = DEFAULT_TAU,
         label_shares: Mapping[str, float] | None = None,
+        unnamed_serve_all: bool = True,
     ) -> RoutingTables:
         """Tables for the engines of a snapshot (sorted ids), an artifact's centroids, and label shares."""
-        members = centroid_members(num_centroids, engine_ids, decoder_ids) if num_centroids else None
+        members = centroid_members(num_centroids, engine_ids, decoder_ids, unnamed_serve_all) if num_centroids else None
         engine_centroid = None
         if members is not None and len(engine_ids) and (members.sum(axis=0) == 1).all():
             engine_centroid = np.argmax(members, axis=0)
@@ -147,9 +148,17 @@ class DecodePolicy:
 
 
 def centroid_members(
-    num_centroids: int, engine_ids: Sequence[str], decoder_ids: Sequence[str] | None = None
+    num_centroids: int,
+    engine_ids: Sequence[str],
+    decoder_ids: Sequence[str] | None = None,
+    unnamed_serve_all: bool = True,
 ) -> np.ndarray:
-    """bool[K, D]: engine j serves centroid k. `engine_ids` in snapshot (sorted) order; rules in the module doc."""
+    """bool[K, D]: engine j serves centroid k. `engine_ids` in snapshot (sorted) order; rules in the module doc.
+
+    `unnamed_serve_all=False`: an engine the artifact does not name serves no band (it takes a request only
+    when the band has no live engine). The router service does this unless configured otherwise: on a bus
+    where anyone could say hello, a phantom decoder reporting no load drew 555 of 600 requests.
+    """
     k, d = num_centroids, len(engine_ids)
     if k <= 0 or d == 0:
         return np.zeros((max(k, 0), d), dtype=bool)
@@ -159,7 +168,7 @@ def centroid_members(
         eng = np.asarray(list(engine_ids), dtype=object)
         members = np.asarray(list(decoder_ids), dtype=object)[:, None] == eng[None, :]
         named = members.any(axis=0)
-        members[:, ~named] = True  # engines the artifact does not know serve every band
+        members[:, ~named] = unnamed_serve_all  # engines the artifact does not know: every band, or none
         return members
     ks = np.arange(k)[:, None]
     js = np.arange(d)[None, :]

@@ -1,0 +1,90 @@
+"""One owner per engine group across service replicas: a lease in a JetStream KV bucket with a TTL.
+
+Two migration services both resumed the same unfinished migration (17 duplicate step requests; correctness
+rested on the engines' dedup), and two placement services made 42 migrations in 45 s where one made 10. A
+replica now acts for a group only while it holds the group's lease (`<kind>.<group>` in `<prefix>-leases`):
+
+- `acquire` creates the key (compare-and-set on "absent"), or renews it when this owner already holds it;
+- the bucket's TTL expires a lease its owner stopped renewing (crashed, cut off), so another replica takes
+  the group over after at most `ttl_s`;
+- `renew` keeps every held lease alive (compare-and-set on the revision it wrote: a lease taken over after
+  an expiry is lost, never overwritten); `release` hands a group back at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter
+
+from switchyard.shared.bus import Bus
+
+log = logging.getLogger(__name__)
+
+LEASES = Counter("switchyard_leases_total", "Group lease events, by kind and event.", ["kind", "event"])
+
+
+class GroupLeases:
+    """Leases of one `kind` ("placement", "migration") held by `owner` (a replica id)."""
+
+    def __init__(self, bus: Bus, kind: str, owner: str, ttl_s: float = 10.0) -> None:
+        self.bus, self.kind, self.owner, self.ttl_s = bus, kind, owner, ttl_s
+        self.held: dict[str, int] = {}  # group -> revision this owner last wrote
+        self.kv: KeyValue | None = None
+
+    async def start(self) -> None:
+        self.kv = await self.bus.ensure_kv(self.bus.subjects.lease_bucket, history=1, ttl=self.ttl_s)
+
+    def _key(self, group: str) -> str:
+        return f"{self.kind}.{group}"
+
+    async def acquire(self, group: str) -> bool:
+        """Whether this owner holds the group's lease now (taking or renewing it)."""
+        assert self.kv is not None, "call start() first"
+        if group in self.held:
+            return await self._renew(group)
+        try:
+            self.held[group] = await self.kv.create(self._key(group), self.owner.encode())
+            LEASES.labels(self.kind, "acquired").inc()
+            return True
+        except KeyWrongLastSequenceError:
+            pass
+        with contextlib.suppress(KeyNotFoundError, NotFoundError):
+            entry = await self.kv.get(self._key(group))
+            if entry.value == self.owner.encode():  # ours from before a restart of this replica object
+                self.held[group] = entry.revision or 0
+                return await self._renew(group)
+        return False
+
+    async def _renew(self, group: str) -> bool:
+        assert self.kv is not None
+        try:
+            self.held[group] = await self.kv.update(self._key(group), self.owner.encode(), last=self.held[group])
+            return True
+        except (KeyWrongLastSequenceError, KeyNotFoundError, NotFoundError):
+            del self.held[group]
+            LEASES.labels(self.kind, "lost").inc()
+            log.warning("%s lease of group %s lost (expired and taken over?)", self.kind, group)
+            return False
+
+    async def renew(self) -> list[str]:
+        """Renew every held lease; returns the groups whose lease was lost."""
+        lost = []
+        for group in list(self.held):
+            if not await self._renew(group):
+                lost.append(group)
+        return lost
+
+    async def release(self, group: str) -> None:
+        assert self.kv is not None
+        revision = self.held.pop(group, None)
+        if revision is not None:
+            with contextlib.suppress(Exception):
+                await self.kv.delete(self._key(group), last=revision)
+
+    async def release_all(self) -> None:
+        for group in list(self.held):
+            await self.release(group)

@@ -1,0 +1,252 @@
+"""Who may do what on the bus: one NATS user per role, each allowed only the subjects its job needs.
+
+Whoever can write the routing artifact steers all traffic; whoever can send migrate requests moves experts;
+whoever can publish as an engine shapes routing and placement. So every party gets its own user:
+
+- an engine (`engine-<id>`) publishes only under its own `<prefix>.engine.<id>.` (plus calibration samples),
+  listens only to its own migrate/layout requests and the announce broadcast, and may answer what it is asked
+  (`allow_responses`); it has no JetStream administration at all;
+- only `fit` may write the routing artifact (`$KV.<prefix>-router.>`);
+- only `placement` (and the token-guarded API's reapply) publishes plans; only `migration` sends migrate
+  requests; `readonly` (dashboards) only reads.
+
+Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
+services may create and update the contract's streams (every replica sets them up idempotently on start);
+nobody but `admin` may delete or purge them.
+
+`render_server_config` turns this into a nats-server configuration (see `switchyard nats-config`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from switchyard.shared.subjects import Subjects, check_token
+
+#: The roles of `switchyard nats-config`. `engine` roles are per engine id (`engine-<id>`); `fleet` is the
+#: simulated fleet process, which speaks for all its engines.
+SERVICE_ROLES = ("admin", "router", "placement", "migration", "fit", "api", "readonly", "loadgen")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """What one NATS user may publish and subscribe to."""
+
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+    #: May publish to the reply subject of a request it received (once): how a service answers.
+    allow_responses: bool = False
+
+    def to_conf(self) -> str:
+        def quoted(items: list[str]) -> str:
+            return "[" + ", ".join(json.dumps(s) for s in items) + "]"
+
+        parts = [f"publish: {{ allow: {quoted(self.publish)} }}", f"subscribe: {{ allow: {quoted(self.subscribe)} }}"]
+        if self.allow_responses:
+            parts.append("allow_responses: { max: 1 }")
+        return "{ " + ", ".join(parts) + " }"
+
+
+def inbox_prefix(user: str) -> str:
+    """The reply-subject prefix of one user (its subscribe permission covers only this)."""
+    return f"_INBOX_{check_token(user, 'NATS user')}"
+
+
+def engine_user(engine_id: str) -> str:
+    return f"engine-{check_token(engine_id, 'engine id')}"
+
+
+def _stream_read(stream: str, *, delete_consumers: bool) -> list[str]:
+    """JetStream API subjects to read a stream: its info, consumers on it, single messages, acks."""
+    api = "$JS.API"
+    subjects = [
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api}.CONSUMER.INFO.{stream}.>",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+    if delete_consumers:
+        subjects.append(f"{api}.CONSUMER.DELETE.{stream}.>")
+    return subjects
+
+
+def _stream_admin(stream: str) -> list[str]:
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+
+
+class Roles:
+    """The permissions of every role for one subject prefix."""
+
+    def __init__(self, subjects: Subjects) -> None:
+        self.s = subjects
+        self.kv_stream = f"KV_{subjects.router_bucket}"
+        self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
+
+    def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
+        """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams."""
+        js: list[str] = ["$JS.API.INFO"]
+        for stream in [*self.contract_streams, self.kv_stream]:
+            js += _stream_read(stream, delete_consumers=admin)
+            if admin:
+                js += _stream_admin(stream)
+        return Permissions(
+            publish=[*publish, *js],
+            subscribe=[*subscribe, f"{inbox_prefix(user)}.>"],
+            allow_responses=True,
+        )
+
+    def engine(self, engine_id: str) -> Permissions:
+        s, user = self.s, engine_user(engine_id)
+        return Permissions(
+            publish=[f"{s.prefix}.engine.{engine_id}.>", s.calibration_samples],
+            subscribe=[s.migrate(engine_id), s.layout(engine_id), s.announce, f"{inbox_prefix(user)}.>"],
+            allow_responses=True,
+        )
+
+    def fleet(self, engine_ids: list[str]) -> Permissions:
+        """The simulated fleet (one process for many engines): its engines' rights plus the sim subjects."""
+        s = self.s
+        publish = [s.calibration_samples, s.route_decode, s.sim_completed]
+        subscribe = [s.announce, f"{s.prefix}.sim.submit.*"]  # one subscription for all its prefill engines
+        for engine_id in engine_ids:
+            publish.append(f"{s.prefix}.engine.{check_token(engine_id, 'engine id')}.>")
+            subscribe += [s.migrate(engine_id), s.layout(engine_id)]
+        return self._service("fleet", publish, subscribe)
+
+    def role(self, name: str) -> Permissions:
+        s = self.s
+        engines = [s.all_hello, s.all_telemetry]
+        if name == "admin":
+            return Permissions(publish=[">"], subscribe=[">"], allow_responses=True)
+        if name == "router":
+            return self._service(
+                name,
+                [s.route_decided, s.announce],
+                [*engines, s.route_decode, s.route_dp, s.route_decided],
+            )
+        if name == "placement":
+            layout = f"{s.prefix}.engine.*.layout"
+            leases = f"$KV.{s.lease_bucket}.>"
+            return self._service(name, [s.placement_plan, s.announce, layout, leases], [*engines, s.all_expert_load])
+        if name == "migration":
+            requests = [f"{s.prefix}.engine.*.migrate", f"{s.prefix}.engine.*.layout", f"$KV.{s.lease_bucket}.>"]
+            return self._service(name, [*requests, s.announce], engines)
+        if name == "fit":
+            return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce], engines)
+        if name == "api":
+            # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.
+            return self._service(name, [s.calibration_request, s.placement_plan, s.announce], engines)
+        if name == "readonly":
+            # Announce only asks engines to repeat their hello: what a dashboard needs to fill its view.
+            return self._service(name, [s.announce], [*engines, s.route_decided, s.sim_completed], admin=False)
+        if name == "loadgen":
+            return self._service(name, [f"{s.prefix}.sim.submit.*"], [s.sim_completed], admin=False)
+        raise ValueError(f"unknown role {name!r}; choose from {', '.join(SERVICE_ROLES)}, fleet, engine-<id>")
+
+
+@dataclass
+class Credentials:
+    """User names and passwords per role, as `switchyard nats-config` writes them (a JSON file, mode 0600)."""
+
+    users: dict[str, dict[str, str]]
+
+    @classmethod
+    def generate(cls, roles: list[str]) -> Credentials:
+        return cls({role: {"user": role, "password": secrets.token_urlsafe(24)} for role in roles})
+
+    @classmethod
+    def from_environment_references(cls, roles: list[str]) -> Credentials:
+        """Passwords as `$SWITCHYARD_NATS_PASSWORD_<ROLE>` references, for a configuration that holds none."""
+        return cls({role: {"user": role, "password": "$" + password_variable(role)} for role in roles})
+
+    @classmethod
+    def load(cls, path: Path) -> Credentials:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read NATS credentials {path}: {exc}") from exc
+        if not isinstance(raw, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("user"), str) and isinstance(v.get("password"), str)
+            for v in raw.values()
+        ):
+            raise ValueError(f"NATS credentials {path}: expected {{role: {{user, password}}}}")
+        return cls(raw)
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(json.dumps(self.users, indent=2) + "\n")
+
+
+def _conf_value(value: str) -> str:
+    """A quoted string, or a bare `$VARIABLE` reference (nats-server substitutes it from the environment)."""
+    return value if re.fullmatch(r"\$[A-Z][A-Z0-9_]*", value) else json.dumps(value)
+
+
+def password_variable(role: str) -> str:
+    """The environment variable the shipped configuration reads `role`'s password from."""
+    return "SWITCHYARD_NATS_PASSWORD_" + re.sub(r"[^A-Za-z0-9]", "_", role).upper()
+
+
+def render_authorization(
+    subjects: Subjects, credentials: Credentials, *, fleet_engines: list[str] | None = None
+) -> str:
+    """The `authorization { users = [...] }` block: one user per role in `credentials`, with its permissions.
+
+    Roles named `engine-<id>` get that engine's permissions; `fleet` the simulated fleet's for `fleet_engines`.
+    """
+    roles = Roles(subjects)
+    users = []
+    for role, creds in credentials.users.items():
+        if role.startswith("engine-"):
+            permissions = roles.engine(role.removeprefix("engine-"))
+        elif role == "fleet":
+            permissions = roles.fleet(fleet_engines or [])
+        else:
+            permissions = roles.role(role)
+        users.append(
+            f"    {{ user: {json.dumps(creds['user'])}, password: {_conf_value(creds['password'])},\n"
+            f"      permissions: {permissions.to_conf()} }}"
+        )
+    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def render_server_config(
+    subjects: Subjects,
+    credentials: Credentials,
+    *,
+    fleet_engines: list[str] | None = None,
+    listen: str = "127.0.0.1:4222",
+    monitor: str | None = "127.0.0.1:8222",
+    store_dir: str = "/var/lib/nats/jetstream",
+    max_payload: int = 8 * 1024 * 1024,
+    tls: dict[str, str] | None = None,
+) -> str:
+    """A complete nats-server configuration: loopback listener, JetStream, and `render_authorization`."""
+    lines = [
+        "# Generated by `switchyard nats-config`: one user per role, each allowed only its own subjects.",
+        "# It holds the passwords: keep it readable by the server only (mode 0600).",
+        f"listen: {json.dumps(listen)}",
+        *([f"http: {json.dumps(monitor)}"] if monitor else []),
+        f"max_payload: {max_payload}",
+        "max_pending: 67108864",
+        f"jetstream {{\n  store_dir: {json.dumps(store_dir)}\n  max_memory_store: 268435456\n}}",
+        render_authorization(subjects, credentials, fleet_engines=fleet_engines),
+    ]
+    if tls:
+        body = "\n".join(f"  {key}: {json.dumps(value)}" for key, value in tls.items())
+        lines.append(f"tls {{\n{body}\n  verify: true\n}}")
+    return "\n".join(lines) + "\n"

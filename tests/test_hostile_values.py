@@ -1,0 +1,118 @@
+"""Schema-valid-looking values that used to get past the door and crash or wedge a handler (issue 15).
+
+Each is now refused by the schema itself, at decode, with a named field: so every consumer (router, placement,
+migration, history) is protected at once, and the rejection is counted by the bus like any other.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from switchyard.shared.codec import decode, encode
+from switchyard.shared.errors import WireError
+from switchyard.shared.schemas import Hello, PlacementPlan, Telemetry
+from tests.fleet_helpers import hello, plan
+
+
+def _with(message: object, **fields: object) -> bytes:
+    """The message's wire encoding with some top-level fields replaced (as a hostile publisher would)."""
+    raw = msgpack.unpackb(encode(message), raw=False, strict_map_key=False)  # type: ignore[arg-type]
+    raw.update(fields)
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def _telemetry(seq: int) -> Telemetry:
+    return Telemetry(
+        engine_id="e0",
+        seq=seq,
+        ts=1.0,
+        kv_usage=0.0,
+        num_running=0,
+        num_waiting=0,
+        waiting_prefill_tokens=0,
+        remaining_prefill_tokens=0,
+        step_time_ema=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hello_interval_s", 1e6),  # made a forged hello the group's migrate coordinator for an hour
+        ("telemetry_interval_s", 1e6),
+        ("ts", 1e308),
+    ],
+)
+def test_hello_bounds(field: str, value: object) -> None:
+    data = _with(hello("e0", "g0", ["a"]), **{field: value})
+    with pytest.raises(WireError, match=field):
+        decode(data, Hello)
+
+
+def test_hello_interval_up_to_a_minute_is_fine() -> None:
+    assert decode(_with(hello("e0", "g0", ["a"]), hello_interval_s=60.0), Hello).hello_interval_s == 60.0
+
+
+@pytest.mark.parametrize("seq", [2**63, 2**64 - 1])
+def test_telemetry_seq_beyond_int64(seq: int) -> None:
+    with pytest.raises(WireError, match="seq"):
+        decode(_with(_telemetry(0), seq=seq), Telemetry)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("plan_id", "g0\x00v1"),  # psycopg DataError: redelivered forever
+        ("plan_id", "g0\nv1"),
+        ("created_at", 1e308),  # OverflowError converting to a datetime
+        ("created_at", 4e11),  # past year 9999
+        ("version", 2**31),  # an INTEGER column
+        ("base_version", 2**40),
+    ],
+)
+def test_plan_fields_bounded_to_what_storage_accepts(field: str, value: object) -> None:
+    good = plan("g0", 1, np.zeros((2, 2, 2), np.int32))
+    with pytest.raises(WireError, match=field):
+        decode(_with(good, **{field: value}), PlacementPlan)
+    assert decode(encode(good), PlacementPlan).plan_id == "g0-v1"
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 8), (2048, 4000)])
+def test_expert_load_shapes_without_experts_or_far_beyond_a_model_are_refused(shape: tuple[int, int]) -> None:
+    """`[L, 0]` divided by zero in placement every tick; `[2048, 4000]` windows were the memory bomb."""
+    from switchyard.shared.schemas import ExpertLoad
+
+    good = ExpertLoad(
+        engine_id="e0", ep_group="g0", seq=0, window_start=0.0, window_end=1.0, expert_counts=np.ones((4, 8), np.uint32)
+    )
+    bad = good.model_copy(update={"expert_counts": np.zeros(shape, np.uint8)})
+    with pytest.raises(WireError, match="expert_counts"):
+        decode(encode(bad), ExpertLoad)
+    assert decode(encode(good), ExpertLoad).expert_counts.shape == (4, 8)
+
+
+def test_with_a_manifest_an_engine_cannot_claim_another_group_or_rank(tmp_path) -> None:
+    """The known hard spot of issue 15: bus permissions prove an engine's id, not its group. A hello from e1
+    naming group g0 at rank 0 made it g0's migrate coordinator; with a manifest it is refused and counted."""
+    from switchyard.services.fleet import UNBOUND_HELLOS, FleetView
+    from switchyard.shared.settings import SwitchyardSettings
+
+    manifest = tmp_path / "engines.json"
+    manifest.write_text('{"e0": {"ep_group": "g0", "dp_rank": 0}, "e1": {"ep_group": "g1", "dp_rank": 0}}')
+    bindings = SwitchyardSettings(engine_manifest=manifest).engine_bindings()
+    view = FleetView(clock=lambda: 0.0, bindings=bindings)
+    before = {r: UNBOUND_HELLOS.labels(r)._value.get() for r in ("unlisted", "wrong_group_or_rank")}
+    view.on_hello(hello("e1", "g0", ["x"], dp_rank=0))  # e1 is g1's
+    view.on_hello(hello("e0", "g0", ["a"], dp_rank=3))  # e0 is rank 0
+    view.on_hello(hello("intruder", "g0", ["y"]))
+    assert view.coordinator("g0") is None and view.engines == {}
+    view.on_hello(hello("e0", "g0", ["a"], dp_rank=0))
+    view.on_hello(hello("e1", "g1", ["b"], dp_rank=0))
+    assert (view.coordinator("g0"), view.coordinator("g1")) == ("e0", "e1")
+    assert UNBOUND_HELLOS.labels("wrong_group_or_rank")._value.get() == before["wrong_group_or_rank"] + 2
+    assert UNBOUND_HELLOS.labels("unlisted")._value.get() == before["unlisted"] + 1
+    unbound = FleetView(clock=lambda: 0.0)  # no manifest: every hello believed, as before
+    unbound.on_hello(hello("e1", "g0", ["x"], dp_rank=0))
+    assert unbound.coordinator("g0") == "e1"

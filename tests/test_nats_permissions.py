@@ -1,0 +1,293 @@
+"""Per-role bus permissions against a real nats-server started with the generated configuration.
+
+An attacker with an engine's credentials publishes raw bytes (not through our helpers): what the server lets
+through is what matters. Every refusal is checked against a positive control (the right role can do it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+
+from switchyard.shared import schemas as s
+from switchyard.shared.bus import Bus, rejected_count
+from switchyard.shared.embedded import EmbeddedNats, find_nats_server
+from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Subjects
+from tests.fleet_helpers import hello
+
+FLEET = ["sim-p0", "sim-p1", "sim-d0", "sim-d1", "sim-d2", "sim-d3"]
+
+
+@dataclass
+class SecuredNats:
+    server: EmbeddedNats
+    subjects: Subjects
+    credentials: Credentials
+    credentials_path: Path
+
+    def settings(self, **extra: object) -> SwitchyardSettings:
+        return SwitchyardSettings(
+            nats_servers=[self.server.url],
+            subject_prefix=self.subjects.prefix,
+            nats_credentials=self.credentials_path,
+            nats_initial_connect_s=3.0,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    async def raw(self, role: str) -> nats.NATS:
+        """A plain nats-py connection as `role` (what a hostile holder of those credentials would use)."""
+        creds = self.credentials.users[role]
+        return await nats.connect(
+            self.server.url,
+            user=creds["user"],
+            password=creds["password"],
+            inbox_prefix=f"_INBOX_{creds['user']}",
+            allow_reconnect=False,
+            error_cb=_ignore,
+        )
+
+    def violations(self) -> list[str]:
+        return re.findall(r".*(?:Publish|Subscription) Violation.*", self.server.log_path.read_text(errors="replace"))
+
+
+async def _ignore(_exc: Exception) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredNats]:
+    folder = tmp_path_factory.mktemp("secured-nats")
+    subjects = Subjects("p" + uuid.uuid4().hex[:8])
+    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1")]
+    credentials = Credentials.generate(roles)
+    path = folder / "credentials.json"
+    credentials.save(path)
+    block = render_authorization(subjects, credentials, fleet_engines=FLEET)
+    server = EmbeddedNats(folder / "nats", extra_config=block)
+    server.start()
+    yield SecuredNats(server, subjects, credentials, path)
+    server.stop()
+
+
+@pytest.fixture
+async def admin(secured: SecuredNats) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(secured.settings(), name="admin", role="admin")
+    await bus.ensure_streams()
+    yield bus
+    await bus.close()
+
+
+async def _received(nc: nats.NATS, subject: str | list[str], send) -> list[bytes]:
+    """What subscriptions on `subject`(s) (on connection `nc`) receive while `send()` runs."""
+    got: list[bytes] = []
+
+    async def on_message(msg) -> None:
+        got.append(msg.data)
+
+    subs = [await nc.subscribe(one, cb=on_message) for one in ([subject] if isinstance(subject, str) else subject)]
+    await nc.flush()
+    await send()
+    await asyncio.sleep(0.3)
+    for sub in subs:
+        await sub.unsubscribe()
+    return got
+
+
+def _hello(engine_id: str) -> s.Hello:
+    return hello(engine_id, "g0", ["gpu0"], role="decode")
+
+
+async def test_a_client_without_credentials_is_refused(secured: SecuredNats) -> None:
+    anonymous = SwitchyardSettings(nats_servers=[secured.server.url], nats_initial_connect_s=0.5)
+    with pytest.raises(ConnectionError, match="uthoriz"):
+        await Bus.connect(anonymous, name="anonymous")
+    wrong = secured.credentials.users["router"] | {"password": "not-the-password"}
+    with pytest.raises(Exception, match="uthoriz"):
+        await nats.connect(secured.server.url, user=wrong["user"], password=wrong["password"], allow_reconnect=False)
+
+
+async def test_an_engine_cannot_write_the_routing_artifact(secured: SecuredNats, admin: Bus) -> None:
+    bucket, key = secured.subjects.router_bucket, secured.subjects.artifact_key
+    kv = await admin.ensure_kv(bucket)
+    fit = await secured.raw("fit")
+    engine = await secured.raw(engine_user("e0"))
+    try:
+        fit_kv = await fit.jetstream().key_value(bucket)
+        await fit_kv.put(key, b"from-fit")  # positive control: the fit job may
+        assert (await kv.get(key)).value == b"from-fit"
+        await engine.publish(f"$KV.{bucket}.{key}", b"from-engine")  # a raw write, as an attacker would
+        await engine.flush()
+        with pytest.raises(Exception):  # noqa: B017 - permission refusal surfaces as a timeout or an error
+            await engine.jetstream().key_value(bucket)  # nor may it read the bucket's stream API
+        await asyncio.sleep(0.2)
+        assert (await kv.get(key)).value == b"from-fit"
+        for role in ("router", "placement", "migration", "api", "readonly", "loadgen"):
+            other = await secured.raw(role)
+            await other.publish(f"$KV.{bucket}.{key}", b"from-" + role.encode())
+            await other.flush()
+            await other.close()
+        await asyncio.sleep(0.2)
+        assert (await kv.get(key)).value == b"from-fit"
+    finally:
+        await kv.purge(key)  # leave no garbage artifact for the loop test on this server
+        await fit.close()
+        await engine.close()
+    assert any(f"$KV.{bucket}.{key}" in line for line in secured.violations())
+
+
+async def test_an_engine_cannot_publish_a_plan(secured: SecuredNats, admin: Bus) -> None:
+    stream, subject = secured.subjects.placement_stream, secured.subjects.placement_plan
+    before = (await admin.js.stream_info(stream)).state.messages
+    engine, placement = await secured.raw(engine_user("e0")), await secured.raw("placement")
+    try:
+        await engine.publish(subject, b"plan-from-engine")
+        await engine.flush()
+        await asyncio.sleep(0.2)
+        assert (await admin.js.stream_info(stream)).state.messages == before
+        await placement.jetstream().publish(subject, b"plan-from-placement")  # positive control
+        assert (await admin.js.stream_info(stream)).state.messages == before + 1
+    finally:
+        await engine.close()
+        await placement.close()
+
+
+async def test_only_the_migration_service_sends_migrate_requests(secured: SecuredNats) -> None:
+    subject = secured.subjects.migrate("e1")
+    target = await secured.raw(engine_user("e1"))
+    senders = {role: await secured.raw(role) for role in (engine_user("e0"), "router", "api", "migration")}
+    try:
+        for role, nc in senders.items():
+
+            async def send(nc: nats.NATS = nc, role: str = role) -> None:
+                await nc.publish(subject, role.encode())
+                await nc.flush()
+
+            got = await _received(target, subject, send)
+            assert got == ([b"migration"] if role == "migration" else []), role
+    finally:
+        await target.close()
+        for nc in senders.values():
+            await nc.close()
+
+
+async def test_an_engine_cannot_speak_for_another_engine(secured: SecuredNats) -> None:
+    subjects = secured.subjects
+    router, e0 = await secured.raw("router"), await secured.raw(engine_user("e0"))
+    try:
+
+        async def send() -> None:
+            for engine_id in ("e1", "e0"):
+                await e0.publish(subjects.hello(engine_id), engine_id.encode())
+                await e0.publish(subjects.telemetry(engine_id), engine_id.encode())
+            await e0.flush()
+
+        got = await _received(router, [subjects.all_hello, subjects.all_telemetry], send)
+        assert sorted(got) == [b"e0", b"e0"]  # its own, both kinds; none in e1's name
+        # nor can it listen to another engine's requests
+        spy = await _received(e0, subjects.migrate("e1"), lambda: asyncio.sleep(0))
+        assert spy == [] and any(subjects.migrate("e1") in v for v in secured.violations())
+    finally:
+        await router.close()
+        await e0.close()
+
+
+async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: SecuredNats) -> None:
+    """The subject is the engine's proof of identity; a hello on e0's subject that claims e1 is dropped."""
+    router = await Bus.connect(secured.settings(), name="router", role="router")
+    e0 = await Bus.connect(secured.settings(), name="e0", role=engine_user("e0"))
+    seen: list[str] = []
+    try:
+        await router.subscribe(secured.subjects.all_hello, s.Hello, lambda m, _: seen.append(m.engine_id))
+        await router.nc.flush()
+        before = rejected_count(secured.subjects.all_hello, "engine_id_mismatch")
+        await e0.publish(secured.subjects.hello("e0"), _hello("e1"))
+        await e0.publish(secured.subjects.hello("e0"), _hello("e0"))
+        await e0.nc.flush()
+        for _ in range(50):
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seen == ["e0"]
+        assert rejected_count(secured.subjects.all_hello, "engine_id_mismatch") == before + 1
+    finally:
+        await router.close()
+        await e0.close()
+
+
+def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) -> None:
+    out = tmp_path / "conf"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "switchyard.services.cli",
+            "nats-config",
+            "--out",
+            str(out),
+            "--engines",
+            "e0:g0:0,e1:g0:1",
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
+    )
+    assert result.returncode == 0, result.stderr
+    users = json.loads((out / "credentials.json").read_text())
+    assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1"}
+    assert (out / "credentials.json").stat().st_mode & 0o077 == 0  # passwords readable by the owner only
+    assert json.loads((out / "engines.json").read_text())["e1"] == {"ep_group": "g0", "dp_rank": 1}
+    config = (out / "nats-server.conf").read_text()
+    assert 'listen: "127.0.0.1:4222"' in config and "authorization" in config
+    checked = subprocess.run([str(find_nats_server()), "-c", str(out / "nats-server.conf"), "-t"], capture_output=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_the_whole_loop_runs_with_per_role_credentials(secured: SecuredNats, tmp_path: Path) -> None:
+    """`switchyard up` against the secured server, each component as its own role (admin, fit, router,
+    placement, migration, api, fleet, loadgen, readonly): every request completes, ELDR has its artifact, and
+    the server logged no permission violation for any of them."""
+    before = len(secured.violations())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env |= {
+        "COLUMNS": "200",
+        "SWITCHYARD_NATS_CREDENTIALS": str(secured.credentials_path),
+        "SWITCHYARD_SUBJECT_PREFIX": secured.subjects.prefix,
+    }
+    command = [sys.executable, "-m", "switchyard.services.cli", "up", "--nats-url", secured.server.url]
+    result = subprocess.run(
+        [*command, "--data-dir", str(tmp_path / "state"), "--api-port", "0", "--duration", "6"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert secured.violations()[before:] == []
+    sent, completed = re.search(r"(\d+) sent, (\d+) completed", result.stdout).groups()  # type: ignore[union-attr]
+    assert int(sent) > 50 and completed == sent, result.stdout[-3000:]
+    assert "routing fallbacks" in result.stdout and "no_artifact" not in result.stdout
+    assert secured.violations()[before:] == []
+
+
+def test_the_shipped_config_holds_the_generated_permissions() -> None:
+    """infra/nats/nats-server.conf's users are exactly what `render_authorization` makes (no drift)."""
+    from switchyard.shared.nats_auth import Credentials as C
+
+    shipped = (Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf").read_text()
+    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1")]
+    block = render_authorization(Subjects("sy"), C.from_environment_references(roles), fleet_engines=FLEET)
+    assert shipped.endswith(block)
+    assert "password: $SWITCHYARD_NATS_PASSWORD_ROUTER," in shipped  # no password in the file itself
