@@ -110,7 +110,14 @@ class Roles:
         s, user = self.s, engine_user(engine_id)
         return Permissions(
             publish=[f"{s.prefix}.engine.{engine_id}.>", s.calibration_samples],
-            subscribe=[s.migrate(engine_id), s.layout(engine_id), s.announce, f"{inbox_prefix(user)}.>"],
+            # expert_load: a vLLM engine core reads its own worker's windows back (Gimbal's expert pressure).
+            subscribe=[
+                s.migrate(engine_id),
+                s.layout(engine_id),
+                s.expert_load(engine_id),
+                s.announce,
+                f"{inbox_prefix(user)}.>",
+            ],
             allow_responses=True,
         )
 

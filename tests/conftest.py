@@ -64,6 +64,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
         report.longrepr = f"CI=true: this test skipped ({reason}); under CI every test must run"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """The same rule for a whole module skipped at import (`pytest.importorskip` at module level)."""
+    outcome = yield
+    report = outcome.get_result()
+    path = getattr(collector, "path", None)
+    if not report.skipped or os.environ.get("CI") != "true" or path is None or not path.name.startswith("test_"):
+        return
+    if path.name.startswith("test_vllm_") and os.environ.get("SWITCHYARD_REQUIRE_VLLM") != "1":
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"CI=true: this module skipped ({reason}); under CI every test must run"
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     server = EmbeddedNats(tmp_path_factory.mktemp("nats"))

