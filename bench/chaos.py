@@ -37,6 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class Probe:
     ok: bool
     engine: str = ""
     answered: float = 0.0
+    error: str = ""  # why it failed: the router's error code, or the exception (timeout, no responders)
 
 
 @dataclass
@@ -309,6 +311,7 @@ class Chaos:
             await asyncio.sleep(1.0)
 
     async def _probe_once(self, i: int) -> None:
+        from switchyard.shared.errors import RemoteError
         from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest
 
         sent = time.time()
@@ -317,8 +320,11 @@ class Chaos:
         )
         try:
             reply = await self.bus.request(self.bus.subjects.route_decode, request, RouteDecodeReply, timeout=0.5)
-        except Exception:
-            self.probes.append(Probe(sent, False))
+        except RemoteError as exc:
+            self.probes.append(Probe(sent, False, error=exc.code))
+            return
+        except Exception as exc:
+            self.probes.append(Probe(sent, False, error=type(exc).__name__))
             return
         self.probes.append(Probe(sent, True, reply.engine_id, time.time()))
 
@@ -615,9 +621,11 @@ class Chaos:
                 r.stuck += 1
                 r.note += "; placement stopped folding expert-load windows"
             failed = [p.sent for p in in_window if not p.ok]
-            if failed:
+            if failed:  # from the first failed probe to the first success after the last one
                 after = [p.sent for p in in_window if p.ok and p.sent > failed[-1]]
-                r.resume_s = (after[0] if after else r.end) - r.injected
+                r.resume_s = (after[0] if after else r.end) - failed[0]
+                why = Counter(p.error for p in in_window if not p.ok)
+                r.note += "; failed probes: " + ", ".join(f"{k} {v}" for k, v in why.most_common())
                 r.resumed = bool(after)
             api = [(t, code) for t, code in self.api_probes if r.start <= t < r.end]
             r.api_failed = sum(code is None for _, code in api)

@@ -8,6 +8,7 @@ refused it), so placement planned from a frozen window for ever: the harness rep
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -40,3 +41,56 @@ async def test_nats_restart_and_router_kill_lose_nothing(tmp_path: Path) -> None
     assert by_fault["router"].probe_failures > 0  # the fault did bite: routing was down for a while
     assert audit.layout_mismatches == []
     assert totals(results, audit)["lost"] == 0
+
+
+async def test_migration_service_survives_nats_restarts(tmp_path: Path) -> None:
+    """Found by `make chaos`: a 503 from JetStream on the plan consumer's fetch, while NATS came back, ended
+    the migration process. The 503 window is a race with the server's start that this test does not hit
+    reliably (it passed on the old code in four tries): it checks that the service survives restarts and
+    still takes up a plan afterwards; `make chaos` is where the race showed."""
+    import asyncio
+
+    from sqlalchemy import select
+
+    from switchyard.services.history import default_layout
+    from switchyard.services.migration.service import run_migration
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.db import Migration, create_async_db, upgrade
+    from switchyard.shared.embedded import EmbeddedNats
+    from switchyard.shared.settings import SwitchyardSettings
+    from tests.fleet_helpers import eventually, plan
+
+    nats = EmbeddedNats(tmp_path / "nats")
+    url = await asyncio.to_thread(nats.start)
+    database_url = f"sqlite:///{tmp_path / 'm.db'}"
+    await asyncio.to_thread(upgrade, database_url)
+    settings = SwitchyardSettings(nats_servers=[url], database_url=database_url, nats_initial_connect_s=5.0)
+    stop = asyncio.Event()
+    service = asyncio.create_task(run_migration(settings, stop))
+    engine, sessions = create_async_db(database_url)
+    try:
+        await asyncio.sleep(1.5)
+        for _ in range(4):
+            await asyncio.to_thread(nats.stop)
+            await asyncio.to_thread(nats.start)
+            await asyncio.sleep(1.2)  # fetches run against a JetStream that is still coming back
+            assert not service.done(), service
+        bus = await Bus.connect(settings, name="test")
+        try:
+            target = plan("g0", 1, default_layout(4, 8, 2))
+            await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+
+            async def recorded() -> Migration | None:
+                async with sessions() as session:
+                    return await session.scalar(select(Migration))
+
+            await eventually(recorded, timeout=30)
+        finally:
+            await bus.close()
+        assert not service.done()
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(service, 30)
+        await engine.dispose()
+        await asyncio.to_thread(nats.stop)

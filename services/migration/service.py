@@ -13,6 +13,7 @@ import contextlib
 import logging
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
 from sqlalchemy import case, select
@@ -114,11 +115,21 @@ class MigrationService:
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
+                unavailable = False
                 while not stop.is_set():
                     try:
                         messages = await consumer.fetch(16, timeout=0.5)
                     except (NatsTimeoutError, TimeoutError):
                         continue
+                    except NatsError as exc:  # e.g. 503 while JetStream comes back after a NATS restart
+                        if not unavailable:
+                            log.warning("plan consumer unavailable (%s); retrying every 0.5 s", exc)
+                        unavailable = True
+                        await asyncio.sleep(0.5)
+                        continue
+                    if unavailable:
+                        log.info("plan consumer available again")
+                        unavailable = False
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
