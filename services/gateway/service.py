@@ -72,7 +72,7 @@ class GatewayService:
         g = self.gateway
         sock = self._listen()
         try:
-            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers)
+            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers, role="gateway")
         except BaseException:
             sock.close()
             raise
