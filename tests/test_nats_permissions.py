@@ -307,7 +307,7 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
     from switchyard.services.gateway.stub import StubConfig, StubEngine
     from switchyard.services.router.service import RouterService
     from switchyard.services.router.settings import RouterSettings
-    from tests.gateway_helpers import wait_for
+    from tests.gateway_helpers import router_knows, wait_for
 
     before = len(secured.violations())
     settings = secured.settings()
@@ -321,7 +321,7 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
     for config in configs:
         bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
         engines.append(StubEngine(config, bus))
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
     gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=2.0))
     fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
     try:
@@ -329,9 +329,8 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
             await engine.start()
         await router.start()
         await gateway.start()
-        fleet = router.core.fleet
         await wait_for(lambda: len(gateway.registry.live()) == len(engines))
-        await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in ("e0", "e1", "d0")))
+        await wait_for(lambda: router_knows(router, ["e0", "e1", "d0"]))
         body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
         async with httpx.AsyncClient(base_url=gateway.url) as client:
             dp = [await client.post("/v1/completions", json=body) for _ in range(3)]

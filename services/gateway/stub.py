@@ -49,7 +49,9 @@ class StubConfig:
     #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
     signature_via: str = "response"
     signature: np.ndarray = field(default_factory=lambda: np.ones((2, 4), dtype=np.uint16))
-    hello_interval_s: float = 0.2
+    #: 1 s: an engine leaves the gateway after 3 silent intervals, and a test on a loaded machine must not see
+    #: a stub leave because its event loop lagged (tests that check leaving set a short interval themselves).
+    hello_interval_s: float = 1.0
     #: Reported in telemetry, so a test can make the router prefer one engine.
     waiting_prefill_tokens: int = 0
     telemetry_interval_s: float = 0.05
