@@ -24,7 +24,13 @@ from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.runtime import RateLimitedLog, decode_stream_message, ensure_schema, metrics_endpoint
+from switchyard.services.runtime import (
+    FETCH_WHILE_NATS_RECOVERS,
+    RateLimitedLog,
+    decode_stream_message,
+    ensure_schema,
+    metrics_endpoint,
+)
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.schemas import PlacementPlan
@@ -118,6 +124,10 @@ class MigrationService:
                     try:
                         messages = await consumer.fetch(16, timeout=0.5)
                     except (NatsTimeoutError, TimeoutError):
+                        continue
+                    except FETCH_WHILE_NATS_RECOVERS as exc:  # a fetch in flight across a NATS restart
+                        self._warn(f"fetching plans failed while NATS recovers ({type(exc).__name__}); retrying")
+                        await asyncio.sleep(0.5)
                         continue
                     for msg in messages:
                         await self._on_plan(bus, msg)
