@@ -5,15 +5,19 @@ Each service runs as its own process (`switchyard router|placement|migration|api
 PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). This process sends the
 client load to the fleet's prefill engines (`sy.sim.submit.<id>`), probes `sy.route.decode` at a steady rate,
 watches every engine's telemetry, and runs one extra decoder (`ghost-d0`, a process of its own that the
-routing artifact names) to vanish and to be slow. Then, in turn:
+routing artifact names) to vanish and to be slow. With the gateway installed, it also runs `switchyard
+gateway` (on a free port) and two stub DP engines that answer HTTP (`http-e0`, `http-e1`), and sends a second
+client load as OpenAI completions through the gateway (which asks the router's `sy.route.dp` for each).
+Then, in turn:
 
-  router / placement / migration / api (/ gateway once it exists): SIGKILL and restart at once;
+  router / placement / migration / api / gateway: SIGKILL and restart at once;
   nats: stop the server and start it again on the same port and store;
   postgres: crash the cluster (`pg_ctl -m immediate`) and start it again;
   engine-vanish: SIGKILL the ghost decoder (no goodbye);
   slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit).
 
-Per fault: client requests lost (sent in the fault's window and never completed), probes that failed,
+Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
+answered 200 within 20 s of retries every 0.5 s), probes that failed,
 seconds until routing resumed, placements / migrations lost, duplicated or stuck, live layouts that differ
 from what the database says was applied (a move applied twice or lost), and probes routed to an engine that
 had been silent longer than its staleness limit. The closing line:
@@ -57,6 +61,8 @@ log = logging.getLogger("chaos")
 SERVICE_FAULTS = ("router", "placement", "migration", "api")
 FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine")
 GHOST = "ghost-d0"
+#: Stub engines (services/gateway/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
+HTTP_ENGINES = ("http-e0", "http-e1")
 STALE_AFTER_S = 1.0
 #: A probe reply naming an engine silent for longer than this is misrouted (staleness limit + one telemetry
 #: interval + scheduling slack: the router and this process see the same telemetry a few ms apart).
@@ -69,6 +75,7 @@ class ChaosOptions:
     faults: tuple[str, ...] = FAULTS
     fault_s: float = 12.0  # each fault's window (the fault is injected 1 s in)
     rate: float = 8.0  # client requests per second
+    gateway_rate: float = 8.0  # client requests per second through the gateway (HTTP)
     probe_hz: float = 20.0
     prefill: int = 2
     decode: int = 3
@@ -108,6 +115,10 @@ class FaultResult:
     api_failed: int = 0  # API probes unanswered (refused connection, timeout)
     api_500: int = 0  # API probes answered with a 5xx other than 503 (an outage must say 503)
     api_resume_s: float = 0.0  # seconds until the API answered again (its own restart)
+    gw_sent: int = 0  # requests through the gateway
+    gw_failed: int = 0  # ... whose first attempt failed (then retried every 0.5 s)
+    gw_lost: int = 0  # ... that never succeeded within `retry_after_s`
+    gw_resume_s: float = 0.0  # seconds until the gateway answered again after its last failed attempt
     placements: int = 0
     migrations: int = 0
     lost_rows: int = 0
@@ -145,6 +156,9 @@ class Chaos:
         #: When this process's own NATS connection was down: telemetry it missed then cannot judge a probe.
         self.blind: list[tuple[float, float]] = []
         self.api_probes: list[tuple[float, int | None]] = []  # (time, HTTP status or None)
+        #: Requests through the gateway: (sent, first attempt ok, finally ok); and every attempt (time, ok).
+        self.gw_requests: list[tuple[float, bool, bool]] = []
+        self.gw_attempts: list[tuple[float, bool]] = []
         self.procs: dict[str, ServiceProcess] = {}
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -240,11 +254,23 @@ class Chaos:
                 str(self.o.seed),
             ),
         }
+        gateway_port = free_port()
+        self.gateway_url = f"http://127.0.0.1:{gateway_port}"
         if gateway_available():
-            commands["gateway"] = cli("gateway")
+            commands["gateway"] = cli("gateway", "--port", str(gateway_port))
+            for engine_id in HTTP_ENGINES:  # DP engines that answer HTTP: what the gateway's load reaches
+                commands[engine_id] = [
+                    sys.executable,
+                    "-m",
+                    "switchyard.services.gateway.stub",
+                    *("--engine-id", engine_id, "--nats-url", self.nats_url, "--tokens", "8"),
+                    *("--token-interval-s", "0.01"),
+                ]
         for name, argv in commands.items():
             self.procs[name] = ServiceProcess(name, argv, env, logs / f"{name}.log")
         self.procs["api"].ready_port = api_port
+        if "gateway" in self.procs:
+            self.procs["gateway"].ready_port = gateway_port
         self.procs[GHOST] = ServiceProcess(GHOST, self._ghost_argv(late_s=None), env, logs / "ghost.log")
 
     def _ghost_argv(self, late_s: float | None) -> list[str]:
@@ -428,6 +454,7 @@ class Chaos:
             asyncio.create_task(self._load()),
             asyncio.create_task(self._sample_windows(self.placement_metrics)),
             asyncio.create_task(self._probe_api()),
+            *([asyncio.create_task(self._gateway_load())] if "gateway" in self.procs else []),
         ]
         retry = asyncio.create_task(self._retry())
         up = await self._wait_routing()
@@ -584,6 +611,46 @@ class Chaos:
             self.api_probes.append((sent, await asyncio.to_thread(get)))
             await asyncio.sleep(0.25)
 
+    async def _gateway_request(self, client: object, i: int) -> None:
+        """One OpenAI completion through the gateway, retried every 0.5 s for `retry_after_s` as a client with
+        retries would; lost if it never succeeds (a refused connection, a timeout or a 5xx is a failure)."""
+        import httpx
+
+        assert isinstance(client, httpx.AsyncClient)
+        body = {"model": "stub-model", "prompt": f"chaos request {i}", "max_tokens": 8}
+        sent = time.time()
+        first: bool | None = None
+        while True:
+            at = time.time()
+            try:
+                answer = await client.post("/v1/completions", json=body)
+                ok = answer.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.gw_attempts.append((at, ok))
+            first = ok if first is None else first
+            if ok or time.time() - sent > self.o.retry_after_s:
+                self.gw_requests.append((sent, first, ok))
+                return
+            await asyncio.sleep(0.5)
+
+    async def _gateway_load(self) -> None:
+        """Client requests through the gateway (HTTP, to the stub DP engines), at `gateway_rate` per second."""
+        import httpx
+
+        rng = np.random.default_rng(self.o.seed + 3)
+        pending: set[asyncio.Task[None]] = set()
+        async with httpx.AsyncClient(base_url=self.gateway_url, timeout=5.0) as client:
+            i = 0
+            while not self._stop.is_set():
+                task = asyncio.create_task(self._gateway_request(client, i))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                i += 1
+                await asyncio.sleep(float(rng.exponential(1.0 / self.o.gateway_rate)))
+            if pending:
+                await asyncio.wait(pending)
+
     async def _sample_windows(self, port: int) -> None:
         def scrape() -> float | None:
             try:
@@ -635,6 +702,15 @@ class Chaos:
                 after = [t for t, code in api if code is not None and t > down[-1]]
                 r.api_resume_s = (after[0] if after else r.end) - r.injected
                 r.resumed = r.resumed and bool(after)
+            gw = [(first, ok) for t, first, ok in self.gw_requests if r.start <= t < r.end]
+            r.gw_sent, r.gw_failed = len(gw), sum(not first for first, _ in gw)
+            r.gw_lost = sum(not ok for _, ok in gw)
+            attempts = [(t, ok) for t, ok in self.gw_attempts if r.start <= t < r.end]
+            down = [t for t, ok in attempts if not ok]
+            if down:
+                after = [t for t, ok in attempts if ok and t > down[-1]]
+                r.gw_resume_s = (after[0] if after else r.end) - r.injected
+                r.resumed = r.resumed and bool(after)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
@@ -663,7 +739,7 @@ def _utc(naive: object) -> float:
 def totals(results: list[FaultResult], audit: Audit) -> dict[str, float]:
     return {
         "faults": len(results),
-        "lost": sum(r.lost + r.lost_rows for r in results),
+        "lost": sum(r.lost + r.gw_lost + r.lost_rows for r in results),
         "duplicated": sum(r.duplicated for r in results),
         "stuck": sum(r.stuck for r in results),
         "misrouted": sum(r.misrouted for r in results),
@@ -683,6 +759,7 @@ def table(results: list[FaultResult]) -> str:
     head = (
         f"{'fault':<14}{'requests':>9}{'retried':>8}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}"
         f"{'misrouted':>11}{'api resume s':>13}{'api 5xx':>8}"
+        f"{'gw req':>7}{'gw fail':>8}{'gw lost':>8}{'gw resume s':>12}"
         f"{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -690,6 +767,7 @@ def table(results: list[FaultResult]) -> str:
         lines.append(
             f"{r.name:<14}{r.sent:>9}{r.retried:>8}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
             f"{r.misrouted:>11}{r.api_resume_s:>13.2f}{r.api_500:>8}"
+            f"{r.gw_sent:>7}{r.gw_failed:>8}{r.gw_lost:>8}{r.gw_resume_s:>12.2f}"
             f"{r.placements:>7}{r.migrations:>7}{r.lost_rows:>10}{r.duplicated:>5}{r.stuck:>7}"
         )
     lines += [f"{r.name}: {r.note}" for r in results]
@@ -752,6 +830,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, in order")
     parser.add_argument("--fault-s", type=float, default=ChaosOptions.fault_s)
     parser.add_argument("--rate", type=float, default=ChaosOptions.rate, help="client requests per second")
+    parser.add_argument(
+        "--gateway-rate", type=float, default=ChaosOptions.gateway_rate, help="requests per second via the gateway"
+    )
     parser.add_argument("--settle-s", type=float, default=ChaosOptions.settle_s)
     parser.add_argument("--database", choices=("auto", "postgres", "sqlite"), default="auto")
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
@@ -760,6 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--late-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request through the gateway otherwise
     if args.engine:
         asyncio.run(run_ghost(args.nats_url, args.engine, args.late_s))
         return 0
@@ -772,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=faults,
         fault_s=args.fault_s,
         rate=args.rate,
+        gateway_rate=args.gateway_rate,
         settle_s=args.settle_s,
         database=args.database,
         workdir=args.workdir,

@@ -1,4 +1,4 @@
-"""Request-size and slow-client limits for any ASGI app (the API; the gateway can wrap itself the same way).
+"""Request-size and slow-client limits for any ASGI app (the API and the gateway wrap themselves with it).
 
 A body declared as 1 GB and sent one byte at a time held a connection (and a worker's memory) open for as long
 as the client liked. `HttpLimits` reads the whole body before the app sees the request, under two limits:
@@ -31,9 +31,14 @@ REFUSED = Counter(
 )
 
 
-async def _reply(send: Send, status: int, detail: str) -> None:
+def detail_body(_status: int, detail: str) -> dict[str, Any]:
+    """FastAPI's error shape (the API's)."""
+    return {"detail": detail}
+
+
+async def _reply(send: Send, status: int, detail: str, shape: Callable[[int, str], dict[str, Any]]) -> None:
     REFUSED.labels(str(status)).inc()
-    body = json.dumps({"detail": detail}).encode()
+    body = json.dumps(shape(status, detail)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -41,12 +46,22 @@ async def _reply(send: Send, status: int, detail: str) -> None:
 
 
 class HttpLimits:
-    """Wrap an ASGI app: `HttpLimits(app, max_body_bytes=..., body_timeout_s=...)`."""
+    """Wrap an ASGI app: `HttpLimits(app, max_body_bytes=..., body_timeout_s=...)`.
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = 1 << 20, body_timeout_s: float = 10.0) -> None:
+    `error_shape(status, detail)` makes the refusal's JSON body, so a client sees the error shape it knows.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int = 1 << 20,
+        body_timeout_s: float = 10.0,
+        error_shape: Callable[[int, str], dict[str, Any]] = detail_body,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.error_shape = error_shape
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,7 +69,7 @@ class HttpLimits:
             return
         declared = self._declared_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await _reply(send, 413, f"request body of {declared} bytes exceeds {self.max_body_bytes}")
+            await _reply(send, 413, f"request body of {declared} bytes exceeds {self.max_body_bytes}", self.error_shape)
             return
         chunks: list[bytes] = []
         size = 0
@@ -67,13 +82,14 @@ class HttpLimits:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
-                        await _reply(send, 413, f"request body exceeds {self.max_body_bytes} bytes")
+                        await _reply(send, 413, f"request body exceeds {self.max_body_bytes} bytes", self.error_shape)
                         return
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            await _reply(send, 408, f"request body not received within {self.body_timeout_s:g} s")
+            detail = f"request body not received within {self.body_timeout_s:g} s"
+            await _reply(send, 408, detail, self.error_shape)
             return
         replayed = False
 

@@ -12,12 +12,19 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.msg import Msg
+from nats.errors import ConnectionReconnectingError, NoRespondersError
+from nats.js.errors import ServiceUnavailableError
 from prometheus_client import start_http_server
 
 from switchyard.shared.bus import REJECTED, check_sender
 from switchyard.shared.codec import WireModel, decode
 from switchyard.shared.errors import WireError
 from switchyard.shared.subjects import Subjects
+
+#: What a JetStream pull `fetch` raises when it is in flight while the NATS server restarts (JetStream answers
+#: 503, or nobody does): transient, so a service's fetch loop waits a moment and fetches again. `make chaos`
+#: found the migration service exiting on the first of these.
+FETCH_WHILE_NATS_RECOVERS = (ServiceUnavailableError, NoRespondersError, ConnectionReconnectingError)
 
 log = logging.getLogger(__name__)
 

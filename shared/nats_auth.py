@@ -8,7 +8,10 @@ whoever can publish as an engine shapes routing and placement. So every party ge
   (`allow_responses`); it has no JetStream administration at all;
 - only `fit` may write the routing artifact (`$KV.<prefix>-router.>`);
 - only `placement` (and the token-guarded API's reapply) publishes plans; only `migration` sends migrate
-  requests; `readonly` (dashboards) only reads.
+  requests; `readonly` (dashboards) only reads;
+- the `gateway` (in the request path, so the most exposed service) only asks the router (`route.dp`,
+  `route.decode`) and listens to engine hellos and prefill signatures: it writes nothing anyone acts on
+  except the announce broadcast, and has no JetStream access at all.
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
 services may create and update the contract's streams (every replica sets them up idempotently on start);
@@ -29,7 +32,7 @@ from switchyard.shared.subjects import Subjects, check_token
 
 #: The roles of `switchyard nats-config`. `engine` roles are per engine id (`engine-<id>`); `fleet` is the
 #: simulated fleet process, which speaks for all its engines.
-SERVICE_ROLES = ("admin", "router", "placement", "migration", "fit", "api", "readonly", "loadgen")
+SERVICE_ROLES = ("admin", "router", "placement", "migration", "fit", "api", "readonly", "loadgen", "gateway")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,12 @@ class Roles:
         if name == "readonly":
             # Announce only asks engines to repeat their hello: what a dashboard needs to fill its view.
             return self._service(name, [s.announce], [*engines, s.route_decided, s.sim_completed], admin=False)
+        if name == "gateway":
+            # No `_service`: it uses no stream and answers no request, so it gets neither right.
+            return Permissions(
+                publish=[s.route_dp, s.route_decode, s.announce],
+                subscribe=[s.all_hello, s.all_signatures, f"{inbox_prefix(name)}.>"],
+            )
         if name == "loadgen":
             return self._service(name, [f"{s.prefix}.sim.submit.*"], [s.sim_completed], admin=False)
         raise ValueError(f"unknown role {name!r}; choose from {', '.join(SERVICE_ROLES)}, fleet, engine-<id>")

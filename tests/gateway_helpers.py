@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from prometheus_client import REGISTRY
 
@@ -30,6 +30,14 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
             await asyncio.sleep(0.01)
 
 
+def router_knows(router: RouterService, engine_ids: Iterable[str]) -> bool:
+    """The router has each engine's hello (its role) and telemetry (its load): it can route it."""
+    fleet = router.core.fleet
+    return all(
+        e in fleet.index and fleet.role[fleet.index[e]] >= 0 and fleet.last_seq[fleet.index[e]] >= 0 for e in engine_ids
+    )
+
+
 @contextlib.asynccontextmanager
 async def deployment(
     settings: SwitchyardSettings,
@@ -44,7 +52,10 @@ async def deployment(
     engines = {c.engine_id: StubEngine(c, bus) for c in stubs}
     for engine in engines.values():
         await engine.start()
-    replica = RouterService(settings, router_settings or RouterSettings(inflight_grace_s=0.0)) if router else None
+    # Stale after 5 s (not 1 s): on a loaded test machine the stubs' telemetry can lag by seconds, and a router
+    # that drops an engine mid-test turns a routing check into a fallback. No test here relies on staleness.
+    default_router = RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0)
+    replica = RouterService(settings, router_settings or default_router) if router else None
     if replica is not None:
         await replica.start()
     service = GatewayService(settings, gateway or GatewaySettings(port=0, route_timeout_s=0.5))
@@ -52,9 +63,7 @@ async def deployment(
     try:
         await wait_for(lambda: len(service.registry.live()) == len(engines))
         if replica is not None:  # the router routes only engines whose telemetry it has
-            fleet = replica.core.fleet
-            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines))
-            await asyncio.sleep(0.15)
+            await wait_for(lambda: router_knows(replica, engines))
         yield service, engines
     finally:
         await service.stop()

@@ -28,7 +28,7 @@ from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import RouteDecisions, RouteDecodeRequest
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import SIGNATURE_KEY
-from tests.gateway_helpers import deployment, metric, wait_for
+from tests.gateway_helpers import deployment, metric, router_knows, wait_for
 
 BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
 
@@ -228,12 +228,10 @@ async def test_router_down_falls_back_locally_and_counts_it(
     ):
         answers = [await client.post("/v1/completions", json=BODY) for _ in range(4)]
         assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
-        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))  # the router comes back
+        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))  # it comes back
         await router.start()
         try:
-            fleet = router.core.fleet
-            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines))
-            await asyncio.sleep(0.15)
+            await wait_for(lambda: router_knows(router, engines))
             answers += [await client.post("/v1/completions", json=BODY) for _ in range(3)]
         finally:
             await router.stop()
@@ -268,7 +266,10 @@ async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: Switchy
 
 
 async def test_an_engine_that_stops_saying_hello_leaves(bus: Bus, settings: SwitchyardSettings) -> None:
-    stubs = [StubConfig("a", hello_interval_s=0.1), StubConfig("b", hello_interval_s=0.1)]
+    """An engine leaves after `hello_misses` of its own intervals without a hello. The engine that must stay
+    says hello every 2 s (it stays through 6 s of scheduler lag on a loaded machine); only when it is its turn
+    to leave does it announce a 0.1 s interval, so the test waits for events, never for a lucky instant."""
+    stubs = [StubConfig("a", hello_interval_s=0.1), StubConfig("b", hello_interval_s=2.0)]
     async with (
         deployment(settings, bus, stubs, router=False) as (gw, engines),
         httpx.AsyncClient(base_url=gw.url) as client,
@@ -279,6 +280,8 @@ async def test_an_engine_that_stops_saying_hello_leaves(bus: Bus, settings: Swit
         for _ in range(3):
             assert (await client.post("/v1/completions", json=BODY)).status_code == 200
         assert len(engines["a"].received) == 0 and len(engines["b"].received) == 3
+        engines["b"].config.hello_interval_s = 0.1
+        await wait_for(lambda: gw.registry.engines["b"].hello_interval_s == 0.1)
         engines["b"].saying_hello = False
         await wait_for(lambda: not gw.registry.live())
         assert (await client.get("/v1/models")).json()["data"] == []

@@ -11,8 +11,13 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from switchyard.services.api.settings import ApiSettings
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.http_limits import HttpLimits
+from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
+from switchyard.shared.settings import SwitchyardSettings
+from tests.gateway_helpers import deployment
 
 
 async def echo_length(scope, receive, send) -> None:
@@ -84,8 +89,8 @@ async def _exchange(port: int, head: str, body_parts: list[bytes], pause_s: floa
     return status, response.split(b"\r\n\r\n", 1)[1]
 
 
-def _head(length: int | None = None, chunked: bool = False) -> str:
-    lines = ["POST / HTTP/1.1", "Host: x", "Content-Type: application/octet-stream", "Connection: close"]
+def _head(length: int | None = None, chunked: bool = False, path: str = "/") -> str:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/octet-stream", "Connection: close"]
     if length is not None:
         lines.append(f"Content-Length: {length}")
     if chunked:
@@ -123,3 +128,29 @@ def test_the_api_binds_loopback_and_limits_by_default() -> None:
     config = ApiSettings(_env_file=None)  # type: ignore[call-arg]
     assert config.host == "127.0.0.1"
     assert config.max_body_bytes <= 1 << 20 and config.body_timeout_s <= 30 and config.max_connections <= 1024
+
+
+async def test_the_gateway_refuses_oversized_and_slow_bodies_in_openai_shape(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """The gateway under the same limits: 413 for a body declared past the limit (not read), 408 for a body sent
+    one byte every 0.2 s, both as OpenAI error objects; an honest request still reaches an engine."""
+    limits = GatewaySettings(port=0, route_timeout_s=0.5, max_body_bytes=1024, body_timeout_s=0.5)
+    async with deployment(settings, bus, [StubConfig("a")], router=False, gateway=limits) as (gw, engines):
+        port = gw.port
+        assert port is not None
+        path = "/v1/completions"
+        too_big, big_answer = await _exchange(port, _head(10**9, path=path), [])
+        slow, slow_answer = await _exchange(port, _head(100, path=path), [b" "] * 100, pause_s=0.2)
+        body = json.dumps({"model": "stub-model", "prompt": "x" * 900, "max_tokens": 2}).encode()
+        honest, honest_answer = await _exchange(port, _head(len(body), path=path), [body])
+    assert too_big == 413 and json.loads(big_answer)["error"]["code"] == 413
+    assert slow == 408 and "not received within" in json.loads(slow_answer)["error"]["message"]
+    assert honest == 200 and json.loads(honest_answer)["served_by"] == "a"
+    assert len(engines["a"].received) == 1  # only the honest request reached the engine
+
+
+def test_the_gateway_binds_loopback_and_limits_by_default() -> None:
+    config = GatewaySettings(_env_file=None)  # type: ignore[call-arg]
+    assert config.host == "127.0.0.1"
+    assert config.max_body_bytes <= 64 << 20 and config.body_timeout_s <= 60

@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 
+from switchyard.services.gateway.service import GatewayService
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server
@@ -71,7 +73,7 @@ async def _ignore(_exc: Exception) -> None:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredNats]:
     folder = tmp_path_factory.mktemp("secured-nats")
     subjects = Subjects("p" + uuid.uuid4().hex[:8])
-    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1")]
+    roles = [*SERVICE_ROLES, "fleet", *(engine_user(e) for e in ("e0", "e1", "p0", "d0"))]
     credentials = Credentials.generate(roles)
     path = folder / "credentials.json"
     credentials.save(path)
@@ -90,8 +92,12 @@ async def admin(secured: SecuredNats) -> AsyncIterator[Bus]:
     await bus.close()
 
 
-async def _received(nc: nats.NATS, subject: str | list[str], send) -> list[bytes]:
-    """What subscriptions on `subject`(s) (on connection `nc`) receive while `send()` runs."""
+async def _received(nc: nats.NATS, subject: str | list[str], send, until: bytes | None = None) -> list[bytes]:
+    """What subscriptions on `subject`(s) (on connection `nc`) receive while `send()` runs.
+
+    With `until`: wait (bounded) for that message, the sender's last, then stop. NATS keeps one publisher's
+    order, so anything the server let through before it has arrived too (no guess at delivery time under load).
+    """
     got: list[bytes] = []
 
     async def on_message(msg) -> None:
@@ -100,7 +106,12 @@ async def _received(nc: nats.NATS, subject: str | list[str], send) -> list[bytes
     subs = [await nc.subscribe(one, cb=on_message) for one in ([subject] if isinstance(subject, str) else subject)]
     await nc.flush()
     await send()
-    await asyncio.sleep(0.3)
+    if until is None:
+        await asyncio.sleep(0.3)
+    else:
+        async with asyncio.timeout(10):
+            while until not in got:  # noqa: ASYNC110 - a bounded poll of a plain list
+                await asyncio.sleep(0.01)
     for sub in subs:
         await sub.unsubscribe()
     return got
@@ -175,7 +186,7 @@ async def test_only_the_migration_service_sends_migrate_requests(secured: Secure
                 await nc.publish(subject, role.encode())
                 await nc.flush()
 
-            got = await _received(target, subject, send)
+            got = await _received(target, subject, send, until=b"migration" if role == "migration" else None)
             assert got == ([b"migration"] if role == "migration" else []), role
     finally:
         await target.close()
@@ -225,6 +236,118 @@ async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: S
     finally:
         await router.close()
         await e0.close()
+
+
+async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: Bus) -> None:
+    """The gateway faces clients, so its credentials are the likeliest to leak: they must not write the routing
+    artifact, publish a plan, send a migrate request or speak as an engine. Positive control: it may ask
+    `route.dp` (the router's subscription gets the question)."""
+    subjects = secured.subjects
+    bucket, key = subjects.router_bucket, subjects.artifact_key
+    kv = await admin.ensure_kv(bucket)
+    plans_before = (await admin.js.stream_info(subjects.placement_stream)).state.messages
+    artifact_before = await _kv_value(kv, key)
+    gateway, router = await secured.raw("gateway"), await secured.raw("router")
+    e1 = await secured.raw(engine_user("e1"))
+    try:
+        await gateway.publish(f"$KV.{bucket}.{key}", b"from-gateway")
+        await gateway.publish(subjects.placement_plan, b"plan-from-gateway")
+        await gateway.flush()
+
+        async def as_an_engine() -> None:
+            await gateway.publish(subjects.hello("e0"), b"gateway-hello")
+            await gateway.publish(subjects.telemetry("e0"), b"gateway-telemetry")
+            await gateway.publish(subjects.signature("e0"), b"gateway-signature")
+            await gateway.publish(subjects.route_dp, b"question")  # positive control, and the end marker
+            await gateway.flush()
+
+        watched = [subjects.all_hello, subjects.all_telemetry, subjects.route_dp]
+        seen_by_router = await _received(router, watched, as_an_engine, until=b"question")
+
+        async def migrate() -> None:
+            await gateway.publish(subjects.migrate("e1"), b"gateway-migrate")
+            await gateway.publish(subjects.announce, b"announce")  # allowed: the end marker
+            await gateway.flush()
+
+        seen_by_engine = await _received(e1, [subjects.migrate("e1"), subjects.announce], migrate, until=b"announce")
+        with pytest.raises(Exception):  # noqa: B017 - no JetStream API at all: a refusal or a timeout
+            await gateway.jetstream().stream_info(subjects.placement_stream, timeout=0.5)
+    finally:
+        await gateway.close()
+        await router.close()
+        await e1.close()
+    assert seen_by_router == [b"question"] and seen_by_engine == [b"announce"]
+    assert (await admin.js.stream_info(subjects.placement_stream)).state.messages == plans_before
+    assert await _kv_value(kv, key) == artifact_before
+    refused = [line for line in secured.violations() if "gateway" in line]
+    for subject in (f"$KV.{bucket}.{key}", subjects.placement_plan, subjects.hello("e0"), subjects.migrate("e1")):
+        assert any(subject in line for line in refused), subject
+
+
+async def _kv_value(kv, key: str) -> bytes | None:
+    from nats.js.errors import KeyNotFoundError
+
+    try:
+        return (await kv.get(key)).value
+    except KeyNotFoundError:
+        return None
+
+
+def _total(name: str) -> float:
+    """A counter's sum over all its label values."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for family in REGISTRY.collect() for s in family.samples if s.name == name)
+
+
+async def test_a_gateway_under_its_own_credentials_still_routes(secured: SecuredNats, admin: Bus) -> None:
+    """Gateway, router and stub engines each as their own NATS user: DP dispatch and a prefill->decode handoff
+    (signature on the bus) go through the router, with no local fallback and no permission violation."""
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.gateway.stub import StubConfig, StubEngine
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from tests.gateway_helpers import router_knows, wait_for
+
+    before = len(secured.violations())
+    settings = secured.settings()
+    configs = [
+        StubConfig("e0", waiting_prefill_tokens=50_000),
+        StubConfig("e1"),
+        StubConfig("p0", role="prefill", signature_via="bus"),
+        StubConfig("d0", role="decode"),
+    ]
+    engines = []
+    for config in configs:
+        bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
+        engines.append(StubEngine(config, bus))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=2.0))
+    fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
+    try:
+        for engine in engines:
+            await engine.start()
+        await router.start()
+        await gateway.start()
+        await wait_for(lambda: len(gateway.registry.live()) == len(engines))
+        await wait_for(lambda: router_knows(router, ["e0", "e1", "d0"]))
+        body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=gateway.url) as client:
+            dp = [await client.post("/v1/completions", json=body) for _ in range(3)]
+            gateway.gateway.mode = "disagg"
+            disagg = await client.post("/v1/completions", json=body)
+    finally:
+        await gateway.stop()
+        await router.stop()
+        for engine in engines:
+            await engine.stop()
+            if engine.bus is not None:
+                await engine.bus.close()
+    assert [a.status_code for a in dp] == [200] * 3 and {a.json()["served_by"] for a in dp} == {"e1"}
+    assert disagg.status_code == 200 and disagg.json()["served_by"] == "d0"
+    assert len(engines[2].received) == 1  # the prefill hop went to p0
+    assert _total("switchyard_gateway_routing_fallbacks_total") == fallbacks  # the router answered every question
+    assert secured.violations()[before:] == []
 
 
 def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) -> None:

@@ -23,9 +23,17 @@ class BadBody(ValueError):
         self.param, self.reason = param, reason
 
 
+def openai_error(status: int, message: str, kind: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's (and vLLM's) error object; `kind` defaults to a name for the status."""
+    kind = kind or {400: "BadRequestError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError"}.get(
+        status, "Error"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:
-    """OpenAI's (and vLLM's) error object."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    """`openai_error` as a response."""
+    return JSONResponse(openai_error(status, message, kind, param), status)
 
 
 @dataclass

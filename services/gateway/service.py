@@ -10,12 +10,14 @@ import socket
 import uvicorn
 
 from switchyard.services.gateway.app import build_app
+from switchyard.services.gateway.body import openai_error
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.relay import Context
 from switchyard.services.gateway.routing import Router
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Upstream
+from switchyard.services.http_limits import HttpLimits
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.schemas import Announce, Hello, PrefillSignature
@@ -72,7 +74,7 @@ class GatewayService:
         g = self.gateway
         sock = self._listen()
         try:
-            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers)
+            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers, role="gateway")
         except BaseException:
             sock.close()
             raise
@@ -82,7 +84,9 @@ class GatewayService:
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
         self.ctx = Context(g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures)
-        app = build_app(self.ctx, lambda: bus.nc.is_connected)
+        app = HttpLimits(
+            build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
+        )
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours handle signals

@@ -40,6 +40,14 @@ class GatewaySettings(BaseSettings):
     #: ... unless that engine already holds more than this factor times the mean in-flight count (+1).
     affinity_load_bound: float = Field(default=1.25, ge=1.0)
 
+    # --- client limits (services/http_limits.py) ---
+    #: A larger request body is refused with 413 (a declared one without being read). Prompts can be long:
+    #: 128k tokens of text is ~0.5 MiB of JSON, a chat with inline base64 images several MiB.
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    #: The whole request body must arrive within this many seconds of the request's start, else 408: a client
+    #: sending one byte at a time cannot hold a connection (and its buffer) open for ever.
+    body_timeout_s: float = Field(default=30.0, gt=0)
+
     # --- upstream connection pool ---
     max_connections: int = Field(default=1024, ge=1)
     max_keepalive: int = Field(default=256, ge=0)

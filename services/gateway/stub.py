@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -49,7 +50,9 @@ class StubConfig:
     #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
     signature_via: str = "response"
     signature: np.ndarray = field(default_factory=lambda: np.ones((2, 4), dtype=np.uint16))
-    hello_interval_s: float = 0.2
+    #: 1 s: an engine leaves the gateway after 3 silent intervals, and a test on a loaded machine must not see
+    #: a stub leave because its event loop lagged (tests that check leaving set a short interval themselves).
+    hello_interval_s: float = 1.0
     #: Reported in telemetry, so a test can make the router prefer one engine.
     waiting_prefill_tokens: int = 0
     telemetry_interval_s: float = 0.05
@@ -251,19 +254,44 @@ class StubEngine:
 
 
 def main() -> None:
-    """`python -m switchyard.services.gateway.stub --port N`: a stand-alone stub engine (the benchmark's)."""
+    """`python -m switchyard.services.gateway.stub --port N`: a stand-alone stub engine (the benchmark's).
+
+    With `--nats-url` it also says hello and sends telemetry as `--engine-id`, so a gateway finds it (chaos)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-interval-s", type=float, default=0.0)
+    parser.add_argument("--engine-id", default="stub0")
+    parser.add_argument("--role", default="dp", choices=["dp", "prefill", "decode"])
+    parser.add_argument("--nats-url", default=None)
+    parser.add_argument("--telemetry-interval-s", type=float, default=0.1)
     args = parser.parse_args()
 
     async def run() -> None:
-        engine = StubEngine(StubConfig(tokens=args.tokens, token_interval_s=args.token_interval_s), host=args.host)
+        bus = None
+        if args.nats_url:
+            from switchyard.shared.nats_auth import engine_user
+            from switchyard.shared.settings import SwitchyardSettings
+
+            settings = SwitchyardSettings(nats_servers=[args.nats_url])
+            bus = await Bus.connect(settings, name=args.engine_id, role=engine_user(args.engine_id))
+        config = StubConfig(
+            engine_id=args.engine_id,
+            role=args.role,
+            tokens=args.tokens,
+            token_interval_s=args.token_interval_s,
+            telemetry_interval_s=args.telemetry_interval_s,
+        )
+        engine = StubEngine(config, bus, host=args.host)
         await engine.start(args.port)
         print(engine.base_url, flush=True)
-        await asyncio.Event().wait()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # exit 0 when asked to
+        await stop.wait()
+        await engine.stop()
+        if bus is not None:
+            await bus.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())

@@ -13,7 +13,6 @@ import contextlib
 import logging
 
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
 from sqlalchemy import case, select
@@ -25,7 +24,13 @@ from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.runtime import RateLimitedLog, decode_stream_message, ensure_schema, metrics_endpoint
+from switchyard.services.runtime import (
+    FETCH_WHILE_NATS_RECOVERS,
+    RateLimitedLog,
+    decode_stream_message,
+    ensure_schema,
+    metrics_endpoint,
+)
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.schemas import PlacementPlan
@@ -115,21 +120,15 @@ class MigrationService:
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
-                unavailable = False
                 while not stop.is_set():
                     try:
                         messages = await consumer.fetch(16, timeout=0.5)
                     except (NatsTimeoutError, TimeoutError):
                         continue
-                    except NatsError as exc:  # e.g. 503 while JetStream comes back after a NATS restart
-                        if not unavailable:
-                            log.warning("plan consumer unavailable (%s); retrying every 0.5 s", exc)
-                        unavailable = True
+                    except FETCH_WHILE_NATS_RECOVERS as exc:  # a fetch in flight across a NATS restart
+                        self._warn(f"fetching plans failed while NATS recovers ({type(exc).__name__}); retrying")
                         await asyncio.sleep(0.5)
                         continue
-                    if unavailable:
-                        log.info("plan consumer available again")
-                        unavailable = False
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:

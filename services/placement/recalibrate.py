@@ -28,7 +28,7 @@ from sqlalchemy import select
 
 from switchyard.services.calibration import Window, calibration_row, run_calibration
 from switchyard.services.history import applied_placement, load_layout
-from switchyard.services.runtime import decode_stream_message
+from switchyard.services.runtime import FETCH_WHILE_NATS_RECOVERS, decode_stream_message
 from switchyard.shared.db import Calibration
 from switchyard.shared.schemas import CalibrationRequest
 from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementError
@@ -57,6 +57,10 @@ async def serve_calibration_requests(service: PlacementService, stop: asyncio.Ev
             try:
                 messages = await consumer.fetch(1, timeout=0.5)
             except (NatsTimeoutError, TimeoutError):
+                continue
+            except FETCH_WHILE_NATS_RECOVERS as exc:  # a fetch in flight across a NATS restart
+                log.debug("fetching calibration requests failed while NATS recovers: %r", exc)
+                await asyncio.sleep(0.5)
                 continue
             for msg in messages:
                 request = await decode_stream_message(msg, CalibrationRequest, subject, bus.max_payload)
