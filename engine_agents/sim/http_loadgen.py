@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from switchyard.engine_agents.sim.metrics import percentile
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.workload import Workload, paced_arrivals
 
 #: Token ids of the synthetic prompts are drawn below this (any real vocabulary is larger).
 PROMPT_VOCAB = 30000
@@ -172,25 +172,11 @@ class HttpLoadGenerator:
     async def run(self, duration_s: float | None = None, repeat: bool = False) -> None:
         """Send the workload at its (scaled) arrival times for at most `duration_s` wall seconds; with
         `repeat`, start over (shifted by its span) each time it runs out. Returns once everything is sent."""
-        w = self.workload
-        span = float(w.arrival[-1] - w.arrival[0]) + 1.0 / max(w.offered_rate, 1e-9) if w.size > 1 else 1.0
-        start = time.monotonic()
-        cycle = 0
-        while True:
-            for i in range(w.size):
-                due = start + (cycle * span + float(w.arrival[i])) / self.speed
-                if duration_s is not None and due - start > duration_s:
-                    return
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(self.one(f"{self.name}-{cycle}-{i}", self.body(i), due))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
-                self.sent += 1
-            if not repeat:
-                return
-            cycle += 1
+        async for cycle, i, due in paced_arrivals(self.workload, self.speed, duration_s, repeat):
+            task = asyncio.create_task(self.one(f"{self.name}-{cycle}-{i}", self.body(i), due))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+            self.sent += 1
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every sent request has finished (True) or `timeout_s` passes (False)."""

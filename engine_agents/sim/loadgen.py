@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.workload import Workload, paced_arrivals
 from switchyard.shared.bus import Bus
 
 
@@ -106,29 +106,16 @@ class LoadGenerator:
         """Send the workload's requests at their (scaled) arrival times, for at most `duration_s` wall seconds;
         with `repeat`, start the workload over (shifted by its span) each time it runs out."""
         w = self.workload
-        span = float(w.arrival[-1] - w.arrival[0]) + 1.0 / max(w.offered_rate, 1e-9) if w.size > 1 else 1.0
-        start = time.monotonic()
-        cycle = 0
-        while True:
-            for i in range(w.size):
-                due = start + (cycle * span + float(w.arrival[i])) / self.speed
-                if duration_s is not None and due - start > duration_s:
-                    return
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                submit = SimSubmit(
-                    request_id=f"{self.name}-{cycle}-{i}",
-                    replay=int(w.replay[i]),
-                    prompt_tokens=int(w.prompt[i]),
-                    output_tokens=int(w.output[i]),
-                    sent_at=time.time(),
-                )
-                await self.bus.publish(self.bus.subjects.sim_submit(self._prefill_for(i)), submit)
-                self.sent += 1
-            if not repeat:
-                return
-            cycle += 1
+        async for cycle, i, _due in paced_arrivals(w, self.speed, duration_s, repeat):
+            submit = SimSubmit(
+                request_id=f"{self.name}-{cycle}-{i}",
+                replay=int(w.replay[i]),
+                prompt_tokens=int(w.prompt[i]),
+                output_tokens=int(w.output[i]),
+                sent_at=time.time(),
+            )
+            await self.bus.publish(self.bus.subjects.sim_submit(self._prefill_for(i)), submit)
+            self.sent += 1
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every sent request has completed (True) or `timeout_s` passes (False)."""

@@ -10,7 +10,10 @@ deterministically from the seed. Replay choices and arrivals draw from their own
 
 from __future__ import annotations
 
+import asyncio
 import csv
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +139,30 @@ def build_workload(
         output = np.minimum(output, max_tokens - 1)
         prompt = np.minimum(prompt, max_tokens - output)
     return Workload(arrival=arrival, prompt=prompt, output=output, replay=replay, description=desc)
+
+
+async def paced_arrivals(
+    workload: Workload, speed: float, duration_s: float | None = None, repeat: bool = False
+) -> AsyncIterator[tuple[int, int, float]]:
+    """Yield `(cycle, i, due)` as each request of `workload` falls due, `due` in `time.monotonic()` seconds.
+
+    Arrival times are divided by `speed`; the run stops once a request would fall due after `duration_s`
+    wall seconds; with `repeat` the workload starts over, shifted by its span, each time it runs out. Both
+    load generators (bus and HTTP) send on this clock, so their loads are the same.
+    """
+    w = workload
+    span = float(w.arrival[-1] - w.arrival[0]) + 1.0 / max(w.offered_rate, 1e-9) if w.size > 1 else 1.0
+    start = time.monotonic()
+    cycle = 0
+    while True:
+        for i in range(w.size):
+            due = start + (cycle * span + float(w.arrival[i])) / speed
+            if duration_s is not None and due - start > duration_s:
+                return
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield cycle, i, due
+        if not repeat:
+            return
+        cycle += 1
