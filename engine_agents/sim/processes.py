@@ -64,15 +64,7 @@ async def run_loadgen(
     try:
         loadgen = LoadGenerator(bus, workload, config.prefill_ids(), speed=config.speed)
         await loadgen.listen()
-        sending = asyncio.create_task(loadgen.run())
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        sending.cancel()
-        stopping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sending
-        if not stop.is_set():
-            await loadgen.drain(timeout_s=60.0)
+        await _send_until_stopped(loadgen, stop, drain_s=60.0)
         return {"sent": float(loadgen.sent), **loadgen.completions.summary()}
     finally:
         await bus.close()
@@ -98,14 +90,19 @@ async def run_http_loadgen(
         num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit
     )
     async with HttpLoadGenerator(url, workload, model=model, speed=config.speed) as loadgen:
-        sending = asyncio.create_task(loadgen.run())
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        sending.cancel()
-        stopping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sending
-        if not stop.is_set():
-            await loadgen.drain(timeout_s=120.0)
+        await _send_until_stopped(loadgen, stop, drain_s=120.0)
         failed = {f"failed_{reason}": float(n) for reason, n in loadgen.stats.failed.items()}
         return {"sent": float(loadgen.sent), **loadgen.stats.summary(), **failed}
+
+
+async def _send_until_stopped(loadgen: LoadGenerator | HttpLoadGenerator, stop: asyncio.Event, drain_s: float) -> None:
+    """Send the whole workload unless `stop` is set first; then wait (at most `drain_s`) for what is in flight."""
+    sending = asyncio.create_task(loadgen.run())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    sending.cancel()
+    stopping.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sending
+    if not stop.is_set():
+        await loadgen.drain(timeout_s=drain_s)
