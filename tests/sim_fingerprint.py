@@ -51,6 +51,9 @@ def fingerprint() -> dict[str, object]:
     out["dp_independent"] = run_sim_dp(
         replace(dp, requests=None, rate=8.0, engines=4, coupled=False, dispatch=("jsq", "vllm", "gimbal"))
     )
+    out["dp_kv_bound"] = run_sim_dp(
+        replace(dp, kv_blocks=400, max_running=64, num_requests=150, dispatch=("vllm", "gimbal"), orders=("fcfs",))
+    )
     return _clean(out)  # type: ignore[return-value]
 
 
