@@ -778,7 +778,7 @@ def table(results: list[FaultResult]) -> str:
 
 
 async def run_ghost(nats_url: str, engine_id: str, late_s: float | None) -> None:
-    from switchyard.engine_agents.agent import EngineAgent
+    from switchyard.engine_agents.core import EngineAgent
     from switchyard.shared.bus import Bus
     from switchyard.shared.schemas import Capacity, Hello, ModelShape
     from switchyard.shared.settings import SwitchyardSettings

@@ -66,7 +66,6 @@ def _valid(now: float) -> dict[str, object]:
     from switchyard.services.history import default_layout
     from switchyard.shared.schemas import (
         CalibrationRequest,
-        CalibrationSample,
         Capacity,
         ExpertLoad,
         Hello,
@@ -76,6 +75,7 @@ def _valid(now: float) -> dict[str, object]:
         PlacementPlan,
         RouteDecodeRequest,
         RouteDpRequest,
+        RoutingSample,
         Telemetry,
     )
 
@@ -120,7 +120,7 @@ def _valid(now: float) -> dict[str, object]:
             params=PlacementParams(alpha=1.0, beta=1.0, gamma=1.0),
         ),
         "calibration_request": CalibrationRequest(request_id="c1", requested_at=now),
-        "sample": CalibrationSample(
+        "sample": RoutingSample(
             engine_id="d0",
             request_id="r",
             ts=now,
@@ -219,7 +219,7 @@ async def flood(n: int, root: Path, seed: int) -> int:
             elif name == "calibration_request":
                 await bus.js.publish(s.calibration_request, payload)
             elif name == "sample":
-                await bus.js.publish(s.calibration_samples, payload)
+                await bus.js.publish(s.routing_samples, payload)
             elif name == "artifact":
                 if i % 50 == 0:  # a KV revision each: a few thousand is plenty
                     await kv.put(s.artifact_key, payload)

@@ -151,10 +151,10 @@ def api(
     run_until_signalled(lambda stop: run_api(settings, stop, config))
 
 
-async def _calibration_from_stream(
+async def _routing_samples_from_stream(
     settings: SwitchyardSettings, since_s: float | None, max_samples: int, ids: list[str] | None
 ) -> tuple[RequestCounts, list[str], dict[str, object]]:
-    """The fleet's calibration samples as the fit's input, and the decoders to fit for (the live ones unless given)."""
+    """The fleet's routing samples as the fit's input, and the decoders to fit for (the live ones unless given)."""
     from switchyard.services.refit import counts_from_samples, decoders_of, fleet_hellos, read_samples
     from switchyard.shared.bus import Bus
 
@@ -187,7 +187,7 @@ def fit(
         bool,
         typer.Option(
             "--from-stream",
-            help="Fit on the calibration samples the fleet published (SY_CALIBRATION), one centroid per live "
+            help="Fit on the routing samples the fleet published (SY_ROUTING_SAMPLES), one centroid per live "
             "decoder, and publish the artifact to the router KV bucket of the same NATS.",
         ),
     ] = False,
@@ -226,7 +226,7 @@ def fit(
     ] = None,
 ) -> None:
     """Fit the ELDR routing artifact (layer mask, IDF, one centroid per decoder) from a routing trace, or from
-    the calibration samples a running fleet published (--from-stream)."""
+    the routing samples a running fleet published (--from-stream)."""
     import json
 
     from switchyard.solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
@@ -253,7 +253,7 @@ def fit(
             if not settings.nats_servers:
                 raise ValueError("--from-stream needs --nats-url (or SWITCHYARD_NATS_SERVERS)")
             nats_url = ",".join(settings.nats_servers)  # the artifact goes back to the bus it came from
-            data, ids, stream_report = asyncio.run(_calibration_from_stream(settings, since_s, max_samples, ids))
+            data, ids, stream_report = asyncio.run(_routing_samples_from_stream(settings, since_s, max_samples, ids))
         else:
             path = trace or load_settings().trace(shipped.ESFT)
             data = load_trace(path, fmt, prefill_fraction=prefill_fraction, window=window)  # type: ignore[arg-type]
@@ -281,7 +281,7 @@ def fit(
         except (OSError, SQLAlchemyError, ValueError) as exc:  # ConnectionError is an OSError
             typer.echo(f"switchyard fit: error: could not store the artifact: {exc}", err=True)
             raise typer.Exit(1) from None
-    source = str(trace) if trace is not None else "calibration stream"
+    source = str(trace) if trace is not None else "routing-sample stream"
     report.update(version=artifact.version, out=str(out) if out else None, trace=source)
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))

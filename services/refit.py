@@ -1,10 +1,14 @@
-"""Refit the ELDR routing artifact from what the fleet measured: calibration samples on `SY_CALIBRATION`.
+"""Refit the ELDR routing artifact from what the fleet measured: routing samples on `SY_ROUTING_SAMPLES`.
 
-Engines publish a `CalibrationSample` (prefill and decode expert counts) for a fraction of the requests they
+Engines publish a `RoutingSample` (prefill and decode expert counts) for a fraction of the requests they
 finish. `switchyard fit --from-stream` reads them back, asks the fleet who its decoders are and what model
 they serve (an `Announce`, then their hellos), and fits one centroid per live decoder with the same code as
 the offline fit on a trace. The stored artifact then reaches the routers through the KV bucket, which they
 watch. So the routing follows the traffic the fleet actually serves, not the trace it was first fitted on.
+
+Upgrades: before the rename, the samples were `CalibrationSample`s on `sy.calibration.samples`, stream
+`SY_CALIBRATION`. The message is the same, so where a bus still holds that stream its samples are read too
+(older first), until they age out (a week) or an operator deletes the stream; nothing writes to it any more.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.errors import WireError
-from switchyard.shared.schemas import Announce, CalibrationSample, Hello
+from switchyard.shared.schemas import Announce, Hello, RoutingSample
 from switchyard.solver.signatures import RequestCounts
 
 log = logging.getLogger(__name__)
@@ -34,13 +40,35 @@ class RefitError(ValueError):
 
 @dataclass(frozen=True)
 class StreamSamples:
-    samples: list[CalibrationSample]
+    samples: list[RoutingSample]
     rejected: int  # messages on the stream that did not decode
 
 
 async def read_samples(bus: Bus, since_s: float | None = None, limit: int = 20_000) -> StreamSamples:
-    """The newest `limit` samples on the calibration stream (of the last `since_s` seconds, if given)."""
-    subject, stream = bus.subjects.calibration_samples, bus.subjects.calibration_stream
+    """The newest `limit` routing samples (of the last `since_s` seconds, if given), those still on the stream
+    of before the rename included (see the module's docstring)."""
+    s = bus.subjects
+    legacy = await _legacy_samples(bus, since_s, limit)
+    current = await _read_stream(bus, s.routing_samples, s.routing_samples_stream, since_s, limit)
+    samples = [*legacy.samples, *current.samples]
+    return StreamSamples(samples[-limit:], legacy.rejected + current.rejected)
+
+
+async def _legacy_samples(bus: Bus, since_s: float | None, limit: int) -> StreamSamples:
+    """The samples on `SY_CALIBRATION`, where a bus deployed before the rename still has it; none otherwise."""
+    s = bus.subjects
+    try:
+        return await _read_stream(bus, s.legacy_routing_samples, s.legacy_routing_samples_stream, since_s, limit)
+    except NotFoundError:
+        return StreamSamples([], 0)
+    except NatsTimeoutError:  # e.g. credentials of before the rename that may not read it: the new ones do
+        stream = s.legacy_routing_samples_stream
+        log.warning("stream %s (routing samples of before the rename) not readable; skipped", stream)
+        return StreamSamples([], 0)
+
+
+async def _read_stream(bus: Bus, subject: str, stream: str, since_s: float | None, limit: int) -> StreamSamples:
+    """The newest `limit` samples on one stream (raises `NotFoundError` if the stream does not exist)."""
     info = await bus.js.stream_info(stream)
     last = info.state.last_seq
     if info.state.messages == 0:
@@ -51,17 +79,17 @@ async def read_samples(bus: Bus, since_s: float | None = None, limit: int = 20_0
     else:
         first = max(info.state.first_seq, last - limit + 1)
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first)
-    samples: list[CalibrationSample] = []
+    samples: list[RoutingSample] = []
     rejected = 0
     done = asyncio.Event()
 
     async def on_message(msg: object) -> None:
         nonlocal rejected
         try:
-            samples.append(decode(msg.data, CalibrationSample, bus.max_payload))  # type: ignore[attr-defined]
+            samples.append(decode(msg.data, RoutingSample, bus.max_payload))  # type: ignore[attr-defined]
         except WireError as exc:
             rejected += 1
-            log.warning("calibration sample %d rejected: %s", msg.metadata.sequence.stream, exc)  # type: ignore[attr-defined]
+            log.warning("routing sample %d on %s rejected: %s", msg.metadata.sequence.stream, stream, exc)  # type: ignore[attr-defined]
         if msg.metadata.sequence.stream >= last:  # type: ignore[attr-defined]
             done.set()
 
@@ -103,10 +131,10 @@ def decoders_of(hellos: dict[str, Hello]) -> tuple[list[str], int, str]:
     return sorted(h.engine_id for h in decoders), top_k, name
 
 
-def counts_from_samples(samples: list[CalibrationSample], top_k: int, model_name: str) -> RequestCounts:
-    """The samples as the fit's calibration set; samples of a shape other than the most common one are left out."""
+def counts_from_samples(samples: list[RoutingSample], top_k: int, model_name: str) -> RequestCounts:
+    """The samples as the fit's training set; samples of a shape other than the most common one are left out."""
     if not samples:
-        raise RefitError("the calibration stream holds no sample yet (engines publish a fraction of finished requests)")
+        raise RefitError("the routing-sample stream holds no sample yet (engines publish a share of finished requests)")
     shapes = Counter(s.prefill_counts.shape for s in samples)
     shape, _ = shapes.most_common(1)[0]
     kept = [s for s in samples if s.prefill_counts.shape == shape]

@@ -304,7 +304,7 @@ class Bus:
         limits = {
             self.subjects.expert_load_stream: {"max_age": week, "max_msgs": 1_000_000},
             self.subjects.placement_stream: {"max_msgs": 100_000},
-            self.subjects.calibration_stream: {"max_age": week, "max_msgs": 50_000},
+            self.subjects.routing_samples_stream: {"max_age": week, "max_msgs": 50_000},
         }
         for name, subjects in self.subjects.streams().items():
             await self.ensure_stream(name, subjects, **limits.get(name, {}))

@@ -3,7 +3,7 @@
 Whoever can write the routing artifact steers all traffic; whoever can send migrate requests moves experts;
 whoever can publish as an engine shapes routing and placement. So every party gets its own user:
 
-- an engine (`engine-<id>`) publishes only under its own `<prefix>.engine.<id>.` (plus calibration samples),
+- an engine (`engine-<id>`) publishes only under its own `<prefix>.engine.<id>.` (plus routing samples),
   listens only to its own migrate/layout requests and the announce broadcast, and may answer what it is asked
   (`allow_responses`); it has no JetStream administration at all;
 - only `fit` may write the routing artifact (`$KV.<prefix>-router.>`);
@@ -112,7 +112,7 @@ class Roles:
     def engine(self, engine_id: str) -> Permissions:
         s, user = self.s, engine_user(engine_id)
         return Permissions(
-            publish=[f"{s.prefix}.engine.{engine_id}.>", s.calibration_samples],
+            publish=[f"{s.prefix}.engine.{engine_id}.>", s.routing_samples],
             # expert_load: a vLLM engine core reads its own worker's windows back (Gimbal's expert pressure).
             subscribe=[
                 s.migrate(engine_id),
@@ -127,7 +127,7 @@ class Roles:
     def fleet(self, engine_ids: list[str]) -> Permissions:
         """The simulated fleet (one process for many engines): its engines' rights plus the sim subjects."""
         s = self.s
-        publish = [s.calibration_samples, s.route_decode, s.sim_completed]
+        publish = [s.routing_samples, s.route_decode, s.sim_completed]
         subscribe = [s.announce, f"{s.prefix}.sim.submit.*"]  # one subscription for all its prefill engines
         for engine_id in engine_ids:
             publish.append(f"{s.prefix}.engine.{check_token(engine_id, 'engine id')}.>")
@@ -153,7 +153,9 @@ class Roles:
             requests = [f"{s.prefix}.engine.*.migrate", f"{s.prefix}.engine.*.layout", f"$KV.{s.lease_bucket}.>"]
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
-            return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce], engines)
+            # It also reads the routing samples' stream of before the rename, where a deployed bus still has it.
+            legacy = _stream_read(s.legacy_routing_samples_stream, delete_consumers=True)
+            return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce, *legacy], engines)
         if name == "api":
             # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.
             return self._service(name, [s.calibration_request, s.placement_plan, s.announce], engines)

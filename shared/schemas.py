@@ -14,7 +14,7 @@ K = decoders (centroids), N = masked layers:
 | PlacementPlan | placement `[L, G, slots]` expert id per slot (-1 empty), moves `[n, 6]` |
 | MigrateRequest | moves `[n, 6]` |
 | LayoutReply | layout `[L, G, slots]` expert id per slot (-1 empty) |
-| CalibrationSample | prefill_counts `[L, E]`, decode_counts `[L, E]` |
+| RoutingSample | prefill_counts `[L, E]`, decode_counts `[L, E]` |
 | PrefillSignature | signature `[L, E]` prompt top-k counts |
 | RoutingArtifact | idf `[N, E]`, centroids `[K, N*E]` |
 """
@@ -31,9 +31,9 @@ from switchyard.shared.codec import Array, ErrorReply, WireModel
 __all__ = [
     "MAX_SHARED_DECISIONS",
     "MOVE_COLUMNS",
+    "AgentKind",
     "Announce",
     "CalibrationRequest",
-    "CalibrationSample",
     "Capacity",
     "ErrorReply",
     "ExpertLoad",
@@ -53,6 +53,7 @@ __all__ = [
     "RouteDpReply",
     "RouteDpRequest",
     "RoutingArtifact",
+    "RoutingSample",
     "Telemetry",
 ]
 
@@ -78,6 +79,9 @@ MAX_HELLO_INTERVAL_S = 60.0
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Role = Literal["prefill", "decode", "dp"]
+#: The engine kind behind a hello (`sim`, `vllm`, a new one such as `sglang`): an open name, so adding a kind
+#: changes no schema. Lowercase, at most 16 characters (the history database's `engines.agent` column).
+AgentKind = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,15}$")]
 
 IntMatrix = Annotated[np.ndarray, Array("iu", ndim=2)]
 IntCube = Annotated[np.ndarray, Array("iu", ndim=3)]
@@ -129,7 +133,7 @@ class Hello(WireModel):
     gpus: Annotated[list[str], Field(max_length=1024)]
     capacity: Capacity
     ts: Timestamp
-    agent: Literal["sim", "vllm"]
+    agent: AgentKind
     agent_version: Annotated[str, Field(max_length=64)] = ""
     #: Whether the engine applies `sy.engine.<id>.migrate` steps; the placement service plans only groups
     #: whose coordinator does (a plan for the others could only be refused).
@@ -398,8 +402,10 @@ class LayoutReply(WireModel):
         return self
 
 
-class CalibrationSample(WireModel):
-    """`sy.calibration.samples` (JetStream): one finished request's prefill and decode expert counts."""
+class RoutingSample(WireModel):
+    """`sy.routing.samples` (JetStream `SY_ROUTING_SAMPLES`): one finished request's prefill and decode expert
+    counts, the training data of the ELDR routing fit (`switchyard fit --from-stream`). Called
+    `CalibrationSample` on `sy.calibration.samples` before; the message itself did not change."""
 
     engine_id: EngineId
     request_id: RequestId
@@ -411,7 +417,7 @@ class CalibrationSample(WireModel):
     label: Annotated[str, Field(max_length=128)] | None = None
 
     @model_validator(mode="after")
-    def _same_shape(self) -> CalibrationSample:
+    def _same_shape(self) -> RoutingSample:
         if self.prefill_counts.shape != self.decode_counts.shape:
             raise ValueError(
                 f"prefill_counts {list(self.prefill_counts.shape)} and decode_counts "

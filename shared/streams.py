@@ -23,7 +23,7 @@ STREAMS = (
     "workload.arrival",  # Poisson inter-arrival times
     "router",  # the decode policy's draws (random, p2c samples, tie-breaks)
     "dp.telemetry",  # DP engines' telemetry phases
-    "live.calibration",  # the live fleet's calibration sampling
+    "live.calibration",  # the live fleet's routing-sample draws (named before the rename; kept, so seeds agree)
     "fig4",  # same-domain vs mixed batch sampling
 )
 

@@ -70,7 +70,13 @@ class Subjects:
         return f"{self.prefix}.engine.*.expert_load"
 
     @property
-    def calibration_samples(self) -> str:
+    def routing_samples(self) -> str:
+        """Engines -> the ELDR refit: `RoutingSample`s, the routing fit's per-request training data."""
+        return f"{self.prefix}.routing.samples"
+
+    @property
+    def legacy_routing_samples(self) -> str:
+        """The same samples' subject before the rename (`sy.calibration.samples`): read, never written."""
         return f"{self.prefix}.calibration.samples"
 
     # --- control plane -> engines ---
@@ -127,7 +133,13 @@ class Subjects:
         return f"{self.prefix.upper()}_PLACEMENT"
 
     @property
-    def calibration_stream(self) -> str:
+    def routing_samples_stream(self) -> str:
+        return f"{self.prefix.upper()}_ROUTING_SAMPLES"
+
+    @property
+    def legacy_routing_samples_stream(self) -> str:
+        """The routing samples' stream before the rename: `switchyard fit` still reads it where it exists,
+        until its samples age out (a week) or an operator deletes it (docs/architecture.md)."""
         return f"{self.prefix.upper()}_CALIBRATION"
 
     @property
@@ -148,5 +160,5 @@ class Subjects:
         return {
             self.expert_load_stream: [self.all_expert_load],
             self.placement_stream: [self.placement_plan, self.calibration_request],
-            self.calibration_stream: [self.calibration_samples],
+            self.routing_samples_stream: [self.routing_samples],
         }

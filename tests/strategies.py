@@ -57,7 +57,7 @@ hellos = st.builds(
         s.Capacity, max_running=st.integers(1, 4096), kv_blocks=st.integers(1, 10**6), block_size=st.integers(1, 256)
     ),
     ts=times,
-    agent=st.sampled_from(["sim", "vllm"]),
+    agent=st.sampled_from(["sim", "vllm"]) | st.from_regex(r"[a-z][a-z0-9_-]{0,15}", fullmatch=True),
     agent_version=st.text(max_size=10),
 )
 telemetries = st.builds(
@@ -192,10 +192,10 @@ def layout_replies(draw: st.DrawFn) -> s.LayoutReply:
 
 
 @st.composite
-def calibration_samples(draw: st.DrawFn) -> s.CalibrationSample:
+def routing_samples(draw: st.DrawFn) -> s.RoutingSample:
     pre = draw(int_arrays(2))
     post = draw(hnp.arrays(np.uint16, pre.shape, elements=st.integers(0, 1000)))
-    return s.CalibrationSample(
+    return s.RoutingSample(
         engine_id=draw(ids),
         request_id=draw(request_ids),
         ts=draw(times),
@@ -276,7 +276,7 @@ ALL_MESSAGES = {
     s.MigrateReply: migrate_replies,
     s.LayoutRequest: layout_requests,
     s.LayoutReply: layout_replies(),
-    s.CalibrationSample: calibration_samples(),
+    s.RoutingSample: routing_samples(),
     s.PrefillSignature: prefill_signatures(),
     s.RoutingArtifact: routing_artifacts(),
 }

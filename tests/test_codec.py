@@ -259,6 +259,11 @@ MALFORMED: list[tuple[str, bytes, type[WireError], str, type]] = [
     ("engine id with a dot", _with("engine_id", "a.b", _copy(_HELLO)), SchemaMismatch, "engine_id", s.Hello),
     ("engine id with wildcard", _with("engine_id", "*", _copy(_HELLO)), SchemaMismatch, "engine_id", s.Hello),
     ("unknown role", _with("role", "encoder", _copy(_HELLO)), SchemaMismatch, "role", s.Hello),
+    ("agent kind with a dot", _with("agent", "vllm.0", _copy(_HELLO)), SchemaMismatch, "agent", s.Hello),
+    ("agent kind in capitals", _with("agent", "SGLang", _copy(_HELLO)), SchemaMismatch, "agent", s.Hello),
+    ("agent kind too long", _with("agent", "a" * 17, _copy(_HELLO)), SchemaMismatch, "agent", s.Hello),
+    ("empty agent kind", _with("agent", "", _copy(_HELLO)), SchemaMismatch, "agent", s.Hello),
+    ("agent kind not a string", _with("agent", 7, _copy(_HELLO)), SchemaMismatch, "agent", s.Hello),
     ("top_k above experts", _with("model.top_k", 9, _copy(_HELLO)), SchemaMismatch, "model", s.Hello),
     ("zero capacity", _with("capacity.kv_blocks", 0, _copy(_HELLO)), SchemaMismatch, "capacity.kv_blocks", s.Hello),
     ("nan timestamp", _with("ts", float("nan"), _copy(_HELLO)), SchemaMismatch, "ts", s.Hello),
@@ -375,6 +380,14 @@ def test_random_bytes_never_raise_anything_but_wire_errors(data: bytes) -> None:
     for schema in (s.RouteDecodeRequest, s.Telemetry, s.PlacementPlan):
         with contextlib.suppress(WireError):
             decode(data, schema)
+
+
+@pytest.mark.parametrize("kind", ["sim", "vllm", "sglang", "toy", "trt-llm", "a" * 16])
+def test_an_engine_kind_is_an_open_name(kind: str) -> None:
+    """A new engine kind needs no schema change; the kinds of older messages still decode."""
+    hello = decode(_with("agent", kind, _copy(_HELLO)), s.Hello)
+    assert hello.agent == kind
+    assert decode(encode(hello), s.Hello) == hello
 
 
 def test_unknown_extra_keys_are_ignored_for_forward_compatibility() -> None:

@@ -35,13 +35,13 @@ from switchyard.shared.codec import ErrorReply, decode, encode
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import (
     CalibrationRequest,
-    CalibrationSample,
     ExpertLoad,
     LayoutRequest,
     MigrateRequest,
     RouteDecodeReply,
     RouteDecodeRequest,
     RouteDpRequest,
+    RoutingSample,
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
@@ -100,7 +100,7 @@ def _valid_messages() -> dict[str, object]:
         "route_dp": RouteDpRequest(request_id="r", prompt_tokens=3),
         "plan": plan("g0", 1, default_layout(LAYERS, EXPERTS, GPUS)),
         "calibration_request": CalibrationRequest(request_id="c1", requested_at=now),
-        "sample": CalibrationSample(
+        "sample": RoutingSample(
             engine_id="e0",
             request_id="r",
             ts=now,
@@ -210,8 +210,8 @@ async def test_hostile_input_on_every_subject(bus: Bus, settings: SwitchyardSett
 
         # --- routing samples: the refit reader keeps the valid ones and counts the rest ---
         for payload in refused["sample"]:
-            await bus.js.publish(subjects.calibration_samples, payload)
-        await bus.js_publish(subjects.calibration_samples, valid["sample"])  # type: ignore[arg-type]
+            await bus.js.publish(subjects.routing_samples, payload)
+        await bus.js_publish(subjects.routing_samples, valid["sample"])  # type: ignore[arg-type]
         samples = await read_samples(bus)
         assert (len(samples.samples), samples.rejected) == (1, len(refused["sample"]))
 

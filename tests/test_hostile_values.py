@@ -51,6 +51,26 @@ def test_hello_bounds(field: str, value: object) -> None:
         decode(data, Hello)
 
 
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "x" * 17,  # the history database's engines.agent column holds 16 characters
+        "vllm\x00",  # NUL into a VARCHAR: a psycopg DataError
+        "vllm\n[forged log line]",
+        "vLLM",  # kinds are compared as written: one spelling each
+        "*",
+        "",
+    ],
+)
+def test_hello_agent_kind_is_a_bounded_lowercase_name(kind: str) -> None:
+    with pytest.raises(WireError, match="agent"):
+        decode(_with(hello("e0", "g0", ["a"]), agent=kind), Hello)
+
+
+def test_a_new_agent_kind_needs_no_wire_change() -> None:
+    assert decode(_with(hello("e0", "g0", ["a"]), agent="sglang"), Hello).agent == "sglang"
+
+
 def test_hello_interval_up_to_a_minute_is_fine() -> None:
     assert decode(_with(hello("e0", "g0", ["a"]), hello_interval_s=60.0), Hello).hello_interval_s == 60.0
 

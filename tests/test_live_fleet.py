@@ -1,5 +1,5 @@
 """The live simulated fleet over a real nats-server: the engine protocol, routing at the handoff, fallbacks,
-expert-load windows, calibration samples, migration, and a router restarted under it."""
+expert-load windows, routing samples, migration, and a router restarted under it."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.schemas import (
-    CalibrationSample,
     ExpertLoad,
     Hello,
     MigrateReply,
     MigrateRequest,
     RouteDecodeReply,
     RouteDecodeRequest,
+    RoutingSample,
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
@@ -53,7 +53,7 @@ def _config(**kw: object) -> LiveFleetConfig:
         speed=4.0,
         telemetry_interval_s=0.05,
         load_window_s=0.3,
-        calibration_fraction=1.0,
+        routing_sample_fraction=1.0,
         migration=MigrationCost(time_scale=0.0),
     )
     return LiveFleetConfig(**{**base, **kw})  # type: ignore[arg-type]
@@ -104,7 +104,7 @@ async def test_fleet_speaks_the_protocol_and_every_request_finishes_once(
         await router.stop()
 
 
-async def test_expert_load_and_calibration_samples_reach_jetstream(
+async def test_expert_load_and_routing_samples_reach_jetstream(
     bus: Bus, settings: SwitchyardSettings, scenario: Scenario
 ) -> None:
     router = RouterService(settings, RouterSettings(policy="rr"))
@@ -126,8 +126,8 @@ async def test_expert_load_and_calibration_samples_reach_jetstream(
     # every decode token selects top-k experts at every layer: the windows hold exactly tokens x k per layer
     tokens = sum(int(m.expert_counts[0].sum()) for m in loads) // scenario.trace.top_k
     assert tokens == loadgen.completions.tokens
-    samples = await _stream(bus, s.calibration_stream, CalibrationSample)
-    assert len(samples) == 30  # calibration_fraction = 1
+    samples = await _stream(bus, s.routing_samples_stream, RoutingSample)
+    assert len(samples) == 30  # routing_sample_fraction = 1
     assert all(sample.prefill_counts.shape == (layers, experts) for sample in samples)
 
 

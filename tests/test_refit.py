@@ -1,4 +1,4 @@
-"""`switchyard fit --from-stream`: the fleet's calibration samples in, an artifact for its live decoders out."""
+"""`switchyard fit --from-stream`: the fleet's routing samples in, an artifact for its live decoders out."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from switchyard.services.artifacts import get_artifact_kv
 from switchyard.services.refit import read_samples
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import CalibrationSample, Capacity, Hello, ModelShape
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, RoutingSample
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 from switchyard.solver.signatures import request_counts
@@ -41,7 +41,7 @@ async def test_a_refit_from_the_stream_serves_the_live_decoders(bus: Bus, settin
     counts = request_counts(load_trace(ESFT_DIR, "esft", prefill_fraction=0.5))  # real routing, 213 requests
     await bus.ensure_streams()
     for i in range(counts.num_requests):
-        sample = CalibrationSample(
+        sample = RoutingSample(
             engine_id=DECODERS[i % 3],
             request_id=f"r{i}",
             ts=time.time(),
@@ -50,8 +50,8 @@ async def test_a_refit_from_the_stream_serves_the_live_decoders(bus: Bus, settin
             prefill_counts=counts.prefill[i].astype(np.uint16),
             decode_counts=counts.decode[i].astype(np.uint16),
         )
-        await bus.js_publish(bus.subjects.calibration_samples, sample)
-    await bus.js.publish(bus.subjects.calibration_samples, b"\xc1 not a sample")
+        await bus.js_publish(bus.subjects.routing_samples, sample)
+    await bus.js.publish(bus.subjects.routing_samples, b"\xc1 not a sample")
     env = {**os.environ, "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix}
     command = [sys.executable, "-m", "switchyard.services.cli", "fit", "--from-stream", "--json"]
     command += ["--nats-url", settings.nats_servers[0]]
@@ -77,7 +77,7 @@ async def test_nothing_in_range_returns_at_once(bus: Bus) -> None:
     await bus.ensure_streams()
     empty = await read_samples(bus)
     assert (empty.samples, empty.rejected) == ([], 0)
-    sample = CalibrationSample(
+    sample = RoutingSample(
         engine_id="d0",
         request_id="old",
         ts=time.time(),
@@ -86,7 +86,7 @@ async def test_nothing_in_range_returns_at_once(bus: Bus) -> None:
         prefill_counts=np.ones((2, 4), np.uint16),
         decode_counts=np.ones((2, 4), np.uint16),
     )
-    await bus.js_publish(bus.subjects.calibration_samples, sample)
+    await bus.js_publish(bus.subjects.routing_samples, sample)
     await asyncio.sleep(1.1)
     started = time.monotonic()
     assert (await read_samples(bus, since_s=1.0)).samples == []  # every sample is older than that
@@ -101,3 +101,32 @@ async def test_without_live_decoders_the_refit_says_why(bus: Bus, settings: Swit
     fit = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(fit.communicate(), 60)
     assert fit.returncode == 2 and b"no decode engine answered the announce" in err
+
+
+async def test_samples_on_the_stream_of_before_the_rename_are_still_read(bus: Bus) -> None:
+    """A bus deployed before the rename holds `SY_CALIBRATION` (`sy.calibration.samples`): the fit reads it too,
+    older samples first, and the newest `limit` over both streams."""
+    s = bus.subjects
+    await bus.ensure_streams()
+    assert s.legacy_routing_samples_stream not in s.streams()  # nothing creates the old stream any more
+    await bus.ensure_stream(s.legacy_routing_samples_stream, [s.legacy_routing_samples])  # as an old release did
+
+    def sample(request_id: str) -> RoutingSample:
+        counts = np.ones((2, 4), np.uint16)
+        return RoutingSample(
+            engine_id="d0",
+            request_id=request_id,
+            ts=time.time(),
+            prompt_tokens=1,
+            decode_tokens=1,
+            prefill_counts=counts,
+            decode_counts=counts,
+        )
+
+    await bus.js_publish(s.legacy_routing_samples, sample("before-1"))
+    await bus.js_publish(s.legacy_routing_samples, sample("before-2"))
+    await bus.js.publish(s.legacy_routing_samples, b"\xc1 not a sample")
+    await bus.js_publish(s.routing_samples, sample("after"))
+    read = await read_samples(bus)
+    assert [x.request_id for x in read.samples] == ["before-1", "before-2", "after"] and read.rejected == 1
+    assert [x.request_id for x in (await read_samples(bus, limit=2)).samples] == ["before-2", "after"]

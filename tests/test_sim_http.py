@@ -56,7 +56,7 @@ async def fleet(bus: Bus, settings: SwitchyardSettings, scenario: Scenario) -> A
         speed=4.0,
         http=True,
         stream_interval=4,
-        calibration_fraction=0.0,
+        routing_sample_fraction=0.0,
         migration=MigrationCost(time_scale=0.0),
     )
     fleet = LiveFleet(scenario, config)

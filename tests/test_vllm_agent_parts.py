@@ -104,6 +104,17 @@ def test_hello_from_the_engine_config() -> None:
     assert default.engine_id.endswith("-dp3") and default.ep_group == default.engine_id and "." not in default.engine_id
 
 
+def test_the_routing_sample_share_is_read_under_its_old_name_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        AgentSettings().routing_sample_fraction == 0.0
+        and AgentSettings(routing_sample_fraction=0.5).routing_sample_fraction == 0.5
+    )
+    monkeypatch.setenv("SWITCHYARD_AGENT_CALIBRATION_FRACTION", "0.25")  # a deployment of before the rename
+    assert AgentSettings().routing_sample_fraction == 0.25
+    monkeypatch.setenv("SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION", "0.5")  # the new name wins
+    assert AgentSettings().routing_sample_fraction == 0.5
+
+
 def test_the_probe_reads_the_scheduler() -> None:
     waiting = deque([SimpleNamespace(num_prompt_tokens=50, num_computed_tokens=0)])
     running = [

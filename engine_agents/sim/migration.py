@@ -8,8 +8,9 @@
 - `serve_migrate` mounts it on `sy.engine.<id>.migrate` and `sy.engine.<id>.layout` for one engine: a real
   protocol peer over NATS. The layout query lets the control plane plan from what the engines really run
   (after a restart they run their boot layout again, whatever the database remembers).
-- `expert_load_counts` / `ExpertLoadWindow` turn a batch's token→expert selections, with the source DP rank
-  of each token, into the `A[L, S, E]` / `B[L, E]` windows of an `ExpertLoad` message.
+- `expert_load_counts` / `ExpertLoadWindow` (re-exported from the engine-agent core, `engine_agents.core`) turn
+  a batch's token→expert selections, with the source DP rank of each token, into the `A[L, S, E]` / `B[L, E]`
+  windows of an `ExpertLoad` message.
 
 Cost model (Gimbal, seed 003: 1.08 s for the first rearrangement, 0.72 s for later ones): a rearrangement
 of every layer costs `later_s`, spread evenly over layers, so each step (one layer) costs `later_s / L`; the
@@ -22,16 +23,16 @@ so tests never wait real seconds.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from nats.aio.subscription import Subscription
 
+from switchyard.engine_agents.core.expert_load import ExpertLoadWindow, expert_load_counts
+from switchyard.engine_agents.core.layout import check_group, serve_expert_slots
 from switchyard.shared.bus import Bus
-from switchyard.shared.errors import SchemaMismatch
-from switchyard.shared.schemas import ExpertLoad, LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
+from switchyard.shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from switchyard.solver.placement import PlacementError
 from switchyard.solver.placement.moves import apply_moves
 
@@ -97,8 +98,7 @@ class SimExpertGroup:
 
     def report(self, request: LayoutRequest) -> LayoutReply:
         """The live slot map (buffer slots excluded: they are empty between steps)."""
-        if request.engine_group != self.group_id:
-            raise SchemaMismatch("engine_group", f"this engine belongs to group {self.group_id!r}")
+        check_group(request.engine_group, self.group_id)
         return LayoutReply(
             engine_group=self.group_id,
             layout=self.layout.astype(np.int32),
@@ -168,71 +168,4 @@ class SimExpertGroup:
 
 async def serve_migrate(bus: Bus, engine_id: str, group: SimExpertGroup) -> list[Subscription]:
     """Answer `sy.engine.<engine_id>.migrate` and `.layout` from `group` (malformed requests get an ErrorReply)."""
-    return [
-        await bus.serve(bus.subjects.migrate(engine_id), MigrateRequest, group.apply),
-        await bus.serve(bus.subjects.layout(engine_id), LayoutRequest, group.report),
-    ]
-
-
-def expert_load_counts(
-    selections: np.ndarray, sources: np.ndarray, num_experts: int, num_sources: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Count a batch's expert selections per source DP rank.
-
-    `selections` is `[T, L, k]` (the top-k expert ids of T tokens at each of L layers) and `sources` is `[T]`
-    (the DP rank each token entered from). Returns `A[L, S, E]` (tokens from source s that selected expert
-    e at layer l) and `B[L, E] = A.sum(axis=1)`, both uint32.
-    """
-    selections, sources = np.asarray(selections), np.asarray(sources)
-    if selections.ndim != 3 or sources.shape != selections.shape[:1]:
-        raise ValueError(f"selections must be [T, L, k] and sources [T]; got {selections.shape} and {sources.shape}")
-    if selections.size and not (selections.min() >= 0 and selections.max() < num_experts):
-        raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
-    if sources.size and not (sources.min() >= 0 and sources.max() < num_sources):
-        raise ValueError(f"source ranks must lie in 0..{num_sources - 1}")
-    layers = selections.shape[1]
-    layer = np.broadcast_to(np.arange(layers)[None, :, None], selections.shape)
-    source = np.broadcast_to(sources[:, None, None], selections.shape)
-    flat = (layer.astype(np.int64) * num_sources + source) * num_experts + selections
-    counts = np.bincount(flat.reshape(-1), minlength=layers * num_sources * num_experts)
-    source_counts = counts.reshape(layers, num_sources, num_experts).astype(np.uint32)
-    return source_counts, source_counts.sum(axis=1, dtype=np.uint32)
-
-
-@dataclass
-class ExpertLoadWindow:
-    """Accumulates one engine's expert selections and emits an `ExpertLoad` message per window."""
-
-    engine_id: str
-    ep_group: str
-    num_layers: int
-    num_experts: int
-    num_sources: int
-    clock: Callable[[], float] = time.time
-    seq: int = 0
-
-    def __post_init__(self) -> None:
-        self._counts = np.zeros((self.num_layers, self.num_sources, self.num_experts), dtype=np.uint32)
-        self._start = self.clock()
-
-    def add(self, selections: np.ndarray, sources: np.ndarray) -> None:
-        """Fold in one batch: `selections [T, L, k]`, `sources [T]` (see `expert_load_counts`)."""
-        counts, _ = expert_load_counts(selections, sources, self.num_experts, self.num_sources)
-        self._counts += counts
-
-    def flush(self) -> ExpertLoad:
-        """The window since the last flush as a message (seq increases by one per window); starts a new one."""
-        end = self.clock()
-        message = ExpertLoad(
-            engine_id=self.engine_id,
-            ep_group=self.ep_group,
-            seq=self.seq,
-            window_start=self._start,
-            window_end=max(end, self._start),
-            expert_counts=self._counts.sum(axis=1, dtype=np.uint32),
-            source_counts=self._counts,
-        )
-        self.seq += 1
-        self._counts = np.zeros_like(self._counts)
-        self._start = end
-        return message
+    return await serve_expert_slots(bus, engine_id, group)

@@ -12,9 +12,11 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from switchyard.engine_agents.core.expert_load import contiguous_ranks
+from switchyard.engine_agents.core.expert_load import expert_pressure as core_expert_pressure
 from switchyard.shared.schemas import Capacity, Hello, ModelShape
 from switchyard.shared.subjects import check_token
 from switchyard.solver.routing.dispatch import GimbalParams, queue_order
@@ -45,10 +47,20 @@ class AgentSettings(BaseSettings):
     telemetry_interval_s: float = Field(default=0.1, gt=0, le=60)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
     expert_load_interval_s: float = Field(default=1.0, gt=0)
-    #: Share of requests (chosen by a hash of the request id) published as calibration samples on
-    #: `SY_CALIBRATION`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
-    #: request copies its rows' expert ids to the host (a synchronisation).
-    calibration_fraction: float = Field(default=0.0, ge=0, le=1)
+    #: Share of requests (chosen by a hash of the request id) published as routing samples on
+    #: `SY_ROUTING_SAMPLES`, for `switchyard fit --from-stream`. Off by default: on a GPU each step with such a
+    #: request copies its rows' expert ids to the host (a synchronisation). The variable's old name,
+    #: `SWITCHYARD_AGENT_CALIBRATION_FRACTION`, is still read.
+    routing_sample_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        validation_alias=AliasChoices(
+            "routing_sample_fraction",
+            "SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION",
+            "SWITCHYARD_AGENT_CALIBRATION_FRACTION",
+        ),
+    )
     #: Every request's prefill signature from per-KV-block counts, published as `PrefillSignature` on
     #: `sy.engine.<id>.signature` when its prefill ends (`engine_agents/vllm/signatures.py`).
     signatures: bool = True
@@ -165,16 +177,9 @@ def expert_parallelism(parallel_config: Any) -> tuple[int, int, int]:
 def expert_pressure(counts: np.ndarray, ep_size: int) -> float:
     """Gimbal's MoE pressure from one window's `[L, E]` counts: the busiest EP rank's load over the mean rank's,
     averaged over layers with load (1 = balanced or no EP). vLLM places experts contiguously over EP ranks."""
-    layers, experts = counts.shape
-    if ep_size <= 1 or counts.sum() == 0:
+    if ep_size <= 1:
         return 1.0
-    base, extra = divmod(experts, ep_size)  # vLLM's linear expert map: the first `extra` ranks hold one more
-    rank = np.repeat(np.arange(ep_size), [base + (r < extra) for r in range(ep_size)])
-    per_rank = np.zeros((layers, ep_size))
-    np.add.at(per_rank, (slice(None), rank), counts.astype(np.float64))
-    mean = per_rank.mean(axis=1)
-    busy = mean > 0
-    return float((per_rank.max(axis=1)[busy] / mean[busy]).mean())
+    return core_expert_pressure(counts, contiguous_ranks(counts.shape[1], ep_size), ep_size)
 
 
 def source_counts(counts: np.ndarray, dp_rank: int, dp_size: int, tp_size: int) -> np.ndarray | None:

@@ -9,8 +9,8 @@ vLLM loads general plugins in every process it starts. `register` does nothing u
 - `load_model` of the model runner (workers): a capture function on every MoE router (`set_capture_fn`,
   logical expert ids, before any EPLB remapping) adds each step's top-k selections to an `[L, E]` counter on
   the device, through a custom op (`switchyard::count_experts`) so torch.compile keeps it in the graph; TP
-  rank 0 publishes it as `ExpertLoad` windows. It is attached right after the weights load, before vLLM
-  compiles and warms up.
+  rank 0 publishes it as `ExpertLoad` windows (through the engine-agent core, `engine_agents.core`). It is
+  attached right after the weights load, before vLLM compiles and warms up.
 
 Every failure to attach is logged and leaves vLLM running as if the plugin were absent.
 """
@@ -169,9 +169,8 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     hello = build_hello(scheduler.vllm_config, scheduler.cache_config.num_gpu_blocks, settings, vllm.__version__)
     probe = SchedulerProbe(settings.telemetry_interval_s)
     ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
-    agent = EngineCoreAgent(
-        hello, probe.read, AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id)), ep_size
-    )
+    thread = AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id), kind="vllm")
+    agent = EngineCoreAgent(hello, probe.read, thread, ep_size)
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
@@ -281,7 +280,7 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
         log.warning("switchyard agent: %d MoE routers found, the config says %d; no expert load", len(moe), expected)
         return
     shape = model_shape(config.model_config.hf_config, "moe")  # logical expert ids, not EPLB's physical ones
-    rows = int(runner.max_num_tokens) if settings.calibration_fraction > 0 else 0
+    rows = int(runner.max_num_tokens) if settings.routing_sample_fraction > 0 else 0
     counter = ExpertCounter(len(moe), shape.num_experts, shape.top_k, rows, next(model.parameters()).device)
     ep_size, dp_rank, dp_size = expert_parallelism(config.parallel_config)
     engine_id, group = engine_identity(settings, dp_rank)
@@ -292,7 +291,7 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
         group,
         counter.take,
         settings.expert_load_interval_s,
-        AgentThread(f"worker-{engine_id}", role=engine_user(engine_id)),
+        AgentThread(f"worker-{engine_id}", role=engine_user(engine_id), kind="vllm"),
         sources,
     )
     if not publisher.start():
@@ -302,7 +301,7 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
         module.router.set_capture_fn(counter.capture_fn(index, blocks_key))
     if blocks_key is not None:
         _wrap_kv_cache_init(runner, len(moe), shape.num_experts, shape.top_k, blocks_key)
-    tracker = RequestTracker(len(moe), shape.num_experts, settings.calibration_fraction) if rows else None
+    tracker = RequestTracker(len(moe), shape.num_experts, settings.routing_sample_fraction) if rows else None
     _wrap_steps(runner, counter, tracker, publisher)
     runner._switchyard_counter = counter
     runner._switchyard_publisher = publisher

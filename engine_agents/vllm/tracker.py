@@ -1,19 +1,21 @@
-"""Per-request expert counts for calibration samples: which rows of a step's batch belong to which request.
+"""Per-request expert counts for routing samples: which rows of a step's batch belong to which request.
 
 vLLM flattens a step's tokens request by request (in `input_batch.req_ids` order, `num_scheduled_tokens`
 rows each). A row at position `num_computed_tokens + j` is a prompt token while that position is below
 `num_prompt_tokens`, and a decode token after. For a stable, hash-chosen `fraction` of requests this module
 picks their rows out of the step, takes their top-k expert ids (gathered on the device by the caller), and
 accumulates the request's prefill counts `c[L, E]` and decode counts `p[L, E]`. When vLLM reports the
-request finished, these become one `CalibrationSample`. Pure numpy, so it is tested without vLLM.
+request finished, these become one `RoutingSample` (`engine_agents.core.routing_samples`). Pure numpy, so
+it is tested without vLLM.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from switchyard.engine_agents.core.routing_samples import sampled
 
 
 @dataclass
@@ -42,7 +44,7 @@ class RequestTracker:
 
     def sampled(self, request_id: str) -> bool:
         """The same answer in every process and run: a hash of the id, not a random draw."""
-        return zlib.crc32(request_id.encode()) % 10_000 < self.fraction * 10_000
+        return sampled(request_id, self.fraction)
 
     def plan_step(
         self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_prompt: np.ndarray
