@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import nats
+import numpy as np
 import pytest
 
 from switchyard.services.gateway.service import GatewayService
@@ -423,3 +424,36 @@ def test_the_shipped_config_holds_the_generated_permissions() -> None:
     block = render_authorization(Subjects("sy"), C.from_environment_references(roles), fleet_engines=FLEET)
     assert shipped.endswith(block)
     assert "password: $SWITCHYARD_NATS_PASSWORD_ROUTER," in shipped  # no password in the file itself
+
+
+async def test_the_fit_role_reads_the_routing_samples_of_before_the_rename(secured: SecuredNats, admin: Bus) -> None:
+    """An engine may publish routing samples; the fit job reads them, and those a pre-rename release left on
+    `<P>_CALIBRATION`, under its own credentials and without a permission violation."""
+    from switchyard.services.refit import read_samples
+
+    subjects = secured.subjects
+    await admin.ensure_stream(subjects.legacy_routing_samples_stream, [subjects.legacy_routing_samples])
+    counts = np.ones((2, 4), np.uint16)
+    old = s.RoutingSample(
+        engine_id="e0",
+        request_id="old",
+        ts=1.0,
+        prompt_tokens=1,
+        decode_tokens=1,
+        prefill_counts=counts,
+        decode_counts=counts,
+    )
+    await admin.js_publish(subjects.legacy_routing_samples, old)  # as a release of before the rename did
+    before = len(secured.violations())
+    engine = await Bus.connect(secured.settings(), name="e0", role=engine_user("e0"))
+    try:
+        await engine.js_publish(subjects.routing_samples, old.model_copy(update={"request_id": "new"}))
+    finally:
+        await engine.close()
+    fit = await Bus.connect(secured.settings(), name="fit", role="fit")
+    try:
+        read = await read_samples(fit)
+    finally:
+        await fit.close()
+    assert [x.request_id for x in read.samples] == ["old", "new"]
+    assert secured.violations()[before:] == []

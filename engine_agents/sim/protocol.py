@@ -1,6 +1,6 @@
 """Messages of the simulated fleet's own subjects (`sy.sim.*`), which stand in for a serving proxy.
 
-The control-plane protocol (hello, telemetry, expert_load, calibration samples, route.decode, migrate,
+The control-plane protocol (hello, telemetry, expert_load, routing samples, route.decode, migrate,
 announce) is `shared.schemas`, identical for simulated and vLLM engines. What a real deployment's proxy
 does — submitting requests to a prefill engine and timing them — the simulation does over these two
 subjects, so a load generator in another process can drive the fleet and measure TTFT and TPOT.
