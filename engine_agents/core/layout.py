@@ -11,7 +11,7 @@ plan never waits on a timeout to learn that nobody listens:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Protocol
 
 import numpy as np
@@ -77,9 +77,7 @@ class StaticLayout:
 
 async def serve_expert_slots(bus: Bus, engine_id: str, slots: ExpertSlots) -> list[Subscription]:
     """Answer `sy.engine.<engine_id>.migrate` and `.layout` from `slots` (malformed requests get an ErrorReply)."""
-    migrate: Callable[[MigrateRequest], object] = slots.apply
-    layout: Callable[[LayoutRequest], object] = slots.report
     return [
-        await bus.serve(bus.subjects.migrate(engine_id), MigrateRequest, migrate),  # type: ignore[arg-type]
-        await bus.serve(bus.subjects.layout(engine_id), LayoutRequest, layout),  # type: ignore[arg-type]
+        await bus.serve(bus.subjects.migrate(engine_id), MigrateRequest, slots.apply),  # type: ignore[arg-type]
+        await bus.serve(bus.subjects.layout(engine_id), LayoutRequest, slots.report),  # type: ignore[arg-type]
     ]
