@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Placement, PlacementAssignment
 from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
-from switchyard.solver.placement import PlacementError, contiguous_slots
+from switchyard.solver.placement import PlacementError
 from switchyard.solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
@@ -42,18 +42,6 @@ def layout_from_rows(rows: list[tuple[int, int, int, int]], shape: tuple[int, in
         index = np.array(rows, dtype=np.int64)
         layout[index[:, 0], index[:, 1], index[:, 2]] = index[:, 3]
     return layout
-
-
-def default_layout(num_layers: int, num_experts: int, num_gpus: int, slots_per_gpu: int | None = None) -> np.ndarray:
-    """What a group runs before Switchyard applied anything: vLLM's contiguous layout (expert e on GPU e // ⌈E/G⌉)."""
-    slots = -(-num_experts // num_gpus) if slots_per_gpu is None else slots_per_gpu
-    return contiguous_slots(num_layers, num_experts, num_gpus, slots).astype(np.int32)
-
-
-def default_layout_like(layout: np.ndarray) -> np.ndarray:
-    """The default layout a group of `layout`'s shape ran before any placement (experts 0..max id)."""
-    num_layers, num_gpus, slots = layout.shape
-    return default_layout(num_layers, int(layout.max()) + 1, num_gpus, slots)
 
 
 def moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray | None:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.fleet import FleetView
-from switchyard.services.history import add_placement, default_layout, load_layout
+from switchyard.services.history import add_placement, load_layout
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.services.placement.service import FUTURE_WINDOWS, PlacementService
@@ -26,6 +26,7 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
+from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
 
 LAYERS, EXPERTS = 4, 8

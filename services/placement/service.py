@@ -8,8 +8,9 @@
 - **Triggers**: a group is planned when it has never been planned by this process, every `period_s`, or
   early when its load distribution drifts by `drift_threshold` (at most every `min_interval_s`), and never
   while its last published plan is still being migrated.
-- **Decision**: `decide.decide` runs the solver's greedy from the group's current placement (the last
-  `applied` one in the database, else vLLM's contiguous default) with the latest calibrated (α, β, γ).
+- **Decision**: `decide.decide` runs the solver's greedy from the group's current layout (what its engines
+  report, else the last `applied` placement, else vLLM's contiguous default: `solver.placement.layouts`,
+  the rule the migration service follows too) with the latest calibrated (α, β, γ).
 - **Outbox**: a plan worth publishing is stored `proposed` (with its layout), then published to JetStream with
   msg-id = plan_id, then marked `published`; each tick republishes `proposed` rows (also the API's
   rollbacks), so a crash between the two never loses a plan. Rejected plans are stored `rejected` with
@@ -38,7 +39,6 @@ from switchyard.services.fleet import FleetView
 from switchyard.services.history import (
     add_placement,
     applied_placement,
-    default_layout,
     load_layout,
     moves_between,
     new_plan_id,
@@ -58,6 +58,7 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
+from switchyard.solver.placement.layouts import current_layout, default_layout
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +399,7 @@ class PlacementService:
             if await self._in_flight(session, group):
                 return None
             applied = await applied_placement(session, group)
-            current = await load_layout(session, applied) if applied is not None else None
+            recorded = await load_layout(session, applied) if applied is not None else None
             params, calibration_id = await self._params(session, group)
         topology = self._topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
@@ -411,12 +412,13 @@ class PlacementService:
             return None
         num_layers, num_experts = window.load.shape
         reported = await self.layouts.live_layout(group) if self.layouts is not None else None
-        current_from = "database"
-        if reported is not None and reported.layout.shape[:2] == (num_layers, len(gpus)):
-            current, current_from = reported.layout, "engines"  # what they run (after a restart: their boot layout)
-        elif current is None:
-            slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
-            current, current_from = default_layout(num_layers, num_experts, len(gpus), slots), "default"
+        slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
+        current, current_from = current_layout(
+            reported.layout if reported is not None else None,
+            recorded,
+            lambda: default_layout(num_layers, num_experts, len(gpus), slots),
+            shape=(num_layers, len(gpus)),
+        )
         if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
             log.warning(
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
