@@ -39,7 +39,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.engine_layout import LayoutProbe, differs
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import applied_placement, load_layout, set_status
 from switchyard.services.migration.planner import plan_steps, rollback_steps
 from switchyard.services.migration.settings import MigrationSettings
