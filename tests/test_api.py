@@ -322,7 +322,7 @@ async def seed_engine_row(settings: SwitchyardSettings) -> None:
 
 
 def _artifact() -> RoutingArtifact:
-    from switchyard.solver.eldr_fit import artifact_content_hash
+    from switchyard.shared.artifact_hash import artifact_content_hash
 
     draft = RoutingArtifact(
         version=3,
