@@ -525,9 +525,10 @@ class Chaos:
     async def _audit(self) -> Audit:
         from sqlalchemy import func, select
 
-        from switchyard.services.history import applied_placement, default_layout, load_layout
+        from switchyard.services.history import applied_placement, load_layout
         from switchyard.shared.db import Migration, Placement, create_async_db
         from switchyard.shared.schemas import LayoutReply, LayoutRequest
+        from switchyard.solver.placement.layouts import default_layout
 
         audit = Audit()
         now = time.time()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from switchyard.shared.trace_files import load_trace
 from switchyard.solver.signatures import RequestCounts, request_counts
-from switchyard.solver.traces import load_trace
 
 REPO = Path(__file__).resolve().parent.parent
 ESFT_DIR = REPO.parent / "shared" / "data" / "routing" / "esft_deepseek_v2_lite"

@@ -23,12 +23,13 @@ import _single_core
 import numpy as np
 from eldr_data import ESFT_DIR
 
+from switchyard.shared.routing_trace import RoutingTrace
+from switchyard.shared.trace_files import load_trace
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 from switchyard.solver.representations import REPRESENTATIONS, features, idf_weights
 from switchyard.solver.rho import calibration_pairs, decode_target, rho
 from switchyard.solver.scoring import Scorer
 from switchyard.solver.signatures import request_counts
-from switchyard.solver.traces import RoutingTrace, load_trace
 
 OUT = Path(__file__).resolve().parent / "out"
 ALL_PAIRS = 10**9

@@ -63,7 +63,6 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def _valid(now: float) -> dict[str, object]:
-    from switchyard.services.history import default_layout
     from switchyard.shared.schemas import (
         CalibrationRequest,
         Capacity,
@@ -78,6 +77,7 @@ def _valid(now: float) -> dict[str, object]:
         RoutingSample,
         Telemetry,
     )
+    from switchyard.solver.placement.layouts import default_layout
 
     counts = np.ones((4, 8), np.uint16)
     return {

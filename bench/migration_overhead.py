@@ -21,7 +21,6 @@ import numpy as np
 from sqlalchemy import select
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.history import default_layout
 from switchyard.services.migration.planner import plan_steps
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
@@ -32,6 +31,7 @@ from switchyard.shared.embedded import EmbeddedNats
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
+from switchyard.solver.placement.layouts import default_layout
 
 LAYERS, EXPERTS, GPUS = 48, 128, 8
 

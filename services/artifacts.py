@@ -22,12 +22,12 @@ from typing import Any
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
+from switchyard.shared.artifact_hash import artifact_content_hash
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode, encode
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.solver.eldr_fit import artifact_content_hash
 
 __all__ = [
     "MAX_ARTIFACT_BYTES",

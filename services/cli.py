@@ -229,8 +229,9 @@ def fit(
     the routing samples a running fleet published (--from-stream)."""
     import json
 
+    from switchyard.shared.routing_trace import TraceError
+    from switchyard.shared.trace_files import load_trace
     from switchyard.solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
-    from switchyard.solver.traces import TraceError, load_trace
 
     try:
         options = FitOptions(

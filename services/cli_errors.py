@@ -14,11 +14,11 @@ from switchyard.services.artifacts import ArtifactError
 from switchyard.services.calibration import WindowError
 from switchyard.services.refit import RefitError
 from switchyard.shared.errors import ConfigError, RemoteError
+from switchyard.shared.routing_trace import TraceError
 from switchyard.solver.eldr_fit import FitError
 from switchyard.solver.placement.problem import PlacementError
 from switchyard.solver.scoring import ScoringError
 from switchyard.solver.signatures import SignatureError
-from switchyard.solver.traces import TraceError
 
 #: Raised by the project when the input, not the code, is wrong.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (

@@ -14,7 +14,7 @@ import numpy as np
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import LayoutReply, LayoutRequest

@@ -1,4 +1,5 @@
-"""Placement history rows: written by the placement service, the migration service and the API alike.
+"""Placement history rows: written by the placement service, the migration service and the API alike
+(and the calibration in force, read from the `calibrations` rows).
 
 A placement's layout is stored as `placement_assignments` rows (one per layer, GPU and slot); its status
 moves `proposed → published → applied → superseded`, or ends `rejected` (not worth migrating), `failed`
@@ -14,13 +15,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.shared.bus import Bus
-from switchyard.shared.db import Placement, PlacementAssignment
+from switchyard.shared.db import Calibration, Placement, PlacementAssignment
 from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
-from switchyard.solver.placement import PlacementError, contiguous_slots
+from switchyard.solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError
 from switchyard.solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
@@ -42,18 +43,6 @@ def layout_from_rows(rows: list[tuple[int, int, int, int]], shape: tuple[int, in
         index = np.array(rows, dtype=np.int64)
         layout[index[:, 0], index[:, 1], index[:, 2]] = index[:, 3]
     return layout
-
-
-def default_layout(num_layers: int, num_experts: int, num_gpus: int, slots_per_gpu: int | None = None) -> np.ndarray:
-    """What a group runs before Switchyard applied anything: vLLM's contiguous layout (expert e on GPU e // ⌈E/G⌉)."""
-    slots = -(-num_experts // num_gpus) if slots_per_gpu is None else slots_per_gpu
-    return contiguous_slots(num_layers, num_experts, num_gpus, slots).astype(np.int32)
-
-
-def default_layout_like(layout: np.ndarray) -> np.ndarray:
-    """The default layout a group of `layout`'s shape ran before any placement (experts 0..max id)."""
-    num_layers, num_gpus, slots = layout.shape
-    return default_layout(num_layers, int(layout.max()) + 1, num_gpus, slots)
 
 
 def moves_between(before: np.ndarray | None, after: np.ndarray) -> np.ndarray | None:
@@ -91,6 +80,28 @@ async def applied_placement(session: AsyncSession, engine_group: str) -> Placeme
         .limit(1)
     )
     return await session.scalar(query)
+
+
+async def calibrated_params(session: AsyncSession, engine_group: str) -> tuple[GreedyParams, int | None]:
+    """The greedy weights in force for a group: the latest successful calibration for it (or for all groups),
+    and that calibration's id; the defaults (and None) when there is none or it is unusable."""
+    query = (
+        select(Calibration)
+        .where(
+            Calibration.status == "succeeded",
+            or_(Calibration.engine_group == engine_group, Calibration.engine_group.is_(None)),
+        )
+        .order_by(Calibration.created_at.desc(), Calibration.id.desc())
+        .limit(1)
+    )
+    calibration = await session.scalar(query)
+    if calibration is None:
+        return DEFAULT_PARAMS, None
+    try:
+        return GreedyParams(calibration.alpha, calibration.beta, calibration.gamma), calibration.id
+    except PlacementError as exc:
+        log.warning("calibration %d unusable (%s); using defaults", calibration.id, exc)
+        return DEFAULT_PARAMS, None
 
 
 async def load_layout(session: AsyncSession, placement: Placement) -> np.ndarray:

@@ -46,7 +46,7 @@ from switchyard.engine_agents.sim.workload import load_request_csv
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.services.gateway_process import GatewayProcess
 from switchyard.services.migration.service import UNFINISHED, run_migration
 from switchyard.services.placement.service import run_placement

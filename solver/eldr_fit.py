@@ -11,19 +11,19 @@ Steps (the seed's §4.2-4.3; every choice is made by ρ, none by serving the sys
 6. the artifact: mask, per-cell weights (IDF or ones), centroids, τ, model shape, ρ, content hash.
 
 Version and persistence are not decided here (see `services/artifacts.py`): the fit is a pure function.
+The content hash is the artifact contract's (`shared.artifact_hash`), as is its wire encoding.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import msgpack
 import numpy as np
 
-from switchyard.shared.codec import array_to_wire
+from switchyard.shared.artifact_hash import content_hash
+from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.schemas import ModelShape, RoutingArtifact
 from switchyard.solver.representations import (
     ONLINE_REPRESENTATIONS,
@@ -35,12 +35,11 @@ from switchyard.solver.representations import (
     signature_vectors,
 )
 from switchyard.solver.signatures import RequestCounts, request_counts
-from switchyard.solver.traces import RoutingTrace
 
 if TYPE_CHECKING:
     from switchyard.solver.rho import LayerSearch
 
-__all__ = ["DEFAULT_TAU", "FitError", "FitOptions", "artifact_content_hash", "content_hash", "fit_routing_artifact"]
+__all__ = ["DEFAULT_TAU", "FitError", "FitOptions", "fit_routing_artifact"]
 
 DEFAULT_TAU = 0.1
 
@@ -70,41 +69,6 @@ class FitOptions:
     seed: int = 0
     #: Also cluster with vanilla K-means and report its cluster sizes (the seed's Fig. 15 ablation).
     compare_vanilla: bool = False
-
-
-def content_hash(
-    model: ModelShape,
-    representation: str,
-    layer_mask: list[int],
-    idf: np.ndarray,
-    centroids: np.ndarray,
-    tau: float,
-    decoder_ids: list[str] | None,
-) -> str:
-    """sha256 of what routing depends on (not version, time or ρ): equal hashes route identically."""
-    content = {
-        "model": model.model_dump(),
-        "representation": representation,
-        "layer_mask": list(layer_mask),
-        "idf": array_to_wire(np.asarray(idf, dtype="<f4")),
-        "centroids": array_to_wire(np.asarray(centroids, dtype="<f4")),
-        "tau": float(tau),
-        "decoder_ids": decoder_ids,
-    }
-    return hashlib.sha256(msgpack.packb(content, use_bin_type=True)).hexdigest()
-
-
-def artifact_content_hash(artifact: RoutingArtifact) -> str:
-    """Recompute an artifact's hash from its content (to verify one read from disk or the bus)."""
-    return content_hash(
-        artifact.model,
-        artifact.representation,
-        artifact.layer_mask,
-        artifact.idf,
-        artifact.centroids,
-        artifact.tau,
-        artifact.decoder_ids,
-    )
 
 
 def _split(num_requests: int, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +113,8 @@ def fit_routing_artifact(
 ) -> tuple[RoutingArtifact, dict[str, Any]]:
     """Fit one centroid per decoder from calibration requests; returns the artifact (version 1: the caller
     that persists it assigns the real version) and a JSON-ready report."""
-    # SciPy (k-means' assignment, rho's rank statistics) costs seconds to import; a router only hashes
-    # artifacts (`artifact_content_hash`), so it is imported here, by the fit alone.
+    # SciPy (k-means' assignment, rho's rank statistics) costs seconds to import: imported here, by the fit
+    # alone, so that importing this module (for `FitOptions`, `FitError`) stays cheap.
     from switchyard.solver.kmeans import spherical_kmeans
     from switchyard.solver.rho import (
         calibration_pairs,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from switchyard.solver.traces import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
+from switchyard.shared.routing_trace import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -135,7 +135,7 @@ class RequestCounts:
 def request_counts(trace: RoutingTrace) -> RequestCounts:
     """Prefill counts, decode patterns (and gate sums, if recorded) of every request of a phase-split trace."""
     if trace.phase is None:
-        raise SignatureError("the trace has no phase: split it first (solver.traces.split_phases)")
+        raise SignatureError("the trace has no phase: split it first (shared.routing_trace.split_phases)")
     # One bincount over (request, phase) groups gives both matrices.
     group = trace.request * 2 + trace.phase.astype(np.int64)
     r = trace.num_requests

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
-from switchyard.services.history import add_placement, default_layout
+from switchyard.services.history import add_placement
 from switchyard.services.migration.planner import plan_steps
 from switchyard.services.placement.service import PlacementService
 from switchyard.services.placement.settings import PlacementSettings
@@ -28,6 +28,7 @@ from switchyard.shared.db import Calibration, Engine, Migration, MigrationMove, 
 from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import CalibrationRequest, ModelShape, PlacementPlan, RoutingArtifact, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.layouts import default_layout
 from switchyard.solver.placement.moves import apply_moves
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running, shuffled
 
@@ -321,7 +322,7 @@ async def seed_engine_row(settings: SwitchyardSettings) -> None:
 
 
 def _artifact() -> RoutingArtifact:
-    from switchyard.solver.eldr_fit import artifact_content_hash
+    from switchyard.shared.artifact_hash import artifact_content_hash
 
     draft = RoutingArtifact(
         version=3,

@@ -23,11 +23,12 @@ from switchyard.services.cli import app
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import encode
 from switchyard.shared.db import RoutingArtifactRow, sync_url, upgrade
+from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.trace_files import save_npz
 from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.signatures import RequestCounts
-from switchyard.solver.traces import RoutingTrace, save_npz
 from tests.eldr_helpers import ESFT_DIR, random_experts
 
 

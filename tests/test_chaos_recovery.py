@@ -55,12 +55,12 @@ async def test_migration_service_survives_nats_restarts(tmp_path: Path) -> None:
 
     from sqlalchemy import select
 
-    from switchyard.services.history import default_layout
     from switchyard.services.migration.service import run_migration
     from switchyard.shared.bus import Bus
     from switchyard.shared.db import Migration, create_async_db, upgrade
     from switchyard.shared.embedded import EmbeddedNats
     from switchyard.shared.settings import SwitchyardSettings
+    from switchyard.solver.placement.layouts import default_layout
     from tests.fleet_helpers import eventually, plan
 
     nats = EmbeddedNats(tmp_path / "nats")

@@ -11,7 +11,7 @@ import pytest
 
 from switchyard.services.cli_errors import user_error_message
 from switchyard.shared.errors import ConfigError
-from switchyard.solver.traces import TraceError
+from switchyard.shared.routing_trace import TraceError
 
 SWITCHYARD = [sys.executable, "-m", "switchyard.services.cli"]
 

@@ -21,13 +21,13 @@ from switchyard.engine_agents.sim.metrics import summarize
 from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.workload import Workload, load_request_csv
 from switchyard.shared.streams import stream
+from switchyard.shared.trace_files import load_trace
 from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.representations import REPRESENTATIONS, features, idf_weights
 from switchyard.solver.rho import calibration_pairs, decode_target, rho
 from switchyard.solver.routing import DECODE_POLICIES, RouteQuery, get_policy
 from switchyard.solver.scoring import Scorer
 from switchyard.solver.signatures import request_counts
-from switchyard.solver.traces import load_trace
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 

@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
+from switchyard.shared.artifact_hash import artifact_content_hash
 from switchyard.shared.codec import decode, encode
 from switchyard.shared.schemas import RoutingArtifact
-from switchyard.solver.eldr_fit import FitError, FitOptions, artifact_content_hash, fit_routing_artifact
+from switchyard.shared.trace_files import load_trace
+from switchyard.solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
 from switchyard.solver.signatures import RequestCounts
-from switchyard.solver.traces import load_trace
 from tests.eldr_helpers import ESFT_DIR
 
 

@@ -22,7 +22,6 @@ import pytest
 from nats.errors import MaxPayloadError
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.history import default_layout
 from switchyard.services.migration.service import run_migration
 from switchyard.services.placement import service as placement_service
 from switchyard.services.placement.settings import PlacementSettings
@@ -45,6 +44,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import eventually, hello, plan
 from tests.hostile import over_limit, take
 

@@ -116,7 +116,7 @@ def test_expert_load_shapes_without_experts_or_far_beyond_a_model_are_refused(sh
 def test_with_a_manifest_an_engine_cannot_claim_another_group_or_rank(tmp_path) -> None:
     """The known hard spot of issue 15: bus permissions prove an engine's id, not its group. A hello from e1
     naming group g0 at rank 0 made it g0's migrate coordinator; with a manifest it is refused and counted."""
-    from switchyard.services.fleet import UNBOUND_HELLOS, FleetView
+    from switchyard.services.fleet_view import UNBOUND_HELLOS, FleetView
     from switchyard.shared.settings import SwitchyardSettings
 
     manifest = tmp_path / "engines.json"

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.services.history import default_layout, layout_from_rows, layout_rows
+from switchyard.services.history import layout_from_rows, layout_rows
 from switchyard.services.migration.planner import inverse_moves, plan_steps, rollback_steps
 from switchyard.solver.placement import PlacementError, contiguous_slots
+from switchyard.solver.placement.layouts import current_layout, default_layout, default_layout_like
 from switchyard.solver.placement.moves import apply_moves
 
 
@@ -17,6 +18,26 @@ def test_default_layout_is_contiguous_like_vllm() -> None:
     assert default_layout(2, 6, 2)[1].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert default_layout(1, 5, 2, slots_per_gpu=4)[0].tolist() == [[0, 1, 2, -1], [3, 4, -1, -1]]
     np.testing.assert_array_equal(default_layout(3, 10, 4, 3), contiguous_slots(3, 10, 4, 3))
+    np.testing.assert_array_equal(default_layout_like(default_layout(2, 6, 2)[:, ::-1]), default_layout(2, 6, 2))
+
+
+def test_the_current_layout_is_the_engines_then_the_applied_then_the_default() -> None:
+    """One rule for the placement and the migration service: engines' report, applied placement, default."""
+    engines, applied = default_layout(2, 4, 2)[:, ::-1].copy(), default_layout(2, 4, 2)[:, :, ::-1].copy()
+    built: list[int] = []
+
+    def default() -> np.ndarray:
+        built.append(1)
+        return default_layout(2, 4, 2)
+
+    assert current_layout(engines, applied, default)[1] == "engines"
+    assert current_layout(engines, None, default, shape=(2, 2))[0] is engines
+    assert current_layout(None, applied, default)[0] is applied
+    assert not built  # the default is only built when needed
+    assert current_layout(engines, applied, default, shape=(2, 3))[1] == "database"  # another group size: not theirs
+    layout, source = current_layout(engines[:1], None, default, shape=(2, 2))
+    assert source == "default" and built == [1]
+    np.testing.assert_array_equal(layout, default_layout(2, 4, 2))
 
 
 def test_rows_round_trip() -> None:

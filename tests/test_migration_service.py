@@ -14,7 +14,6 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.history import default_layout
 from switchyard.services.migration.service import record_plan, run_migration
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus, rejected_count
@@ -22,6 +21,7 @@ from switchyard.shared.db import Migration, MigrationMove, Placement, create_asy
 from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 
 FAST = MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, engine_wait_s=5.0)

@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import select
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, MigrationMove, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
 
 LAYERS, EXPERTS, GPUS = 6, 8, 2

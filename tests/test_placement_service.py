@@ -13,10 +13,11 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.fleet import FleetView
-from switchyard.services.history import add_placement, default_layout, load_layout
+from switchyard.services.fleet_view import FleetView
+from switchyard.services.history import add_placement, load_layout
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.placement.engine_registry import EngineRegistry
 from switchyard.services.placement.service import FUTURE_WINDOWS, PlacementService
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.shared.bus import Bus, rejected_count
@@ -26,6 +27,7 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
+from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
 
 LAYERS, EXPERTS = 4, 8
@@ -250,9 +252,9 @@ async def test_engines_not_seen_for_their_retention_are_pruned(
                     last_seen=utcnow() - timedelta(days=days),
                 )
             )
-    service = PlacementService(db_settings, QUICK.model_copy(update={"engine_retention_s": 7 * 86400}))
-    service.sessions = sessions
-    assert await service.prune_engines() == 1
+    registry = EngineRegistry(sessions, retention_s=7 * 86400)
+    assert await registry.prune() == 1
+    assert await registry.prune() == 0  # at most once an hour
     async with sessions() as session:
         assert list(await session.scalars(select(Engine.engine_id))) == ["fresh"]
 
@@ -275,17 +277,17 @@ async def test_rejected_decisions_are_pruned_after_their_retention(
     assert left == {("gp", 1), ("gp", 4), ("lonely", 5)}  # history and each group's newest row stay
 
 
-def test_a_new_group_takes_its_live_engines_gpus_once_each(db_settings: SwitchyardSettings) -> None:
-    service = PlacementService(db_settings, QUICK)
+def test_a_new_group_takes_its_live_engines_gpus_once_each() -> None:
     now = [1000.0]
-    service.fleet = FleetView(clock=lambda: now[0])
-    service.fleet.on_hello(hello("gone", "gt", ["x", "y"], dp_rank=0))
+    fleet = FleetView(clock=lambda: now[0])
+    fleet.on_hello(hello("gone", "gt", ["x", "y"], dp_rank=0))
     now[0] += 60.0  # "gone" missed its hellos: it left the fleet
-    service.fleet.on_hello(hello("e0", "gt", ["a", "b"], dp_rank=0))
-    service.fleet.on_hello(hello("e1", "gt", ["b", "c"], dp_rank=1))  # shares GPU b (e.g. two DP ranks per GPU)
-    assert service._topology("gt", None) == (["a", "b", "c"], [0, 1, 1])
+    fleet.on_hello(hello("e0", "gt", ["a", "b"], dp_rank=0))
+    fleet.on_hello(hello("e1", "gt", ["b", "c"], dp_rank=1))  # shares GPU b (e.g. two DP ranks per GPU)
+    assert fleet.topology("gt", None) == (["a", "b", "c"], [0, 1, 1])
     # A group placed before keeps its stored GPU order; a GPU of an engine that left keeps its last known owner.
-    assert service._topology("gt", ["x", "c", "a"]) == (["x", "c", "a"], [0, 1, 0])
+    assert fleet.topology("gt", ["x", "c", "a"]) == (["x", "c", "a"], [0, 1, 0])
+    assert fleet.topology("nobody", None) is None
 
 
 async def test_groups_whose_engines_cannot_migrate_are_not_planned(

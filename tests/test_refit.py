@@ -15,9 +15,9 @@ from switchyard.services.refit import read_samples
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, RoutingSample
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.trace_files import load_trace
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 from switchyard.solver.signatures import request_counts
-from switchyard.solver.traces import load_trace
 from tests.eldr_helpers import ESFT_DIR
 from tests.fleet_helpers import announcing
 

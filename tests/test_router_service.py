@@ -13,6 +13,7 @@ import pytest
 from switchyard.services.artifacts import put_artifact_kv
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
+from switchyard.shared.artifact_hash import artifact_content_hash
 from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.schemas import (
@@ -29,7 +30,6 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.solver.eldr_fit import artifact_content_hash
 
 SHAPE = ModelShape(name="toy", num_layers=2, num_experts=4, top_k=1)
 _seq = itertools.count()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.shared.schemas import Telemetry
 from switchyard.shared.sequence import Seq, classify
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from switchyard.shared.routing_trace import RoutingTrace, split_phases
 from switchyard.solver.signatures import (
     BlockSignatureCache,
     SignatureError,
@@ -13,7 +14,6 @@ from switchyard.solver.signatures import (
     expert_counts,
     request_counts,
 )
-from switchyard.solver.traces import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 
 

@@ -15,7 +15,7 @@ from switchyard.engine_agents.sim.experts import (
     token_counts,
 )
 from switchyard.engine_agents.sim.physics import cost_model
-from switchyard.solver.traces import RoutingTrace, split_phases
+from switchyard.shared.routing_trace import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 
 

@@ -15,12 +15,12 @@ from switchyard.engine_agents.sim.migration import (
     expert_load_counts,
     serve_migrate,
 )
-from switchyard.services.history import default_layout
 from switchyard.services.migration.planner import plan_steps
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode, decode_reply, encode
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.schemas import ExpertLoad, MigrateReply, MigrateRequest
+from switchyard.solver.placement.layouts import default_layout
 
 BASE = default_layout(4, 4, 2)  # every layer [[0, 1], [2, 3]]
 SWAPPED = BASE.copy()

@@ -9,17 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from switchyard.solver.traces import (
-    RoutingTrace,
-    TraceError,
-    detect_format,
-    load_esft,
-    load_npz,
-    load_trace,
-    save_npz,
-    split_phases,
-    split_windows,
-)
+from switchyard.shared.routing_trace import RoutingTrace, TraceError, split_phases, split_windows
+from switchyard.shared.trace_files import detect_format, load_esft, load_npz, load_trace, save_npz
 from tests.eldr_helpers import ESFT_DIR, random_experts
 
 

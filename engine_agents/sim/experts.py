@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from switchyard.solver.traces import PHASE_DECODE, RoutingTrace
+from switchyard.shared.routing_trace import PHASE_DECODE, RoutingTrace
 
 __all__ = [
     "ReplayBank",
@@ -124,7 +124,7 @@ class ReplayBank:
         Each request needs at least one decode token; its prefill tokens give `prefill_bits`.
         """
         if trace.phase is None:
-            raise ValueError("the trace has no phase: split it first (solver.traces.split_phases)")
+            raise ValueError("the trace has no phase: split it first (shared.routing_trace.split_phases)")
         ids = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
         starts, lengths = trace.request_starts(), trace.request_lengths()
         decode_counts = np.bincount(trace.request, weights=trace.phase == PHASE_DECODE, minlength=len(lengths))

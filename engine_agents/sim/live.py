@@ -64,7 +64,6 @@ from switchyard.engine_agents.sim.physics import cost_model
 from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
 from switchyard.engine_agents.sim.scenario import Scenario
 from switchyard.engine_agents.sim.token_stream import TokenStream
-from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
@@ -77,6 +76,7 @@ from switchyard.shared.schemas import (
 )
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
 from switchyard.shared.streams import stream
+from switchyard.solver.placement.layouts import default_layout
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from switchyard.engine_agents.sim.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
 from switchyard.engine_agents.sim.scenario import prepare
 from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.shared.trace_files import TraceFormat
 from switchyard.solver.routing import get_policy
-from switchyard.solver.traces import TraceFormat
 
 __all__ = ["SimOptions", "run_sim"]
 

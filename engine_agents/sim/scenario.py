@@ -22,10 +22,11 @@ from switchyard.engine_agents.sim.experts import ReplayBank
 from switchyard.engine_agents.sim.fleet import FleetConfig, SimResult, simulate
 from switchyard.engine_agents.sim.physics import MODELS, CostModel, ModelSpec, cost_model
 from switchyard.engine_agents.sim.workload import RequestTrace, Workload, build_workload
+from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.streams import stream
+from switchyard.shared.trace_files import TraceFormat, load_trace
 from switchyard.solver.routing import DecodePolicy, RoutingTables, get_policy
 from switchyard.solver.signatures import RequestCounts, request_counts
-from switchyard.solver.traces import RoutingTrace, TraceFormat, load_trace
 
 __all__ = ["Scenario", "match_model", "prepare", "split_calibration"]
 
@@ -183,7 +184,7 @@ def prepare(
     if not isinstance(trace, RoutingTrace):
         trace = load_trace(trace, fmt=fmt, prefill_fraction=prefill_fraction)
     elif trace.phase is None:
-        raise ValueError("the trace has no phase: split it first (solver.traces.split_phases)")
+        raise ValueError("the trace has no phase: split it first (shared.routing_trace.split_phases)")
     spec = match_model(trace, model)
     counts = request_counts(trace)
     usable = np.flatnonzero((counts.prefill_tokens > 0) & (counts.decode_tokens > 0))

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from switchyard.services.api import history, live
 from switchyard.services.api.deps import ApiState
 from switchyard.services.api.settings import ApiSettings
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.services.runtime import ensure_schema
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import create_async_db

@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from switchyard.services.api.settings import ApiSettings
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
 

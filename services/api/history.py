@@ -18,7 +18,6 @@ from switchyard.services.api.deps import Session, State, Writer, as_utc, decode_
 from switchyard.services.history import (
     add_placement,
     applied_placement,
-    default_layout_like,
     load_layout,
     moves_between,
     new_plan_id,
@@ -27,6 +26,7 @@ from switchyard.services.history import (
 )
 from switchyard.shared.db import Calibration, Migration, MigrationMove, Placement
 from switchyard.shared.schemas import CalibrationRequest, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.solver.placement.layouts import default_layout_like
 
 router = APIRouter(prefix="/v1")
 

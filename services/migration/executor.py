@@ -11,7 +11,8 @@ any unfinished ──taken up more than max_runs times (crashes, errors)──�
 
 Moves are planned from the layout the group's coordinator reports (`sy.engine.<id>.layout`), falling back
 to the last applied placement in the database (or vLLM's default layout) when no engine answers: engines
-that restarted run their boot layout again, whatever the database remembers.
+that restarted run their boot layout again, whatever the database remembers (`solver.placement.layouts`,
+the placement service's rule too).
 
 A step's moves are marked `sent` (committed) before the request goes out, and `applied` once the engine
 acknowledged it, in the same transaction that marks the next step `sent` (or finishes the migration): one
@@ -38,8 +39,8 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.engine_layout import LayoutProbe, differs
-from switchyard.services.fleet import FleetView
-from switchyard.services.history import applied_placement, default_layout_like, load_layout, set_status
+from switchyard.services.fleet_view import FleetView
+from switchyard.services.history import applied_placement, load_layout, set_status
 from switchyard.services.migration.planner import plan_steps, rollback_steps
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus
@@ -48,6 +49,7 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
 from switchyard.solver.placement import PlacementError
+from switchyard.solver.placement.layouts import current_layout, default_layout_like
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +164,12 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", "placement has no stored layout")
             target = await load_layout(session, placement)
             try:
-                recorded = await load_layout(session, current) if current is not None else default_layout_like(target)
-                base = recorded if reported is None else reported.layout
-                if reported is not None and differs(base, recorded):
+                applied = await load_layout(session, current) if current is not None else None
+                recorded = applied if applied is not None else default_layout_like(target)
+                base, source = current_layout(
+                    reported.layout if reported is not None else None, applied, lambda: recorded
+                )
+                if reported is not None and source == "engines" and differs(base, recorded):
                     log.warning(
                         "migration %d: group %s runs another layout than %s (engines report v%d); moving from theirs",
                         migration.id,

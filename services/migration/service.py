@@ -19,7 +19,7 @@ from sqlalchemy import case, select
 from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor

@@ -19,23 +19,24 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, replace
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.calibration import Window, calibration_row, run_calibration
-from switchyard.services.history import applied_placement, load_layout
+from switchyard.services.fleet_view import FleetView
+from switchyard.services.history import applied_placement, calibrated_params, load_layout
+from switchyard.services.placement.decide import Policy
+from switchyard.services.placement.window import DecayedLoad
 from switchyard.services.runtime import FETCH_WHILE_NATS_RECOVERS, decode_stream_message
+from switchyard.shared.bus import Bus
 from switchyard.shared.db import Calibration
 from switchyard.shared.schemas import CalibrationRequest
 from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementError
 from switchyard.solver.placement.calibrate import REFERENCE_SOLVES
-
-if TYPE_CHECKING:
-    from switchyard.services.placement.service import PlacementService
 
 log = logging.getLogger(__name__)
 CONSUMER = "placement-calibrate"
@@ -43,12 +44,29 @@ CONSUMER = "placement-calibrate"
 MAX_DELIVER = 5
 
 
-async def serve_calibration_requests(service: PlacementService, stop: asyncio.Event) -> None:
+@dataclass(frozen=True)
+class CalibrationContext:
+    """What serving calibration requests takes from the placement service, and all it takes.
+
+    `windows` is the service's own map of decayed windows (read, never written, at each request); `fleet`
+    gives each group's GPUs and DP ranks; `policy` the migration cost and objective weights to calibrate for.
+    """
+
+    bus: Bus
+    sessions: async_sessionmaker[AsyncSession]
+    fleet: FleetView
+    windows: Mapping[str, DecayedLoad]
+    policy: Policy
+    #: The longest one request may run (`PlacementSettings.calibration_budget_s`).
+    budget_s: float
+
+
+async def serve_calibration_requests(context: CalibrationContext, stop: asyncio.Event) -> None:
     """Run calibration requests one at a time until `stop` is set."""
-    bus = service.bus
+    bus = context.bus
     subject = bus.subjects.calibration_request
     # ack_wait above the longest calibration (its budget), so a running one is never handed out twice
-    ack_wait = service.config.calibration_budget_s + 60.0
+    ack_wait = context.budget_s + 60.0
     consumer = await bus.durable_pull(
         subject, bus.subjects.placement_stream, CONSUMER, ack_wait=ack_wait, max_deliver=MAX_DELIVER
     )
@@ -67,11 +85,11 @@ async def serve_calibration_requests(service: PlacementService, stop: asyncio.Ev
                 if request is None:
                     continue
                 try:
-                    if await _recorded(service, request.request_id):
+                    if await _recorded(context, request.request_id):
                         log.info("calibration request %s was already answered; not run again", request.request_id)
                     else:
                         cancel = threading.Event()
-                        await _cancellable(calibrate(service, request, cancel), cancel, stop)
+                        await _cancellable(calibrate(context, request, cancel), cancel, stop)
                 except MinlpCancelled:
                     log.info("calibration request %s cancelled by shutdown; it runs again on start", request.request_id)
                     await msg.nak()
@@ -95,8 +113,8 @@ async def _cancellable(work: Awaitable[int], cancel: threading.Event, stop: asyn
         watcher.cancel()
 
 
-async def _recorded(service: PlacementService, request_id: str) -> bool:
-    async with service.sessions() as session:
+async def _recorded(context: CalibrationContext, request_id: str) -> bool:
+    async with context.sessions() as session:
         query = select(Calibration.id).where(Calibration.details["request_id"].as_string() == request_id)
         return (await session.scalar(query.limit(1))) is not None
 
@@ -107,20 +125,20 @@ def per_layer_limit(requested_s: float, budget_s: float, layer_solves: int, para
     return min(requested_s, budget_s / rounds)
 
 
-async def _windows(service: PlacementService, request: CalibrationRequest) -> tuple[list[Window], int, list[str]]:
+async def _windows(context: CalibrationContext, request: CalibrationRequest) -> tuple[list[Window], int, list[str]]:
     """The groups' decayed windows as calibration windows, the GPU count most of them share, and why not others."""
-    groups = [request.engine_group] if request.engine_group else sorted(service.windows)
+    groups = [request.engine_group] if request.engine_group else sorted(context.windows)
     windows: list[tuple[Window, int]] = []
     skipped: list[str] = []
     for group in groups:
-        decayed = service.windows.get(group)
+        decayed = context.windows.get(group)
         if decayed is None or decayed.load is None:
             skipped.append(f"no expert-load window for {group} yet")
             continue
-        async with service.sessions() as session:
+        async with context.sessions() as session:
             applied = await applied_placement(session, group)
             current = await load_layout(session, applied) if applied is not None else None
-        topology = service._topology(group, list(applied.gpus) if applied is not None else None)
+        topology = context.fleet.topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
             skipped.append(f"no engine of {group} has said hello yet (its GPUs are unknown)")
             continue
@@ -135,16 +153,16 @@ async def _windows(service: PlacementService, request: CalibrationRequest) -> tu
 
 
 async def calibrate(
-    service: PlacementService, request: CalibrationRequest, cancel: threading.Event | None = None
+    context: CalibrationContext, request: CalibrationRequest, cancel: threading.Event | None = None
 ) -> int:
     """Calibrate for one request and record the outcome; returns the `calibrations` row id.
 
     Raises `MinlpCancelled` (and records nothing) when `cancel` is set mid-way.
     """
     started = time.perf_counter()
-    windows, gpus, skipped = await _windows(service, request)
+    windows, gpus, skipped = await _windows(context, request)
     layers = min(request.layers or 2**31, *(w.source_counts.shape[0] for w in windows)) if windows else 0
-    budget = service.config.calibration_budget_s
+    budget = context.budget_s
     options = MinlpOptions(cancel=cancel)
     solves = REFERENCE_SOLVES * len(windows) * layers  # calibrate solves each window's MINLP twice
     limit = per_layer_limit(request.time_limit_s, budget, solves, options.parallel_layers)
@@ -164,11 +182,11 @@ async def calibrate(
             windows,
             gpus,
             replace(options, time_limit_s=limit),
-            migration_cost=service.policy.migration_cost,
-            weights=service.policy.weights,
+            migration_cost=context.policy.migration_cost,
+            weights=context.policy.weights,
             layers=request.layers,
         )
-        async with service.sessions() as session, session.begin():
+        async with context.sessions() as session, session.begin():
             row = calibration_row(result, engine_group=request.engine_group, extra=extra)
             session.add(row)
             await session.flush()
@@ -178,8 +196,8 @@ async def calibrate(
         raise
     except PlacementError as exc:
         log.warning("calibration request %s failed: %s", request.request_id, exc)
-        async with service.sessions() as session, session.begin():
-            params, _ = await service._params(session, request.engine_group or "")
+        async with context.sessions() as session, session.begin():
+            params, _ = await calibrated_params(session, request.engine_group or "")
             row = Calibration(
                 engine_group=request.engine_group,
                 status="failed",

@@ -8,8 +8,9 @@
 - **Triggers**: a group is planned when it has never been planned by this process, every `period_s`, or
   early when its load distribution drifts by `drift_threshold` (at most every `min_interval_s`), and never
   while its last published plan is still being migrated.
-- **Decision**: `decide.decide` runs the solver's greedy from the group's current placement (the last
-  `applied` one in the database, else vLLM's contiguous default) with the latest calibrated (α, β, γ).
+- **Decision**: `decide.decide` runs the solver's greedy from the group's current layout (what its engines
+  report, else the last `applied` placement, else vLLM's contiguous default: `solver.placement.layouts`,
+  the rule the migration service follows too) with the latest calibrated (α, β, γ).
 - **Outbox**: a plan worth publishing is stored `proposed` (with its layout), then published to JetStream with
   msg-id = plan_id, then marked `published`; each tick republishes `proposed` rows (also the API's
   rollbacks), so a crash between the two never loses a plan. Rejected plans are stored `rejected` with
@@ -29,16 +30,16 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from switchyard.services.engine_layout import LayoutProbe
-from switchyard.services.fleet import FleetView
+from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import (
     add_placement,
     applied_placement,
-    default_layout,
+    calibrated_params,
     load_layout,
     moves_between,
     new_plan_id,
@@ -48,16 +49,18 @@ from switchyard.services.history import (
 )
 from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.decide import Decision, Policy, decide
-from switchyard.services.placement.recalibrate import serve_calibration_requests
+from switchyard.services.placement.engine_registry import EngineRegistry
+from switchyard.services.placement.recalibrate import CalibrationContext, serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.services.placement.window import DecayedLoad, drift
 from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
 from switchyard.shared.bus import Bus
-from switchyard.shared.db import Calibration, Engine, Placement, create_async_db
+from switchyard.shared.db import Placement, create_async_db
 from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.solver.placement import DEFAULT_PARAMS, GreedyParams, PlacementError, Weights
+from switchyard.solver.placement import GreedyParams, PlacementError, Weights
+from switchyard.solver.placement.layouts import current_layout, default_layout
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,6 @@ WINDOWS_REFUSED = Counter(
     ["reason"],
 )
 RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
-ENGINE_ROW_EVERY_S = 30.0
 PRUNE_EVERY_S = 3600.0
 NO_MOVES = np.zeros((0, 6), np.int32)
 
@@ -91,18 +93,17 @@ class PlacementService:
         )
         self.fleet = FleetView(bindings=settings.engine_bindings())
         self.layouts: LayoutProbe | None = None  # set once connected
+        self.registry: EngineRegistry | None = None  # set once connected
         self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
         self.windows: dict[str, DecayedLoad] = {}
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
-        self._engine_rows: dict[str, float] = {}
         self._processed_seq = 0
         self._future_engines: set[str] = set()
         self._window_warnings: set[str] = set()
         self._orphan_since: dict[str, float] = {}
         self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
-        self._last_engine_prune = -PRUNE_EVERY_S
         self._catch_up_to = 2**63  # known once the replay consumer exists
 
     # ----- lifecycle -----
@@ -119,10 +120,14 @@ class PlacementService:
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
-                await bus.subscribe(bus.subjects.all_hello, Hello, self._record_engine)
+                self.registry = EngineRegistry(self.sessions, self.config.engine_retention_s)
+                await bus.subscribe(bus.subjects.all_hello, Hello, self.registry.on_hello)
                 await self._follow_expert_load()
+                context = CalibrationContext(
+                    bus, self.sessions, self.fleet, self.windows, self.policy, self.config.calibration_budget_s
+                )
                 calibrations = asyncio.create_task(
-                    supervised("calibration requests", lambda: serve_calibration_requests(self, stop)),
+                    supervised("calibration requests", lambda: serve_calibration_requests(context, stop)),
                     name="calibrations",
                 )
                 log.info("placement service ready (period %.0f s)", self.config.period_s)
@@ -235,37 +240,12 @@ class PlacementService:
                 ahead,
             )
 
-    async def _record_engine(self, hello: Hello, _msg: Msg) -> None:
-        """Keep the `engines` table (every engine that ever said hello) fresh, at most every 30 s per engine."""
-        now = time.monotonic()
-        if now - self._engine_rows.get(hello.engine_id, -ENGINE_ROW_EVERY_S) < ENGINE_ROW_EVERY_S:
-            return
-        self._engine_rows[hello.engine_id] = now
-        fields = {
-            "role": hello.role,
-            "ep_group": hello.ep_group,
-            "agent": hello.agent,
-            "model_name": hello.model.name,
-            "num_layers": hello.model.num_layers,
-            "num_experts": hello.model.num_experts,
-            "top_k": hello.model.top_k,
-            "last_seen": utcnow(),
-            "hello": hello.model_dump(mode="json"),
-        }
-        with contextlib.suppress(IntegrityError):  # another replica inserted it first
-            async with self.sessions() as session, session.begin():
-                row = await session.get(Engine, hello.engine_id)
-                if row is None:
-                    session.add(Engine(engine_id=hello.engine_id, **fields))
-                else:
-                    for key, value in fields.items():
-                        setattr(row, key, value)
-
     # ----- triggers -----
 
     async def tick(self) -> None:
         await self.republish_proposed()
-        await self.prune_engines()
+        if self.registry is not None:
+            await self.registry.prune()
         await self.prune_rejected()
         if not self.caught_up.is_set():
             return
@@ -280,21 +260,6 @@ class PlacementService:
                 except Exception:  # one group's trouble never stops the others
                     PLANS.labels("error").inc()
                     log.exception("planning group %s failed", group)
-
-    async def prune_engines(self, now: float | None = None) -> int:
-        """Delete `engines` rows not seen for `engine_retention_s`, at most once per `PRUNE_EVERY_S`; returns how
-        many. Every engine id that ever said hello gets a row (20,000 invented ids made 20,009 rows)."""
-        now = time.monotonic() if now is None else now
-        if self.config.engine_retention_s == 0 or now - self._last_engine_prune < PRUNE_EVERY_S:
-            return 0
-        self._last_engine_prune = now
-        cutoff = utcnow() - timedelta(seconds=self.config.engine_retention_s)
-        async with self.sessions() as session, session.begin():
-            result = await session.execute(delete(Engine).where(Engine.last_seen < cutoff))
-        pruned = int(result.rowcount or 0)  # type: ignore[attr-defined]
-        if pruned:
-            log.info("pruned %d engines not seen for %.0f s", pruned, self.config.engine_retention_s)
-        return pruned
 
     async def prune_rejected(self, now: float | None = None) -> int:
         """Delete `rejected` decisions past their retention, at most once per `PRUNE_EVERY_S`; returns how many.
@@ -343,42 +308,6 @@ class PlacementService:
         )
         return (await session.scalar(query.limit(1))) is not None
 
-    async def _params(self, session: AsyncSession, group: str) -> tuple[GreedyParams, int | None]:
-        """The greedy weights of the latest successful calibration for this group (or for all groups)."""
-        query = (
-            select(Calibration)
-            .where(
-                Calibration.status == "succeeded",
-                or_(Calibration.engine_group == group, Calibration.engine_group.is_(None)),
-            )
-            .order_by(Calibration.created_at.desc(), Calibration.id.desc())
-            .limit(1)
-        )
-        calibration = await session.scalar(query)
-        if calibration is None:
-            return DEFAULT_PARAMS, None
-        try:
-            return GreedyParams(calibration.alpha, calibration.beta, calibration.gamma), calibration.id
-        except PlacementError as exc:
-            log.warning("calibration %d unusable (%s); using defaults", calibration.id, exc)
-            return DEFAULT_PARAMS, None
-
-    def _topology(self, group: str, gpus: list[str] | None) -> tuple[list[str], list[int | None]] | None:
-        """The group's GPU names and the DP rank owning each, from the hellos.
-
-        The stored order (the applied placement's) wins; a group never placed takes its live engines' GPUs,
-        each once, in DP-rank order. Engines gone silent are no part of a new group.
-        """
-        owner = {
-            gpu: state.hello.dp_rank  # type: ignore[union-attr]
-            for state in self.fleet.group(group, live_only=False)
-            for gpu in state.hello.gpus  # type: ignore[union-attr]
-        }
-        if gpus is None:
-            live = [gpu for state in self.fleet.group(group) for gpu in state.hello.gpus]  # type: ignore[union-attr]
-            gpus = list(dict.fromkeys(live))
-        return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
-
     def _migrates(self, group: str) -> bool:
         """Whether the group's coordinator applies migrate steps (its hello says so); says once when not."""
         live = self.fleet.group(group)
@@ -398,9 +327,9 @@ class PlacementService:
             if await self._in_flight(session, group):
                 return None
             applied = await applied_placement(session, group)
-            current = await load_layout(session, applied) if applied is not None else None
-            params, calibration_id = await self._params(session, group)
-        topology = self._topology(group, list(applied.gpus) if applied is not None else None)
+            recorded = await load_layout(session, applied) if applied is not None else None
+            params, calibration_id = await calibrated_params(session, group)
+        topology = self.fleet.topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
             log.info("group %s: no live engine has said hello; cannot place its experts", group)
             return None
@@ -411,12 +340,13 @@ class PlacementService:
             return None
         num_layers, num_experts = window.load.shape
         reported = await self.layouts.live_layout(group) if self.layouts is not None else None
-        current_from = "database"
-        if reported is not None and reported.layout.shape[:2] == (num_layers, len(gpus)):
-            current, current_from = reported.layout, "engines"  # what they run (after a restart: their boot layout)
-        elif current is None:
-            slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
-            current, current_from = default_layout(num_layers, num_experts, len(gpus), slots), "default"
+        slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
+        current, current_from = current_layout(
+            reported.layout if reported is not None else None,
+            recorded,
+            lambda: default_layout(num_layers, num_experts, len(gpus), slots),
+            shape=(num_layers, len(gpus)),
+        )
         if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
             log.warning(
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape

@@ -1,10 +1,11 @@
 """A live view of the engines, built from their hellos and telemetry (core NATS, latest value wins).
 
-The migration service asks it who coordinates an EP group, the placement service which GPUs and DP ranks a
-group has, and the API shows it as `/v1/engines`. An engine is *stale* when neither a hello nor telemetry
-arrived within `stale_intervals` of its own announced intervals, so a dead engine drops out by itself.
-Telemetry sequence numbers are checked per engine: a jump forward is a gap (lost messages), a jump back a
-restart.
+The migration service asks it who coordinates an EP group, the placement service (and its calibrations)
+which GPUs and DP ranks a group has (`topology`), and the API shows it as `/v1/engines`. An engine is
+*stale* when neither a hello nor telemetry arrived within `stale_intervals` of its own announced intervals,
+so a dead engine drops out by itself. Telemetry sequence numbers are checked per engine: a jump forward is
+a gap (lost messages), a jump back a restart. (Not the router's `services/router` fleet columns: this view
+is for the control plane, which needs who and where, not per-request load.)
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ class FleetView:
             if s.hello is not None and s.hello.ep_group == ep_group and not (live_only and self.is_stale(s))
         ]
         return sorted(members, key=lambda s: (s.hello.dp_rank, s.engine_id))  # type: ignore[union-attr]
+
+    def topology(self, ep_group: str, gpus: list[str] | None) -> tuple[list[str], list[int | None]] | None:
+        """The group's GPU names and the DP rank owning each, from the hellos; None when it has no GPU.
+
+        `gpus` (the applied placement's order) wins when given; a group never placed takes its live engines'
+        GPUs, each once, in DP-rank order. Engines gone silent are no part of a new group, but a GPU of one
+        keeps its last known owner.
+        """
+        owner = {
+            gpu: state.hello.dp_rank  # type: ignore[union-attr]
+            for state in self.group(ep_group, live_only=False)
+            for gpu in state.hello.gpus  # type: ignore[union-attr]
+        }
+        if gpus is None:
+            live = [gpu for state in self.group(ep_group) for gpu in state.hello.gpus]  # type: ignore[union-attr]
+            gpus = list(dict.fromkeys(live))
+        return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
 
     def coordinator(self, ep_group: str) -> str | None:
         """The live engine with the lowest DP rank: it receives the group's migrate steps (see README)."""
