@@ -29,7 +29,7 @@ from switchyard.shared.embedded import EmbeddedNats, find_nats_server
 from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
-from tests.fleet_helpers import hello
+from tests.fleet_helpers import eventually, hello
 
 FLEET = ["sim-p0", "sim-p1", "sim-d0", "sim-d1", "sim-d2", "sim-d3"]
 
@@ -126,6 +126,15 @@ async def _received(nc: nats.NATS, subject: str | list[str], send, until: bytes 
     return [data for i, data in enumerate(got) if data != until or until not in got[:i]]
 
 
+def _async(condition):
+    """`eventually` polls a coroutine; these conditions are plain reads."""
+
+    async def probe() -> bool:
+        return bool(condition())
+
+    return probe
+
+
 def _hello(engine_id: str) -> s.Hello:
     return hello(engine_id, "g0", ["gpu0"], role="decode")
 
@@ -206,19 +215,27 @@ async def test_only_the_migration_service_sends_migrate_requests(secured: Secure
 async def test_an_engine_cannot_speak_for_another_engine(secured: SecuredNats) -> None:
     subjects = secured.subjects
     router, e0 = await secured.raw("router"), await secured.raw(engine_user("e0"))
+    got: list[bytes] = []
+
+    async def on_message(msg) -> None:
+        got.append(msg.data)
+
     try:
-
-        async def send() -> None:
-            for engine_id in ("e1", "e0"):
-                await e0.publish(subjects.hello(engine_id), engine_id.encode())
-                await e0.publish(subjects.telemetry(engine_id), engine_id.encode())
-            await e0.flush()
-
-        got = await _received(router, [subjects.all_hello, subjects.all_telemetry], send)
-        assert sorted(got) == [b"e0", b"e0"]  # its own, both kinds; none in e1's name
-        # nor can it listen to another engine's requests
-        spy = await _received(e0, subjects.migrate("e1"), lambda: asyncio.sleep(0))
-        assert spy == [] and any(subjects.migrate("e1") in v for v in secured.violations())
+        for subject in (subjects.all_hello, subjects.all_telemetry):
+            await router.subscribe(subject, cb=on_message)
+        await router.flush()
+        # e1's name first, then e0's own: one publisher's order is kept, so once e0's two messages are in,
+        # anything the server let through in e1's name would have arrived before them (no sleep to guess).
+        for engine_id in ("e1", "e0"):
+            await e0.publish(subjects.hello(engine_id), f"{engine_id}-hello".encode())
+            await e0.publish(subjects.telemetry(engine_id), f"{engine_id}-telemetry".encode())
+        await e0.flush()
+        await eventually(_async(lambda: len(got) >= 2), timeout=30)
+        assert got == [b"e0-hello", b"e0-telemetry"]  # its own, both kinds; none in e1's name
+        # nor can it listen to another engine's requests: the server refuses the subscription and logs it
+        await e0.subscribe(subjects.migrate("e1"), cb=on_message)
+        await e0.flush()
+        await eventually(_async(lambda: any(subjects.migrate("e1") in v for v in secured.violations())), timeout=30)
     finally:
         await router.close()
         await e0.close()
@@ -236,10 +253,9 @@ async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: S
         await e0.publish(secured.subjects.hello("e0"), _hello("e1"))
         await e0.publish(secured.subjects.hello("e0"), _hello("e0"))
         await e0.nc.flush()
-        for _ in range(50):
-            if seen:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(
+            _async(lambda: bool(seen)), timeout=30
+        )  # the rejected hello was sent first, so it has been handled by now
         assert seen == ["e0"]
         assert rejected_count(secured.subjects.all_hello, "engine_id_mismatch") == before + 1
     finally:
