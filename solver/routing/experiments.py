@@ -10,7 +10,7 @@ routes with the artifact it is given, whose fit and τ are the fit's business.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from switchyard.solver.routing.decode import Decision, RouteQuery, RouterState
 from switchyard.solver.routing.framework import Profile
@@ -34,6 +34,10 @@ class DecodePolicy:
     doc: str = ""
     #: The decision function: the profile under this policy's options, unless replaced (tests spy on it).
     fn: PolicyFn | None = None
+    #: (tables given, the same with this policy's τ): the override is built once per tables, not per request.
+    _retau: list[tuple[RoutingTables, RoutingTables]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         # `dataclasses.replace` hands over the old policy's bound `_decide`: rebind it to this one's options.
@@ -46,7 +50,9 @@ class DecodePolicy:
 
     def _decide(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
         if self.tau is not None and tables.tau != self.tau:
-            tables = replace(tables, tau=self.tau)
+            if not self._retau or self._retau[0][0] is not tables:
+                self._retau[:] = [(tables, replace(tables, tau=self.tau))]
+            tables = self._retau[0][1]
         return self.profile(snap, query, state, tables)
 
     def __call__(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
