@@ -61,7 +61,7 @@ def up(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     duration: Annotated[float, typer.Option(help="Seconds of simulated load (0: until Ctrl-C).")] = 60.0,
-    policy: Annotated[str, typer.Option(help="Decode policy: eldr, jsq, p2c, rr, random, eldr-tau0, ...")] = "eldr",
+    policy: Annotated[str, typer.Option(help="Decode profile: eldr, jsq, p2c, rr, random, domain.")] = "eldr",
     prefill: Annotated[int, typer.Option(min=1, help="Simulated prefill engines.")] = 2,
     decode: Annotated[int, typer.Option(min=1, help="Simulated decode engines.")] = 4,
     gpus_per_decoder: Annotated[int, typer.Option(min=1, help="Expert-parallel GPUs per decoder.")] = 2,
@@ -89,10 +89,11 @@ def up(
 ) -> None:
     """Run the whole control plane and a simulated fleet (embedded NATS + SQLite unless told otherwise)."""
     from switchyard.services.up import UpOptions, run_up
-    from switchyard.solver.routing import DECODE_POLICIES
+    from switchyard.solver.routing.profiles import DECODE_PROFILES, EXPERIMENT_VARIANTS
 
-    if policy not in DECODE_POLICIES:
-        raise typer.BadParameter(f"unknown policy {policy!r}; choose from {', '.join(DECODE_POLICIES)}")
+    if policy not in DECODE_PROFILES:  # the router's profiles; the simulator's experiment variants are refused
+        why = f" ({EXPERIMENT_VARIANTS[policy]}, not a router profile)" if policy in EXPERIMENT_VARIANTS else ""
+        raise typer.BadParameter(f"unknown policy {policy!r}{why}; choose from {', '.join(DECODE_PROFILES)}")
     options = UpOptions(
         duration_s=duration or None,
         policy=policy,

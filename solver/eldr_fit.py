@@ -34,14 +34,13 @@ from switchyard.solver.representations import (
     idf_weights,
     signature_vectors,
 )
+from switchyard.solver.routing.defaults import DEFAULT_TAU  # re-exported: its one owner is solver.routing.defaults
 from switchyard.solver.signatures import RequestCounts, request_counts
 
 if TYPE_CHECKING:
     from switchyard.solver.rho import LayerSearch
 
 __all__ = ["DEFAULT_TAU", "FitError", "FitOptions", "fit_routing_artifact"]
-
-DEFAULT_TAU = 0.1
 
 
 class FitError(ValueError):

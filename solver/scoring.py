@@ -22,6 +22,7 @@ import numpy as np
 
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.solver.representations import ONLINE_REPRESENTATIONS
+from switchyard.solver.routing.defaults import DEFAULT_TAU
 
 __all__ = ["Scorer", "ScoringError"]
 
@@ -47,7 +48,7 @@ class Scorer:
         centroids: np.ndarray,
         *,
         num_layers: int,
-        tau: float = 0.1,
+        tau: float = DEFAULT_TAU,
         representation: str = "count_idf",
     ) -> None:
         if representation not in ONLINE_REPRESENTATIONS:

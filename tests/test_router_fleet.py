@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from switchyard.services.router.core import RoleView
-from switchyard.services.router.fleet import Fleet
+from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
 
 SHAPE = ModelShape(name="m", num_layers=2, num_experts=8, top_k=2)
@@ -41,7 +41,7 @@ def telemetry(engine_id: str, seq: int, running: int = 0, kv: float = 0.1) -> Te
 
 
 def test_engines_drop_out_when_silent_and_return_when_heard() -> None:
-    fleet = Fleet(stale_after_s=1.0)
+    fleet = TelemetryView(stale_after_s=1.0)
     for i in range(3):
         fleet.on_hello(hello(f"d{i}"), now=0.0)
         fleet.on_telemetry(telemetry(f"d{i}", 0), now=0.0)
@@ -56,7 +56,7 @@ def test_engines_drop_out_when_silent_and_return_when_heard() -> None:
 
 
 def test_telemetry_before_hello_is_not_a_candidate() -> None:
-    fleet = Fleet()
+    fleet = TelemetryView()
     fleet.on_telemetry(telemetry("d9", 0), now=0.0)
     assert not fleet.alive("decode", now=0.0).any()
     fleet.on_hello(hello("d9"), now=0.1)
@@ -64,7 +64,7 @@ def test_telemetry_before_hello_is_not_a_candidate() -> None:
 
 
 def test_sequence_gaps_reorders_and_restarts() -> None:
-    fleet = Fleet()
+    fleet = TelemetryView()
     fleet.on_hello(hello("d0"), 0.0)
     fleet.on_telemetry(telemetry("d0", 10, running=5), 0.0)
     fleet.on_telemetry(telemetry("d0", 13, running=6), 0.1)
@@ -77,7 +77,7 @@ def test_sequence_gaps_reorders_and_restarts() -> None:
 
 
 def test_inflight_compensation_until_telemetry_catches_up() -> None:
-    fleet = Fleet(inflight_grace_s=0.05)
+    fleet = TelemetryView(inflight_grace_s=0.05)
     for i in range(2):
         fleet.on_hello(hello(f"d{i}"), 0.0)
         fleet.on_telemetry(telemetry(f"d{i}", 0, running=4), 0.0)
@@ -92,7 +92,7 @@ def test_inflight_compensation_until_telemetry_catches_up() -> None:
 
 
 def test_columns_grow_past_initial_capacity() -> None:
-    fleet = Fleet(capacity=2)
+    fleet = TelemetryView(capacity=2)
     for i in range(9):
         fleet.on_hello(hello(f"d{i}"), 0.0)
         fleet.on_telemetry(telemetry(f"d{i}", 0, running=i), 0.0)
@@ -120,7 +120,7 @@ _events = st.one_of(
 def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running: list[int]) -> None:
     """The router's cached decode view (re-read only on data changes, liveness re-checked only when an engine
     may have expired, its own decisions applied in place) always shows what reading the fleet afresh shows."""
-    fleet = Fleet(stale_after_s=1.0, inflight_grace_s=0.05, capacity=2)
+    fleet = TelemetryView(stale_after_s=1.0, inflight_grace_s=0.05, capacity=2)
     view = RoleView(fleet, "decode")
     now, seq = 10.0, dict.fromkeys(_ENGINES, 0)
 
@@ -163,7 +163,7 @@ def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running
 
 
 def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> None:
-    fleet = Fleet(stale_after_s=1.0)
+    fleet = TelemetryView(stale_after_s=1.0)
     fleet.on_hello(hello("d0"), 10.0)
     view = RoleView(fleet, "decode")
     view.rebuild()
@@ -174,7 +174,7 @@ def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> No
 
 
 def test_forgetting_silent_engines_compacts_rows_and_keeps_the_rest() -> None:
-    fleet = Fleet(capacity=2)
+    fleet = TelemetryView(capacity=2)
     for i in range(4):
         fleet.on_hello(hello(f"d{i}"), 0.0)
         fleet.on_telemetry(telemetry(f"d{i}", 0, running=10 + i), 0.0 if i % 2 else 5.0)
@@ -189,7 +189,7 @@ def test_forgetting_silent_engines_compacts_rows_and_keeps_the_rest() -> None:
 
 def test_a_forged_sequence_jump_does_not_silence_the_engine() -> None:
     """Finding 1: one telemetry message with seq + 300 made the router drop the engine's real ones for 30 s."""
-    fleet = Fleet()
+    fleet = TelemetryView()
     fleet.on_hello(hello("d0"), now=0.0)
     fleet.on_telemetry(telemetry("d0", 1000, running=1), now=0.0)
     fleet.on_telemetry(telemetry("d0", 1300, running=50), now=0.01)  # forged
@@ -206,7 +206,7 @@ def test_sequence_numbers_beyond_int64_are_refused_at_the_door() -> None:
     from switchyard.shared.codec import decode, encode
     from switchyard.shared.errors import WireError
 
-    fleet = Fleet()
+    fleet = TelemetryView()
     fleet.on_telemetry(telemetry("d0", 2**63 - 1), now=0.0)  # the largest one fits the int64 column
     assert fleet.last_seq[fleet.index["d0"]] == 2**63 - 1
     data = encode(telemetry("d0", 5)).replace(b"\x05", b"\xcf\x80\x00\x00\x00\x00\x00\x00\x00", 1)

@@ -23,13 +23,12 @@ What each dispatch rule sees (the delays are the real systems'):
   every 100 ms at an engine-specific phase (the bus contract's `sy.engine.<id>.telemetry`; `telemetry_aligned`
   puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
   in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
-  least `inflight_grace_s` after them (`services.router.fleet`'s rule and default).
+  least `inflight_grace_s` after them (`solver.routing.ledger`, the router's rule and default).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -40,6 +39,7 @@ from switchyard.engine_agents.sim.experts import ReplayBank
 from switchyard.engine_agents.sim.physics import CostModel
 from switchyard.engine_agents.sim.workload import Workload
 from switchyard.shared.streams import stream
+from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import (
     DISPATCH_POLICIES,
     GimbalParams,
@@ -50,6 +50,7 @@ from switchyard.solver.routing.dispatch import (
     pick_vllm,
     pick_vllm_main,
 )
+from switchyard.solver.routing.ledger import InflightLedger
 
 __all__ = ["DPFleetConfig", "DPSimResult", "Dispatcher", "simulate_dp"]
 
@@ -69,7 +70,7 @@ class DPFleetConfig:
     kv_blocks: int | None = None  # per engine; default: what the weights leave
     telemetry_interval_s: float = 0.1  # bus contract: sy.engine.<id>.telemetry ~every 100 ms
     coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
-    inflight_grace_s: float = 0.05  # router default SWITCHYARD_ROUTER_INFLIGHT_GRACE_S
+    inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S  # the router's SWITCHYARD_ROUTER_INFLIGHT_GRACE_S default
     telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
     #: Experiment: a decision's tokens stop counting as in flight as fast as an engine could prefill them
     #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.
@@ -122,8 +123,7 @@ class Dispatcher:
         self.remaining = np.zeros(engines)
         self.waiting_tokens = np.zeros(engines)
         self.pressure = np.ones(engines)
-        self.comp = np.zeros(engines)
-        self._decisions: list[deque[tuple[float, int]]] = [deque() for _ in range(engines)]
+        self.ledger = InflightLedger(engines)  # the router's in-flight compensation, the same ledger
         self.kv_first = 0
 
     @property
@@ -156,8 +156,7 @@ class Dispatcher:
             i = pick_dp_engine(
                 self.alive, self.kv, self.remaining, self.waiting_tokens, comp, self.pressure, self.params
             )
-            self._decisions[i].append((now, prompt_tokens))
-            self.comp[i] += prompt_tokens
+            self.ledger.add(i, now, prompt_tokens)
         self.prev = i
         self.outstanding[i] += 1
         return i
@@ -165,10 +164,15 @@ class Dispatcher:
     def _drained(self, now: float) -> np.ndarray:
         """In-flight tokens if each decision's prompt drains at `drain` tokens/s from the moment it was sent."""
         comp = np.zeros(self.n)
-        for i, decisions in enumerate(self._decisions):
-            for sent, tokens in decisions:
+        for i in range(self.n):
+            for sent, tokens in self.ledger.entries(i):
                 comp[i] += max(tokens - self.drain * (now - sent), 0.0)
         return comp
+
+    @property
+    def comp(self) -> np.ndarray:
+        """Prompt tokens in flight per engine (Gimbal's comp term): the ledger's token column."""
+        return self.ledger.tokens
 
     def on_finished(self, engine: int, count: int) -> None:
         self.outstanding[engine] -= count
@@ -184,11 +188,7 @@ class Dispatcher:
         self.remaining[i] = remaining
         self.waiting_tokens[i] = waiting
         self.pressure[i] = max(pressure, 1.0)
-        decisions = self._decisions[i]
-        while decisions and decisions[0][0] < now - self.grace_s:
-            self.comp[i] -= decisions.popleft()[1]
-        if not decisions:
-            self.comp[i] = 0.0
+        self.ledger.settle(i, now - self.grace_s)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from switchyard.engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, si
 from switchyard.engine_agents.sim.metrics import percentile, write_json
 from switchyard.engine_agents.sim.scenario import Scenario, prepare
 from switchyard.engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
+from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
@@ -153,7 +154,7 @@ class DPSimOptions:
     kv_blocks: int | None = None
     window_s: float = 10.0
     telemetry_interval_s: float = 0.1
-    inflight_grace_s: float = 0.05
+    inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S
     telemetry_aligned: bool = False
     inflight_drain_tokens_per_s: float = 0.0
 

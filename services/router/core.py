@@ -1,21 +1,24 @@
 """The router's decision logic, free of NATS: fleet state in, decisions out.
 
-`RouterCore` keeps the fleet view (`services.router.fleet.Fleet`), one sorted `FleetSnapshot` per routed
-role kept in step with it in place (re-read only after telemetry; no rebuild, no per-engine Python loop), the
-routing artifact's `Scorer` and tables, and the policy state. The service (`services.router.service`) feeds it bus
-messages and sends back what it returns; tests drive it directly.
+`RouterCore` keeps the telemetry view (`services.router.telemetry_view.TelemetryView`), one sorted
+`FleetSnapshot` per routed role kept in step with it in place (re-read only after telemetry; no rebuild, no
+per-engine Python loop), the routing artifact's `Scorer` and tables, and the two profiles it routes with
+(`solver.routing.profiles`, chosen and weighted by `RouterSettings`) with their state. Only the engine columns
+and request inputs a profile declares it needs are computed. The service (`services.router.service`) feeds it
+bus messages and sends back what it returns; tests drive it directly.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from switchyard.services.router import metrics
-from switchyard.services.router.fleet import Fleet
 from switchyard.services.router.settings import RouterSettings
+from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply
 from switchyard.shared.errors import SchemaMismatch
 from switchyard.shared.schemas import (
@@ -28,8 +31,9 @@ from switchyard.shared.schemas import (
     RoutingArtifact,
     Telemetry,
 )
-from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from switchyard.solver.routing.dispatch import GimbalParams, pick_dp_engine, pick_vllm
+from switchyard.solver.routing import DEFAULT_TAU, FleetSnapshot, RouteQuery, RouterState, RoutingTables
+from switchyard.solver.routing.dispatch import GimbalParams
+from switchyard.solver.routing.framework import Profile
 from switchyard.solver.scoring import Scorer, ScoringError
 
 
@@ -46,7 +50,7 @@ class RoleView:
     #: Re-check liveness this long before the earliest live engine's deadline (guards float rounding).
     _MARGIN_S = 1e-6
 
-    def __init__(self, fleet: Fleet, role: str) -> None:
+    def __init__(self, fleet: TelemetryView, role: str) -> None:
         self.fleet = fleet
         self.role = role
         self.version = -1
@@ -95,6 +99,12 @@ class RoleView:
         earliest = float(np.minimum.reduce(self._last_seen[alive])) if self.any_alive else np.inf
         self._alive_until = earliest + stale_after_s - self._MARGIN_S
 
+    def gather(self, names: tuple[str, ...]) -> None:
+        """Fill the snapshot's extra `columns` a profile reads (`COLUMNS`), fresh from the fleet's."""
+        f, rows, columns = self.fleet, self.rows, self.snap.columns
+        for name in names:
+            columns[name] = COLUMNS[name](f, rows, self.snap)
+
     def record_decision(self, row: int) -> None:
         """The fleet has just counted one more request in flight on `row` (`Fleet.on_decision*`)."""
         if self._synced == self.fleet.data_version - 1:  # in step until that decision: follow it in place
@@ -102,6 +112,33 @@ class RoleView:
             if i is not None:
                 self.snap.load[i] += 1
             self._synced = self.fleet.data_version
+
+
+#: Engine columns a routing profile may read beyond the snapshot's own (load, kv_usage, alive), from the
+#: telemetry view's rows. `waiting` counts this replica's and the others' decisions since the last report as
+#: waiting, as vLLM's client counts its own; `outstanding` is the router's best count of unfinished requests.
+COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarray]] = {
+    "remaining_prefill": lambda f, rows, snap: f.remaining_prefill[rows],
+    "waiting_prefill": lambda f, rows, snap: f.waiting_prefill[rows],
+    "inflight_tokens": lambda f, rows, snap: f.inflight_tokens[rows],
+    "expert_pressure": lambda f, rows, snap: f.expert_pressure[rows],
+    "step_time": lambda f, rows, snap: f.step_time[rows],
+    "inflight": lambda f, rows, snap: f.inflight[rows],
+    "running": lambda f, rows, snap: f.num_running[rows],
+    "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
+    "outstanding": lambda f, rows, snap: snap.load,
+}
+_SNAPSHOT_COLUMNS = frozenset({"load", "kv_usage", "alive"})
+_NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
+
+
+def _extra_columns(profile: Profile) -> tuple[str, ...]:
+    """The columns `profile` reads that the role view must gather per decision; unknown ones fail at start."""
+    extra = sorted(profile.columns - _SNAPSHOT_COLUMNS)
+    unknown = [name for name in extra if name not in COLUMNS]
+    if unknown:
+        raise ValueError(f"profile {profile.name!r} reads columns the router does not have: {', '.join(unknown)}")
+    return tuple(extra)
 
 
 class Decided(NamedTuple):
@@ -129,10 +166,15 @@ def _unavailable(kind: str, role: str, known: int) -> Routed:
 class RouterCore:
     def __init__(self, settings: RouterSettings, dispatch: GimbalParams | None = None) -> None:
         self.settings = settings
-        self.fleet = Fleet(stale_after_s=settings.stale_after_s, inflight_grace_s=settings.inflight_grace_s)
-        self.policy = get_policy(settings.policy)
+        self.fleet = TelemetryView(stale_after_s=settings.stale_after_s, inflight_grace_s=settings.inflight_grace_s)
+        #: The decode profile (`policy` in the replies and metrics is its name).
+        self.policy: Profile = settings.build_decode_profile()
         self.state = RouterState.seeded(settings.seed)
-        self.dispatch = dispatch or GimbalParams()
+        self.dispatch = dispatch or settings.gimbal_params()
+        self.dp_profile: Profile = settings.build_dp_profile(self.dispatch)
+        self.dp_state = RouterState.seeded(settings.seed)
+        self._decode_columns = _extra_columns(self.policy)
+        self._dp_columns = _extra_columns(self.dp_profile)
         self.decode = RoleView(self.fleet, "decode")
         self.dp = RoleView(self.fleet, "dp")
         self.artifact: RoutingArtifact | None = None
@@ -202,7 +244,7 @@ class RouterCore:
         """Tables for the current decode engines and artifact, rebuilt only when either changed."""
         if self.decode.rebuild() or self._tables_for != self.decode.version:
             artifact = self.artifact
-            tau = self.policy.tau if self.policy.tau is not None else (artifact.tau if artifact else 0.1)
+            tau = artifact.tau if artifact is not None else DEFAULT_TAU
             self.tables = RoutingTables.build(
                 self.decode.snap.engine_ids,
                 num_centroids=artifact.centroids.shape[0] if artifact is not None else 0,
@@ -233,7 +275,9 @@ class RouterCore:
                     sims = self.scorer.similarities(request.signature, request.layers)
                 except ScoringError as exc:
                     raise SchemaMismatch("signature", str(exc)) from None
-        decision = policy.fn(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
+        if self._decode_columns:
+            view.gather(self._decode_columns)
+        decision = policy(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
         index = decision.index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
@@ -261,28 +305,18 @@ class RouterCore:
         view = self.dp
         view.rebuild()
         snap = view.refresh(now, self.settings.stale_after_s)
-        f, rows = self.fleet, view.rows
-        rule = self.settings.dp_rule
-        if rule == "vllm":  # decisions since the last telemetry count as waiting, as vLLM's client counts them
-            index = pick_vllm(snap.alive, f.num_waiting[rows] + f.inflight[rows], f.num_running[rows])
-        else:
-            index = pick_dp_engine(
-                snap.alive,
-                snap.kv_usage,
-                f.remaining_prefill[rows],
-                f.waiting_prefill[rows],
-                f.inflight_tokens[rows],
-                f.expert_pressure[rows],
-                self.dispatch,
-            )
-        if index < 0:
+        if not view.any_alive:
             return _unavailable("dp", "dp", snap.size)
+        profile = self.dp_profile
+        if self._dp_columns:
+            view.gather(self._dp_columns)
+        index = profile(snap, RouteQuery(prompt_tokens=request.prompt_tokens), self.dp_state, _NO_TABLES).index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
         self._record(row)
         elapsed = time.perf_counter() - start
-        self._count("dp", rule, "")
+        self._count("dp", profile.name, "")
         self._seconds["dp"].observe(elapsed)
         reply = RouteDpReply(
             request_id=request.request_id,

@@ -1,4 +1,9 @@
-"""Router settings (`SWITCHYARD_ROUTER_*`)."""
+"""Router settings (`SWITCHYARD_ROUTER_*`).
+
+Routing is chosen and weighted here, without code: a named decode profile and DP profile
+(`solver.routing.profiles`), each re-weightable by scorer name from a JSON object, and Gimbal's parameters.
+The experiment-only ELDR variants (`eldr-vanilla`, `eldr-tau0`) are simulator options and are refused.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +13,47 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from switchyard.solver.routing import DECODE_POLICIES
+from switchyard.solver.routing import profiles
+from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
+from switchyard.solver.routing.dispatch import GimbalParams
+from switchyard.solver.routing.framework import Profile
+
+DpProfileName = Literal["gimbal", "vllm", "vllm-main", "jsq", "rr"]
+_G = GimbalParams()  # the defaults' one owner is GimbalParams
 
 
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_ROUTER_", env_file=".env", extra="ignore")
 
-    #: Decode policy for `sy.route.decode`: random, rr, jsq, p2c, domain, eldr, eldr-vanilla, eldr-tau0.
+    #: Decode profile for `sy.route.decode`: eldr, jsq, p2c, rr, random, domain (`solver.routing.profiles`).
     policy: str = "eldr"
-    #: Data-parallel dispatch rule for `sy.route.dp`: Gimbal's pressure score (Algorithm 1), or vLLM's own DP
-    #: load balancer (4·waiting + running, counting this replica's decisions as waiting until telemetry).
-    dp_rule: Literal["gimbal", "vllm"] = "gimbal"
+    #: The same, by its newer name; when set it wins over `policy`.
+    decode_profile: str | None = None
+    #: Scorer name -> weight for the decode profile (JSON object), e.g. {"load": 1.0}; 0 removes a scorer.
+    decode_weights: dict[str, float] = Field(default_factory=dict)
+    #: DP profile for `sy.route.dp`: Gimbal's pressure rule (Algorithm 1); vLLM's own DP load balancer
+    #: (4·waiting + running, this replica's decisions counted as waiting until telemetry); vllm-main; jsq; rr.
+    dp_rule: DpProfileName = "gimbal"
+    #: The same, by its newer name; when set it wins over `dp_rule`.
+    dp_profile: DpProfileName | None = None
+    #: Scorer name -> weight for the DP profile (JSON object), e.g. {"kv_penalty": 2.0}.
+    dp_weights: dict[str, float] = Field(default_factory=dict)
+    #: Gimbal: KV usage above which the KV-first rule may trigger...
+    gimbal_kv_high: float = Field(default=_G.kv_high, gt=0, le=1)
+    #: ...when the max-min KV usage gap across live engines exceeds this.
+    gimbal_kv_spread: float = Field(default=_G.kv_spread, ge=0, le=1)
+    #: Gimbal: token-equivalent cost of a half-full KV cache (c_kv).
+    gimbal_kv_cost_tokens: float = Field(default=_G.kv_cost_tokens, ge=0)
+    #: Gimbal: lower bound on free KV in P_kv's denominator.
+    gimbal_kv_floor: float = Field(default=_G.kv_floor, gt=0, le=1)
+    #: Gimbal: token-equivalent cost per unit of expert imbalance above 1 (c_moe).
+    gimbal_moe_cost_tokens: float = Field(default=_G.moe_cost_tokens, ge=0)
     #: An engine silent for longer than this leaves the candidate set (telemetry arrives every ~100 ms).
     stale_after_s: float = Field(default=1.0, gt=0)
     #: An engine silent for this long is forgotten entirely (a new hello brings it back).
     forget_after_s: float = Field(default=300.0, gt=0)
     #: A decision stops counting as in flight once a telemetry received this long after it arrives.
-    inflight_grace_s: float = Field(default=0.05, ge=0)
+    inflight_grace_s: float = Field(default=DEFAULT_INFLIGHT_GRACE_S, ge=0)
     #: Label -> traffic share, required by the oracle `domain` policy (a JSON object in the environment).
     domain_shares: dict[str, float] = Field(default_factory=dict)
     #: Decisions are shared with the other replicas (`sy.route.decided`) at the end of a burst of requests, in
@@ -43,15 +72,38 @@ class RouterSettings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
 
-    @field_validator("policy")
+    @field_validator("policy", "decode_profile")
     @classmethod
-    def _known_policy(cls, value: str) -> str:
-        if value not in DECODE_POLICIES:
-            raise ValueError(f"unknown decode policy {value!r}; choose one of {', '.join(DECODE_POLICIES)}")
+    def _known_policy(cls, value: str | None) -> str | None:
+        if value is not None:
+            profiles.decode_profile(value)  # unknown names and the simulator's experiment variants: a clear ValueError
         return value
 
     @model_validator(mode="after")
-    def _domain_needs_shares(self) -> RouterSettings:
+    def _resolve(self) -> RouterSettings:
+        if self.decode_profile is not None:
+            self.policy = self.decode_profile
+        if self.dp_profile is not None:
+            self.dp_rule = self.dp_profile
         if self.policy == "domain" and not self.domain_shares:
             raise ValueError("the domain policy needs SWITCHYARD_ROUTER_DOMAIN_SHARES (JSON label -> share)")
+        self.build_decode_profile()  # weights naming no scorer of the profile are refused here, not at first use
+        self.build_dp_profile()
         return self
+
+    def gimbal_params(self) -> GimbalParams:
+        return GimbalParams(
+            kv_high=self.gimbal_kv_high,
+            kv_spread=self.gimbal_kv_spread,
+            kv_cost_tokens=self.gimbal_kv_cost_tokens,
+            kv_floor=self.gimbal_kv_floor,
+            moe_cost_tokens=self.gimbal_moe_cost_tokens,
+        )
+
+    def build_decode_profile(self) -> Profile:
+        """The decode profile these settings name, with their weights."""
+        return profiles.decode_profile(self.policy, self.decode_weights or None)
+
+    def build_dp_profile(self, params: GimbalParams | None = None) -> Profile:
+        """The DP profile these settings name, with their weights and Gimbal parameters."""
+        return profiles.dp_profile(self.dp_rule, params or self.gimbal_params(), self.dp_weights or None)

@@ -1,5 +1,10 @@
 """Gimbal data-parallel dispatch and queue ordering, as pure functions over per-engine arrays.
 
+These are the formulas; the router dispatches with their composition as named profiles of the routing
+framework (`solver.routing.profiles.dp_profile`: the KV-first rule a filter, each pressure term a weighted
+scorer, the argmin a picker), and the DP simulator's dispatcher calls the `pick_*` forms below directly.
+tests/test_routing_framework.py checks that each profile picks what its formula picks.
+
 Dispatch (seed 003, Algorithm 1): when KV caches are nearly full somewhere and unevenly used, KV is the
 binding constraint, so send the request to the engine with the most free KV. Otherwise pick the engine with
 the lowest pressure score

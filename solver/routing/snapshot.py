@@ -14,6 +14,8 @@ import numpy as np
 
 __all__ = ["FleetSnapshot"]
 
+_BASE = ("load", "kv_usage", "alive")
+
 
 @dataclass
 class FleetSnapshot:
@@ -23,6 +25,8 @@ class FleetSnapshot:
       does not show yet). Float so a router may add fractional compensation; the simulator keeps it exact.
     - `kv_usage`: fraction of KV blocks in use.
     - `alive`: the engine may receive requests (fresh telemetry, not draining).
+    - `columns`: any further engine column a routing part reads by name (e.g. Gimbal's ``remaining_prefill``),
+      filled by the owner with only the columns its profile needs (`Profile.columns`).
 
     The arrays are owned by the snapshot and may be updated in place by its owner (the simulator bumps
     `load[i]` on each decision); policies only read them.
@@ -33,6 +37,7 @@ class FleetSnapshot:
     kv_usage: np.ndarray
     alive: np.ndarray
     version: int = 0
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,3 +98,12 @@ class FleetSnapshot:
 
     def index(self, engine_id: str) -> int:
         return self._index[engine_id]
+
+    def column(self, name: str) -> np.ndarray:
+        """An engine column by name: `load`, `kv_usage`, `alive`, or one of `columns`."""
+        if name in _BASE:
+            return getattr(self, name)  # type: ignore[no-any-return]
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise KeyError(f"the snapshot has no column {name!r} (has: {', '.join([*_BASE, *self.columns])})") from None

@@ -1,8 +1,10 @@
-"""The router's live view of the engine fleet, kept as numpy columns so policies never loop over engines.
+"""The router's telemetry view of the engines: what hellos, telemetry and routing decisions say about each
+engine, kept as numpy columns so routing parts never loop over engines.
 
 Hellos register engines (role, capacity); telemetry overwrites one row in place; decisions made since an
-engine's last report are added as in-flight compensation, because telemetry lags the router by up to one
-reporting interval and every replica routing on the same stale numbers would herd onto one engine.
+engine's last report are added as in-flight compensation (`solver.routing.ledger.InflightLedger`, the one
+ledger the DP simulator's dispatcher keeps too), because telemetry lags the router by up to one reporting
+interval and every replica routing on the same stale numbers would herd onto one engine.
 
 Sequence numbers are checked per engine (the lesson from Dynamo's router): a gap is counted, a message
 older than the last one is dropped, and a sequence that restarts from a low number means the engine
@@ -15,13 +17,14 @@ Two counters let readers cache what they derive: `version` changes when membersh
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
+from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
+from switchyard.solver.routing.ledger import InflightLedger
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1
@@ -37,8 +40,6 @@ _COLUMNS: dict[str, tuple[type, float]] = {
     "expert_pressure": (np.float64, 1),
     "last_seen": (np.float64, -np.inf),
     "last_seq": (np.int64, -1),
-    "inflight": (np.float64, 0),
-    "inflight_tokens": (np.float64, 0),
 }
 
 
@@ -50,11 +51,14 @@ class FleetCounters:
 
 
 @dataclass
-class Fleet:
-    """Per-engine columns, indexed by a stable row number per engine id (rows are never reused)."""
+class TelemetryView:
+    """Per-engine columns, indexed by a stable row number per engine id (rows are never reused).
+
+    `inflight` and `inflight_tokens` (decisions since the engine's last report, and their prompt tokens) are
+    the ledger's columns."""
 
     stale_after_s: float = 1.0
-    inflight_grace_s: float = 0.05
+    inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S
     capacity: int = 64
     engine_ids: list[str] = field(default_factory=list)
     counters: FleetCounters = field(default_factory=FleetCounters)
@@ -69,7 +73,17 @@ class Fleet:
         self.ep_group: list[str] = []
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(n, fill, dtype=dtype))
-        self._decisions: list[deque[tuple[float, float]]] = []
+        self.ledger = InflightLedger(n)
+
+    @property
+    def inflight(self) -> np.ndarray:
+        """Decisions in flight per row (the ledger's count column; a view, not a copy)."""
+        return self.ledger.count
+
+    @property
+    def inflight_tokens(self) -> np.ndarray:
+        """Their prompt tokens per row (the ledger's token column)."""
+        return self.ledger.tokens
 
     # ----- bookkeeping -----
 
@@ -82,6 +96,7 @@ class Fleet:
             grown = np.full(len(column) * 2, fill, dtype=column.dtype)
             grown[: len(column)] = column
             setattr(self, name, grown)
+        self.ledger.resize(len(self.role))
 
     def row(self, engine_id: str) -> int:
         """The engine's row, registering it on first sight."""
@@ -93,7 +108,6 @@ class Fleet:
             self.index[engine_id] = row
             self.engine_ids.append(engine_id)
             self.ep_group.append("")
-            self._decisions.append(deque())
             self.version += 1
             self.data_version += 1
         return row
@@ -120,7 +134,7 @@ class Fleet:
             self.counters.telemetry_gaps += 1
         elif event is Seq.RESTART:  # what was in flight to the old process is not in the new one's numbers
             self.counters.engine_restarts += 1
-            self._decisions[row].clear()
+            self.ledger.clear(row)
         self.last_seq[row] = t.seq
         self.kv_usage[row] = t.kv_usage
         self.num_running[row] = t.num_running
@@ -131,7 +145,7 @@ class Fleet:
         self.expert_pressure[row] = max(t.expert_pressure, 1.0)
         self.last_seen[row] = now
         self.data_version += 1
-        self._expire_decisions(row, now - self.inflight_grace_s)
+        self.ledger.settle(row, now - self.inflight_grace_s)
 
     def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> int:
         """A request was sent to this engine (by this or another replica) and is not yet in its telemetry.
@@ -145,20 +159,8 @@ class Fleet:
 
     def on_decision_row(self, row: int, prompt_tokens: float, now: float) -> None:
         """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly)."""
-        self._decisions[row].append((now, prompt_tokens))
-        self.inflight[row] += 1
-        self.inflight_tokens[row] += prompt_tokens
+        self.ledger.add(row, now, prompt_tokens)
         self.data_version += 1
-
-    def _expire_decisions(self, row: int, before: float) -> None:
-        decisions = self._decisions[row]
-        while decisions and decisions[0][0] < before:
-            _, tokens = decisions.popleft()
-            self.inflight[row] -= 1
-            self.inflight_tokens[row] -= tokens
-        if not decisions:  # guard against float drift
-            self.inflight[row] = 0.0
-            self.inflight_tokens[row] = 0.0
 
     def forget(self, now: float, silent_for_s: float) -> list[str]:
         """Unregister engines silent for `silent_for_s` (rows are compacted); returns their ids."""
@@ -173,7 +175,7 @@ class Fleet:
             column[: len(keep)] = column[keep]
         self.engine_ids = [self.engine_ids[i] for i in keep]
         self.ep_group = [self.ep_group[i] for i in keep]
-        self._decisions = [self._decisions[i] for i in keep]
+        self.ledger.compact(keep)
         self.index = {e: i for i, e in enumerate(self.engine_ids)}
         for name, (_, fill) in _COLUMNS.items():
             getattr(self, name)[len(keep) : n] = fill

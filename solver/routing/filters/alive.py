@@ -1,0 +1,21 @@
+"""Liveness: only engines with fresh telemetry (and not draining) take requests. Never relaxed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchyard.solver.routing.decode import RouteQuery
+from switchyard.solver.routing.framework import Admission
+from switchyard.solver.routing.snapshot import FleetSnapshot
+from switchyard.solver.routing.tables import RoutingTables
+
+
+@dataclass(frozen=True)
+class Alive:
+    name: str = "alive"
+    needs: frozenset[str] = frozenset({"alive"})
+    relaxable: bool = False
+    band: bool = False
+
+    def admit(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> Admission:
+        return Admission(snap.alive)

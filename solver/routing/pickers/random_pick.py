@@ -1,0 +1,19 @@
+"""Uniformly at random among the admitted engines (one draw from the state's generator); ignores cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from switchyard.solver.routing.decode import RouterState
+
+
+@dataclass(frozen=True)
+class RandomPick:
+    name: str = "random"
+    needs: frozenset[str] = frozenset()
+
+    def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int:
+        live = np.flatnonzero(mask)
+        return int(live[state.rng.integers(len(live))])

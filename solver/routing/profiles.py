@@ -1,0 +1,142 @@
+"""Named profiles: the routing rules as compositions of filters, scorers and a picker.
+
+Decode (`sy.route.decode`, over decode engines):
+
+| profile  | filters                | scorers (weight) | picker                               |
+|----------|------------------------|------------------|--------------------------------------|
+| `eldr`   | alive, τ band          | load (1)         | least cost, ties to the most similar |
+| `domain` | alive, label partition | load (1)         | least cost, ties at random           |
+| `jsq`    | alive                  | load (1)         | least cost, ties at random           |
+| `p2c`    | alive                  | load (1)         | power of two choices                 |
+| `rr`     | alive                  | —                | round robin                          |
+| `random` | alive                  | —                | random                               |
+
+Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.routing.dispatch`):
+
+| profile     | filters         | scorers (weight)                                          | picker              |
+|-------------|-----------------|-----------------------------------------------------------|---------------------|
+| `gimbal`    | alive, KV first | remaining_prefill, waiting_prefill, inflight_tokens,      | first min           |
+|             |                 | kv_penalty, moe_penalty (1 each)                          |                     |
+| `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
+| `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
+| `jsq`       | alive           | outstanding (1)                                           | first min           |
+| `rr`        | alive           | —                                                         | round robin         |
+
+Weights are changed by scorer name (`decode_profile("jsq", {"load": 2})`, or the router's settings
+`SWITCHYARD_ROUTER_DECODE_WEIGHTS` / `SWITCHYARD_ROUTER_DP_WEIGHTS`). The ELDR experiment variants
+(`eldr-vanilla`, `eldr-tau0`) are not profiles: they are options of an ELDR simulation (the K-means an
+artifact comes from, a τ override; `solver.routing.experiments`), and asking for one here is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from switchyard.solver.routing.decode import eldr_kernel
+from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
+from switchyard.solver.routing.filters import Alive, DomainPartition, KvFirst, TauBand
+from switchyard.solver.routing.framework import Profile, Weighted
+from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin
+from switchyard.solver.routing.scorers import Column, KvPenalty, MoePenalty, VllmMainKv, VllmMainLoad
+
+__all__ = [
+    "DECODE_PROFILES",
+    "DP_PROFILES",
+    "EXPERIMENT_VARIANTS",
+    "decode_profile",
+    "dp_profile",
+]
+
+_ALIVE = Alive()
+_LOAD = (Weighted(Column("load"), 1.0),)
+
+DECODE_PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile("random", (_ALIVE,), (), RandomPick(), doc="uniform over live engines"),
+        Profile("rr", (_ALIVE,), (), RoundRobin(), doc="round robin over live engines"),
+        Profile("jsq", (_ALIVE,), _LOAD, LeastCost(), doc="join the shortest queue (least load)"),
+        Profile("p2c", (_ALIVE,), _LOAD, PowerOfTwo(), doc="power of two choices"),
+        Profile("domain", (_ALIVE, DomainPartition()), _LOAD, LeastCost(), doc="oracle: least loaded in its partition"),
+        Profile(
+            "eldr",
+            (_ALIVE, TauBand()),
+            _LOAD,
+            LeastCost(),
+            kernel=eldr_kernel,
+            doc="τ-band over the artifact's centroids, least loaded, ties to the most similar",
+        ),
+    )
+}
+
+#: Experiment-only names: what each is, for the error that refuses it outside the simulator.
+EXPERIMENT_VARIANTS: dict[str, str] = {
+    "eldr-vanilla": "ELDR over a vanilla (unbalanced) K-means fit, a simulator option (fit='vanilla')",
+    "eldr-tau0": "ELDR with τ = 0 (nearest centroid only), a simulator option (tau=0)",
+}
+
+#: DP profile names, in the simulator's `--dispatch` order.
+DP_PROFILES: tuple[str, ...] = DISPATCH_POLICIES
+
+
+def decode_profile(name: str, weights: Mapping[str, float] | None = None) -> Profile:
+    """The named decode profile, re-weighted by scorer name; experiment variants and unknown names are errors."""
+    if name in EXPERIMENT_VARIANTS:
+        raise ValueError(
+            f"{name!r} is not a router profile: it is {EXPERIMENT_VARIANTS[name]}; "
+            f"route with 'eldr' and an artifact fitted as you want (profiles: {', '.join(DECODE_PROFILES)})"
+        )
+    try:
+        profile = DECODE_PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown decode profile {name!r}; choose one of {', '.join(DECODE_PROFILES)}") from None
+    return profile.weighted(weights) if weights else profile
+
+
+def dp_profile(
+    name: str,
+    params: GimbalParams | None = None,
+    weights: Mapping[str, float] | None = None,
+    client_count: int = 1,
+) -> Profile:
+    """The named DP profile with Gimbal's parameters (`gimbal`) and vLLM's client count (`vllm-main`)."""
+    params = params or GimbalParams()
+    if name == "gimbal":
+        profile = Profile(
+            "gimbal",
+            (_ALIVE, KvFirst(params)),
+            (
+                Weighted(Column("remaining_prefill"), 1.0),
+                Weighted(Column("waiting_prefill"), 1.0),
+                Weighted(Column("inflight_tokens"), 1.0),
+                Weighted(KvPenalty(params), 1.0),
+                Weighted(MoePenalty(params), 1.0),
+            ),
+            FirstMin(),
+            doc="Gimbal's pressure score (prefill-token units), KV-first when caches are nearly full and uneven",
+        )
+    elif name == "vllm":
+        profile = Profile(
+            "vllm",
+            (_ALIVE,),
+            (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0)),
+            FirstMin(),
+            doc="vLLM's DP load balancer: 4·waiting + running, first minimum",
+        )
+    elif name == "vllm-main":
+        profile = Profile(
+            "vllm-main",
+            (_ALIVE,),
+            (Weighted(VllmMainLoad(client_count), 1.0), Weighted(VllmMainKv(), 1.0)),
+            FirstMin(rotate=True),
+            doc="vLLM main's DP load balancer, scan start rotating",
+        )
+    elif name == "jsq":
+        profile = Profile(
+            "jsq", (_ALIVE,), (Weighted(Column("outstanding"), 1.0),), FirstMin(), doc="fewest outstanding requests"
+        )
+    elif name == "rr":
+        profile = Profile("rr", (_ALIVE,), (), RoundRobin(), doc="round robin over live engines")
+    else:
+        raise ValueError(f"unknown DP profile {name!r}; choose one of {', '.join(DP_PROFILES)}")
+    return profile.weighted(weights) if weights else profile

@@ -1,0 +1,7 @@
+"""Scorers: per-engine costs, lower is better, summed with weights (one small module per scorer)."""
+
+from switchyard.solver.routing.scorers.column import Column
+from switchyard.solver.routing.scorers.gimbal import KvPenalty, MoePenalty
+from switchyard.solver.routing.scorers.vllm import VllmMainKv, VllmMainLoad
+
+__all__ = ["Column", "KvPenalty", "MoePenalty", "VllmMainKv", "VllmMainLoad"]
