@@ -172,9 +172,7 @@ def calibration_row(result: CalibrationResult, *, engine_group: str | None, extr
     return Calibration(
         engine_group=engine_group,
         status="succeeded",
-        alpha=result.params.alpha,
-        beta=result.params.beta,
-        gamma=result.params.gamma,
+        params=result.params.as_map(),
         agreement=result.agreement,
         comm_gap=result.comm_gap,
         solve_seconds=result.minlp_seconds,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
+from switchyard.shared import placement_terms
 
 if TYPE_CHECKING:
     from switchyard.engine_agents.sim.live import LiveFleetConfig
@@ -564,10 +565,16 @@ def calibrate(
     workers_per_layer: Annotated[int, typer.Option(min=1, help="CP-SAT workers per layer.")] = 1,
     migration_cost: Annotated[
         float, typer.Option(min=0.0, help="Cost of one host change, in mean-GPU-loads of traffic.")
-    ] = 0.005,
-    load_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of load balance.")] = 50.0,
-    comm_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of communication.")] = 1.0,
-    mig_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of migration.")] = 1.0,
+    ] = placement_terms.DEFAULT_MIGRATION_COST,
+    load_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of load balance.")
+    ] = placement_terms.DEFAULT_WEIGHTS["load"],
+    comm_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of communication.")
+    ] = placement_terms.DEFAULT_WEIGHTS["comm"],
+    mig_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of migration.")
+    ] = placement_terms.DEFAULT_WEIGHTS["mig"],
     objective_tolerance: Annotated[
         float, typer.Option(min=0.0, help="Fitted greedy may cost this much more than the best greedy.")
     ] = 0.01,
@@ -610,7 +617,7 @@ def calibrate(
         "windows": [w.name for w in recorded],
         "gpus": gpus,
         "migration_cost": migration_cost,
-        "weights": {"load": load_weight, "comm": comm_weight, "mig": mig_weight},
+        "weights": dict(weights),
         "time_limit_s": time_limit,
         "parallel_layers": parallel_layers,
         "workers_per_layer": workers_per_layer,

@@ -22,17 +22,15 @@ class Page(_Out, Generic[T]):
     next_cursor: str | None
 
 
-class Objective(_Out):
-    load: float
-    comm: float
-    mig: float
-    total: float
-
-
-class Params(_Out):
-    alpha: float
-    beta: float
-    gamma: float
+#: Term name → value (load, comm, mig, and any term added since), and "total": the weighted sum.
+Objective = Annotated[
+    dict[str, float], Field(description="Each objective term's value by name, and `total`, their weighted sum.")
+]
+#: Term name → the greedy's multiplier of it (α, β, γ in Gimbal's names are comm, load and mig).
+Params = Annotated[
+    dict[str, float],
+    Field(description="The greedy's multiplier of each objective term, by name (alpha=comm, beta=load, gamma=mig)."),
+]
 
 
 class Move(_Out):
@@ -120,9 +118,7 @@ class CalibrationOut(_Out):
     created_at: datetime
     engine_group: str | None
     status: Literal["succeeded", "failed"]
-    alpha: float
-    beta: float
-    gamma: float
+    params: Params
     agreement: float
     comm_gap: float
     solve_seconds: float
@@ -131,7 +127,7 @@ class CalibrationOut(_Out):
 
 
 class CalibrationTrigger(BaseModel):
-    """Calibrate the greedy's (α, β, γ) against the MINLP on the placement service's current windows."""
+    """Calibrate the greedy's multipliers (α, β, γ) against the MINLP on the placement service's current windows."""
 
     model_config = ConfigDict(extra="forbid")
     engine_group: GroupId | None = None
