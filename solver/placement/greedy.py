@@ -32,7 +32,7 @@ import numpy as np
 from switchyard.shared.placement_terms import GREEK_TO_TERM, greek_to_terms
 from switchyard.solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
 from switchyard.solver.placement.replication import check_replicas, replica_counts
-from switchyard.solver.placement.terms import check_term_map, linear_cost, linear_terms, scaled_weights
+from switchyard.solver.placement.terms import check_term_map, linear_cost, linear_terms
 
 
 @dataclass(frozen=True, init=False)
@@ -116,7 +116,7 @@ def greedy_hosts(
     beta = params.beta * problem.weights.load
     per_copy = problem.load / copies
     terms = linear_terms(problem, copies)
-    static = linear_cost(terms, scaled_weights(problem.weights, params, list(terms)))
+    static = linear_cost(terms, {name: params[name] * problem.weights[name] for name in terms})
     order = _placement_order(per_copy, copies)
     future_copies = _future_max_copies(order, copies) if (copies > 1).any() else None
 

@@ -138,8 +138,3 @@ def linear_constants(problem: PlacementProblem, layer: int) -> dict[str, float]:
     if current is None:
         return {}
     return {"mig": float((problem.migration_cost[layer] * current[layer]).sum())}
-
-
-def scaled_weights(weights: Mapping[str, float], scale: Mapping[str, float], names: list[str]) -> dict[str, float]:
-    """weights[t]·scale[t] for each name (the greedy's score multiplies each term's exact marginal)."""
-    return {name: scale[name] * weights[name] for name in names}
