@@ -560,9 +560,15 @@ def calibrate(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs in the expert-parallel group.")] = 4,
-    time_limit: Annotated[float, typer.Option(min=0.01, help="CP-SAT time limit per layer, seconds.")] = 1.0,
-    parallel_layers: Annotated[int, typer.Option(min=1, help="Layers solved at once (threads).")] = 2,
-    workers_per_layer: Annotated[int, typer.Option(min=1, help="CP-SAT workers per layer.")] = 1,
+    time_limit: Annotated[
+        float, typer.Option(min=0.01, help="CP-SAT time limit per layer, seconds.")
+    ] = placement_terms.DEFAULT_TIME_LIMIT_S,
+    parallel_layers: Annotated[
+        int, typer.Option(min=1, help="Layers solved at once (threads).")
+    ] = placement_terms.DEFAULT_PARALLEL_LAYERS,
+    workers_per_layer: Annotated[
+        int, typer.Option(min=1, help="CP-SAT workers per layer.")
+    ] = placement_terms.DEFAULT_WORKERS_PER_LAYER,
     migration_cost: Annotated[
         float, typer.Option(min=0.0, help="Cost of one host change, in mean-GPU-loads of traffic.")
     ] = placement_terms.DEFAULT_MIGRATION_COST,
@@ -577,7 +583,7 @@ def calibrate(
     ] = placement_terms.DEFAULT_WEIGHTS["mig"],
     objective_tolerance: Annotated[
         float, typer.Option(min=0.0, help="Fitted greedy may cost this much more than the best greedy.")
-    ] = 0.01,
+    ] = placement_terms.DEFAULT_OBJECTIVE_TOLERANCE,
     layers: Annotated[int | None, typer.Option(min=1, help="Use only the first N MoE layers.")] = None,
     experts: Annotated[int | None, typer.Option(min=1, help="Use only the first N experts.")] = None,
     sources_per_window: Annotated[int, typer.Option(min=1, help="SGLang workloads per window.")] = 4,

@@ -43,6 +43,13 @@ DEFAULT_GAIN_THRESHOLD = 0.05
 #: Extra expert copies per layer (EPLB-style replicas of hot experts); 0: one copy of each expert.
 DEFAULT_REDUNDANT_SLOTS = 0
 
+#: Calibration: CP-SAT time limit per layer (seconds), layers solved at once, CP-SAT workers per layer.
+DEFAULT_TIME_LIMIT_S = 1.0
+DEFAULT_PARALLEL_LAYERS = 2
+DEFAULT_WORKERS_PER_LAYER = 1
+#: Calibration: the fitted greedy may cost this fraction more than the cheapest greedy on the grid.
+DEFAULT_OBJECTIVE_TOLERANCE = 0.01
+
 #: Term names: lower-case identifiers (they become JSON keys, metric labels and log words).
 TERM_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 #: Most terms one map may carry (wire, database and API bound every map by this).

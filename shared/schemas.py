@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from switchyard.shared.codec import Array, ErrorReply, WireModel
 from switchyard.shared.placement_terms import (
     BUILTIN_TERMS,
+    DEFAULT_TIME_LIMIT_S,
     MAX_TERMS,
     RESERVED_NAMES,
     TERM_NAME_PATTERN,
@@ -507,7 +508,7 @@ class CalibrationRequest(WireModel):
     request_id: Annotated[str, Field(min_length=1, max_length=64)]
     requested_at: Timestamp
     engine_group: EngineId | None = None
-    time_limit_s: Annotated[float, Field(gt=0.0, le=600.0, allow_inf_nan=False)] = 1.0
+    time_limit_s: Annotated[float, Field(gt=0.0, le=600.0, allow_inf_nan=False)] = DEFAULT_TIME_LIMIT_S
     layers: Annotated[int, Field(ge=1, le=4096)] | None = None
 
 

@@ -4,6 +4,7 @@ the worked example of docs/architecture.md ("How to add a placement objective te
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
@@ -88,15 +89,35 @@ def test_weights_and_greedy_params_are_maps_with_defaults() -> None:
 
 
 def test_every_placement_default_has_one_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from switchyard.services.api.models import CalibrationTrigger
     from switchyard.services.cli import calibrate
+    from switchyard.shared.schemas import CalibrationRequest
 
+    owner = placement_terms
     config = PlacementSettings(_env_file=None)
-    assert config.migration_cost == Policy().migration_cost == placement_terms.DEFAULT_MIGRATION_COST
-    assert config.gain_threshold == Policy().gain_threshold == placement_terms.DEFAULT_GAIN_THRESHOLD
-    assert config.redundant_slots == Policy().redundant_slots == placement_terms.DEFAULT_REDUNDANT_SLOTS
-    assert config.objective_weights() == dict(placement_terms.DEFAULT_WEIGHTS) == dict(Policy().weights)
-    defaults = calibrate.__defaults__
-    assert placement_terms.DEFAULT_MIGRATION_COST in defaults
+    assert config.migration_cost == Policy().migration_cost == owner.DEFAULT_MIGRATION_COST
+    assert config.gain_threshold == Policy().gain_threshold == owner.DEFAULT_GAIN_THRESHOLD
+    assert config.redundant_slots == Policy().redundant_slots == owner.DEFAULT_REDUNDANT_SLOTS
+    assert config.objective_weights() == dict(owner.DEFAULT_WEIGHTS) == dict(Policy().weights) == dict(Weights())
+    options = MinlpOptions()
+    assert (options.time_limit_s, options.parallel_layers, options.workers_per_layer) == (
+        owner.DEFAULT_TIME_LIMIT_S,
+        owner.DEFAULT_PARALLEL_LAYERS,
+        owner.DEFAULT_WORKERS_PER_LAYER,
+    )
+    assert CalibrationTrigger().time_limit_s == CalibrationRequest.model_fields["time_limit_s"].default
+    assert CalibrationTrigger().time_limit_s == owner.DEFAULT_TIME_LIMIT_S
+    cli = inspect.signature(calibrate).parameters
+    assert cli["migration_cost"].default == owner.DEFAULT_MIGRATION_COST
+    assert cli["objective_tolerance"].default == owner.DEFAULT_OBJECTIVE_TOLERANCE
+    assert cli["time_limit"].default == owner.DEFAULT_TIME_LIMIT_S
+    assert [cli[f"{t}_weight"].default for t in ("load", "comm", "mig")] == list(owner.DEFAULT_WEIGHTS.values())
+    # and nobody writes the numbers out again
+    sources = [*(ROOT / "solver" / "placement").glob("*.py"), *(ROOT / "services" / "placement").glob("*.py")]
+    sources += [ROOT / "services" / "calibration.py", ROOT / "services" / "api" / "models.py"]
+    for path in sources:
+        assert not re.search(r"=\s*(0\.005|50\.0|0\.05)\b", path.read_text()), path  # a default written out
+
     monkeypatch.setenv("SWITCHYARD_PLACEMENT_WEIGHTS", '{"hot": 2, "load": 40}')
     monkeypatch.setenv("SWITCHYARD_PLACEMENT_WEIGHT_MIG", "3")  # the older one-by-one setting still wins
     assert PlacementSettings(_env_file=None).objective_weights() == {"load": 40, "comm": 1.0, "mig": 3.0, "hot": 2}

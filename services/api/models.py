@@ -7,6 +7,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from switchyard.shared.placement_terms import DEFAULT_TIME_LIMIT_S
+
 T = TypeVar("T")
 GroupId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="An engine group (EP group) id.")]
 
@@ -131,7 +133,7 @@ class CalibrationTrigger(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     engine_group: GroupId | None = None
-    time_limit_s: float = Field(default=1.0, gt=0, le=600, description="CP-SAT time limit per layer.")
+    time_limit_s: float = Field(default=DEFAULT_TIME_LIMIT_S, gt=0, le=600, description="CP-SAT time limit per layer.")
     layers: int | None = Field(default=None, ge=1, le=4096, description="Use only the first N layers.")
 
 

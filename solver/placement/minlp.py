@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
+from switchyard.shared.placement_terms import DEFAULT_PARALLEL_LAYERS, DEFAULT_TIME_LIMIT_S, DEFAULT_WORKERS_PER_LAYER
 from switchyard.solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, resolve_replicas
 from switchyard.solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots, slots_from_hosts
 from switchyard.solver.placement.refine import place
@@ -53,9 +54,9 @@ class MinlpOptions:
     at most one layer's time limit, not the whole calibration.
     """
 
-    time_limit_s: float = 1.0
-    parallel_layers: int = 2
-    workers_per_layer: int = 1
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    parallel_layers: int = DEFAULT_PARALLEL_LAYERS
+    workers_per_layer: int = DEFAULT_WORKERS_PER_LAYER
     relative_gap: float = 1e-4
     load_resolution: int = 1 << 16
     symmetry_breaking: bool = True
