@@ -33,6 +33,7 @@ import numpy as np
 
 from switchyard.data import SHIPPED_DIR
 from switchyard.services.calibration import Window, sglang_windows, window_problem
+from switchyard.shared.placement_terms import DEFAULT_MIGRATION_COST
 from switchyard.solver.placement import (
     MinlpOptions,
     PlacementProblem,
@@ -50,7 +51,7 @@ from switchyard.solver.placement.eplb_baseline import eplb_global
 
 SGLANG = SHIPPED_DIR / "expert_load" / "sglang_deepseek_v3"
 OUT = Path(__file__).resolve().parent / "out"
-MIGRATION_COST = 0.005  # per host change, in mean-GPU-loads (the `switchyard calibrate` default)
+MIGRATION_COST = DEFAULT_MIGRATION_COST  # per host change, in mean-GPU-loads (the `switchyard calibrate` default)
 
 
 def problem_for(

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from switchyard.shared.db import Calibration
+from switchyard.shared.placement_terms import DEFAULT_OBJECTIVE_TOLERANCE
 from switchyard.solver.placement import MinlpOptions, PlacementProblem, Weights, contiguous_slots, locality_distance
 from switchyard.solver.placement.calibrate import CalibrationResult, calibrate
 
@@ -155,7 +156,7 @@ def run_calibration(
     *,
     migration_cost: float,
     weights: Weights,
-    objective_tolerance: float = 0.01,
+    objective_tolerance: float = DEFAULT_OBJECTIVE_TOLERANCE,
     layers: int | None = None,
     experts: int | None = None,
 ) -> CalibrationResult:
@@ -172,9 +173,7 @@ def calibration_row(result: CalibrationResult, *, engine_group: str | None, extr
     return Calibration(
         engine_group=engine_group,
         status="succeeded",
-        alpha=result.params.alpha,
-        beta=result.params.beta,
-        gamma=result.params.gamma,
+        params=result.params.as_map(),
         agreement=result.agreement,
         comm_gap=result.comm_gap,
         solve_seconds=result.minlp_seconds,

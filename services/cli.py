@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
+from switchyard.shared import placement_terms
 
 if TYPE_CHECKING:
     from switchyard.engine_agents.sim.live import LiveFleetConfig
@@ -561,18 +562,30 @@ def calibrate(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs in the expert-parallel group.")] = 4,
-    time_limit: Annotated[float, typer.Option(min=0.01, help="CP-SAT time limit per layer, seconds.")] = 1.0,
-    parallel_layers: Annotated[int, typer.Option(min=1, help="Layers solved at once (threads).")] = 2,
-    workers_per_layer: Annotated[int, typer.Option(min=1, help="CP-SAT workers per layer.")] = 1,
+    time_limit: Annotated[
+        float, typer.Option(min=0.01, help="CP-SAT time limit per layer, seconds.")
+    ] = placement_terms.DEFAULT_TIME_LIMIT_S,
+    parallel_layers: Annotated[
+        int, typer.Option(min=1, help="Layers solved at once (threads).")
+    ] = placement_terms.DEFAULT_PARALLEL_LAYERS,
+    workers_per_layer: Annotated[
+        int, typer.Option(min=1, help="CP-SAT workers per layer.")
+    ] = placement_terms.DEFAULT_WORKERS_PER_LAYER,
     migration_cost: Annotated[
         float, typer.Option(min=0.0, help="Cost of one host change, in mean-GPU-loads of traffic.")
-    ] = 0.005,
-    load_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of load balance.")] = 50.0,
-    comm_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of communication.")] = 1.0,
-    mig_weight: Annotated[float, typer.Option(min=0.0, help="Objective weight of migration.")] = 1.0,
+    ] = placement_terms.DEFAULT_MIGRATION_COST,
+    load_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of load balance.")
+    ] = placement_terms.DEFAULT_WEIGHTS["load"],
+    comm_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of communication.")
+    ] = placement_terms.DEFAULT_WEIGHTS["comm"],
+    mig_weight: Annotated[
+        float, typer.Option(min=0.0, help="Objective weight of migration.")
+    ] = placement_terms.DEFAULT_WEIGHTS["mig"],
     objective_tolerance: Annotated[
         float, typer.Option(min=0.0, help="Fitted greedy may cost this much more than the best greedy.")
-    ] = 0.01,
+    ] = placement_terms.DEFAULT_OBJECTIVE_TOLERANCE,
     layers: Annotated[int | None, typer.Option(min=1, help="Use only the first N MoE layers.")] = None,
     experts: Annotated[int | None, typer.Option(min=1, help="Use only the first N experts.")] = None,
     sources_per_window: Annotated[int, typer.Option(min=1, help="SGLang workloads per window.")] = 4,
@@ -612,7 +625,7 @@ def calibrate(
         "windows": [w.name for w in recorded],
         "gpus": gpus,
         "migration_cost": migration_cost,
-        "weights": {"load": load_weight, "comm": comm_weight, "mig": mig_weight},
+        "weights": dict(weights),
         "time_limit_s": time_limit,
         "parallel_layers": parallel_layers,
         "workers_per_layer": workers_per_layer,

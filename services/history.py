@@ -98,7 +98,7 @@ async def calibrated_params(session: AsyncSession, engine_group: str) -> tuple[G
     if calibration is None:
         return DEFAULT_PARAMS, None
     try:
-        return GreedyParams(calibration.alpha, calibration.beta, calibration.gamma), calibration.id
+        return GreedyParams.from_map(calibration.params), calibration.id
     except PlacementError as exc:
         log.warning("calibration %d unusable (%s); using defaults", calibration.id, exc)
         return DEFAULT_PARAMS, None
@@ -132,12 +132,8 @@ async def add_placement(
         created_at=to_datetime(plan.created_at),
         source=plan.source,
         status=status,
-        alpha=plan.params.alpha,
-        beta=plan.params.beta,
-        gamma=plan.params.gamma,
-        objective_load=plan.objective.load,
-        objective_comm=plan.objective.comm,
-        objective_mig=plan.objective.mig,
+        params=dict(plan.params.weights),
+        objective_terms=dict(plan.objective.terms),
         objective_total=plan.objective.total,
         predicted_gain=plan.predicted_gain,
         window_start=to_datetime(window[0]) if window else None,
@@ -169,13 +165,8 @@ def plan_message(placement: Placement, layout: np.ndarray, moves: np.ndarray) ->
         gpus=list(placement.gpus),
         placement=layout.astype(np.int32),
         moves=moves.astype(np.int32),
-        objective=ObjectiveTerms(
-            load=placement.objective_load,
-            comm=placement.objective_comm,
-            mig=placement.objective_mig,
-            total=placement.objective_total,
-        ),
-        params=PlacementParams(alpha=placement.alpha, beta=placement.beta, gamma=placement.gamma),
+        objective=ObjectiveTerms(terms=placement.objective_terms, total=placement.objective_total),
+        params=PlacementParams(weights=placement.params),
         predicted_gain=placement.predicted_gain,
     )
 

@@ -27,6 +27,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from switchyard.shared.codec import Array, ErrorReply, WireModel
+from switchyard.shared.placement_terms import (
+    BUILTIN_TERMS,
+    DEFAULT_TIME_LIMIT_S,
+    MAX_TERMS,
+    RESERVED_NAMES,
+    TERM_NAME_PATTERN,
+    greek_to_terms,
+)
 
 __all__ = [
     "MAX_SHARED_DECISIONS",
@@ -301,17 +309,62 @@ class RouteDpReply(WireModel):
     decision_us: Seconds
 
 
+#: A placement objective term's name (`shared.placement_terms`): a JSON key, a metric label, a log word.
+TermName = Annotated[str, Field(pattern=TERM_NAME_PATTERN)]
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+def _no_reserved(values: dict[str, float]) -> dict[str, float]:
+    if RESERVED_NAMES & values.keys():
+        raise ValueError(f"{sorted(RESERVED_NAMES & values.keys())} is not a term name")
+    return values
+
+
 class ObjectiveTerms(_Part):
-    load: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-    comm: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-    mig: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    """A plan's objective: each term's value (term name → value, e.g. load, comm, mig) and the weighted total.
+
+    Messages written before terms became a map carried `load`, `comm` and `mig` as fields; they are read
+    into `terms` (a new term needs no wire change).
+    """
+
+    terms: Annotated[dict[TermName, NonNegative], Field(max_length=MAX_TERMS)]
     total: Finite
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_fields(cls, data: object) -> object:
+        if isinstance(data, dict) and "terms" not in data:
+            return {"terms": {k: data[k] for k in BUILTIN_TERMS if k in data}, "total": data.get("total")}
+        return data
+
+    @model_validator(mode="after")
+    def _names(self) -> ObjectiveTerms:
+        _no_reserved(self.terms)
+        return self
+
+    @classmethod
+    def from_flat(cls, values: dict[str, float]) -> ObjectiveTerms:
+        """From the solver's `Objective.totals()`: every term by name, and "total"."""
+        return cls(terms={k: v for k, v in values.items() if k != "total"}, total=values["total"])
 
 
 class PlacementParams(_Part):
-    alpha: Finite
-    beta: Finite
-    gamma: Finite
+    """The greedy's multiplier of each objective term (term name → multiplier; α, β, γ in Gimbal's names
+    are comm, load and mig). Messages with the old fixed fields alpha, beta, gamma are read into `weights`."""
+
+    weights: Annotated[dict[TermName, Finite], Field(max_length=MAX_TERMS)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_fields(cls, data: object) -> object:
+        if isinstance(data, dict) and "weights" not in data:
+            return {"weights": greek_to_terms(data)}
+        return data
+
+    @model_validator(mode="after")
+    def _names(self) -> PlacementParams:
+        _no_reserved(self.weights)
+        return self
 
 
 def _check_moves(moves: np.ndarray) -> None:
@@ -461,7 +514,7 @@ class CalibrationRequest(WireModel):
     request_id: Annotated[str, Field(min_length=1, max_length=64)]
     requested_at: Timestamp
     engine_group: EngineId | None = None
-    time_limit_s: Annotated[float, Field(gt=0.0, le=600.0, allow_inf_nan=False)] = 1.0
+    time_limit_s: Annotated[float, Field(gt=0.0, le=600.0, allow_inf_nan=False)] = DEFAULT_TIME_LIMIT_S
     layers: Annotated[int, Field(ge=1, le=4096)] | None = None
 
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from switchyard.shared import schemas as s
+from switchyard.shared.placement_terms import TERM_NAME_PATTERN
 
 ids = st.from_regex(r"\A[A-Za-z0-9_-]{1,64}\Z")
 request_ids = st.text(min_size=1, max_size=128)
@@ -125,8 +126,9 @@ route_dp_requests = st.builds(s.RouteDpRequest, request_id=request_ids, prompt_t
 route_dp_replies = st.builds(
     s.RouteDpReply, request_id=request_ids, engine_id=ids, priority=st.integers(-(2**40), 2**40), decision_us=nonneg
 )
-objectives = st.builds(s.ObjectiveTerms, load=nonneg, comm=nonneg, mig=nonneg, total=finite)
-params = st.builds(s.PlacementParams, alpha=finite, beta=finite, gamma=finite)
+term_names = st.from_regex(TERM_NAME_PATTERN, fullmatch=True).filter(lambda name: name != "total")
+objectives = st.builds(s.ObjectiveTerms, terms=st.dictionaries(term_names, nonneg, max_size=5), total=finite)
+params = st.builds(s.PlacementParams, weights=st.dictionaries(term_names, finite, max_size=5))
 
 
 @st.composite

@@ -126,9 +126,7 @@ async def seed(sessions: async_sessionmaker[AsyncSession]) -> dict[str, int]:
             session.add(
                 Calibration(
                     engine_group=group,
-                    alpha=1.0,
-                    beta=0.5,
-                    gamma=1.0,
+                    params={"comm": 1.0, "load": 0.5, "mig": 1.0},
                     agreement=0.85,
                     comm_gap=0.004,
                     solve_seconds=3.2,
@@ -147,7 +145,7 @@ async def test_history_reads(db_settings: SwitchyardSettings, sessions: async_se
         rest = (await api.get("/v1/placements", params={"limit": 2, "cursor": page["next_cursor"]})).json()
         assert [p["version"] for p in rest["items"]] == [1] and rest["next_cursor"] is None
         v3 = page["items"][0]
-        assert v3["params"] == {"alpha": 1.0, "beta": 0.0025, "gamma": 1.0}
+        assert v3["params"] == {"comm": 1.0, "load": 0.0025, "mig": 1.0}  # alpha, beta, gamma by term
         assert v3["objective"] == {"load": 1.0, "comm": 2.0, "mig": 0.5, "total": 3.5}
         for query, versions in [
             ({"source": "minlp"}, [3]),
@@ -189,6 +187,7 @@ async def test_history_reads(db_settings: SwitchyardSettings, sessions: async_se
         assert migration["moves"] and {mv["state"] for mv in migration["moves"]} == {"applied"}
         calibrations = (await api.get("/v1/calibrations")).json()["items"]
         assert [c["engine_group"] for c in calibrations] == [None, "g0"] and calibrations[0]["agreement"] == 0.85
+        assert calibrations[0]["params"] == {"comm": 1.0, "load": 0.5, "mig": 1.0}
 
 
 async def test_writes_need_the_token(

@@ -60,7 +60,7 @@ def test_calibrate_on_recorded_windows_persists_one_row(database_url: str, tmp_p
     assert len(rows) == 1
     row = rows[0]
     assert (row.id, row.engine_group, row.status) == (summary["id"], "g", "succeeded")
-    assert (row.alpha, row.beta, row.gamma) == (summary["alpha"], summary["beta"], summary["gamma"])
+    assert row.params == {"comm": summary["alpha"], "load": summary["beta"], "mig": summary["gamma"]}
     assert row.agreement == summary["agreement"] and row.comm_gap == summary["comm_gap"]
     assert row.solve_seconds > 0 and len(row.details["windows"]) == 2
     assert row.details["setup"]["windows"] == ["w0", "e1:7"]

@@ -437,3 +437,55 @@ def test_shared_decisions_are_columns_of_one_length_and_version_2() -> None:
     )
     with pytest.raises(UnknownSchemaVersion):
         decode(one_decision, s.RouteDecisions)
+
+
+def _plan_fields() -> dict[str, Any]:
+    plan = s.PlacementPlan(
+        plan_id="p1",
+        version=1,
+        engine_group="g",
+        created_at=1.0,
+        source="greedy",
+        gpus=["a", "b"],
+        placement=np.array([[[0], [1]]], np.int32),
+        moves=np.zeros((0, 6), np.int32),
+        objective=s.ObjectiveTerms(terms={"load": 1.0, "comm": 2.0, "mig": 0.5, "hot": 0.25}, total=3.75),
+        params=s.PlacementParams(weights={"comm": 1.0, "load": 0.0625, "mig": 2.0, "hot": 1.0}),
+    )
+    return msgpack.unpackb(encode(plan))
+
+
+def test_plans_carry_objective_terms_and_greedy_weights_as_maps() -> None:
+    obj = _plan_fields()
+    assert obj["objective"] == {"terms": {"load": 1.0, "comm": 2.0, "mig": 0.5, "hot": 0.25}, "total": 3.75}
+    assert obj["params"] == {"weights": {"comm": 1.0, "load": 0.0625, "mig": 2.0, "hot": 1.0}}
+    assert decode(msgpack.packb(obj), s.PlacementPlan).objective.terms["hot"] == 0.25
+
+
+def test_plans_with_the_old_fixed_fields_still_decode() -> None:
+    obj = _plan_fields()  # what a sender from before term maps wrote: three fixed fields each
+    obj["objective"] = {"load": 1.0, "comm": 2.0, "mig": 0.5, "total": 3.5}
+    obj["params"] = {"alpha": 1.0, "beta": 0.0025, "gamma": 1.0}
+    plan = decode(msgpack.packb(obj), s.PlacementPlan)
+    assert plan.objective == s.ObjectiveTerms(terms={"load": 1.0, "comm": 2.0, "mig": 0.5}, total=3.5)
+    assert plan.params.weights == {"comm": 1.0, "load": 0.0025, "mig": 1.0}  # alpha, beta, gamma by term
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("objective.terms", {f"t{i}": 1.0 for i in range(33)}, "objective.terms"),  # at most MAX_TERMS
+        ("objective.terms", {"Not A Name": 1.0}, "objective.terms"),
+        ("objective.terms", {"total": 1.0}, "objective"),  # the weighted sum is no term
+        ("objective.terms", {"load": -1.0}, "objective.terms.load"),
+        ("objective.terms", {"load": float("nan")}, "objective.terms.load"),
+        ("params.weights", {"comm": float("inf")}, "params.weights.comm"),
+        ("params.weights", {f"t{i}": 1.0 for i in range(33)}, "params.weights"),
+        ("params.weights", {"x" * 33: 1.0}, "params.weights"),
+        ("params.weights", [1.0, 2.0], "params.weights"),
+    ],
+)
+def test_term_maps_are_bounded(path: str, value: Any, field: str) -> None:
+    with pytest.raises(SchemaMismatch) as info:
+        decode(_with(path, value, _plan_fields()), s.PlacementPlan)
+    assert info.value.field is not None and info.value.field.startswith(field), info.value.field

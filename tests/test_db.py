@@ -12,6 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from switchyard.shared.db import (
     Base,
@@ -74,12 +75,8 @@ def _placement(version: int, **kw: object) -> Placement:
         engine_group="g0",
         version=version,
         source="greedy",
-        alpha=1.0,
-        beta=0.0025,
-        gamma=1.0,
-        objective_load=1.0,
-        objective_comm=2.0,
-        objective_mig=0.5,
+        params={"comm": 1.0, "load": 0.0025, "mig": 1.0},
+        objective_terms={"load": 1.0, "comm": 2.0, "mig": 0.5},
         objective_total=3.5,
         num_layers=2,
         num_gpus=2,
@@ -106,7 +103,11 @@ async def test_history_rows_behave_identically(database_url: str) -> None:
             session.add(placement)
             session.add(
                 Calibration(
-                    alpha=1.0, beta=0.0025, gamma=1.0, agreement=0.83, comm_gap=0.004, solve_seconds=12.5, num_windows=4
+                    params={"comm": 1.0, "load": 0.0025, "mig": 1.0},
+                    agreement=0.83,
+                    comm_gap=0.004,
+                    solve_seconds=12.5,
+                    num_windows=4,
                 )
             )
         async with sessions() as session:
@@ -166,6 +167,40 @@ async def test_deleting_a_placement_cascades_to_its_migration_state(database_url
             assert (await session.execute(select(Migration))).scalars().all() == []
     finally:
         await engine.dispose()
+
+
+def test_rows_from_before_term_maps_still_read_and_downgrade_back(database_url: str) -> None:
+    """Revision 0004 moves the fixed alpha/beta/gamma and objective_* columns into term maps, row by row."""
+    upgrade(database_url, "0003")
+    engine = create_engine(sync_url(database_url))
+    old_placement = (
+        "INSERT INTO placements (plan_id, engine_group, version, created_at, source, status, alpha, beta, gamma, "
+        "objective_load, objective_comm, objective_mig, objective_total, predicted_gain, num_layers, num_gpus, "
+        "slots_per_gpu, gpus, details) VALUES ('old', 'g0', 1, '2026-03-01 12:00:00', 'greedy', 'applied', 1.0, "
+        "0.0625, 2.0, 1.5, 2.5, 0.5, 79.0, 0.0, 1, 2, 2, '[\"a\", \"b\"]', '{}')"
+    )
+    old_calibration = (
+        "INSERT INTO calibrations (created_at, status, alpha, beta, gamma, agreement, comm_gap, solve_seconds, "
+        "num_windows, details) VALUES ('2026-03-01 12:00:00', 'succeeded', 1.0, 0.125, 1.5, 0.8, 0.01, 2.0, 3, '{}')"
+    )
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql(old_placement)
+            connection.exec_driver_sql(old_calibration)
+        upgrade(database_url)
+        with Session(engine) as session:
+            placement = session.scalars(select(Placement)).one()
+            assert placement.params == {"comm": 1.0, "load": 0.0625, "mig": 2.0}
+            assert placement.objective_terms == {"load": 1.5, "comm": 2.5, "mig": 0.5}
+            assert placement.objective_total == 79.0
+            assert session.scalars(select(Calibration)).one().params == {"comm": 1.0, "load": 0.125, "mig": 1.5}
+        downgrade(database_url, "0003")
+        with engine.connect() as connection:
+            row = connection.exec_driver_sql("SELECT alpha, beta, gamma, objective_mig FROM placements").one()
+            assert tuple(row) == (1.0, 0.0625, 2.0, 0.5)
+            assert tuple(connection.exec_driver_sql("SELECT beta, gamma FROM calibrations").one()) == (0.125, 1.5)
+    finally:
+        engine.dispose()
 
 
 def test_naive_datetimes_are_refused() -> None:

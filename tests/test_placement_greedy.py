@@ -116,7 +116,12 @@ def test_migration_weight_keeps_a_balanced_current_placement() -> None:
     load = rng.uniform(0.9, 1.1, (2, 16))
     current = contiguous_slots(2, 16, 4, 4)
     problem = PlacementProblem(
-        load=load, num_gpus=4, slots_per_gpu=4, current=current, migration_cost=1.0, weights=Weights(1.0, 1.0, 1.0)
+        load=load,
+        num_gpus=4,
+        slots_per_gpu=4,
+        current=current,
+        migration_cost=1.0,
+        weights=Weights(load=1.0, comm=1.0, mig=1.0),
     )
     kept = greedy(problem, GreedyParams(0.0, 1.0, 10.0))
     assert (kept == current).all()  # the stayers keep their slots too
@@ -146,14 +151,19 @@ def test_the_weights_of_the_problem_scale_the_greedy_terms() -> None:
     """Greedy params multiply the problem's weights: doubling both leaves the placement unchanged."""
     rng = np.random.default_rng(8)
     base = random_problem(rng, layers=3, experts=16, gpus=4, sources=2, migration=0.03)
-    doubled = replace(base, weights=Weights(2 * base.weights.load, 2 * base.weights.comm, 2 * base.weights.mig))
+    doubled = replace(base, weights=Weights({name: 2 * w for name, w in base.weights.items()}))
     assert (greedy(base) == greedy(doubled)).all()
 
 
 def test_bad_parameters_and_replicas_are_refused() -> None:
     problem = random_problem(np.random.default_rng(0))
-    with pytest.raises(PlacementError, match="alpha"):
+    with pytest.raises(PlacementError, match="comm"):  # alpha multiplies the comm term
         GreedyParams(alpha=-1.0)
+    with pytest.raises(PlacementError, match="hot"):
+        GreedyParams(hot=float("nan"))
+    with pytest.raises(PlacementError, match="not a term name"):
+        GreedyParams.from_map({"Hot GPU": 1.0})
+    assert GreedyParams.from_map({"alpha": 1.0, "beta": 0.5, "gamma": 2.0}) == GreedyParams(1.0, 0.5, 2.0)
     with pytest.raises(PlacementError, match="replica counts"):
         greedy(problem, replicas=np.full(problem.load.shape, 9))
     with pytest.raises(PlacementError, match="same number"):

@@ -49,7 +49,7 @@ def brute_force(problem: PlacementProblem, copies: np.ndarray) -> float:
         {"experts": 7, "gpus": 2, "sources": 2, "migration": 0.0, "spare_slots": 1},  # free slots
         {"experts": 6, "gpus": 3, "sources": 1, "migration": 0.0},  # interchangeable GPUs: symmetry breaking
         {"experts": 5, "gpus": 3, "sources": 2, "migration": 0.02, "redundant": 2, "spare_slots": 1},  # replicas
-        {"experts": 6, "gpus": 3, "sources": 2, "migration": 0.0, "weights": Weights(1.0, 1.0, 1.0)},
+        {"experts": 6, "gpus": 3, "sources": 2, "migration": 0.0, "weights": Weights(load=1.0, comm=1.0, mig=1.0)},
     ],
 )
 def test_the_minlp_is_optimal_on_tiny_instances(case: dict) -> None:
@@ -66,7 +66,7 @@ def test_the_minlp_is_optimal_on_tiny_instances(case: dict) -> None:
 def test_integer_loads_are_solved_exactly() -> None:
     rng = np.random.default_rng(7)
     load = rng.integers(0, 50, (1, 7)).astype(float)
-    problem = PlacementProblem(load=load, num_gpus=3, slots_per_gpu=3, weights=Weights(1.0, 1.0, 1.0))
+    problem = PlacementProblem(load=load, num_gpus=3, slots_per_gpu=3, weights=Weights(load=1.0, comm=1.0, mig=1.0))
     result = solve_minlp(problem, EXACT)
     best = brute_force(problem, np.ones((1, 7), dtype=int))
     assert objective(problem, result.slot_map).total == pytest.approx(best, abs=1e-9)

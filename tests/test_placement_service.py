@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import astuple
 from datetime import timedelta
 
 import numpy as np
@@ -74,8 +73,8 @@ async def test_load_to_applied_placement_and_a_restart_rebuilds_state(
         rows = await eventually(lambda: _applied(sessions, "g0"))
     v1 = rows[0]
     assert (v1.version, v1.source, v1.base_version, v1.parent_id) == (1, "greedy", None, None)
-    assert (v1.alpha, v1.beta, v1.gamma) == astuple(DEFAULT_PARAMS)  # no calibration yet
-    assert v1.objective_load >= 0 and v1.predicted_gain > v1.objective_mig
+    assert v1.params == DEFAULT_PARAMS.as_map()  # no calibration yet
+    assert v1.objective_terms["load"] >= 0 and v1.predicted_gain > v1.objective_terms["mig"]
     assert v1.details["trigger"] == "start" and v1.details["source_aware"] is True
     assert v1.details["current_from"] == "engines"  # the group's coordinator reported its layout
     assert v1.details["engines"] == ["e0", "e1"] and v1.gpus == ["a", "b", "c", "d"]

@@ -49,13 +49,18 @@ async def _page(session: Session, query: Select[Any], id_column: Any, limit: int
     return rows, (encode_cursor(rows[-1].id) if more and rows else None)
 
 
+_MAPS = ("params", "objective")  # JSON maps on the row, shaped for the response below
+
+
 def _summary(row: Placement) -> m.PlacementSummary:
     return m.PlacementSummary(
-        **{name: getattr(row, name) for name in m.PlacementSummary.model_fields if hasattr(row, name)},
-        params=m.Params(alpha=row.alpha, beta=row.beta, gamma=row.gamma),
-        objective=m.Objective(
-            load=row.objective_load, comm=row.objective_comm, mig=row.objective_mig, total=row.objective_total
-        ),
+        **{
+            name: getattr(row, name)
+            for name in m.PlacementSummary.model_fields
+            if name not in _MAPS and hasattr(row, name)
+        },
+        params=row.params,
+        objective={**row.objective_terms, "total": row.objective_total},
     )
 
 
@@ -189,13 +194,8 @@ async def reapply_placement(state: State, session: Session, placement_id: Id) ->
                     gpus=list(past.gpus),
                     placement=layout,
                     moves=moves if moves is not None else np.zeros((0, 6), np.int32),
-                    objective=ObjectiveTerms(
-                        load=past.objective_load,
-                        comm=past.objective_comm,
-                        mig=past.objective_mig,
-                        total=past.objective_total,
-                    ),
-                    params=PlacementParams(alpha=past.alpha, beta=past.beta, gamma=past.gamma),
+                    objective=ObjectiveTerms(terms=past.objective_terms, total=past.objective_total),
+                    params=PlacementParams(weights=past.params),
                 )
                 row = await add_placement(
                     writer,

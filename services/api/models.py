@@ -7,6 +7,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from switchyard.shared.placement_terms import DEFAULT_TIME_LIMIT_S
+
 T = TypeVar("T")
 GroupId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="An engine group (EP group) id.")]
 
@@ -22,17 +24,15 @@ class Page(_Out, Generic[T]):
     next_cursor: str | None
 
 
-class Objective(_Out):
-    load: float
-    comm: float
-    mig: float
-    total: float
-
-
-class Params(_Out):
-    alpha: float
-    beta: float
-    gamma: float
+#: Term name → value (load, comm, mig, and any term added since), and "total": the weighted sum.
+Objective = Annotated[
+    dict[str, float], Field(description="Each objective term's value by name, and `total`, their weighted sum.")
+]
+#: Term name → the greedy's multiplier of it (α, β, γ in Gimbal's names are comm, load and mig).
+Params = Annotated[
+    dict[str, float],
+    Field(description="The greedy's multiplier of each objective term, by name (alpha=comm, beta=load, gamma=mig)."),
+]
 
 
 class Move(_Out):
@@ -120,9 +120,7 @@ class CalibrationOut(_Out):
     created_at: datetime
     engine_group: str | None
     status: Literal["succeeded", "failed"]
-    alpha: float
-    beta: float
-    gamma: float
+    params: Params
     agreement: float
     comm_gap: float
     solve_seconds: float
@@ -131,11 +129,11 @@ class CalibrationOut(_Out):
 
 
 class CalibrationTrigger(BaseModel):
-    """Calibrate the greedy's (α, β, γ) against the MINLP on the placement service's current windows."""
+    """Calibrate the greedy's multipliers (α, β, γ) against the MINLP on the placement service's current windows."""
 
     model_config = ConfigDict(extra="forbid")
     engine_group: GroupId | None = None
-    time_limit_s: float = Field(default=1.0, gt=0, le=600, description="CP-SAT time limit per layer.")
+    time_limit_s: float = Field(default=DEFAULT_TIME_LIMIT_S, gt=0, le=600, description="CP-SAT time limit per layer.")
     layers: int | None = Field(default=None, ge=1, le=4096, description="Use only the first N layers.")
 
 

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.placement_terms import DEFAULT_GAIN_THRESHOLD, DEFAULT_MIGRATION_COST, DEFAULT_REDUNDANT_SLOTS
 from switchyard.solver.placement import GreedyParams, PlacementProblem, Weights, objective, place
 from switchyard.solver.placement.moves import plan_moves
 
 
 @dataclass(frozen=True)
 class Policy:
-    gain_threshold: float = 0.05
-    migration_cost: float = 0.005  # the same default as PlacementSettings and `switchyard calibrate`
-    redundant_slots: int = 0
+    gain_threshold: float = DEFAULT_GAIN_THRESHOLD
+    migration_cost: float = DEFAULT_MIGRATION_COST
+    redundant_slots: int = DEFAULT_REDUNDANT_SLOTS
     weights: Weights = field(default_factory=Weights)
 
 

@@ -201,9 +201,7 @@ async def calibrate(
             row = Calibration(
                 engine_group=request.engine_group,
                 status="failed",
-                alpha=params.alpha,
-                beta=params.beta,
-                gamma=params.gamma,
+                params=params.as_map(),
                 agreement=0.0,
                 comm_gap=0.0,
                 solve_seconds=time.perf_counter() - started,

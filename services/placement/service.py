@@ -89,7 +89,7 @@ class PlacementService:
             gain_threshold=self.config.gain_threshold,
             migration_cost=self.config.migration_cost,
             redundant_slots=self.config.redundant_slots,
-            weights=Weights(load=self.config.weight_load, comm=self.config.weight_comm, mig=self.config.weight_mig),
+            weights=Weights(self.config.objective_weights()),
         )
         self.fleet = FleetView(bindings=settings.engine_bindings())
         self.layouts: LayoutProbe | None = None  # set once connected
@@ -412,11 +412,7 @@ class PlacementService:
             "current_objective": decision.current,
             "num_moves": len(decision.moves),
             "calibration_id": calibration_id,
-            "weights": {
-                "load": self.policy.weights.load,
-                "comm": self.policy.weights.comm,
-                "mig": self.policy.weights.mig,
-            },
+            "weights": dict(self.policy.weights),
             "migration_cost_per_host": self.policy.migration_cost,
             "gain_threshold": self.policy.gain_threshold,
             "half_life_s": self.config.half_life_s,
@@ -438,8 +434,8 @@ class PlacementService:
                         gpus=gpus,
                         placement=decision.placement,
                         moves=decision.moves,
-                        objective=ObjectiveTerms(**decision.new),
-                        params=PlacementParams(alpha=params.alpha, beta=params.beta, gamma=params.gamma),
+                        objective=ObjectiveTerms.from_flat(decision.new),
+                        params=PlacementParams(weights=params.as_map()),
                         predicted_gain=decision.improvement,
                     )
                     row = await add_placement(

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import socket
 import uuid
+from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from switchyard.shared.placement_terms import (
+    BUILTIN_TERMS,
+    DEFAULT_GAIN_THRESHOLD,
+    DEFAULT_MIGRATION_COST,
+    DEFAULT_REDUNDANT_SLOTS,
+    DEFAULT_WEIGHTS,
+    MAX_TERMS,
+    TERM_NAME_PATTERN,
+)
+
+TermName = Annotated[str, Field(pattern=TERM_NAME_PATTERN)]
+Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class PlacementSettings(BaseSettings):
@@ -24,16 +38,20 @@ class PlacementSettings(BaseSettings):
     #: On start, rebuild the decayed window from this much of the expert-load stream.
     warmup_s: float = Field(default=1800.0, ge=0)
     #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.
-    gain_threshold: float = Field(default=0.05, ge=0)
+    gain_threshold: float = Field(default=DEFAULT_GAIN_THRESHOLD, ge=0)
     #: Migration cost of changing whether one GPU hosts one expert, in the solver's canonical units
     #: (mean GPU load = 1 per layer); charged at both ends of a move. Same default as `switchyard calibrate`.
-    migration_cost: float = Field(default=0.005, ge=0)
+    migration_cost: float = Field(default=DEFAULT_MIGRATION_COST, ge=0)
     #: Extra expert copies per layer (EPLB-style replicas of hot experts); 0: one copy of each expert.
-    redundant_slots: int = Field(default=0, ge=0)
-    #: Objective weights (the MINLP's); greedy weights (α, β, γ) come from the latest calibration.
-    weight_load: float = Field(default=50.0, ge=0)
-    weight_comm: float = Field(default=1.0, ge=0)
-    weight_mig: float = Field(default=1.0, ge=0)
+    redundant_slots: int = Field(default=DEFAULT_REDUNDANT_SLOTS, ge=0)
+    #: Objective weights (the MINLP's) by term name, as JSON (`SWITCHYARD_PLACEMENT_WEIGHTS='{"load": 40}'`);
+    #: a term not named weighs its default (`shared.placement_terms`). The greedy's multipliers (α, β, γ) come
+    #: from the latest calibration.
+    weights: dict[TermName, Weight] = Field(default_factory=dict, max_length=MAX_TERMS)
+    #: The built-in terms' weights one by one (`SWITCHYARD_PLACEMENT_WEIGHT_LOAD`, ...); set, they win over `weights`.
+    weight_load: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    weight_comm: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    weight_mig: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     #: Delete rows of the `engines` table not seen for this long (checked hourly); 0 keeps them forever.
     engine_retention_s: float = Field(default=7 * 86400.0, ge=0)
     #: Drop a group's decayed window once no live engine of the group has said hello for this long (a window
@@ -63,3 +81,12 @@ class PlacementSettings(BaseSettings):
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
     #: This replica's name as a lease owner.
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+    def objective_weights(self) -> dict[str, float]:
+        """Every configured objective weight by term: the defaults, then `weights`, then `weight_<term>`."""
+        merged = {**DEFAULT_WEIGHTS, **self.weights}
+        for term in BUILTIN_TERMS:
+            value = getattr(self, f"weight_{term}")
+            if value is not None:
+                merged[term] = value
+        return merged

@@ -99,12 +99,10 @@ class Placement(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     source: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), default="proposed")
-    alpha: Mapped[float] = mapped_column(Float)
-    beta: Mapped[float] = mapped_column(Float)
-    gamma: Mapped[float] = mapped_column(Float)
-    objective_load: Mapped[float] = mapped_column(Float)
-    objective_comm: Mapped[float] = mapped_column(Float)
-    objective_mig: Mapped[float] = mapped_column(Float)
+    #: The greedy's multiplier of each objective term (`PlacementPlan.params.weights`), by term name.
+    params: Mapped[dict[str, Any]]
+    #: Each objective term's value (`PlacementPlan.objective.terms`), by term name; the weighted sum beside it.
+    objective_terms: Mapped[dict[str, Any]]
     objective_total: Mapped[float] = mapped_column(Float)
     predicted_gain: Mapped[float] = mapped_column(Float, default=0.0)
     window_start: Mapped[datetime | None]
@@ -201,7 +199,7 @@ class MigrationMove(Base):
 
 
 class Calibration(Base):
-    """One offline MINLP calibration of the greedy placement weights (alpha, beta, gamma)."""
+    """One offline MINLP calibration of the greedy's multipliers, by term (α, β, γ: comm, load, mig)."""
 
     __tablename__ = "calibrations"
 
@@ -209,9 +207,8 @@ class Calibration(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     engine_group: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), default="succeeded")
-    alpha: Mapped[float] = mapped_column(Float)
-    beta: Mapped[float] = mapped_column(Float)
-    gamma: Mapped[float] = mapped_column(Float)
+    #: The fitted multiplier of each objective term, by term name (`GreedyParams.as_map()`).
+    params: Mapped[dict[str, Any]]
     agreement: Mapped[float] = mapped_column(Float)
     comm_gap: Mapped[float] = mapped_column(Float)
     solve_seconds: Mapped[float] = mapped_column(Float)

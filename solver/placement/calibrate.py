@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from switchyard.shared.placement_terms import DEFAULT_OBJECTIVE_TOLERANCE
 from switchyard.solver.placement.eplb_baseline import eplb_global
 from switchyard.solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
 from switchyard.solver.placement.minlp import MinlpOptions, solve_minlp
@@ -179,7 +180,7 @@ def calibrate(
     options: MinlpOptions | None = None,
     *,
     alpha: float = 1.0,
-    objective_tolerance: float = 0.01,
+    objective_tolerance: float = DEFAULT_OBJECTIVE_TOLERANCE,
 ) -> CalibrationResult:
     """Solve each window's MINLP, fit the greedy's weights to it, and measure every method against it.
 

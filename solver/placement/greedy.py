@@ -2,12 +2,14 @@
 
 The score of putting the next copy (expert e, per-copy load b = B_e / r_e) on GPU g is
 
-    S(e, g) = α·comm(e, g) + β·load(e, g) + γ·mig(e, g)
+    S(e, g) = α·comm(e, g) + β·load(e, g) + γ·mig(e, g)  (+ k_t·t(e, g) for every further term t)
 
 with each term the exact increase of the matching weighted objective term (`objective.py`) that this one
-decision causes: comm(e, g) = w_comm·Σ_s A_{s,e} D_{s,g} / r_e, load(e, g) = w_load·[(L_g + b − L̄)² −
-(L_g − L̄)²] and mig(e, g) = w_mig·M_{e,g} (1 − 2 x⁰_{e,g}) (keeping an expert where it is refunds the
-cost of having moved it away). With α = β = γ = 1 the greedy is therefore a myopic descent on the true
+decision causes: load(e, g) = w_load·[(L_g + b − L̄)² − (L_g − L̄)²], and the linear terms of `terms.py`
+weighted by w_t — comm(e, g) = w_comm·Σ_s A_{s,e} D_{s,g} / r_e, mig(e, g) = w_mig·M_{e,g} (1 − 2 x⁰_{e,g})
+(keeping an expert where it is refunds the cost of having moved it away). The multipliers are
+`GreedyParams`, one per term by name (α, β, γ are Gimbal's names for comm, load and mig; others default to
+1, the exact marginal). With α = β = γ = 1 the greedy is therefore a myopic descent on the true
 objective (with the problem's weights all 1, S is the seed's score literally). It is myopic in one known
 direction: early, heavy copies cannot see the imbalance later ones will cause, so α, β, γ are calibrated
 against the MINLP (`calibrate.py`) rather than left at 1; `refine.place` then repairs what remains.
@@ -22,24 +24,56 @@ greedy cannot paint itself into a corner), unless no other GPU is eligible.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from switchyard.solver.placement.problem import PlacementError, PlacementProblem, check_weights, slots_from_hosts
+from switchyard.shared.placement_terms import GREEK_TO_TERM, greek_to_terms
+from switchyard.solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
 from switchyard.solver.placement.replication import check_replicas, replica_counts
+from switchyard.solver.placement.terms import check_term_map, linear_cost, linear_terms
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GreedyParams:
-    """Weights of the greedy score: α on communication, β on load balance, γ on migration."""
+    """Multipliers of the greedy score, one per objective term: α on communication, β on load balance, γ on
+    migration, and `others` by term name (a term not named has multiplier 1: its exact marginal).
 
-    alpha: float = 1.0
-    beta: float = 1.0
-    gamma: float = 1.0
+    `GreedyParams(1, 0.0625, 2)` and `GreedyParams.from_map({"comm": 1, "load": 0.0625, "mig": 2})` are
+    the same; `as_map()` is what the wire, the database and the API carry.
+    """
 
-    def __post_init__(self) -> None:
-        check_weights(self, ("alpha", "beta", "gamma"), "greedy parameter")
+    scale: tuple[tuple[str, float], ...]
+
+    def __init__(self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, **others: float) -> None:
+        values = {"comm": alpha, "load": beta, "mig": gamma, **others}
+        check_term_map(values, "greedy parameter")
+        object.__setattr__(self, "scale", tuple((name, float(value)) for name, value in values.items()))
+
+    @classmethod
+    def from_map(cls, values: Mapping[str, float]) -> GreedyParams:
+        """From term name → multiplier; the old names alpha, beta and gamma are read as comm, load and mig."""
+        values = {**greek_to_terms(dict(values)), **{k: v for k, v in values.items() if k not in GREEK_TO_TERM}}
+        return cls(values.pop("comm", 1.0), values.pop("load", 1.0), values.pop("mig", 1.0), **values)
+
+    def as_map(self) -> dict[str, float]:
+        return dict(self.scale)
+
+    def __getitem__(self, term: str) -> float:
+        return dict(self.scale).get(term, 1.0)
+
+    @property
+    def alpha(self) -> float:
+        return self["comm"]
+
+    @property
+    def beta(self) -> float:
+        return self["load"]
+
+    @property
+    def gamma(self) -> float:
+        return self["mig"]
 
 
 #: The seed's calibrated values (Gimbal, in its own units of load and communication).
@@ -79,13 +113,10 @@ def greedy_hosts(
     """The greedy placement as a 0/1 host matrix [L, E, G]."""
     num_layers, num_experts, num_gpus = problem.shape
     copies = resolve_replicas(problem, replicas)
-    weights = problem.weights
-    alpha, beta, gamma = params.alpha * weights.comm, params.beta * weights.load, params.gamma * weights.mig
+    beta = params.beta * problem.weights.load
     per_copy = problem.load / copies
-    static = alpha * problem.comm_cost() / copies[..., None]
-    current = problem.current_hosts()
-    if current is not None:
-        static = static + gamma * problem.migration_cost * (1 - 2 * current)
+    terms = linear_terms(problem, copies)
+    static = linear_cost(terms, {name: params[name] * problem.weights[name] for name in terms})
     order = _placement_order(per_copy, copies)
     future_copies = _future_max_copies(order, copies) if (copies > 1).any() else None
 

@@ -5,7 +5,9 @@ threads (CP-SAT releases the GIL while it searches). Per layer, with y[e, g] ∈
 of expert e) and r_e fixed copies:
 
     Σ_g y[e, g] = r_e,   Σ_e y[e, g] <= slots,   L_g = Σ_e q_e y[e, g],   d_g = G·L_g − Σ_h L_h,   s_g = d_g²
-    minimise  w_load·(u/G)²·Σ_g s_g  +  Σ_{e,g} (w_comm·comm[e, g] + w_mig·M[e, g]·(1 − 2 x⁰[e, g])) y[e, g]
+    minimise  w_load·(u/G)²·Σ_g s_g  +  Σ_{e,g} T[e, g]·y[e, g]
+
+with T = Σ_t w_t·T_t the linear terms of `terms.py` (w_comm·comm + w_mig·M·(1 − 2x⁰) + any extra term),
 
 which is the objective of `objective.py` up to a constant (Σ_g (L_g − L̄)² = Σ_g d_g² / G², and
 |y − x⁰| is linear in y for binary x⁰). The squares are `add_multiplication_equality` constraints plus
@@ -33,9 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
+from switchyard.shared.placement_terms import DEFAULT_PARALLEL_LAYERS, DEFAULT_TIME_LIMIT_S, DEFAULT_WORKERS_PER_LAYER
 from switchyard.solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, resolve_replicas
 from switchyard.solver.placement.problem import PlacementError, PlacementProblem, hosts_from_slots, slots_from_hosts
 from switchyard.solver.placement.refine import place
+from switchyard.solver.placement.terms import linear_constants, linear_cost, linear_terms
 
 
 class MinlpCancelled(PlacementError):
@@ -50,9 +54,9 @@ class MinlpOptions:
     at most one layer's time limit, not the whole calibration.
     """
 
-    time_limit_s: float = 1.0
-    parallel_layers: int = 2
-    workers_per_layer: int = 1
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    parallel_layers: int = DEFAULT_PARALLEL_LAYERS
+    workers_per_layer: int = DEFAULT_WORKERS_PER_LAYER
     relative_gap: float = 1e-4
     load_resolution: int = 1 << 16
     symmetry_breaking: bool = True
@@ -108,8 +112,7 @@ def solve_minlp(
     start = np.asarray(hint) > 0
     if start.shape != problem.shape:
         raise PlacementError(f"hint shape {list(start.shape)} is not [L, E, G] = {list(problem.shape)}")
-    comm = problem.comm_cost() / copies[..., None]
-    current = problem.current_hosts()
+    linear = linear_cost(linear_terms(problem, copies), problem.weights)
     interchangeable = problem.interchangeable_gpus() if options.symmetry_breaking else None
 
     def solve(layer: int) -> _LayerSolution:
@@ -118,9 +121,8 @@ def solve_minlp(
         return _solve_layer(
             load=problem.load[layer] / copies[layer],
             copies=copies[layer],
-            comm=comm[layer],
-            migration=problem.migration_cost[layer] if current is not None else None,
-            current=current[layer] if current is not None else None,
+            linear=np.broadcast_to(linear[layer], problem.shape[1:]),
+            constant=sum(problem.weights[t] * c for t, c in linear_constants(problem, layer).items()),
             hint=start[layer],
             problem=problem,
             interchangeable=interchangeable,
@@ -164,24 +166,17 @@ def _solve_layer(
     *,
     load: np.ndarray,
     copies: np.ndarray,
-    comm: np.ndarray,
-    migration: np.ndarray | None,
-    current: np.ndarray | None,
+    linear: np.ndarray,
+    constant: float,
     hint: np.ndarray,
     problem: PlacementProblem,
     interchangeable: list[list[int]] | None,
     options: MinlpOptions,
 ) -> _LayerSolution:
-    num_experts, num_gpus = comm.shape
+    num_experts, num_gpus = linear.shape
     weights = problem.weights
     q, unit = _quantise(load, copies, options.load_resolution)
     total_q = int((q * copies).sum())
-
-    linear = weights.comm * comm
-    constant = 0.0
-    if current is not None:
-        linear = linear + weights.mig * migration * (1 - 2 * current)
-        constant += weights.mig * float((migration * current).sum())
     # Deviations rather than loads are squared: the bound of Σ d² (>= 0) needs no proof, where Σ L² would
     # first need CP-SAT to prove Σ L² >= (Σ L)² / G.
     square_weight = weights.load * unit * unit / num_gpus**2

@@ -3,7 +3,8 @@
     load = Σ_g (L_g − L̄)²            L_g = Σ_e (B_e / r_e) x_{e,g},  L̄ = Σ_e B_e / G
     comm = Σ_{s,e,g} (A_{s,e} / r_e) D_{s,g} x_{e,g}
     mig  = Σ_{e,g} M_{e,g} |x_{e,g} − x⁰_{e,g}|
-    total = w_load·load + w_comm·comm + w_mig·mig
+    t    = Σ_{e,g} T_t[e,g] x_{e,g}          for each extra term t (`PlacementProblem.extra_terms`)
+    total = w_load·load + w_comm·comm + w_mig·mig + Σ_t w_t·t
 
 x is the host matrix and r_e = Σ_g x_{e,g} the copies of expert e: an engine spreads an expert's tokens
 evenly over its replicas (vLLM's and SGLang's EPLB dispatch do), so each copy carries B_e / r_e tokens,
@@ -12,7 +13,8 @@ from every source in proportion. Without a current placement the migration term 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,23 +29,28 @@ class Objective:
     comm: np.ndarray
     mig: np.ndarray
     weights: Weights
+    #: extra term name → its per-layer value [L]
+    extra: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def terms(self) -> dict[str, np.ndarray]:
+        """Every term's per-layer value [L], by name, in the order the total sums them."""
+        return {"load": self.load, "comm": self.comm, "mig": self.mig, **self.extra}
 
     @property
     def per_layer(self) -> np.ndarray:
-        return self.weights.load * self.load + self.weights.comm * self.comm + self.weights.mig * self.mig
+        total = self.weights.load * self.load + self.weights.comm * self.comm + self.weights.mig * self.mig
+        for name, value in self.extra.items():
+            total = total + self.weights[name] * value
+        return total
 
     @property
     def total(self) -> float:
         return float(self.per_layer.sum())
 
     def totals(self) -> dict[str, float]:
-        """The four numbers a plan carries (`shared.schemas.ObjectiveTerms` fields)."""
-        return {
-            "load": float(self.load.sum()),
-            "comm": float(self.comm.sum()),
-            "mig": float(self.mig.sum()),
-            "total": self.total,
-        }
+        """Each term summed over layers, and "total" (what a plan carries: `shared.schemas.ObjectiveTerms`)."""
+        return {**{name: float(value.sum()) for name, value in self.terms.items()}, "total": self.total}
 
 
 def gpu_loads(problem: PlacementProblem, hosts: np.ndarray) -> np.ndarray:
@@ -66,7 +73,8 @@ def objective_of_hosts(problem: PlacementProblem, hosts: np.ndarray) -> Objectiv
     mig = np.zeros(problem.num_layers)
     if current is not None:
         mig = (problem.migration_cost * np.abs(hosts - current)).sum(axis=(1, 2))
-    return Objective(load=load, comm=comm, mig=mig, weights=problem.weights)
+    extra = {name: np.einsum("leg,leg->l", cost, hosts) for name, cost in problem.extra_terms.items()}
+    return Objective(load=load, comm=comm, mig=mig, weights=problem.weights, extra=extra)
 
 
 def _copies(hosts: np.ndarray) -> np.ndarray:

@@ -20,41 +20,17 @@ the engines' layout contains only the moves the solver chose.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from switchyard.shared.placement_terms import BUILTIN_TERMS
+from switchyard.solver.placement.terms import Weights, check_term_map
+
 
 class PlacementError(ValueError):
     """An input to the placement solver is malformed or the instance is infeasible."""
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Weights of the reference objective's three terms (the MINLP minimises their weighted sum).
-
-    They only matter relative to each other and to the units of B, A and M. In the canonical units of
-    `PlacementProblem.from_counts` (mean GPU load = 1) the marginal cost of moving load off a GPU that is
-    a fraction δ above the mean is 2·δ·w_load, against w_comm for making the same load remote: balance and
-    locality are priced equally at δ* = w_comm / (2·w_load). The default, 50, puts δ* at 1 %: balance
-    first (an MoE layer waits for its slowest GPU), locality wherever it costs less than 1 % of balance.
-    With all three weights at 1 the objective is DESIGN.md's formula literally (δ* = 50 %).
-    """
-
-    load: float = 50.0
-    comm: float = 1.0
-    mig: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_weights(self, ("load", "comm", "mig"), "weight")
-
-
-def check_weights(obj: object, names: tuple[str, ...], what: str) -> None:
-    """Refuse weights that are not finite and non-negative (a negative weight rewards the cost it weighs)."""
-    for name in names:
-        value = getattr(obj, name)
-        if not np.isfinite(value) or value < 0:
-            raise PlacementError(f"{what} {name} must be finite and >= 0, got {value}")
 
 
 def _as_float(name: str, array: object, ndim: int) -> np.ndarray:
@@ -83,6 +59,9 @@ class PlacementProblem:
     current: np.ndarray | None = None
     redundant_slots: int = 0
     weights: Weights = field(default_factory=Weights)
+    #: Linear terms beyond comm and mig: name → cost of hosting one copy of expert e on GPU g, broadcastable
+    #: to [L, E, G], finite and >= 0; weighted by `weights[name]` (`terms.py`).
+    extra_terms: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise fields once, here
@@ -114,12 +93,33 @@ class PlacementProblem:
         if not np.isfinite(mig).all() or (mig < 0).any():
             raise PlacementError("migration_cost must be finite and non-negative")
         set_(self, "migration_cost", mig)
+        set_(self, "extra_terms", self._check_extra_terms())
+        if not isinstance(self.weights, Weights):
+            set_(self, "weights", Weights(self.weights))
         if self.current is not None:
             set_(self, "current", check_slot_map(self.current, num_layers, num_experts, self.num_gpus))
             if self.current.shape[2] != self.slots_per_gpu:
                 raise PlacementError(
                     f"current placement has {self.current.shape[2]} slots per GPU, problem has {self.slots_per_gpu}"
                 )
+
+    def _check_extra_terms(self) -> dict[str, np.ndarray]:
+        terms: dict[str, np.ndarray] = {}
+        check_term_map(dict.fromkeys(self.extra_terms, 0.0), "extra term")
+        for name, cost in self.extra_terms.items():
+            if name in BUILTIN_TERMS:
+                raise PlacementError(f"extra term {name!r} is a built-in term")
+            try:
+                full = np.broadcast_to(np.asarray(cost, dtype=np.float64), self.shape)
+            except (ValueError, TypeError):
+                raise PlacementError(
+                    f"extra term {name} of shape {list(np.shape(cost))} does not broadcast to [L, E, G] = "
+                    f"{list(self.shape)}"
+                ) from None
+            if not np.isfinite(full).all() or (full < 0).any():
+                raise PlacementError(f"extra term {name} must be finite and non-negative")
+            terms[name] = full
+        return terms
 
     def _check_sources(self, num_layers: int, num_experts: int) -> None:
         if self.source_load is None:
@@ -160,11 +160,14 @@ class PlacementProblem:
         return None if self.current is None else hosts_from_slots(self.current, self.num_experts)
 
     def interchangeable_gpus(self) -> list[list[int]]:
-        """Classes (size > 1) of GPUs that no term of the objective tells apart: equal distance columns and
-        no migration term. Any relabelling within a class gives an equally good placement."""
+        """Classes (size > 1) of GPUs that no term of the objective tells apart: equal distance columns, equal
+        extra-term costs and no migration term. Any relabelling within a class gives an equally good placement."""
         if self.current is not None and self.migration_cost.any():
             return []
         columns = self.distance.T if self.distance is not None else np.zeros((self.num_gpus, 1))
+        if self.extra_terms:  # a GPU that an extra term prices differently is not interchangeable either
+            per_gpu = [np.moveaxis(cost, 2, 0).reshape(self.num_gpus, -1) for cost in self.extra_terms.values()]
+            columns = np.hstack([columns, *per_gpu])
         _, label = np.unique(columns, axis=0, return_inverse=True)
         classes = [np.flatnonzero(label.ravel() == c).tolist() for c in range(label.max() + 1)]
         return [c for c in classes if len(c) > 1]
@@ -178,6 +181,7 @@ class PlacementProblem:
             source_load=None if self.source_load is None else self.source_load[sl],
             migration_cost=self.migration_cost[sl],
             current=None if self.current is None else self.current[sl],
+            extra_terms={name: cost[sl] for name, cost in self.extra_terms.items()},
         )
 
     @classmethod
@@ -191,14 +195,16 @@ class PlacementProblem:
         current: np.ndarray | None = None,
         migration_cost: float | np.ndarray = 0.0,
         redundant_slots: int = 0,
-        weights: Weights | None = None,
+        weights: Mapping[str, float] | None = None,
+        extra_terms: Mapping[str, np.ndarray] | None = None,
     ) -> PlacementProblem:
         """A problem in canonical units from raw token counts: B[L, E], or A[L, S, E] with `distance`.
 
         Counts are divided, per layer, by the mean GPU load (layer total / G), so the mean GPU load is 1,
         the load term is G times the squared coefficient of variation of GPU loads, communication is in
         mean-GPU-loads of remote traffic, and the placement does not change with the window's length.
-        `migration_cost` is in the same unit: the remote traffic that changing one host is worth.
+        `migration_cost` is in the same unit: the remote traffic that changing one host is worth, and so are
+        `extra_terms` (the cost of one copy of expert e on GPU g).
         """
         counts = _as_float("counts", counts, np.ndim(counts))
         if counts.ndim != (2 if distance is None else 3):
@@ -217,7 +223,8 @@ class PlacementProblem:
             migration_cost=migration_cost,
             current=current,
             redundant_slots=redundant_slots,
-            weights=weights or Weights(),
+            weights=Weights(weights),
+            extra_terms=extra_terms or {},
         )
 
 

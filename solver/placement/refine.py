@@ -3,7 +3,7 @@
 The greedy decides each copy once, before it knows where later copies will go; a swap of two copies (or
 of a copy and an empty slot, which is a relocation) between two GPUs can repair such decisions. For
 copy i on GPU h and copy j on GPU g, with per-copy loads b, deviations u = L − L̄ and static costs
-T(copy, gpu) = w_comm·comm + w_mig·M·(1 − 2x⁰), the swap changes the objective by exactly
+T(copy, gpu) = Σ_t w_t·T_t (`terms.py`: w_comm·comm + w_mig·M·(1 − 2x⁰) + …), the swap changes the objective by exactly
 
     Δ = T(i, g) − T(i, h) + T(j, h) − T(j, g) + 2·w_load·[(b_j − b_i)(u_h − u_g) + (b_j − b_i)²]
 
@@ -22,6 +22,7 @@ import numpy as np
 from switchyard.solver.placement.greedy import DEFAULT_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
 from switchyard.solver.placement.objective import objective
 from switchyard.solver.placement.problem import PlacementProblem, check_slot_map, hosts_from_slots, slots_from_hosts
+from switchyard.solver.placement.terms import linear_cost, linear_terms
 
 #: Gains smaller than this (relative to a layer's mean GPU load squared) are noise, not improvements.
 _EPSILON = 1e-12
@@ -34,10 +35,7 @@ def refine_swaps(problem: PlacementProblem, slot_map: np.ndarray, max_rounds: in
     weights = problem.weights
     hosts = hosts_from_slots(layout, problem.num_experts) > 0
     copies = hosts.sum(axis=2)
-    static = weights.comm * problem.comm_cost() / copies[..., None]
-    current = problem.current_hosts()
-    if current is not None:
-        static = static + weights.mig * problem.migration_cost * (1 - 2 * current)
+    static = linear_cost(linear_terms(problem, copies), weights)
     per_copy = problem.load / copies
     mean = problem.load.sum(axis=1) / num_gpus
     beta = weights.load
