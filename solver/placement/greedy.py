@@ -32,7 +32,8 @@ import numpy as np
 from switchyard.shared.placement_terms import GREEK_TO_TERM, greek_to_terms
 from switchyard.solver.placement.problem import PlacementError, PlacementProblem, slots_from_hosts
 from switchyard.solver.placement.replication import check_replicas, replica_counts
-from switchyard.solver.placement.terms import check_term_map, linear_cost, linear_terms
+from switchyard.solver.placement.terms import linear_cost, linear_terms
+from switchyard.solver.placement.weights import check_term_map
 
 
 @dataclass(frozen=True, init=False)

@@ -26,11 +26,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from switchyard.shared.placement_terms import BUILTIN_TERMS
-from switchyard.solver.placement.terms import Weights, check_term_map
-
-
-class PlacementError(ValueError):
-    """An input to the placement solver is malformed or the instance is infeasible."""
+from switchyard.solver.placement.errors import PlacementError
+from switchyard.solver.placement.weights import Weights, check_term_map
 
 
 def _as_float(name: str, array: object, ndim: int) -> np.ndarray:
