@@ -142,6 +142,26 @@ async def run_proxy(port: int, upstream: str, client_kind: str) -> None:
     await uvicorn.Server(config).serve()
 
 
+async def run_echo(url: str) -> None:
+    """A bare nats-py responder on uvloop (as the router runs): it answers `<prefix>.bench.echo` with the bytes
+    of a `RouteDpReply` and does nothing else, so its round trip is the floor under the router's."""
+    import nats
+
+    from switchyard.shared.codec import encode
+    from switchyard.shared.schemas import RouteDpReply
+
+    reply = encode(
+        RouteDpReply(request_id="cmpl-sygw-" + "0" * 32 + "-0", engine_id="stub0", priority=90, decision_us=9.0)
+    )
+    nc = await nats.connect(url)
+
+    async def answer(msg) -> None:
+        await msg.respond(reply)
+
+    await nc.subscribe(f"{PREFIX}.bench.echo", cb=answer)
+    await asyncio.Event().wait()
+
+
 # ----- a raw HTTP/1.1 client -----------------------------------------------------------------------------------
 
 
@@ -211,6 +231,7 @@ async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool
 async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[str, dict[str, float]]:
     """Streaming TTFT/ITL per target, and the bare `sy.route.dp` round trip the gateway makes per request."""
     from switchyard.shared.bus import Bus
+    from switchyard.shared.codec import encode
     from switchyard.shared.schemas import RouteDpReply, RouteDpRequest
     from switchyard.shared.settings import SwitchyardSettings
 
@@ -222,6 +243,8 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
     ttft: dict[str, list[float]] = {n: [] for n in ports}
     itl: dict[str, list[float]] = {n: [] for n in ports}
     route: list[float] = []
+    echo: list[float] = []
+    echo_request = encode(RouteDpRequest(request_id="cmpl-sygw-" + "0" * 32 + "-0", prompt_tokens=90))
     for i in range(requests + 20):
         for name, conn in conns.items():
             first, gaps, done = await stream_once(conn, body)
@@ -233,8 +256,15 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
         await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
         if i >= 20:
             route.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        await bus.nc.request(f"{PREFIX}.bench.echo", echo_request, timeout=5)
+        if i >= 20:
+            echo.append(time.perf_counter() - start)
     await bus.close()
-    router = {"route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3)}
+    router = {
+        "route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3),
+        "echo_rtt_p50_ms": float(np.percentile(echo, 50) * 1e3),
+    }
     result: dict[str, dict[str, float]] = {
         n: {
             "ttft_p50_ms": float(np.percentile(ttft[n], 50) * 1e3),
@@ -368,7 +398,7 @@ def wait_ready(port: int, timeout: float = 60.0) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx"], default="main")
+    parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx", "echo"], default="main")
     parser.add_argument("--url", default="")
     parser.add_argument("--engine-id", default="stub0")
     parser.add_argument("--engine-role", choices=["dp", "prefill", "decode"], default="dp")
@@ -385,6 +415,11 @@ def main() -> None:
     if args.role == "stub":
         interval = args.token_interval_ms / 1e3
         asyncio.run(run_stub(args.url, args.port, args.tokens, interval, args.engine_id, args.engine_role))
+        return
+    if args.role == "echo":
+        import uvloop
+
+        uvloop.run(run_echo(args.url))
         return
     if args.role in ("proxy", "proxy-httpx"):
         asyncio.run(run_proxy(args.port, args.upstream, "httpx" if args.role == "proxy-httpx" else "aiohttp"))
@@ -427,6 +462,7 @@ def main() -> None:
                 stub += ["--engine-id", engine_id, "--engine-role", role]
                 procs[engine_id] = subprocess.Popen([*here, *stub], env=env)
             procs["router"] = subprocess.Popen([str(bin_dir / "switchyard"), "router", "--nats-url", url], env=env)
+            procs["echo"] = subprocess.Popen([*here, "--role", "echo", "--url", url], env=env)
             upstream = f"http://127.0.0.1:{ports['direct']}"
             for role in ("proxy", "proxy-httpx"):
                 procs[role] = subprocess.Popen(
@@ -459,7 +495,8 @@ def main() -> None:
                     proc.kill()
             nats.stop()
     sigs = signature_figures()
-    router_rtt = lat.pop("router")["route_dp_rtt_p50_ms"]
+    rtts = lat.pop("router")
+    router_rtt, echo_rtt = rtts["route_dp_rtt_p50_ms"], rtts["echo_rtt_p50_ms"]
     direct = lat["direct"]
     report = {
         "machine": _single_core.machine(),
@@ -475,6 +512,9 @@ def main() -> None:
             if name != "direct"
         },
         "route_dp_rtt_p50_ms": router_rtt,
+        "echo_rtt_p50_ms": echo_rtt,
+        # what any gateway that asks a router over NATS adds at least: a proxy hop plus a bare NATS round trip
+        "floor_added_ttft_p50_ms": lat["proxy"]["ttft_p50_ms"] - direct["ttft_p50_ms"] + echo_rtt,
         "handoff": handoff,
         "throughput": tput,
         "signature_json": sigs,
@@ -491,7 +531,15 @@ def main() -> None:
             f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
         )
-    print(f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms")
+    print(
+        f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms; a bare nats-py responder's "
+        f"round trip (the floor under it): {echo_rtt:.3f} ms"
+    )
+    gateway_added = report["added_vs_direct"]["gateway"]["ttft_p50_ms"]
+    print(
+        f"floor for a gateway that asks a router over NATS (added proxy TTFT + bare round trip): "
+        f"{report['floor_added_ttft_p50_ms']:.3f} ms; the gateway adds {gateway_added:.3f} ms"
+    )
     print(
         f"handoff (prefill stub, 26x64 signature, sy.route.decode, decode stub): TTFT p50 "
         f"{handoff['gateway_ttft_p50_ms']:.3f} ms vs {handoff['direct_decoder_ttft_p50_ms']:.3f} ms straight to the "

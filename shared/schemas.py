@@ -90,6 +90,8 @@ Role = Literal["prefill", "decode", "dp"]
 #: The engine kind behind a hello (`sim`, `vllm`, a new one such as `sglang`): an open name, so adding a kind
 #: changes no schema. Lowercase, at most 16 characters (the history database's `engines.agent` column).
 AgentKind = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,15}$")]
+#: A served model's name (`ModelShape.name`, an OpenAI request's `model`).
+ModelName = Annotated[str, Field(min_length=1, max_length=128)]
 
 IntMatrix = Annotated[np.ndarray, Array("iu", ndim=2)]
 IntCube = Annotated[np.ndarray, Array("iu", ndim=3)]
@@ -110,7 +112,7 @@ class _Part(BaseModel):
 
 
 class ModelShape(_Part):
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    name: ModelName
     num_layers: Positive
     num_experts: Positive
     top_k: Positive
@@ -232,6 +234,8 @@ class RouteDecodeRequest(WireModel):
     layers: list[Count] | None = None
     label: Annotated[str, Field(max_length=128)] | None = None
     prefill_engine_id: EngineId | None = None
+    #: Only decoders serving this model (their hello's `model.name`) are candidates; None: any decoder.
+    model: ModelName | None = None
 
     @model_validator(mode="after")
     def _layers_match(self) -> RouteDecodeRequest:
@@ -294,10 +298,15 @@ class Announce(WireModel):
 
 
 class RouteDpRequest(WireModel):
-    """`sy.route.dp`: which data-parallel engine should take a new request?"""
+    """`sy.route.dp`: which data-parallel engine should take a new request?
+
+    `model`: only engines serving this model (their hello's `model.name`) are candidates; None: any engine
+    (a message from before the field existed).
+    """
 
     request_id: RequestId
     prompt_tokens: Count
+    model: ModelName | None = None
 
 
 class RouteDpReply(WireModel):

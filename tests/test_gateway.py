@@ -197,6 +197,46 @@ async def test_engine_refusals_pass_through_and_unknown_models_get_404(bus: Bus,
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
 
 
+async def test_each_model_is_served_only_by_its_engines(bus: Bus, settings: SwitchyardSettings) -> None:
+    """Two models in one fleet: the router, asked with the model, chooses among that model's engines only
+    (no local fallbacks), in DP dispatch and at the handoff; an unknown model gets vLLM's 404."""
+    decided = await _decisions(bus)
+    fallbacks = {
+        kind: metric("switchyard_gateway_routing_fallbacks_total", kind=kind, reason="unknown_engine")
+        for kind in ("dp", "decode")
+    }
+    stubs = [  # the model-b engines are the least loaded: a model-blind router would send model-a there
+        StubConfig("a0", model="model-a", waiting_prefill_tokens=50_000),
+        StubConfig("a1", model="model-a", waiting_prefill_tokens=40_000),
+        StubConfig("b0", model="model-b"),
+        StubConfig("pc", role="prefill", model="model-c"),
+        StubConfig("dc", role="decode", model="model-c", tokens=2),
+        StubConfig("pd", role="prefill", model="model-d"),
+        StubConfig("dd", role="decode", model="model-d", tokens=2),
+    ]
+    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+        for model in ("model-a", "model-b", "model-a", "model-c", "model-d", "model-a", "model-c"):
+            answer = await client.post("/v1/completions", json={**BODY, "model": model})
+            assert answer.status_code == 200, answer.text
+        unknown = await client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user"}]})
+        served = {
+            rid: eid for eid, e in engines.items() for _path, rid, _body in e.received if e.config.role != "prefill"
+        }
+        await wait_for(lambda: all(rid in decided for rid in served))
+    by_model: dict[str, set[str]] = {}
+    for engine in engines.values():
+        for _path, _rid, body in engine.received:
+            by_model.setdefault(body["model"], set()).add(engine.config.engine_id)
+    assert by_model == {"model-a": {"a1"}, "model-b": {"b0"}, "model-c": {"pc", "dc"}, "model-d": {"pd", "dd"}}
+    assert all(decided[rid] == eid for rid, eid in served.items())  # the router's choice, every time
+    for kind, before in fallbacks.items():
+        assert metric("switchyard_gateway_routing_fallbacks_total", kind=kind, reason="unknown_engine") == before
+    assert unknown.status_code == 404
+    assert unknown.json() == {
+        "error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+    }
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_client_disconnect_before_the_first_byte_aborts_upstream(
     bus: Bus, settings: SwitchyardSettings, stream: bool

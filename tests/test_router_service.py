@@ -38,8 +38,8 @@ _seq = itertools.count()
 class Engines:
     """Test-side engine agents speaking the real protocol: hello (also on announce) and telemetry."""
 
-    def __init__(self, bus: Bus, roles: dict[str, str]) -> None:
-        self.bus, self.roles = bus, roles
+    def __init__(self, bus: Bus, roles: dict[str, str], models: dict[str, str] | None = None) -> None:
+        self.bus, self.roles, self.models = bus, roles, models or {}
         self.load = dict.fromkeys(roles, 0)
         self.waiting_prefill = dict.fromkeys(roles, 0)
 
@@ -49,7 +49,7 @@ class Engines:
             Hello(
                 engine_id=engine_id,
                 role=self.roles[engine_id],
-                model=SHAPE,
+                model=SHAPE.model_copy(update={"name": self.models.get(engine_id, SHAPE.name)}),
                 ep_group="g0",
                 gpus=["0"],
                 capacity=Capacity(max_running=64, kv_blocks=1000, block_size=16),
@@ -255,6 +255,49 @@ async def test_dp_dispatch_uses_pressure(bus: Bus, settings: SwitchyardSettings)
             bus.subjects.route_dp, RouteDpRequest(request_id="q", prompt_tokens=700), RouteDpReply, timeout=2
         )
         assert (reply.engine_id, reply.priority) == ("dp1", 700)
+    finally:
+        await router.stop()
+
+
+async def test_routes_go_only_to_engines_serving_the_requested_model(bus: Bus, settings: SwitchyardSettings) -> None:
+    roles = {"a0": "dp", "a1": "dp", "b0": "dp", "da": "decode", "db": "decode"}
+    models = {"a0": "model-a", "a1": "model-a", "b0": "model-b", "da": "model-a", "db": "model-b"}
+    engines = Engines(bus, roles, models)
+    await engines.answer_announces()
+    router = await _start(settings, inflight_grace_s=0.0)
+    try:
+        # b0 is the least pressured DP engine and db the least loaded decoder: a model-blind router picks them.
+        engines.waiting_prefill.update(a0=4000, a1=3000, b0=0)
+        engines.load.update(da=30, db=0)
+        await engines.report()
+        await _settle()
+
+        async def dp(model: str | None, i: int) -> str:
+            request = RouteDpRequest(request_id=f"dp{i}", prompt_tokens=100, model=model)
+            return (await bus.request(bus.subjects.route_dp, request, RouteDpReply, timeout=2)).engine_id
+
+        async def decode(model: str | None, i: int) -> str:
+            request = RouteDecodeRequest(request_id=f"d{i}", prompt_tokens=100, model=model)
+            return (await bus.request(bus.subjects.route_decode, request, RouteDecodeReply, timeout=2)).engine_id
+
+        dp_a = {await dp("model-a", i) for i in range(6)}
+        dp_b = {await dp("model-b", i) for i in range(6, 9)}
+        decode_a = {await decode("model-a", i) for i in range(4)}
+        decode_b = {await decode("model-b", i) for i in range(4, 6)}
+        assert dp_a <= {"a0", "a1"} and "a1" in dp_a and dp_b == {"b0"}
+        assert decode_a == {"da"} and decode_b == {"db"}
+        assert await dp(None, 9) == "b0"  # no model named (a message from before the field): every engine
+        for ask in (dp, decode):
+            with pytest.raises(RemoteError, match="serving 'model-c'") as refused:
+                await ask("model-c", 10)
+            assert refused.value.code == "unavailable"
+        # an engine that switches models is filtered by its new one from its next hello on
+        engines.models["b0"] = "model-a"
+        await engines.hello("b0")
+        await _settle()
+        assert await dp("model-a", 11) == "b0"
+        with pytest.raises(RemoteError):
+            await dp("model-b", 12)
     finally:
         await router.stop()
 

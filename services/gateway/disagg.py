@@ -139,7 +139,7 @@ async def serve_disagg(
         signature = await ctx.signatures.wait(request_id, wait_s, engine_id)
         metrics.SIGNATURES.labels("bus" if signature is not None else "missing").inc()
     decoder, _reply = await ctx.router.route_decode(
-        request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders
+        request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders, parsed.model
     )
     if decoder is None:
         return error_response(503, "no live decode engine", "ServiceUnavailableError")

@@ -20,7 +20,7 @@ async def serve_dp(
     request_id: str,
     started: float,
 ) -> Response:
-    engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates)
+    engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     return await final_hop(

@@ -69,11 +69,15 @@ class Router:
                 return engine
         return self.local(candidates, kind, "unknown_engine")
 
-    async def route_dp(self, request_id: str, prompt_tokens: int, candidates: list[Engine]) -> Engine | None:
+    async def route_dp(
+        self, request_id: str, prompt_tokens: int, candidates: list[Engine], model: str | None = None
+    ) -> Engine | None:
+        """The router's choice among `candidates` (the live DP engines serving `model`, which the router
+        filters to as well)."""
         if not candidates:
             return None
         subject = self.bus.subjects.route_dp if self.bus is not None else ""
-        request = RouteDpRequest(request_id=request_id, prompt_tokens=prompt_tokens)
+        request = RouteDpRequest(request_id=request_id, prompt_tokens=prompt_tokens, model=model)
         reply, reason = await self._ask(subject, request, RouteDpReply)
         if reply is None:
             return self.local(candidates, "dp", reason)
@@ -86,6 +90,7 @@ class Router:
         signature: np.ndarray | None,
         prefill_engine_id: str | None,
         candidates: list[Engine],
+        model: str | None = None,
     ) -> tuple[Engine | None, RouteDecodeReply | None]:
         if not candidates:
             return None, None
@@ -95,6 +100,7 @@ class Router:
             prompt_tokens=prompt_tokens,
             signature=signature,
             prefill_engine_id=prefill_engine_id,
+            model=model,
         )
         reply, reason = await self._ask(subject, request, RouteDecodeReply)
         if reply is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -67,6 +68,8 @@ class RoleView:
         self.snap = FleetSnapshot(ids, np.zeros(d), np.zeros(d), np.zeros(d, dtype=bool), version=self.fleet.version)
         self.row_of = tuple(int(row) for row in self.rows)  # position -> fleet row, as Python ints
         self.position = {row: i for i, row in enumerate(self.row_of)}
+        self.models = tuple(self.fleet.model[row] for row in self.row_of)
+        self._serving: dict[str, np.ndarray | None] = {}
         self.version = self.fleet.version
         self._synced = -1  # fleet.data_version the snapshot reflects
         self._last_seen = np.zeros(d)
@@ -105,6 +108,24 @@ class RoleView:
         for name in names:
             columns[name] = COLUMNS[name](f, rows, self.snap)
 
+    def serving(self, model: str | None) -> np.ndarray | None:
+        """Mask of the engines serving `model`, None when no filter is needed (no model asked for, or every
+        engine of the view serves it). Cached until the view's membership changes (a model change is one)."""
+        if model is None:
+            return None
+        mask = self._serving.get(model, False)
+        if mask is False:
+            if len(self._serving) > 64:  # model names come from requests: bound the cache
+                self._serving.clear()
+            serves = np.array([m == model for m in self.models], dtype=bool)
+            mask = self._serving[model] = None if serves.all() else serves
+        return mask
+
+    def alive_for(self, model: str | None) -> np.ndarray:
+        """The snapshot's liveness, narrowed to the engines serving `model` (a new array only when narrowed)."""
+        mask = self.serving(model)
+        return self.snap.alive if mask is None else self.snap.alive & mask
+
     def record_decision(self, row: int) -> None:
         """The fleet has just counted one more request in flight on `row` (`Fleet.on_decision*`)."""
         if self._synced == self.fleet.data_version - 1:  # in step until that decision: follow it in place
@@ -141,6 +162,16 @@ def _extra_columns(profile: Profile) -> tuple[str, ...]:
     return tuple(extra)
 
 
+def _for_model(view: RoleView, snap: FleetSnapshot, model: str | None) -> FleetSnapshot | None:
+    """The snapshot with only the engines serving `model` alive (itself when that narrows nothing); None when
+    none of them is live. A model filter ahead of every profile's own filters: only those engines are
+    candidates, whatever the profile."""
+    alive = view.alive_for(model)
+    if alive is snap.alive:
+        return snap
+    return replace(snap, alive=alive) if alive.any() else None
+
+
 class Decided(NamedTuple):
     """One decision to share with the other replicas (an entry of `RouteDecisions`)."""
 
@@ -157,9 +188,10 @@ class Routed(NamedTuple):
     decision: Decided | None
 
 
-def _unavailable(kind: str, role: str, known: int) -> Routed:
+def _unavailable(kind: str, role: str, known: int, model: str | None = None) -> Routed:
     metrics.UNROUTABLE.labels(kind).inc()
-    message = f"no live {role} engine (known: {known}); engines must send telemetry to be routable"
+    serving = f" serving {model!r}" if model is not None else ""
+    message = f"no live {role} engine{serving} (known: {known}); engines must send telemetry to be routable"
     return Routed(ErrorReply(error=ErrorBody(code="unavailable", message=message)), None)
 
 
@@ -277,6 +309,9 @@ class RouterCore:
                     raise SchemaMismatch("signature", str(exc)) from None
         if self._decode_columns:
             view.gather(self._decode_columns)
+        snap = _for_model(view, snap, request.model)
+        if snap is None:
+            return _unavailable("decode", "decode", view.snap.size, request.model)
         decision = policy(snap, RouteQuery(sims, request.label, request.prompt_tokens), self.state, tables)
         index = decision.index
         engine_id = snap.engine_ids[index]
@@ -310,6 +345,9 @@ class RouterCore:
         profile = self.dp_profile
         if self._dp_columns:
             view.gather(self._dp_columns)
+        snap = _for_model(view, snap, request.model)
+        if snap is None:
+            return _unavailable("dp", "dp", view.snap.size, request.model)
         index = profile(snap, RouteQuery(prompt_tokens=request.prompt_tokens), self.dp_state, _NO_TABLES).index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]

@@ -49,12 +49,13 @@ ANNOUNCE_INTERVAL_S = 1.0
 class DecisionSharer:
     """Collects this replica's decisions and publishes them as `RouteDecisions`.
 
-    `idle` runs at the end of each burst of requests (`Bus.serve`'s hook): the batch is published there, in
-    the same socket write as the burst's replies, unless the previous batch left less than `interval_s` ago.
-    What such bursts leave waits for the next burst end past the interval, or, if traffic pauses, for a timer
-    one interval later (a publication of its own costs a socket write and a wake-up of the server, so it is
-    only the fallback). So decisions are shared after their replies, at most one message per `interval_s`,
-    and none waits more than twice that.
+    `idle` runs at the end of each burst of requests (`Bus.serve`'s hook), before nats-py's flusher has
+    written the burst's replies. It never publishes there: it schedules the batch for the loop's next turn,
+    after the flusher's, so the replies leave first and sharing adds nothing to a route round trip (encoding
+    a batch inline held every reply of the burst back by that much). It does so unless the previous batch
+    left less than `interval_s` ago; what such bursts leave waits for the next burst end past the interval,
+    or, if traffic pauses, for a timer one interval later. So decisions are shared after their replies, at
+    most one message per `interval_s`, and none waits more than twice that.
     """
 
     def __init__(self, bus: Bus, replica_id: str, interval_s: float) -> None:
@@ -63,7 +64,8 @@ class DecisionSharer:
         self.batches = 0
         self._loop = asyncio.get_running_loop()
         self._last = -math.inf  # loop time of the last publication
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # the scheduled publication, if any
+        self._soon = False  # ... scheduled for the loop's next turn (not an interval later)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, decided: Decided) -> None:
@@ -74,12 +76,16 @@ class DecisionSharer:
             return
         due = self._last + self.interval_s
         if self._loop.time() >= due:
-            await self.flush()
+            if self._timer is not None and not self._soon:  # a later publication: bring it forward
+                self._timer.cancel()
+                self._timer = None
+            if self._timer is None:
+                self._timer, self._soon = self._loop.call_soon(self._on_timer), True  # after the flusher's turn
         elif self._timer is None:
             self._timer = self._loop.call_at(due + self.interval_s, self._on_timer)
 
     def _on_timer(self) -> None:
-        self._timer = None
+        self._timer, self._soon = None, False
         if self.pending:
             task = self._loop.create_task(self.flush())
             self._tasks.add(task)
@@ -89,7 +95,7 @@ class DecisionSharer:
         """Publish everything pending now (values validated on their way in: no re-validation)."""
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+            self._timer, self._soon = None, False
         self._last = self._loop.time()
         pending, self.pending = self.pending, []
         for start in range(0, len(pending), MAX_SHARED_DECISIONS):
@@ -118,16 +124,38 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: list[Subscription] = []
         self._asked: dict[str, float] = {}  # engine id -> when we last asked it to announce itself
+        self._refresh_due = False  # a re-read of the role views is scheduled
         self.ready = asyncio.Event()
 
     # ----- bus handlers (sync where possible: no task per message) -----
 
     def _on_hello(self, hello: Hello, _msg: Msg) -> None:
         self.core.on_hello(hello, time.monotonic())
+        self._refresh_soon()
+
+    def _refresh_soon(self) -> None:
+        """Re-read the role views once after a burst of hellos and telemetry, off the request path.
+
+        A decision re-reads a view itself when the fleet changed since the last read (`RoleView.refresh`, the
+        same result either way); done here, that work (a dozen NumPy calls on tiny arrays, which take 100+ µs
+        in a process woken cold on a loaded machine) no longer sits between a route request and its reply.
+        """
+        if not self._refresh_due:
+            self._refresh_due = True
+            asyncio.get_running_loop().call_soon(self._refresh_views)
+
+    def _refresh_views(self) -> None:
+        self._refresh_due = False
+        now, stale_after_s = time.monotonic(), self.router.stale_after_s
+        for view in (self.core.dp, self.core.decode):
+            view.rebuild()
+            view.refresh(now, stale_after_s)
 
     async def _on_telemetry(self, telemetry: Telemetry, _msg: Msg) -> None:
         now = time.monotonic()
-        if not self.core.on_telemetry(telemetry, now) and self.bus is not None:
+        known = self.core.on_telemetry(telemetry, now)
+        self._refresh_soon()
+        if not known and self.bus is not None:
             # an engine we have no hello from: ask it to introduce itself, at most once a second
             if now - self._asked.get(telemetry.engine_id, -math.inf) < ANNOUNCE_INTERVAL_S:
                 return

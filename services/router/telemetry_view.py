@@ -65,12 +65,14 @@ class TelemetryView:
 
     def __post_init__(self) -> None:
         n = self.capacity
-        #: Bumped whenever an engine joins, leaves or changes role: per-role views rebuild on a change.
+        #: Bumped whenever an engine joins, leaves or changes role or model: per-role views rebuild on a change.
         self.version = 0
         #: Bumped by every change to any column (hello, telemetry, decision, forget): derived views re-read.
         self.data_version = 0
         self.index: dict[str, int] = {}
         self.ep_group: list[str] = []
+        #: The model each engine serves (its hello's `model.name`; "" until its hello): routes filter on it.
+        self.model: list[str] = []
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(n, fill, dtype=dtype))
         self.ledger = InflightLedger(n)
@@ -108,6 +110,7 @@ class TelemetryView:
             self.index[engine_id] = row
             self.engine_ids.append(engine_id)
             self.ep_group.append("")
+            self.model.append("")
             self.version += 1
             self.data_version += 1
         return row
@@ -117,8 +120,9 @@ class TelemetryView:
     def on_hello(self, hello: Hello, now: float) -> None:
         row = self.row(hello.engine_id)
         role = ROLES.index(hello.role)
-        if self.role[row] != role:
+        if self.role[row] != role or self.model[row] != hello.model.name:
             self.role[row] = role
+            self.model[row] = hello.model.name
             self.version += 1
         self.ep_group[row] = hello.ep_group
         self.last_seen[row] = max(self.last_seen[row], now)
@@ -176,6 +180,7 @@ class TelemetryView:
         self.engine_ids = [self.engine_ids[i] for i in keep]
         self.ep_group = [self.ep_group[i] for i in keep]
         self.ledger.compact(keep)
+        self.model = [self.model[i] for i in keep]
         self.index = {e: i for i, e in enumerate(self.engine_ids)}
         for name, (_, fill) in _COLUMNS.items():
             getattr(self, name)[len(keep) : n] = fill
