@@ -202,3 +202,35 @@ async def test_a_database_outage_mid_migration_loses_nothing_and_resumes_at_once
         stop.set()
         await asyncio.wait_for(service, 15)
         await engine.dispose()
+
+
+async def test_a_service_started_during_an_outage_waits_for_the_database(
+    bus: Bus, settings: SwitchyardSettings, cut_database: tuple[str, str, TcpCut]
+) -> None:
+    """`make chaos` restarted the API just before its PostgreSQL fault: the schema check gave up after five
+    tries in ~2 s and the process exited. A service started while the database is away now waits for it."""
+    direct, proxied, proxy = cut_database
+    through_proxy = settings.model_copy(update={"database_url": proxied})
+    await bus.ensure_streams()
+    await proxy.cut()
+    stop = asyncio.Event()
+    service = asyncio.create_task(run_migration(through_proxy, stop, MigrationSettings(engine_wait_s=1.0)))
+    try:
+        await asyncio.sleep(4.0)  # twice what the old schema check waited
+        assert not service.done(), service.exception() if service.done() else None
+        await proxy.start()
+        probe = plan("g9", 1, default_layout(4, 8, 2))
+        await bus.js_publish(bus.subjects.placement_plan, probe, msg_id=probe.plan_id)
+        engine, sessions = create_async_db(direct)
+        try:
+
+            async def recorded() -> bool:
+                async with sessions() as session:
+                    return await session.scalar(select(Placement.id).where(Placement.plan_id == probe.plan_id))
+
+            await eventually(recorded, timeout=60)
+        finally:
+            await engine.dispose()
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 15)
