@@ -437,9 +437,14 @@ class Chaos:
         if fault == "slow-engine":
             await asyncio.to_thread(self.procs[GHOST].kill)
         if fault == "flood":
+            started = time.time()
             sent, cut_off = await self._flooding
             who = ", ".join(f"{name} {n}" for name, n in cut_off.most_common()) or "none"
-            return f"; {sent} flood messages; slow-consumer cut-offs: {who}"
+            note = f"; {sent} flood messages; slow-consumer cut-offs: {who}"
+            if cut_off["chaos-watch"]:  # this script missed telemetry the router saw: it cannot judge misrouting
+                self.blind.append((started - self.o.fault_s, time.time()))
+                note += "; this script's telemetry watch was cut off too"
+            return note
         return ""
 
     async def _flood(self, seconds: float) -> tuple[int, Counter[str]]:
