@@ -14,7 +14,10 @@ Then, in turn:
   nats: stop the server and start it again on the same port and store;
   postgres: crash the cluster (`pg_ctl -m immediate`) and start it again;
   engine-vanish: SIGKILL the ghost decoder (no goodbye);
-  slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit).
+  slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit);
+  flood (only with --faults flood): payloads just under the server's 8 MiB limit on `sy.engine.*.hello` and
+  `.telemetry`, as fast as one client can send them, for the window; the note counts nats-server's slow
+  consumer cut-offs by connection name.
 
 Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
 answered 200 within 20 s of retries every 0.5 s), probes that failed,
@@ -60,6 +63,9 @@ log = logging.getLogger("chaos")
 
 SERVICE_FAULTS = ("router", "placement", "migration", "api")
 FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine")
+#: Faults run only when asked for (`--faults flood`): issue 15 finding 3, near-limit payloads on the engines'
+#: wildcard subjects.
+EXTRA_FAULTS = ("flood",)
 GHOST = "ghost-d0"
 #: Stub engines (services/gateway/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
 HTTP_ENGINES = ("http-e0", "http-e1")
@@ -86,6 +92,9 @@ class ChaosOptions:
     database: str = "auto"  # auto (PostgreSQL if installed), postgres, sqlite
     workdir: Path | None = None
     seed: int = 0
+    #: Router replicas (one queue group); the `router` fault SIGKILLs the first. With one, routing is down until
+    #: the new process has started, which on a loaded machine is mostly the interpreter waiting for CPU.
+    router_replicas: int = 2
 
 
 @dataclass
@@ -190,6 +199,9 @@ class Chaos:
         await asyncio.to_thread(upgrade, self.database_url)
         self.settings = SwitchyardSettings(nats_servers=[self.nats_url], database_url=self.database_url)
         self.bus = await Bus.connect(self.settings, name="chaos")
+        # The script's own telemetry watch (a wildcard) on a connection of its own, as the services have: a
+        # flood there must not cut off the connection that sends the probes and the load.
+        self.watch_bus = await Bus.connect(self.settings, name="chaos-watch")
         await self.bus.ensure_streams()
         await self.bus.ensure_kv(self.bus.subjects.router_bucket)
 
@@ -254,6 +266,8 @@ class Chaos:
                 str(self.o.seed),
             ),
         }
+        for replica in range(2, self.o.router_replicas + 1):  # spares the `router` fault leaves running
+            commands[f"router-{replica}"] = cli("router")
         gateway_port = free_port()
         self.gateway_url = f"http://127.0.0.1:{gateway_port}"
         if gateway_available():
@@ -289,7 +303,7 @@ class Chaos:
         def on_done(done: SimCompleted, _msg: object) -> None:
             self.done.setdefault(done.request_id, time.time())
 
-        await self.bus.subscribe(self.bus.subjects.all_telemetry, Telemetry, on_telemetry)
+        await self.watch_bus.subscribe(self.bus.subjects.all_telemetry, Telemetry, on_telemetry)
         await self.bus.subscribe(self.bus.subjects.sim_completed, SimCompleted, on_done)
 
     async def _load(self) -> None:
@@ -359,9 +373,10 @@ class Chaos:
         i = 0
         down_since: float | None = None
         while not self._stop.is_set():
-            if not self.bus.nc.is_connected and down_since is None:
+            connected = self.bus.nc.is_connected and self.watch_bus.nc.is_connected
+            if not connected and down_since is None:
                 down_since = time.time()
-            elif self.bus.nc.is_connected and down_since is not None:
+            elif connected and down_since is not None:
                 self.blind.append((down_since, time.time()))
                 down_since = None
             task = asyncio.create_task(self._probe_once(i))
@@ -404,6 +419,9 @@ class Chaos:
             await asyncio.sleep(2.0)
             await asyncio.to_thread(self.pg.start)
             return "crashed (immediate), down 2 s, restarted"
+        if fault == "flood":
+            self._flooding = asyncio.create_task(self._flood(max(self.o.fault_s - 3.0, 1.0)))
+            return f"payloads of {self.bus.max_payload - 512} bytes on engine hello and telemetry subjects"
         ghost = self.procs[GHOST]
         if fault == "engine-vanish":
             await asyncio.to_thread(ghost.kill)
@@ -414,9 +432,53 @@ class Chaos:
             return "ghost decoder back, telemetry every 1.5 s (limit 1 s)"
         raise ValueError(f"unknown fault {fault!r}")
 
-    async def _after(self, fault: str) -> None:
+    async def _after(self, fault: str) -> str:
+        """Undo the fault; returns what to add to its note."""
         if fault == "slow-engine":
             await asyncio.to_thread(self.procs[GHOST].kill)
+        if fault == "flood":
+            started = time.time()
+            sent, cut_off = await self._flooding
+            who = ", ".join(f"{name} {n}" for name, n in cut_off.most_common()) or "none"
+            note = f"; {sent} flood messages; slow-consumer cut-offs: {who}"
+            if cut_off["chaos-watch"]:  # this script missed telemetry the router saw: it cannot judge misrouting
+                self.blind.append((started - self.o.fault_s, time.time()))
+                note += "; this script's telemetry watch was cut off too"
+            return note
+        return ""
+
+    async def _flood(self, seconds: float) -> tuple[int, Counter[str]]:
+        """Send near-limit garbage on engine wildcard subjects for `seconds`; (messages sent, the server's
+        slow-consumer cut-offs meanwhile by client connection name)."""
+        import nats
+
+        log_path = self.nats.log_path
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        nc = await nats.connect(self.nats_url, name="chaos-flood", max_reconnect_attempts=-1)
+        payload = bytes(self.bus.max_payload - 512)  # not msgpack: refused by size before anything is read
+        s = self.bus.subjects
+        subjects = [subject(f"flood-{i}") for i in range(4) for subject in (s.hello, s.telemetry)]
+        sent = 0
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                await nc.publish(subjects[sent % len(subjects)], payload)
+                sent += 1
+                if sent % 4 == 0:  # keep the client's own buffer bounded: the server takes what it can
+                    with contextlib.suppress(Exception):
+                        await nc.flush(timeout=5)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        with log_path.open("rb") as server_log:
+            server_log.seek(offset)
+            lines = server_log.read().decode(errors="replace").splitlines()
+        cut_off: Counter[str] = Counter()
+        for line in lines:
+            if "Slow Consumer" in line:
+                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
+                cut_off[name] += 1
+        return sent, cut_off
 
     def _enabled(self) -> list[str]:
         enabled = []
@@ -468,7 +530,7 @@ class Chaos:
             note = await self._inject(fault)
             log.info("fault %s: %s", fault, note)
             await asyncio.sleep(max(start + self.o.fault_s - time.time(), 0.0))
-            await self._after(fault)
+            note += await self._after(fault)
             results.append(FaultResult(fault, start, injected, time.time(), note))
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -516,6 +578,8 @@ class Chaos:
                 self.notes.append(f"{name} exited with {code} on SIGTERM")
         with contextlib.suppress(Exception):
             await self.bus.close()
+        with contextlib.suppress(Exception):
+            await self.watch_bus.close()
         await asyncio.to_thread(self.nats.stop)
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
@@ -670,7 +734,18 @@ class Chaos:
                 self.windows.append((time.time(), value))
             await asyncio.sleep(0.5)
 
+    def _router_startups(self) -> list[str]:
+        """The restarted router's own account of each restart (`process up ... s: connect ...`), in order."""
+        path = self.root / "logs" / "router.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [line.split("process up ", 1)[1] for line in lines if "process up " in line][1:]
+
     def _score(self, results: list[FaultResult], audit: Audit) -> None:
+        startups = iter(self._router_startups())
+        for r in results:
+            if r.name == "router":
+                r.note += f"; the restarted process served after {next(startups, '(not seen)')}"
+
         def window(t: float) -> FaultResult | None:
             for r in results:
                 if r.start <= t < r.end:
@@ -836,6 +911,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--settle-s", type=float, default=ChaosOptions.settle_s)
     parser.add_argument("--database", choices=("auto", "postgres", "sqlite"), default="auto")
+    parser.add_argument(
+        "--router-replicas",
+        type=int,
+        default=ChaosOptions.router_replicas,
+        help="router replicas; the router fault kills one (1: routing waits for its restart)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -847,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_ghost(args.nats_url, args.engine, args.late_s))
         return 0
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
-    unknown = sorted(set(faults) - set(FAULTS))
+    unknown = sorted(set(faults) - set(FAULTS) - set(EXTRA_FAULTS))
     if unknown:
         print(f"chaos: unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}", file=sys.stderr)
         return 2
@@ -859,6 +940,7 @@ def main(argv: list[str] | None = None) -> int:
         settle_s=args.settle_s,
         database=args.database,
         workdir=args.workdir,
+        router_replicas=max(args.router_replicas, 1),
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)

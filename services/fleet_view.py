@@ -6,6 +6,13 @@ which GPUs and DP ranks a group has (`topology`), and the API shows it as `/v1/e
 so a dead engine drops out by itself. Telemetry sequence numbers are checked per engine: a jump forward is
 a gap (lost messages), a jump back a restart. (Not the router's `services/router` fleet columns: this view
 is for the control plane, which needs who and where, not per-request load.)
+
+A hello's `ep_group` and `dp_rank` are the engine's own word; bus permissions prove only its id. With an
+engine manifest every claim is checked against it. Without one, no engine may take a place a *live* engine
+holds (see docs/security.md, "Group claims"): a hello naming a (group, rank) that another live engine holds, or
+moving a live engine to another group or rank, is refused and counted; and a group's coordinator, once it has
+been live for one hello interval, keeps the migrate steps while it stays live, so an engine that joins later
+with a lower rank cannot take them over.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from switchyard.shared.sequence import Seq, classify
 
 UNBOUND_HELLOS = Counter(
     "switchyard_fleet_hellos_refused_total",
-    "Hellos refused by the engine manifest: an unlisted engine, or another group or DP rank than listed.",
+    "Hellos refused: by the engine manifest (an unlisted engine, another group or DP rank than listed), or "
+    "claiming a place a live engine holds (slot_taken) or moving a live engine (rebind_while_live).",
     ["reason"],
 )
 
@@ -39,6 +47,8 @@ class EngineState:
     telemetry_at: float | None = None
     telemetry_gaps: int = 0
     restarts: int = 0
+    #: When the engine took its current (group, rank): a coordinator is pinned only once it has held it a while.
+    joined_at: float = 0.0
 
     @property
     def last_seen(self) -> float:
@@ -66,6 +76,12 @@ class FleetView:
         self.engines: dict[str, EngineState] = {}
         self._changed = asyncio.Event()
         self._next_prune = 0.0
+        #: (group, rank) -> the engine last accepted there; a live holder keeps it (see the module docstring).
+        self._slots: dict[tuple[str, int], str] = {}
+        #: group -> the coordinator that keeps the migrate steps while it is live, though a lower rank joined.
+        self._pinned: dict[str, str] = {}
+        #: group -> engines whose hello named it (an index: `group` must not scan every engine per hello).
+        self._members: dict[str, set[str]] = {}
 
     async def subscribe(self, bus: Bus, requester: str = "fleet-view", telemetry: bool = True) -> list[Subscription]:
         """Follow hellos (and telemetry, unless the caller only needs who is in which group), and ask every
@@ -82,6 +98,12 @@ class FleetView:
             self._next_prune = now + 60.0
             for gone in [e for e, s in self.engines.items() if now - s.last_seen > self.forget_after_s]:
                 del self.engines[gone]
+            self._slots = {slot: e for slot, e in self._slots.items() if e in self.engines}
+            self._pinned = {group: e for group, e in self._pinned.items() if e in self.engines}
+            for group, members in list(self._members.items()):
+                members.intersection_update(self.engines)
+                if not members:
+                    del self._members[group]
         return self.engines.setdefault(engine_id, EngineState(engine_id))
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:
@@ -89,9 +111,44 @@ class FleetView:
             reason = "unlisted" if hello.engine_id not in self.bindings else "wrong_group_or_rank"
             UNBOUND_HELLOS.labels(reason).inc()
             return
+        slot = (hello.ep_group, hello.dp_rank)
+        refusal = self._claim_refusal(hello.engine_id, slot)
+        if refusal is not None:
+            UNBOUND_HELLOS.labels(refusal).inc()
+            return
         state = self._state(hello.engine_id)
-        state.hello, state.hello_at = hello, self.clock()
+        now = self.clock()
+        if self._live_slot(hello.engine_id) == slot:  # the periodic hello of a live member: nothing moves
+            state.hello, state.hello_at = hello, now
+            self._changed.set()
+            return
+        before = self.coordinator(hello.ep_group)
+        if state.hello is not None:
+            self._members.get(state.hello.ep_group, set()).discard(hello.engine_id)
+        state.hello, state.hello_at, state.joined_at = hello, now, now
+        self._slots[slot] = hello.engine_id
+        self._members.setdefault(hello.ep_group, set()).add(hello.engine_id)
+        if before is not None and before != hello.engine_id and self.coordinator(hello.ep_group) != before:
+            holder = self.engines[before]
+            if holder.hello is not None and now - holder.joined_at >= holder.hello.hello_interval_s:
+                self._pinned[hello.ep_group] = before  # settled: a newcomer with a lower rank does not take over
         self._changed.set()
+
+    def _live_slot(self, engine_id: str) -> tuple[str, int] | None:
+        state = self.engines.get(engine_id)
+        if state is None or state.hello is None or self.is_stale(state):
+            return None
+        return state.hello.ep_group, state.hello.dp_rank
+
+    def _claim_refusal(self, engine_id: str, slot: tuple[str, int]) -> str | None:
+        """Why a hello from `engine_id` claiming `slot` is refused (None: accepted): a live place is its own."""
+        current = self._live_slot(engine_id)
+        if current is not None and current != slot:
+            return "rebind_while_live"  # the same credentials naming another place while the engine is live
+        holder = self._slots.get(slot)
+        if holder is not None and holder != engine_id and self._live_slot(holder) == slot:
+            return "slot_taken"
+        return None
 
     def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
         state = self._state(telemetry.engine_id)
@@ -115,9 +172,10 @@ class FleetView:
 
     def group(self, ep_group: str, live_only: bool = True) -> list[EngineState]:
         """The group's engines that said hello, in (dp_rank, engine_id) order."""
+        states = [self.engines[e] for e in self._members.get(ep_group, ()) if e in self.engines]
         members = [
             s
-            for s in self.engines.values()
+            for s in states
             if s.hello is not None and s.hello.ep_group == ep_group and not (live_only and self.is_stale(s))
         ]
         return sorted(members, key=lambda s: (s.hello.dp_rank, s.engine_id))  # type: ignore[union-attr]
@@ -140,9 +198,17 @@ class FleetView:
         return (gpus, [owner.get(gpu) for gpu in gpus]) if gpus else None
 
     def coordinator(self, ep_group: str) -> str | None:
-        """The live engine with the lowest DP rank: it receives the group's migrate steps (see README)."""
+        """The engine that receives the group's migrate steps (see README): the live engine with the lowest DP
+        rank, except that a settled coordinator keeps them while it is live (see the module docstring)."""
         members = self.group(ep_group)
-        return members[0].engine_id if members else None
+        if not members:
+            return None
+        pinned = self._pinned.get(ep_group)
+        if pinned is not None:
+            if any(m.engine_id == pinned for m in members):
+                return pinned
+            del self._pinned[ep_group]  # it went stale or left: the lowest live rank again
+        return members[0].engine_id
 
     async def wait_for_coordinator(self, ep_group: str, timeout: float) -> str | None:  # noqa: ASYNC109
         """The group's coordinator, waiting up to `timeout` seconds for one of its engines to say hello."""

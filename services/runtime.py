@@ -42,17 +42,27 @@ def _upgrade(database_url: str) -> None:
         upgrade(database_url)
 
 
-async def ensure_schema(database_url: str, attempts: int = 5) -> None:
-    """Bring the schema to head; retried because services in other processes may race to create it."""
-    for attempt in range(1, attempts + 1):
+async def ensure_schema(database_url: str, attempts: int = 5, outage_s: float = 120.0) -> None:
+    """Bring the schema to head; retried because services in other processes may race to create it.
+
+    A database that cannot be reached (a connection error) is waited for, up to `outage_s`: a service
+    (re)started during a database outage must not exit (`make chaos` saw the API give up 2 s into one)."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + outage_s
+    attempt = 0
+    while True:
         try:
             await asyncio.to_thread(_upgrade, database_url)
             return
         except Exception as exc:
-            if attempt == attempts:
+            unreachable = isinstance(exc, (OperationalError, InterfaceError, OSError))
+            attempt += 0 if unreachable else 1
+            if attempt >= attempts or (unreachable and loop.time() > deadline):
                 raise
             log.warning("schema upgrade failed (%s); retrying", exc)
-            await asyncio.sleep(0.2 * attempt)
+            await asyncio.sleep(1.0 if unreachable else 0.2 * attempt)
 
 
 class RateLimitedLog:

@@ -136,3 +136,42 @@ def test_with_a_manifest_an_engine_cannot_claim_another_group_or_rank(tmp_path) 
     unbound = FleetView(clock=lambda: 0.0)  # no manifest: every hello believed, as before
     unbound.on_hello(hello("e1", "g0", ["x"], dp_rank=0))
     assert unbound.coordinator("g0") == "e1"
+
+
+def test_without_a_manifest_a_live_engines_place_is_its_own() -> None:
+    """No manifest: an engine's (group, rank) is its own word, but it cannot take a place a live engine holds,
+    move a live engine elsewhere, or take a settled coordinator's migrate steps by joining with a lower rank."""
+    from switchyard.services.fleet_view import UNBOUND_HELLOS, FleetView
+
+    now = [1000.0]
+    view = FleetView(clock=lambda: now[0])
+    count = lambda reason: UNBOUND_HELLOS.labels(reason)._value.get()  # noqa: E731
+    taken, rebind = count("slot_taken"), count("rebind_while_live")
+    view.on_hello(hello("e1", "g0", ["a"], dp_rank=0))
+    view.on_hello(hello("e2", "g0", ["b"], dp_rank=1))
+    view.on_hello(hello("x", "g9", ["z"], dp_rank=0))
+    view.on_hello(hello("d0", "g0", ["evil"], dp_rank=0))  # e1's place, e1 live: refused
+    view.on_hello(hello("x", "g0", ["evil"], dp_rank=0))  # x is live in g9: it cannot move
+    assert (view.coordinator("g0"), view.coordinator("g9")) == ("e1", "x")
+    assert [s.engine_id for s in view.group("g0")] == ["e1", "e2"]
+    assert (count("slot_taken"), count("rebind_while_live")) == (taken + 1, rebind + 1)
+
+    now[0] += 10.0  # everyone silent past 3 hello intervals (0.2 s): all stale
+    view.on_hello(hello("e2", "g0", ["b"], dp_rank=1))  # e2 back: g0's coordinator, and it settles
+    assert view.coordinator("g0") == "e2"
+    now[0] += 0.3  # one hello interval later, a lower rank joins (e1's place is free: e1 is stale)
+    view.on_hello(hello("e2", "g0", ["b"], dp_rank=1))
+    view.on_hello(hello("d0", "g0", ["evil"], dp_rank=0))
+    assert [s.engine_id for s in view.group("g0")] == ["d0", "e2"]  # a member, not the coordinator
+    assert view.coordinator("g0") == "e2"
+    view.on_hello(hello("e1", "g0", ["a"], dp_rank=0))  # the real rank 0 back: d0 holds it while live
+    assert count("slot_taken") == taken + 2
+    now[0] += 0.7  # e2 goes stale, d0 keeps saying hello: the lowest live rank coordinates again
+    view.on_hello(hello("d0", "g0", ["evil"], dp_rank=0))
+    assert view.coordinator("g0") == "d0"
+
+    # after a restart every engine answers the announce within milliseconds: the lowest rank coordinates
+    fresh = FleetView(clock=lambda: now[0])
+    for engine_id, rank in (("r2", 2), ("r1", 1), ("r0", 0)):
+        fresh.on_hello(hello(engine_id, "g1", ["a"], dp_rank=rank))
+    assert fresh.coordinator("g1") == "r0"

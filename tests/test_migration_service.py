@@ -373,3 +373,43 @@ async def test_a_nats_restart_mid_step_resends_at_once_not_after_the_step_timeou
     finally:
         await bus.close()
         await asyncio.to_thread(server.stop)
+
+
+async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """Finding 3: near-limit payloads on the engines' wildcard subjects made nats-server cut services off as slow
+    consumers. Hellos and telemetry reach the migration service on a connection of their own: when the server
+    cuts that one, the connection that takes plans and sends migrate steps keeps working."""
+    from switchyard.services.migration.service import MigrationService
+
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.0))
+    await serve_migrate(bus, "e0", group)
+    await bus.ensure_streams()
+    upgrade(db_settings.resolved_database_url())
+    engine, sessions = create_async_db(db_settings.resolved_database_url())
+    service = MigrationService(db_settings, FAST)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    lasting = hello("e0", "g0", ["g0-gpu0", "g0-gpu1"]).model_copy(update={"hello_interval_s": 60.0})
+    try:
+        async with announcing(bus, lasting):
+
+            async def known() -> bool:
+                return service.fleet.coordinator("g0") == "e0"
+
+            await eventually(known)
+            assert service.ingest is not None and service.bus is not None
+            ingest = {sub.subject for sub in service.ingest.nc._subs.values()}
+            control = {sub.subject for sub in service.bus.nc._subs.values()}
+            engine_wildcards = {bus.subjects.all_hello, bus.subjects.all_telemetry}
+            assert engine_wildcards <= ingest and not engine_wildcards & control
+            await service.ingest.nc.close()  # what the server does to a slow consumer
+            target = plan("g0", 1, shuffled(base, 1))
+            await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+            done = await eventually(lambda: _finished(sessions, target.plan_id))
+        assert done.state == "succeeded"
+        np.testing.assert_array_equal(group.layout, target.placement)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await engine.dispose()

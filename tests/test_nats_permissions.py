@@ -21,6 +21,7 @@ import httpx
 import nats
 import numpy as np
 import pytest
+from sqlalchemy import select
 
 from switchyard.services.gateway.service import GatewayService
 from switchyard.shared import schemas as s
@@ -474,3 +475,71 @@ async def test_the_fit_role_reads_the_routing_samples_of_before_the_rename(secur
     ids = [x.request_id for x in read.samples]  # the module's earlier fleet published samples on the same bus
     assert ids[0] == "old" and ids[-1] == "new" and ids.count("old") == 1  # the old stream's first
     assert secured.violations()[before:] == []
+
+
+async def test_without_a_manifest_an_engine_cannot_take_a_live_groups_coordinator(
+    secured: SecuredNats, tmp_path: Path
+) -> None:
+    """Issue 15 finding 1, without an engine manifest: d0's credentials are real (its own user, its own
+    subjects), but a hello naming a live group's rank-0 place, held by e1, made d0 that group's coordinator (it
+    sorts first on the tie): the plan's steps went to d0, the migration was marked succeeded and e1 never moved
+    an expert. A live engine's place is now its own: the forged hello is refused and counted, the steps go to e1."""
+    from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+    from switchyard.services.fleet_view import UNBOUND_HELLOS
+    from switchyard.services.migration.service import MigrationService
+    from switchyard.services.migration.settings import MigrationSettings
+    from switchyard.shared.db import Migration, create_async_db, upgrade
+    from switchyard.solver.placement.layouts import default_layout
+    from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+
+    database_url = f"sqlite+aiosqlite:///{tmp_path / 'history.db'}"
+    upgrade(database_url)
+    settings = secured.settings(database_url=database_url)
+    group_name = "gx" + uuid.uuid4().hex[:6]
+    base = default_layout(4, 8, 2)
+    real = SimExpertGroup(group_name, base.copy(), MigrationCost(time_scale=0.0))
+    forged = SimExpertGroup(group_name, base.copy(), MigrationCost(time_scale=0.0))
+    e1 = await Bus.connect(settings, name="e1", role=engine_user("e1"))
+    d0 = await Bus.connect(settings, name="d0", role=engine_user("d0"))
+    placement = await Bus.connect(settings, name="placement", role="placement")
+    service = MigrationService(settings, MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, consumer="m"))
+    stop = asyncio.Event()
+    running = asyncio.create_task(service.run(stop))
+    engine, sessions = create_async_db(database_url)
+    refused = lambda: UNBOUND_HELLOS.labels("slot_taken")._value.get()  # noqa: E731
+    try:
+        await serve_migrate(e1, "e1", real)
+        await serve_migrate(d0, "d0", forged)
+        gpus = [f"{group_name}-gpu0", f"{group_name}-gpu1"]
+        async with announcing(e1, hello("e1", group_name, gpus, dp_rank=0)):
+
+            async def e1_coordinates() -> bool:
+                return service.fleet.coordinator(group_name) == "e1"
+
+            await eventually(e1_coordinates)
+            before = refused()
+            async with announcing(d0, hello("d0", group_name, ["forged-gpu"], dp_rank=0)):
+
+                async def forged_hello_handled() -> bool:  # refused (now), or believed (the old code)
+                    return refused() > before or "d0" in service.fleet.engines
+
+                await eventually(forged_hello_handled)
+                assert service.fleet.coordinator(group_name) == "e1"
+                target = plan(group_name, 1, shuffled(base, 1))
+                await placement.js_publish(settings.subjects.placement_plan, target, msg_id=target.plan_id)
+
+                async def finished() -> Migration | None:
+                    async with sessions() as session:
+                        rows = (await session.scalars(select(Migration))).all()
+                    return next((m for m in rows if m.engine_group == group_name and m.state == "succeeded"), None)
+
+                await eventually(finished, timeout=30)
+        np.testing.assert_array_equal(real.layout, target.placement)  # e1 really moved the experts
+        assert forged.requests == 0 and "d0" not in service.fleet.engines
+        assert refused() > before
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 15)
+        await engine.dispose()
+        for bus in (e1, d0, placement):
+            await bus.close()

@@ -302,3 +302,22 @@ async def test_groups_whose_engines_cannot_migrate_are_not_planned(
         await asyncio.sleep(0.3)  # several more ticks
     assert await _placements(sessions, "gs") == []
     assert "gs" in service._static_groups
+
+
+async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """Finding 3: near-limit payloads on the engines' wildcard subjects made nats-server cut services off as slow
+    consumers. Placement takes hellos and expert-load windows on a connection of its own; plans, layout requests
+    and leases ride the other, which stays connected when the server cuts the ingest one."""
+    await bus.ensure_streams()
+    await publish_load(bus, "e0", "g0", 0, range(4))
+    service = PlacementService(db_settings, QUICK)
+    async with announcing(bus, hello("e0", "g0", ["a", "b"], 0)), running(service.run):
+        await asyncio.wait_for(service.caught_up.wait(), 10)
+        assert service.ingest is not None and service.ingest.nc is not service.bus.nc
+        ingest = {sub.subject for sub in service.ingest.nc._subs.values()}
+        control = {sub.subject for sub in service.bus.nc._subs.values()}
+        assert bus.subjects.all_hello in ingest and bus.subjects.all_hello not in control
+        assert len(ingest) == 3  # two hello subscriptions and the expert-load consumer's delivery subject
+        await service.ingest.nc.close()  # what the server does to a slow consumer
+        assert service.bus.nc.is_connected
+        await service.bus.nc.flush(timeout=5)

@@ -15,8 +15,8 @@ import logging
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
-from sqlalchemy import case, select
-from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError, StatementError
+from sqlalchemy import case, select, text
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.fleet_view import FleetView
@@ -83,6 +83,18 @@ def is_poison(exc: BaseException) -> bool:
     return isinstance(exc, StatementError) and isinstance(exc.orig, (ValueError, OverflowError, TypeError))
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether the database (or the way to it) failed, rather than the statement: worth waiting for it to answer."""
+    if isinstance(exc, (OperationalError, InterfaceError, ConnectionError, OSError, TimeoutError)):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+#: Probing an unreachable database: first after this, doubled up to `DATABASE_PROBE_MAX_S`.
+DATABASE_PROBE_S = 0.1
+DATABASE_PROBE_MAX_S = 1.0
+
+
 class MigrationService:
     """Start with `await service.run(stop)`; returns once `stop` is set and the workers have stopped."""
 
@@ -93,19 +105,24 @@ class MigrationService:
         self.fleet = FleetView(bindings=settings.engine_bindings())
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.leases: GroupLeases | None = None
+        self.bus: Bus | None = None
+        #: Hellos and telemetry (wildcard subjects any engine publishes on) on a connection of their own: a flood
+        #: there can make the server cut that connection off as a slow consumer, never the one sending steps.
+        self.ingest: Bus | None = None
         self._wake: dict[str, asyncio.Event] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         database_url = self.settings.resolved_database_url()
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
-        bus = await Bus.connect(self.settings, name="switchyard-migration", role="migration")
+        self.bus = bus = await Bus.connect(self.settings, name="switchyard-migration", role="migration")
+        self.ingest = ingest = await Bus.connect(self.settings, name="switchyard-migration-ingest", role="migration")
         consumer = None
         renewing: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
-                await self.fleet.subscribe(bus)
+                await self.fleet.subscribe(ingest)
                 self.executor = Executor(self.sessions, bus, self.fleet, self.config)
                 subjects = bus.subjects
                 consumer = await bus.durable_pull(
@@ -143,6 +160,7 @@ class MigrationService:
             if consumer is not None:  # unfetched messages would otherwise hold up draining the connection
                 with contextlib.suppress(Exception):
                     await consumer.unsubscribe()
+            await ingest.close()
             await bus.close()
             await engine.dispose()
 
@@ -228,11 +246,37 @@ class MigrationService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # e.g. the database is briefly unreachable: the state is durable, try again
+                if is_outage(exc) and await self._waited_for_database(group, exc):
+                    continue  # it answers again: resume now, not after a backoff grown during the outage
                 log.exception("migration worker for group %s failed; retrying in %.0f s", group, backoff)
                 with contextlib.suppress(Exception):
                     await self._note_error(migration_id, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
+
+    async def _waited_for_database(self, group: str, exc: Exception) -> bool:
+        """Probe the database (`SELECT 1`, every 0.1 s doubling to 1 s) until it answers; False if it answered at
+        once (the error was not an outage after all: the caller backs off as for any error).
+
+        Every state is durable, so the worker just takes up its group again once the database is back: a
+        migration resumes within about a second of the outage's end however long the outage was (with only the
+        backoff it was up to `retry_max_s` later, 30 s before that was capped).
+        """
+        delay, waited = DATABASE_PROBE_S, False
+        while True:
+            try:
+                async with self.sessions() as session:
+                    await session.execute(text("SELECT 1"))
+            except Exception:
+                if not waited:
+                    self._warn(f"database unavailable ({type(exc).__name__}); group {group} resumes when it answers")
+                waited = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, DATABASE_PROBE_MAX_S)
+                continue
+            if waited:
+                log.info("database answers again: resuming the migrations of group %s", group)
+            return waited
 
     async def _take_up(self, migration_id: int | None) -> bool:
         """Count one more run of the migration; past `max_runs` mark it failed instead, so it cannot wedge the group.

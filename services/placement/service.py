@@ -95,6 +95,7 @@ class PlacementService:
         self.layouts: LayoutProbe | None = None  # set once connected
         self.registry: EngineRegistry | None = None  # set once connected
         self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
+        self.ingest: Bus | None = None  # hellos and expert load, on a connection of their own (set once connected)
         self.windows: dict[str, DecayedLoad] = {}
         self.caught_up = asyncio.Event()
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
@@ -113,15 +114,19 @@ class PlacementService:
         await ensure_schema(database_url)
         engine, self.sessions = create_async_db(database_url)
         self.bus = bus = await Bus.connect(self.settings, name="switchyard-placement", role="placement")
+        # Engine ingest (hellos, expert-load windows: wildcard subjects any engine publishes on) has a connection
+        # of its own: a flood there can make the server cut it off as a slow consumer, never the one that
+        # publishes plans, asks layouts and holds the leases.
+        self.ingest = ingest = await Bus.connect(self.settings, name="switchyard-placement-ingest", role="placement")
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
-                await self.fleet.subscribe(bus, telemetry=False)  # hellos say who is alive and owns which GPUs
+                await self.fleet.subscribe(ingest, telemetry=False)  # hellos say who is alive and owns which GPUs
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
                 self.registry = EngineRegistry(self.sessions, self.config.engine_retention_s)
-                await bus.subscribe(bus.subjects.all_hello, Hello, self.registry.on_hello)
+                await ingest.subscribe(bus.subjects.all_hello, Hello, self.registry.on_hello)
                 await self._follow_expert_load()
                 context = CalibrationContext(
                     bus, self.sessions, self.fleet, self.windows, self.policy, self.config.calibration_budget_s
@@ -143,6 +148,7 @@ class PlacementService:
             if self.leases is not None:
                 with contextlib.suppress(Exception):
                     await self.leases.release_all()
+            await ingest.close()
             await bus.close()
             await engine.dispose()
 
@@ -153,7 +159,8 @@ class PlacementService:
         # by sequence but keeps the start time, a config the server refuses (err 10094), so a consumer made
         # by time would stop delivering for good after the first restart.
         first = await first_sequence_since(self.bus, subjects.expert_load_stream, since)
-        subscription = await self.bus.js.subscribe(
+        assert self.ingest is not None
+        subscription = await self.ingest.js.subscribe(
             subjects.all_expert_load,
             stream=subjects.expert_load_stream,
             cb=self._on_expert_load,

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 
 from nats.aio.msg import Msg
@@ -44,6 +45,16 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 1.0
 ANNOUNCE_INTERVAL_S = 1.0
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere): how much of a restart was start-up."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class DecisionSharer:
@@ -235,6 +246,7 @@ class RouterService:
     # ----- lifecycle -----
 
     async def start(self, servers: list[str] | None = None) -> None:
+        t0 = time.monotonic()
         self.bus = bus = await Bus.connect(
             self.settings, name=self.router.replica_id, servers=servers, no_echo=True, role="router"
         )
@@ -245,6 +257,7 @@ class RouterService:
         self.ingest = ingest = await Bus.connect(
             self.settings, name=f"{self.router.replica_id}-ingest", servers=servers, role="router"
         )
+        t1 = time.monotonic()
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)  # no_echo: not our own
@@ -254,6 +267,7 @@ class RouterService:
         ]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout=5)
+        t2 = time.monotonic()
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
         share = self.sharer.idle
         self._serving = [
@@ -261,12 +275,18 @@ class RouterService:
             await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue, idle=share),
         ]
         await bus.nc.flush()
+        t3 = time.monotonic()
+        age = _process_age_s()
         log.info(
-            "router %s serving %s and %s (policy %s)",
+            "router %s serving %s and %s (policy %s); process up %s s (connect %.2f s, artifact %.2f s, serve %.2f s)",
             self.router.replica_id,
             s.route_decode,
             s.route_dp,
             self.router.policy,
+            f"{age:.2f}" if age is not None else "?",
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
         )
 
     async def stop(self) -> None:
