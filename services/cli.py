@@ -13,7 +13,7 @@ import typer
 from switchyard import data as shipped
 
 if TYPE_CHECKING:
-    from switchyard.engine_agents.sim.live import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
     from switchyard.shared.settings import SwitchyardSettings
     from switchyard.solver.signatures import RequestCounts
 
@@ -412,7 +412,7 @@ TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: th
 def _fleet_config(
     name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float, **http: object
 ) -> LiveFleetConfig:
-    from switchyard.engine_agents.sim.live import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
 
     return LiveFleetConfig(
         prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name, **http
@@ -438,7 +438,7 @@ def fleet(
     seed: int = 0,
 ) -> None:
     """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol and OpenAI HTTP)."""
-    from switchyard.engine_agents.sim.processes import run_fleet
+    from switchyard.engine_agents.sim.live.processes import run_fleet
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
@@ -484,7 +484,7 @@ def loadgen(
     On the bus (default) the latencies are the fleet's simulated ones; with --url they are what the HTTP
     clients measured (wall time x --speed), from each request's scheduled send time.
     """
-    from switchyard.engine_agents.sim.processes import run_http_loadgen, run_loadgen
+    from switchyard.engine_agents.sim.live.processes import run_http_loadgen, run_loadgen
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
@@ -684,7 +684,7 @@ def sim(
     """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
     import json
 
-    from switchyard.engine_agents.sim.run import SimOptions, run_sim
+    from switchyard.engine_agents.sim.offline.run import SimOptions, run_sim
 
     opts = SimOptions(
         trace=trace or load_settings().trace(shipped.ESFT),
@@ -761,7 +761,7 @@ def sim_dp(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
-    from switchyard.engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
+    from switchyard.engine_agents.sim.offline.dp_run import DPSimOptions, run_sim_dp
 
     orders = ("fcfs", "sjf-aging") if order == "both" else (order,)
     opts = DPSimOptions(
@@ -821,7 +821,7 @@ def report(
     ] = None,
 ) -> None:
     """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
-    from switchyard.engine_agents.sim.report import SECTIONS, ReportOptions, build_report
+    from switchyard.engine_agents.sim.offline.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
     chosen = tuple(x.strip() for x in sections.split(",") if x.strip()) if sections else SECTIONS

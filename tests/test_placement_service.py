@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.fleet import FleetView
 from switchyard.services.history import add_placement, default_layout, load_layout
 from switchyard.services.migration.service import run_migration

@@ -1,13 +1,13 @@
 """A live simulated xPyD fleet: many simulated MoE engines in one process, on the real bus, in scaled real time.
 
-Each engine runs the simulator's engine model (`engine_agents.sim.engine`) with its physics: a step's
+Each engine runs the simulator's engine model (`engine_agents.sim.core.xpyd_engines`) with its physics: a step's
 duration is computed, slept (divided by `speed`), then its tokens are emitted. Around it, each engine is a
 full protocol peer, exactly as the vLLM agent will be:
 
 - hello / announce / telemetry (`EngineAgent`);
 - decoders publish expert-load windows (JetStream) from the expert selections they replay, a sample of
   finished requests' (prefill signature, decode pattern) pairs for the offline fit (JetStream), and serve
-  `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.migration`): each decoder is its own EP
+  `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.live.migration`): each decoder is its own EP
   group of `gpus_per_decoder` ranks, and its step time follows the experts of the busiest rank, so the
   placement service's per-decoder placements change its speed; while a migration step runs it is slower;
 - prefill engines take requests on `sy.sim.submit.<id>`, prefill them, and at the handoff ask the router
@@ -46,15 +46,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.engine_agents.agent import EngineAgent
-from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from switchyard.engine_agents.sim.experts import rank_masks, token_counts
-from switchyard.engine_agents.sim.http_server import EngineHttpServer, bind
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.engine_agents.sim.openai_wire import BadRequest, ParsedRequest, replay_row
-from switchyard.engine_agents.sim.physics import cost_model
-from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
-from switchyard.engine_agents.sim.scenario import Scenario
-from switchyard.engine_agents.sim.token_stream import TokenStream
+from switchyard.engine_agents.sim.core.experts import rank_masks, token_counts
+from switchyard.engine_agents.sim.core.physics import cost_model
+from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
+from switchyard.engine_agents.sim.live.http_server import EngineHttpServer, bind
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.openai_wire import BadRequest, ParsedRequest, replay_row
+from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
+from switchyard.engine_agents.sim.live.token_stream import TokenStream
+from switchyard.engine_agents.sim.offline.scenario import Scenario
 from switchyard.services.history import default_layout
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError, RemoteError

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchyard.engine_agents.sim.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
-from switchyard.engine_agents.sim.scenario import prepare
-from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.engine_agents.sim.core.workload import load_request_csv
+from switchyard.engine_agents.sim.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
+from switchyard.engine_agents.sim.offline.scenario import prepare
 from switchyard.solver.routing import get_policy
 from switchyard.solver.traces import TraceFormat
 
@@ -101,7 +101,7 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
     if json_path is not None:
         write_json(json_path, payload)
     if out_dir is not None:
-        from switchyard.engine_agents.sim.plots import plot_runs
+        from switchyard.engine_agents.sim.offline.plots import plot_runs
 
         write_json(out_dir / "summary.json", payload)
         write_csv(out_dir / "summary.csv", list(summaries.values()), keys=["policy", "fleet", *SUMMARY_KEYS, "wall_s"])

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.dp_engine import ORDERS
-from switchyard.engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
-from switchyard.engine_agents.sim.metrics import percentile, write_json
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
+from switchyard.engine_agents.sim.core.dp_engine import ORDERS
+from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, load_request_csv
+from switchyard.engine_agents.sim.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
+from switchyard.engine_agents.sim.offline.metrics import percentile, write_json
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]

@@ -35,10 +35,17 @@ from functools import cached_property
 
 import numpy as np
 
-from switchyard.engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTables, MixedEngine, MixedStep, QueueOrder
-from switchyard.engine_agents.sim.experts import ReplayBank
-from switchyard.engine_agents.sim.physics import CostModel
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.core.dp_engine import (
+    ORDERS,
+    DPCost,
+    ExpertLoadTables,
+    MixedEngine,
+    MixedStep,
+    QueueOrder,
+)
+from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.engine_agents.sim.core.physics import CostModel
+from switchyard.engine_agents.sim.core.workload import Workload
 from switchyard.shared.streams import stream
 from switchyard.solver.routing.dispatch import (
     DISPATCH_POLICIES,

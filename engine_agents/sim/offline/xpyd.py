@@ -3,7 +3,7 @@
 A request arrives, is prefilled on one of P prefill engines (round robin or prefix hash), and at the end
 of its prefill the decode policy (`solver.routing`) picks one of D decode engines from a snapshot of the
 fleet; its KV cache then crosses the link (bytes / bandwidth) and it joins that engine's waiting queue.
-Decode engines run continuous batching (`engine_agents.sim.engine`); each decode step replays the current
+Decode engines run continuous batching (`engine_agents.sim.core.xpyd_engines`); each decode step replays the current
 decode token of every running request from a real routing trace, so its cost follows the distinct experts
 the batch selects.
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.physics import CostModel
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.core.physics import CostModel
+from switchyard.engine_agents.sim.core.workload import Workload
+from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.shared.streams import stream
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 

@@ -32,8 +32,8 @@ from typing import Literal
 
 import numpy as np
 
-from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.core.physics import CostModel
 from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 __all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]

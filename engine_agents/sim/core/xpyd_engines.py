@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.experts import ReplayBank, distinct_per_layer, distinct_per_rank
-from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.engine_agents.sim.core.experts import ReplayBank, distinct_per_layer, distinct_per_rank
+from switchyard.engine_agents.sim.core.physics import CostModel
 
 __all__ = ["DecodeEngine", "DecodeStep", "PrefillEngine", "PrefillStep", "StepOutput"]
 
