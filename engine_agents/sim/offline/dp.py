@@ -28,7 +28,6 @@ What each dispatch rule sees (the delays are the real systems'):
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,6 +43,7 @@ from switchyard.engine_agents.sim.core.dp_engine import (
     QueueOrder,
 )
 from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
 from switchyard.engine_agents.sim.core.physics import CostModel
 from switchyard.engine_agents.sim.core.workload import Workload
 from switchyard.shared.streams import stream
@@ -281,13 +281,8 @@ def simulate_dp(
     tokens = np.zeros(n_req, dtype=np.int64)
     steps: list[tuple[int, float, float, int, int, int, int, int]] = []
 
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: int, idx: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, idx))
-        seq += 1
+    loop = EventLoop()
+    push = loop.push
 
     t0 = float(arrival[0]) if n_req else 0.0
     if disp.needs_telemetry:
@@ -342,14 +337,11 @@ def simulate_dp(
             disp.on_finished(i, len(out.finished))
         return len(out.finished)
 
-    next_arrival = 0
     finished = 0
     now = t0
-    while finished < n_req:
-        if next_arrival < n_req and (not heap or arrival[next_arrival] <= heap[0][0]):
-            rid = next_arrival
-            next_arrival += 1
-            now = float(arrival[rid])
+    for now, kind, idx in loop.events(arrival) if n_req else ():  # periodic events never run out
+        if kind == ARRIVAL:
+            rid = idx
             i = disp.choose(now, int(prompt[rid]))
             eng_of[rid] = i
             engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now)
@@ -358,32 +350,32 @@ def simulate_dp(
                     start_global(now)
             elif not engines[i].busy:
                 start_engine(i, now)
+        elif kind == _STEP_END and idx == _GLOBAL:
+            duration = now - global_start
+            for i, p in enumerate(plans):
+                if p is not None:
+                    finished += finish_engine(i, now, duration)
+                    plans[i] = None
+            start_global(now)
+        elif kind == _STEP_END:
+            finished += finish_engine(idx, now, None)
+            start_engine(idx, now)
+        elif kind == _TELEMETRY:
+            e = engines[idx]
+            pressure = e.take_expert_pressure()
+            disp.on_telemetry(idx, now, e.kv_usage, e.remaining_prefill_tokens, e.waiting_prefill_tokens, pressure)
+            push(now + fleet.telemetry_interval_s, _TELEMETRY, idx)
         else:
-            now, _, kind, idx = heapq.heappop(heap)
-            if kind == _STEP_END and idx == _GLOBAL:
-                duration = now - global_start
-                for i, p in enumerate(plans):
-                    if p is not None:
-                        finished += finish_engine(i, now, duration)
-                        plans[i] = None
-                start_global(now)
-            elif kind == _STEP_END:
-                finished += finish_engine(idx, now, None)
-                start_engine(idx, now)
-            elif kind == _TELEMETRY:
-                e = engines[idx]
-                pressure = e.take_expert_pressure()
-                disp.on_telemetry(idx, now, e.kv_usage, e.remaining_prefill_tokens, e.waiting_prefill_tokens, pressure)
-                push(now + fleet.telemetry_interval_s, _TELEMETRY, idx)
-            else:
-                disp.on_coordinator(
-                    np.array([e.num_waiting for e in engines], dtype=np.float64),
-                    np.array([e.num_running for e in engines], dtype=np.float64),
-                    np.array([e.kv_usage for e in engines]),
-                )
-                push(now + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
+            disp.on_coordinator(
+                np.array([e.num_waiting for e in engines], dtype=np.float64),
+                np.array([e.num_running for e in engines], dtype=np.float64),
+                np.array([e.kv_usage for e in engines]),
+            )
+            push(now + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
         if check:
             _check_invariants(engines, eng_of, finish)
+        if finished >= n_req:
+            break
 
     st = np.array(steps, dtype=np.float64).reshape(-1, 8)
     return DPSimResult(
