@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
+from switchyard.engine_agents.sim.core.defaults import (
+    DECODE_MAX_RUNNING,
+    DP_MAX_RUNNING,
+    INFLIGHT_GRACE_S,
+    TOKEN_BUDGET,
+)
 
 if TYPE_CHECKING:
     from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
@@ -674,7 +680,7 @@ def sim(
     model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
     calib_fraction: Annotated[float, typer.Option(help="Share of trace requests kept for the ELDR fit.")] = 0.5,
     prefill_fraction: Annotated[float, typer.Option(help="Prefill share of traces without phases.")] = 0.5,
-    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = 256,
+    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = DECODE_MAX_RUNNING,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
     prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
@@ -745,8 +751,10 @@ def sim_dp(
         Path | None, typer.Option("--trace", help="Routing trace for expert selections (default: ESFT).")
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
-    max_running: Annotated[int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")] = 1024,
-    token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = 8192,
+    max_running: Annotated[
+        int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")
+    ] = DP_MAX_RUNNING,
+    token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = TOKEN_BUDGET,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: what fits).")] = None,
     telemetry_ms: Annotated[
         float, typer.Option(help="Engine telemetry period, ms (in-flight grace: min(50, period/2)).")
@@ -783,7 +791,7 @@ def sim_dp(
         token_budget=token_budget,
         kv_blocks=kv_blocks,
         telemetry_interval_s=telemetry_ms / 1e3,
-        inflight_grace_s=min(0.05, telemetry_ms / 2e3),
+        inflight_grace_s=min(INFLIGHT_GRACE_S, telemetry_ms / 2e3),
         telemetry_aligned=aligned_telemetry,
         inflight_drain_tokens_per_s=inflight_drain,
     )

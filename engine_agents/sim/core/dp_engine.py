@@ -1,20 +1,15 @@
 """A data-parallel (DP) MoE engine that prefills and decodes on the same GPUs, as vLLM V1 schedules it.
 
-Each step serves the running requests first, in admission order: a decoding request needs one token, a
-request still prefilling needs the rest of its prompt, and all of them share a token budget
-(`max_num_batched_tokens`), so a long prompt is chunked over several steps. If the budget is left and no
-request was preempted, waiting requests are admitted in the order of the engine's queue policy — FCFS (vLLM's
-default) or Gimbal's shortest-prefill-first with aging (`solver.routing.dispatch.queue_order`) — while a slot
-(`max_num_seqs`) and KV blocks for their first chunk are free. KV blocks are allocated per chunk (vLLM's
-`allocate_slots`); when the running requests' next tokens do not fit, the most recently admitted request is
-preempted: its blocks are freed, it goes to the front of the queue and recomputes prompt and generated tokens
-when readmitted. The step that computes a request's last missing token samples its next one (its first
-token, at the end of its prefill).
+The scheduling is the core's (`scheduler.Scheduler`): running requests first, in admission order, sharing the
+token budget (`max_num_batched_tokens`), so a long prompt is chunked over several steps; KV blocks allocated per
+chunk, the newest request preempted when they run short; waiting requests admitted in the queue-order hook's
+order — FCFS (vLLM's default) or Gimbal's shortest-prefill-first with aging — while a slot, the budget and KV
+blocks for their first chunk last. This module prices the batch that forms.
 
 Costs come from `physics.CostModel` through `DPCost`: the dense part and attention run on the engine's own
 `tp` GPUs; routed experts are spread over `ep_ranks` GPUs, which are the engine's own (an independent engine)
 or the whole fleet's (vLLM's DP+EP, where every DP engine's MoE layers run in lock-step and the fleet
-combines their tokens; see `dp_fleet`). A step's MoE time uses the distinct experts its tokens select on the
+combines their tokens; see `offline.dp`). A step's MoE time uses the distinct experts its tokens select on the
 busiest EP rank: decode tokens replay real routing-trace tokens, a prefill chunk loads the union of its
 trace request's prefill experts, as the xPyD simulator does.
 
@@ -26,24 +21,18 @@ window since the last report (1 = balanced; the live simulated engine's definiti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
 
 import numpy as np
 
+from switchyard.engine_agents.sim.core.defaults import DP_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
 from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.solver.routing.dispatch import GimbalParams, queue_order
+from switchyard.engine_agents.sim.core.scheduler import ORDERS, QueueOrder, Scheduler
+from switchyard.solver.routing.dispatch import GimbalParams
 
 __all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]
-
-QueueOrder = Literal["fcfs", "sjf-aging"]
-ORDERS: tuple[QueueOrder, ...] = ("fcfs", "sjf-aging")
-
-
-def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -171,96 +160,10 @@ class MixedStepOutput:
     prefill_tokens: int
 
 
-class _Queue:
-    """An engine's waiting requests as numpy columns; service order by FCFS position or Gimbal's SJF-aging."""
-
-    _INT = ("rid", "replay", "prompt", "output", "gen")
-
-    def __init__(self) -> None:
-        cap = 64
-        self.size = 0
-        self.cols: dict[str, np.ndarray] = {name: np.zeros(cap, np.int64) for name in self._INT}
-        self.arrival = np.zeros(cap)
-        self.pos = np.zeros(cap)  # FCFS position: arrivals count up, requeued (preempted) requests go in front
-        self._back = 0
-        self._front = 0
-        self.tokens = 0  # Σ tokens to compute (prompt + generated) over the queue
-
-    def push(self, rid: int, replay: int, prompt: int, output: int, gen: int, arrival: float, front: bool) -> None:
-        if self.size == len(self.arrival):
-            grow = len(self.arrival)
-            for name in self._INT:
-                self.cols[name] = np.concatenate([self.cols[name], np.zeros(grow, np.int64)])
-            self.arrival = np.concatenate([self.arrival, np.zeros(grow)])
-            self.pos = np.concatenate([self.pos, np.zeros(grow)])
-        i = self.size
-        for name, value in zip(self._INT, (rid, replay, prompt, output, gen), strict=True):
-            self.cols[name][i] = value
-        self.arrival[i] = arrival
-        if front:
-            self._front += 1
-            self.pos[i] = -self._front
-        else:
-            self._back += 1
-            self.pos[i] = self._back
-        self.size += 1
-        self.tokens += prompt + gen
-
-    def work(self) -> np.ndarray:
-        """Tokens each waiting request must compute before it samples again (its prefill job size)."""
-        return self.cols["prompt"][: self.size] + self.cols["gen"][: self.size]
-
-    def service_order(self, now: float, order: QueueOrder, params: GimbalParams) -> np.ndarray:
-        """Storage indices in the order the scheduler considers them."""
-        idx = np.argsort(self.pos[: self.size], kind="stable")
-        if order == "fcfs":
-            return idx
-        waited = now - self.arrival[: self.size][idx]
-        return idx[queue_order(self.work()[idx], waited, params)]
-
-    def remove(self, indices: list[int]) -> None:
-        keep = np.ones(self.size, dtype=bool)
-        keep[indices] = False
-        self.tokens -= int(self.work()[~keep].sum())
-        n = int(keep.sum())
-        for name in self._INT:
-            self.cols[name][:n] = self.cols[name][: self.size][keep]
-        self.arrival[:n] = self.arrival[: self.size][keep]
-        self.pos[:n] = self.pos[: self.size][keep]
-        self.size = n
-
-    def ids(self) -> list[int]:
-        return self.cols["rid"][: self.size].tolist()
-
-
-@dataclass
-class _Slots:
-    """Running requests as columns (slot i ↔ index i; the last slot moves into a freed one)."""
-
-    cap: int
-    rid: np.ndarray = field(init=False)
-    replay: np.ndarray = field(init=False)
-    prompt: np.ndarray = field(init=False)
-    output: np.ndarray = field(init=False)
-    gen: np.ndarray = field(init=False)  # tokens generated
-    computed: np.ndarray = field(init=False)  # tokens whose KV is in the cache
-    blocks: np.ndarray = field(init=False)  # KV blocks held
-    order: np.ndarray = field(init=False)  # admission counter: vLLM's running-list order
-    take: np.ndarray = field(init=False)  # tokens scheduled this step
-    arrival: np.ndarray = field(init=False)
-
-    NAMES = ("rid", "replay", "prompt", "output", "gen", "computed", "blocks", "order", "take")
-
-    def __post_init__(self) -> None:
-        for name in self.NAMES:
-            setattr(self, name, np.zeros(self.cap, np.int64))
-        self.arrival = np.zeros(self.cap)
-
-
-class MixedEngine:
+class MixedEngine(Scheduler):
     """One DP engine: continuous batching with chunked prefill over a paged KV cache (see the module docstring).
 
-    Two-phase like `engine.DecodeEngine`: ``plan = begin_step(now)`` schedules a step (None when idle), the
+    Two-phase like `xpyd_engines.DecodeEngine`: ``plan = begin_step(now)`` schedules a step (None when idle), the
     owner waits ``plan.duration`` (or the lock-step duration), then ``end_step(duration)`` emits its tokens.
     Requests added in between wait for the next step.
     """
@@ -270,32 +173,26 @@ class MixedEngine:
         cost: DPCost,
         bank: ReplayBank,
         *,
-        max_running: int = 1024,
-        token_budget: int = 8192,
+        max_running: int = DP_MAX_RUNNING,
+        token_budget: int = TOKEN_BUDGET,
         kv_blocks: int | None = None,
         order: QueueOrder = "fcfs",
         params: GimbalParams | None = None,
         load_tables: ExpertLoadTables | None = None,
     ) -> None:
-        if max_running <= 0 or token_budget <= 0:
-            raise ValueError("max_running and token_budget must be positive")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        super().__init__(
+            bank,
+            cost.cost.block_size,
+            kv_blocks if kv_blocks is not None else cost.kv_capacity_blocks,
+            max_running,
+            token_budget,
+            lookahead=0,
+            order=order,
+            params=params,
+        )
         self.cost = cost
-        self.bank = bank
-        self.block_size = cost.cost.block_size
-        self.kv_blocks = int(kv_blocks if kv_blocks is not None else cost.kv_capacity_blocks)
-        self.max_running = max_running
-        self.token_budget = token_budget
-        self.order: QueueOrder = order
-        self.params = params or GimbalParams()
         self.load_tables = load_tables
         self._bits = bank.decode_bits
-        self._s = _Slots(max_running)
-        self._n = 0
-        self._admit_counter = 0
-        self._used = 0
-        self.queue = _Queue()
         self._busy = False
         self._step_prefill = 0
         self._pending_duration = 0.0
@@ -304,28 +201,10 @@ class MixedEngine:
         self.steps = 0
         self.tokens_out = 0
         self.prompt_tokens = 0  # prefill (and recompute) tokens computed
-        self.preemptions = 0
         self.busy_time = 0.0
         self.max_used_blocks = 0
-        self.aged_admissions = 0  # admitted after waiting longer than the aging threshold
 
     # -- state visible to dispatchers and tests ----------------------------------------------------------
-
-    @property
-    def num_running(self) -> int:
-        return self._n
-
-    @property
-    def num_waiting(self) -> int:
-        return self.queue.size
-
-    @property
-    def used_blocks(self) -> int:
-        return self._used
-
-    @property
-    def kv_usage(self) -> float:
-        return self._used / self.kv_blocks
 
     @property
     def busy(self) -> bool:
@@ -338,24 +217,17 @@ class MixedEngine:
     @property
     def remaining_prefill_tokens(self) -> int:
         """Tokens running requests must still compute before they decode (prompt chunks, recomputation)."""
-        s, n = self._s, self._n
-        need = s.prompt[:n] + s.gen[:n] - s.computed[:n]
-        prefilling = (need > 1) | (s.gen[:n] == 0)
+        n = self._n
+        need = self._prompt[:n] + self._gen[:n] - self._computed[:n]
+        prefilling = (need > 1) | (self._gen[:n] == 0)
         return int(need[prefilling].sum())
 
     def running_ids(self) -> list[int]:
-        return self._s.rid[: self._n].tolist()
-
-    def waiting_ids(self) -> list[int]:
-        return self.queue.ids()
-
-    def has_work(self) -> bool:
-        return self._n > 0 or self.queue.size > 0
+        return self._rid[: self._n].tolist()
 
     def blocks_held(self) -> int:
         """Recount of blocks from the running requests' KV tokens (tests compare it with `used_blocks`)."""
-        s, n = self._s, self._n
-        return int(_ceil_div(s.computed[:n] + s.take[:n], self.block_size).sum())
+        return self._held(self._busy)
 
     def take_expert_pressure(self) -> float:
         """Busiest EP rank's expert load over the mean rank's, mean over layers, since the last call (1 if idle)."""
@@ -368,14 +240,7 @@ class MixedEngine:
 
     def add(self, rid: int, replay: int, prompt_tokens: int, output_tokens: int, arrival: float) -> None:
         """Queue a new request (its prompt must be prefilled here); it generates `output_tokens` (≥ 1) tokens."""
-        if output_tokens < 1 or prompt_tokens < 1:
-            raise ValueError("a request has at least one prompt token and generates at least one token")
-        if _ceil_div(prompt_tokens + output_tokens, self.block_size) > self.kv_blocks:
-            raise ValueError(
-                f"request {rid} needs {prompt_tokens + output_tokens} KV tokens; the engine holds "
-                f"{self.kv_blocks * self.block_size}"
-            )
-        self.queue.push(rid, replay, prompt_tokens, output_tokens, 0, arrival, front=False)
+        self._enqueue(rid, replay, prompt_tokens, output_tokens, arrival, prefilled=False)
 
     # -- one step ----------------------------------------------------------------------------------------
 
@@ -383,29 +248,27 @@ class MixedEngine:
         """Schedule running requests, then admit waiting ones; None when there is nothing to run."""
         if self._busy:
             raise RuntimeError("begin_step called twice without end_step")
-        preempted = self._schedule_running()
-        budget = self.token_budget - int(self._s.take[: self._n].sum())
-        admitted = [] if preempted else self._admit(now, budget)
-        s, n = self._s, self._n
-        take = s.take[:n]
+        preempted, admitted, _ = self._schedule(now)
+        n = self._n
+        take = self._take[:n]
         sched = take > 0
         if not sched.any():
             return None
-        need = s.prompt[:n] + s.gen[:n] - s.computed[:n]
-        decoding = sched & (need == 1) & (s.gen[:n] >= 1)
+        need = self._prompt[:n] + self._gen[:n] - self._computed[:n]
+        decoding = sched & (need == 1) & (self._gen[:n] >= 1)
         prefilling = sched & ~decoding
-        dec_replay = s.replay[:n][decoding]
-        rows = self.bank.decode_start[dec_replay] + s.gen[:n][decoding] % self.bank.decode_len[dec_replay]
-        pre_rows = s.replay[:n][prefilling]
+        dec_replay = self._replay[:n][decoding]
+        rows = self.bank.decode_start[dec_replay] + self._gen[:n][decoding] % self.bank.decode_len[dec_replay]
+        pre_rows = self._replay[:n][prefilling]
         union = np.zeros(self._bits.shape[1:], dtype=np.uint64)
         if len(rows):
             union |= np.bitwise_or.reduce(self._bits[rows], axis=0)
         if len(pre_rows):
             union |= np.bitwise_or.reduce(self.bank.prefill_bits[pre_rows], axis=0)
         chunk = take[prefilling].astype(np.float64)
-        done = s.computed[:n][prefilling].astype(np.float64)
-        ctx = s.computed[:n][sched]
-        pairs = float(s.computed[:n][decoding].sum()) + float((chunk * done + chunk * (chunk + 1) / 2).sum())
+        done = self._computed[:n][prefilling].astype(np.float64)
+        ctx = self._computed[:n][sched]
+        pairs = float(self._computed[:n][decoding].sum()) + float((chunk * done + chunk * (chunk + 1) / 2).sum())
         tokens = int(take.sum())
         nonmoe = self.cost.nonmoe_time(tokens, ctx, pairs)
         duration = nonmoe + self.cost.moe_time(union, tokens)
@@ -436,100 +299,7 @@ class MixedEngine:
         self._busy = False
         self.busy_time += self._pending_duration if duration is None else duration
         self.steps += 1
-        s, n = self._s, self._n
-        s.computed[:n] += s.take[:n]
-        emit = (s.take[:n] > 0) & (s.computed[:n] == s.prompt[:n] + s.gen[:n])
-        s.take[:n] = 0
-        s.gen[:n] += emit
-        self.tokens_out += int(emit.sum())
+        first, finished, tokens = self._complete()
+        self.tokens_out += self._emitted
         self.prompt_tokens += self._step_prefill
-        first = s.rid[:n][emit & (s.gen[:n] == 1)].tolist()
-        done_slots = np.flatnonzero(emit & (s.gen[:n] >= s.output[:n]))
-        finished = s.rid[done_slots].tolist()
-        tokens = s.gen[done_slots].tolist()
-        for slot in sorted(done_slots.tolist(), reverse=True):  # high slots first: moves never touch a done one
-            self._used -= int(s.blocks[slot])
-            self._free_slot(slot)
         return MixedStepOutput(first, finished, tokens, self._step_prefill)
-
-    # -- internals ---------------------------------------------------------------------------------------
-
-    def _free_slot(self, slot: int) -> None:
-        last = self._n - 1
-        s = self._s
-        if slot != last:
-            for name in _Slots.NAMES:
-                col = getattr(s, name)
-                col[slot] = col[last]
-            s.arrival[slot] = s.arrival[last]
-        self._n = last
-
-    def _schedule_running(self) -> list[int]:
-        """Tokens per running request under the budget, in admission order; preempt the newest while KV is short."""
-        preempted: list[int] = []
-        s, bs = self._s, self.block_size
-        while self._n:
-            n = self._n
-            by_age = np.argsort(s.order[:n], kind="stable")
-            need = (s.prompt[:n] + s.gen[:n] - s.computed[:n])[by_age]
-            before = np.cumsum(need) - need
-            take = np.empty(n, np.int64)
-            take[by_age] = np.clip(self.token_budget - before, 0, need)
-            grow = _ceil_div(s.computed[:n] + take, bs) - s.blocks[:n]
-            if int(grow.sum()) <= self.kv_blocks - self._used:
-                s.take[:n] = take
-                s.blocks[:n] += grow
-                self._used += int(grow.sum())
-                return preempted
-            victim = int(by_age[-1])
-            self._used -= int(s.blocks[victim])
-            self.queue.push(
-                int(s.rid[victim]),
-                int(s.replay[victim]),
-                int(s.prompt[victim]),
-                int(s.output[victim]),
-                int(s.gen[victim]),
-                float(s.arrival[victim]),
-                front=True,
-            )
-            preempted.append(int(s.rid[victim]))
-            self.preemptions += 1
-            self._free_slot(victim)
-        return preempted
-
-    def _admit(self, now: float, budget: int) -> list[int]:
-        """Admit waiting requests in queue-policy order while slots, budget and KV blocks for a first chunk last."""
-        q = self.queue
-        if not q.size or self._n >= self.max_running or budget <= 0:
-            return []
-        s, bs = self._s, self.block_size
-        admitted: list[int] = []
-        taken: list[int] = []
-        cols = q.cols
-        for qi in q.service_order(now, self.order, self.params).tolist():
-            if self._n >= self.max_running or budget <= 0:
-                break
-            work = int(cols["prompt"][qi] + cols["gen"][qi])
-            take = min(work, budget)
-            blocks = int(_ceil_div(take, bs))
-            if blocks > self.kv_blocks - self._used:
-                break
-            i = self._n
-            for name in ("rid", "replay", "prompt", "output", "gen"):
-                getattr(s, name)[i] = cols[name][qi]
-            s.computed[i] = 0
-            s.blocks[i] = blocks
-            s.take[i] = take
-            s.order[i] = self._admit_counter
-            s.arrival[i] = q.arrival[qi]
-            self._admit_counter += 1
-            self._used += blocks
-            self._n += 1
-            budget -= take
-            if now - q.arrival[qi] > self.params.age_threshold_s:
-                self.aged_admissions += 1
-            admitted.append(int(cols["rid"][qi]))
-            taken.append(qi)
-        if taken:
-            q.remove(taken)
-        return admitted

@@ -46,6 +46,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.engine_agents.agent import EngineAgent
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TELEMETRY_INTERVAL_S, TOKEN_BUDGET
 from switchyard.engine_agents.sim.core.experts import rank_masks, token_counts
 from switchyard.engine_agents.sim.core.physics import cost_model
 from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
@@ -85,9 +86,9 @@ class LiveFleetConfig:
     gpu: str = "H100"
     #: Simulated seconds per wall second (0.5: half speed, for slow machines).
     speed: float = 1.0
-    max_running: int = 256
-    prefill_token_budget: int = 8192
-    telemetry_interval_s: float = 0.1
+    max_running: int = DECODE_MAX_RUNNING
+    prefill_token_budget: int = TOKEN_BUDGET
+    telemetry_interval_s: float = TELEMETRY_INTERVAL_S
     hello_interval_s: float = 5.0
     load_window_s: float = 2.0
     #: Fraction of finished requests published as calibration samples.

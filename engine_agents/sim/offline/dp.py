@@ -34,6 +34,13 @@ from functools import cached_property
 
 import numpy as np
 
+from switchyard.engine_agents.sim.core.defaults import (
+    COORDINATOR_INTERVAL_S,
+    DP_MAX_RUNNING,
+    INFLIGHT_GRACE_S,
+    TELEMETRY_INTERVAL_S,
+    TOKEN_BUDGET,
+)
 from switchyard.engine_agents.sim.core.dp_engine import (
     ORDERS,
     DPCost,
@@ -71,12 +78,12 @@ class DPFleetConfig:
     engines: int
     cost: CostModel
     coupled: bool = True
-    max_running: int = 1024  # vLLM max_num_seqs default for the API server on GPUs with >= 70 GiB
-    token_budget: int = 8192  # vLLM max_num_batched_tokens default, same condition
+    max_running: int = DP_MAX_RUNNING
+    token_budget: int = TOKEN_BUDGET
     kv_blocks: int | None = None  # per engine; default: what the weights leave
-    telemetry_interval_s: float = 0.1  # bus contract: sy.engine.<id>.telemetry ~every 100 ms
-    coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
-    inflight_grace_s: float = 0.05  # router default SWITCHYARD_ROUTER_INFLIGHT_GRACE_S
+    telemetry_interval_s: float = TELEMETRY_INTERVAL_S
+    coordinator_interval_s: float = COORDINATOR_INTERVAL_S
+    inflight_grace_s: float = INFLIGHT_GRACE_S
     telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
     #: Experiment: a decision's tokens stop counting as in flight as fast as an engine could prefill them
     #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.

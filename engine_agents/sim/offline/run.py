@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING
 from switchyard.engine_agents.sim.core.workload import load_request_csv
 from switchyard.engine_agents.sim.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
 from switchyard.engine_agents.sim.offline.scenario import prepare
@@ -32,7 +33,7 @@ class SimOptions:
     model: str | None = None
     calib_fraction: float = 0.5
     prefill_fraction: float = 0.5
-    max_running: int = 256
+    max_running: int = DECODE_MAX_RUNNING
     kv_blocks: int | None = None
     prefill_policy: str = "rr"
     progress: bool = True

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
 from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
 from switchyard.engine_agents.sim.core.physics import CostModel
@@ -38,9 +39,9 @@ class FleetConfig:
     prefill: int
     decode: int
     cost: CostModel
-    max_running: int = 256  # vLLM max_num_seqs default
+    max_running: int = DECODE_MAX_RUNNING
     kv_blocks: int | None = None  # per decode engine; default: what fits beside the weights
-    prefill_token_budget: int = 8192  # vLLM max_num_batched_tokens
+    prefill_token_budget: int = TOKEN_BUDGET
     prefill_policy: str = "rr"  # "rr" | "hash" (prefix hash of the replayed trace request)
 
     def __post_init__(self) -> None:
