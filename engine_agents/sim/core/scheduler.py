@@ -22,8 +22,8 @@ in O(1), and finishes are known at admission (a request admitted at step s with 
 step s + r − 1). The scheduling decisions are the general path's, step for step (`tests/test_sim_core.py`
 runs both); only the bookkeeping differs.
 
-The engines (`xpyd_engines.DecodeEngine`, `dp_engine.MixedEngine`) subclass `Scheduler` and price the
-batch it forms with their physics.
+The engines (`xpyd_engines.DecodeEngine` and `PrefillEngine`, `dp_engine.MixedEngine`) subclass `Scheduler`
+and price the batch it forms with their physics.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class Scheduler:
     def _schedule(self, now: float) -> tuple[list[int], list[int], int]:
         """(preempted, admitted, recomputed tokens of the admitted): the batch is slots ``0 … n-1``."""
         preempted = self._grow_fast() if self.fast else self._schedule_running()
-        if preempted:
+        if preempted or not self.queue.size or self._n >= self.max_running:  # nothing to admit (most steps)
             return preempted, [], 0
         budget = self.token_budget if self.fast else self.token_budget - int(self._take[: self._n].sum())
         return [], *self._admit(now, budget)
@@ -402,6 +402,8 @@ class Scheduler:
         self._emitted = int(emit.sum())
         first = self._rid[:n][emit & (gen == 1)].tolist()
         done_slots = np.flatnonzero(emit & (gen >= self._output[:n]))
+        if len(done_slots) > 1:  # report them in admission order (a prefill engine hands off in FCFS order)
+            done_slots = done_slots[np.argsort(self._order[done_slots], kind="stable")]
         finished = self._rid[done_slots].tolist()
         tokens = self._gen[done_slots].tolist()
         for slot in sorted(done_slots.tolist(), reverse=True):  # high slots first: moves never touch a done one

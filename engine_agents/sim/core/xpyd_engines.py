@@ -21,15 +21,14 @@ batch's current decode tokens select, taken from a `ReplayBank` (real routing tr
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.engine_agents.sim.core.experts import ReplayBank, distinct_per_layer, distinct_per_rank
 from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.scheduler import Scheduler
+from switchyard.engine_agents.sim.core.scheduler import UNBOUNDED, Scheduler
 
 __all__ = ["DecodeEngine", "DecodeStep", "PrefillEngine", "PrefillStep", "StepOutput"]
 
@@ -163,7 +162,7 @@ class DecodeEngine(Scheduler):
             raise RuntimeError("end_step without begin_step")
         self._busy = False
         n = self._step_n
-        first, finished, tokens = self._complete()
+        first, finished, tokens = self._complete_fast() if self.fast else self._complete()
         self.steps += 1
         self.tokens_out += n
         return StepOutput(n, first, finished, tokens)
@@ -176,32 +175,30 @@ class PrefillStep:
     distinct: np.ndarray
 
 
-@dataclass
-class _Prompt:
-    rid: int
-    replay: int
-    tokens: int
-    done: int = 0
+class PrefillEngine(Scheduler):
+    """A prefill engine: the core scheduler with FCFS chunked prefill, `token_budget` prompt tokens per step.
 
-
-@dataclass
-class PrefillEngine:
-    """A prefill engine: FCFS chunked prefill, `token_budget` prompt tokens per step.
-
-    A step's distinct experts per layer are the union of its requests' prefill-token selections from the
-    replay bank (each request's whole prefill, whichever chunk runs: long prompts load nearly every expert
-    in any case). Its KV is held until the transfer to the decoder; prefill-side KV capacity is not modelled.
+    Each request leaves with the token its last chunk samples (a vLLM prefill instance in P/D serves one
+    token), in arrival order. A step's distinct experts per layer are the union of its requests'
+    prefill-token selections from the replay bank (each request's whole prefill, whichever chunk runs: long
+    prompts load nearly every expert in any case). Its KV is held until the transfer to the decoder;
+    prefill-side KV capacity is not modelled (no KV limit, so no preemption). At most one request is partly
+    prefilled at a time, so `token_budget` slots never bind.
     """
 
-    cost: CostModel
-    bank: ReplayBank
-    token_budget: int = TOKEN_BUDGET
-    rank_masks: np.ndarray | None = None
-    queue: deque[_Prompt] = field(default_factory=deque)
-    _step: list[tuple[_Prompt, int]] = field(default_factory=list)
-    _busy: bool = False
-    steps: int = 0
-    busy_time: float = 0.0
+    def __init__(
+        self,
+        cost: CostModel,
+        bank: ReplayBank,
+        token_budget: int = TOKEN_BUDGET,
+        rank_masks: np.ndarray | None = None,
+    ) -> None:
+        super().__init__(bank, cost.block_size, UNBOUNDED, max_running=token_budget, token_budget=token_budget)
+        self.cost = cost
+        self.rank_masks = rank_masks
+        self._busy = False
+        self.steps = 0
+        self.busy_time = 0.0
 
     @property
     def busy(self) -> bool:
@@ -209,55 +206,49 @@ class PrefillEngine:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(p.tokens - p.done for p in self.queue)
+        """Prompt tokens not yet prefilled, running (partly prefilled) and waiting requests together."""
+        n = self._n
+        return int((self._prompt[:n] - self._computed[:n]).sum()) + self.queue.tokens
 
-    def has_work(self) -> bool:
-        return bool(self.queue)
+    @property
+    def pending(self) -> int:
+        """Prompts not yet fully prefilled."""
+        return self._n + self.queue.size
 
     def add(self, rid: int, replay: int, prompt_tokens: int) -> None:
         if prompt_tokens < 1:
             raise ValueError("a prompt has at least one token")
-        self.queue.append(_Prompt(rid, replay, prompt_tokens))
+        self._enqueue(rid, replay, prompt_tokens, 1, 0.0, prefilled=False)
 
     def begin_step(self) -> PrefillStep | None:
         if self._busy:
             raise RuntimeError("begin_step called twice without end_step")
-        budget = self.token_budget
-        chunk: list[tuple[_Prompt, int]] = []
-        pairs = 0.0
-        for p in self.queue:
-            if budget <= 0:
-                break
-            take = min(budget, p.tokens - p.done)
-            chunk.append((p, take))
-            # causal attention of `take` new queries over `done` cached + the new tokens themselves
-            pairs += take * p.done + take * (take + 1) / 2
-            budget -= take
-        if not chunk:
+        self._schedule(0.0)
+        n = self._n
+        take = self._take[:n]
+        sched = take > 0
+        if not sched.any():
             return None
-        tokens = self.token_budget - budget
-        replays = np.fromiter((p.replay for p, _ in chunk), dtype=np.int64, count=len(chunk))
-        bits = self.bank.prefill_bits[replays]
+        chunk = take[sched]
+        done = self._computed[:n][sched]
+        # causal attention of `take` new queries over `done` cached + the new tokens themselves
+        pairs = float(int((chunk * done).sum()) + (chunk * (chunk + 1) / 2).sum())
+        tokens = int(chunk.sum())
+        bits = self.bank.prefill_bits[self._replay[:n][sched]]
         if self.rank_masks is None:
             distinct = distinct_per_layer(bits)
         else:
             distinct = distinct_per_rank(bits, self.rank_masks).max(axis=0)
         duration = self.cost.prefill_time(distinct, tokens, pairs)
-        self._step = chunk
         self._busy = True
         self.busy_time += duration
         return PrefillStep(duration=duration, tokens=tokens, distinct=distinct)
 
     def end_step(self) -> np.ndarray:
-        """Advance the step's prompts; returns the ids whose prefill completed."""
+        """Advance the step's prompts; returns the ids whose prefill completed, in arrival order."""
         if not self._busy:
             raise RuntimeError("end_step without begin_step")
         self._busy = False
         self.steps += 1
-        done: list[int] = []
-        for p, take in self._step:
-            p.done += take
-        while self.queue and self.queue[0].done >= self.queue[0].tokens:
-            done.append(self.queue.popleft().rid)
-        self._step = []
-        return np.asarray(done, dtype=np.int64) if done else _EMPTY
+        _, finished, _ = self._complete()
+        return np.asarray(finished, dtype=np.int64) if finished else _EMPTY

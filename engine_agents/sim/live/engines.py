@@ -378,7 +378,7 @@ class LivePrefill(_Engine):
         return {
             "kv_usage": 0.0,
             "num_running": int(self.engine.busy),
-            "num_waiting": len(self.engine.queue),
+            "num_waiting": self.engine.pending,
             "waiting_prefill_tokens": queued,
             "remaining_prefill_tokens": 0,
             "step_time_ema": self.step_time_ema,
