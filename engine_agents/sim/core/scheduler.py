@@ -44,6 +44,9 @@ ORDERS: tuple[QueueOrder, ...] = ("fcfs", "sjf-aging")
 UNBOUNDED = 1 << 62
 
 
+_sum = np.add.reduce  # ndarray.sum without its Python wrapper (the general path runs on small arrays)
+
+
 def ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
     return -(-a // b)
 
@@ -81,8 +84,13 @@ class WaitingQueue:
             self.arrival = np.concatenate([self.arrival, np.zeros(grow)])
             self.pos = np.concatenate([self.pos, np.zeros(grow)])
         i = self.size
-        for name, value in zip(self._INT, (rid, replay, prompt, output, gen, prefilled), strict=True):
-            self.cols[name][i] = value
+        c = self.cols
+        c["rid"][i] = rid
+        c["replay"][i] = replay
+        c["prompt"][i] = prompt
+        c["output"][i] = output
+        c["gen"][i] = gen
+        c["prefilled"][i] = prefilled
         self.arrival[i] = arrival
         if front:
             self._front += 1
@@ -108,6 +116,10 @@ class WaitingQueue:
         return idx[queue_order(self.work()[idx], waited, params)]
 
     def remove(self, indices: list[int]) -> None:
+        if len(indices) == self.size:  # the whole queue was admitted (the common case)
+            self.size = 0
+            self.tokens = 0
+            return
         keep = np.ones(self.size, dtype=bool)
         keep[indices] = False
         self.tokens -= int(self.work()[~keep].sum())
@@ -122,7 +134,7 @@ class WaitingQueue:
         return self.cols["rid"][: self.size].tolist()
 
 
-#: Running-slot columns (rows of one int64 array, so that freeing a slot moves every field in one copy).
+#: Running-slot columns (int64; `_arrival` is a float column beside them).
 _FIELDS = (
     "rid",
     "replay",
@@ -168,10 +180,13 @@ class Scheduler:
         self.params = params or GimbalParams()
         #: The O(1) bookkeeping of uniform growth (see the module docstring); tests turn it off to compare.
         self.fast = token_budget is None
-        self._cols = np.zeros((len(_FIELDS), max_running), np.int64)
-        for k, name in enumerate(_FIELDS):
-            setattr(self, f"_{name}", self._cols[k])
-        self._arrival = np.zeros(max_running)
+        # one array per field (numpy is measurably slower on row views of a 2-D array, and the step loop is hot)
+        self._columns: tuple[np.ndarray, ...] = (
+            *(np.zeros(max_running, np.int64) for _ in _FIELDS),
+            np.zeros(max_running),
+        )
+        for name, col in zip((*_FIELDS, "arrival"), self._columns, strict=True):
+            setattr(self, f"_{name}", col)
         self._slot_of: dict[int, int] = {}
         self._n = 0
         self._admit_counter = 0
@@ -258,10 +273,16 @@ class Scheduler:
 
     def _schedule(self, now: float) -> tuple[list[int], list[int], int]:
         """(preempted, admitted, recomputed tokens of the admitted): the batch is slots ``0 … n-1``."""
-        preempted = self._grow_fast() if self.fast else self._schedule_running()
+        if not self.fast:
+            preempted = self._schedule_running()
+        elif self._n and self._phase_count[self._step_index % self.block_size] <= self.kv_blocks - self._used:
+            self._used += self._phase_count[self._step_index % self.block_size]  # room for every next token
+            preempted = []
+        else:
+            preempted = self._grow_fast()
         if preempted or not self.queue.size or self._n >= self.max_running:  # nothing to admit (most steps)
             return preempted, [], 0
-        budget = self.token_budget if self.fast else self.token_budget - int(self._take[: self._n].sum())
+        budget = self.token_budget if self.fast else self.token_budget - int(_sum(self._take[: self._n]))
         return [], *self._admit(now, budget)
 
     def _requeue(self, slot: int) -> int:
@@ -292,10 +313,11 @@ class Scheduler:
             take = np.empty(n, np.int64)
             take[by_age] = np.clip(self.token_budget - before, 0, need)
             grow = ceil_div(self._computed[:n] + take + la, bs) - self._blocks[:n]
-            if int(grow.sum()) <= self.kv_blocks - self._used:
+            more = int(_sum(grow))
+            if more <= self.kv_blocks - self._used:
                 self._take[:n] = take
                 self._blocks[:n] += grow
-                self._used += int(grow.sum())
+                self._used += more
                 return preempted
             victim = int(by_age[-1])
             self._used -= int(self._blocks[victim])
@@ -333,7 +355,7 @@ class Scheduler:
         taken: list[int] = []
         recompute = 0
         cols = q.cols
-        for qi in q.service_order(now, self.order, self.params).tolist():
+        for qi in [0] if q.size == 1 else q.service_order(now, self.order, self.params).tolist():
             if self._n >= self.max_running or budget <= 0:
                 break
             prompt, gen = int(cols["prompt"][qi]), int(cols["gen"][qi])
@@ -399,7 +421,7 @@ class Scheduler:
         emit = (take > 0) & (computed == self._prompt[:n] + gen)
         take[:] = 0
         gen += emit
-        self._emitted = int(emit.sum())
+        self._emitted = np.count_nonzero(emit)
         first = self._rid[:n][emit & (gen == 1)].tolist()
         done_slots = np.flatnonzero(emit & (gen >= self._output[:n]))
         if len(done_slots) > 1:  # report them in admission order (a prefill engine hands off in FCFS order)
@@ -440,7 +462,7 @@ class Scheduler:
         last = self._n - 1
         del self._slot_of[int(self._rid[slot])]
         if slot != last:
-            self._cols[:, slot] = self._cols[:, last]
-            self._arrival[slot] = self._arrival[last]
+            for col in self._columns:
+                col[slot] = col[last]
             self._slot_of[int(self._rid[slot])] = slot
         self._n = last

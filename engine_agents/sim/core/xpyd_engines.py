@@ -227,13 +227,13 @@ class PrefillEngine(Scheduler):
         n = self._n
         take = self._take[:n]
         sched = take > 0
-        if not sched.any():
+        if not np.count_nonzero(sched):
             return None
         chunk = take[sched]
         done = self._computed[:n][sched]
         # causal attention of `take` new queries over `done` cached + the new tokens themselves
-        pairs = float(int((chunk * done).sum()) + (chunk * (chunk + 1) / 2).sum())
-        tokens = int(chunk.sum())
+        pairs = float(int(np.add.reduce(chunk * done)) + np.add.reduce(chunk * (chunk + 1) / 2))
+        tokens = int(np.add.reduce(chunk))
         bits = self.bank.prefill_bits[self._replay[:n][sched]]
         if self.rank_masks is None:
             distinct = distinct_per_layer(bits)
