@@ -207,8 +207,8 @@ class Chaos:
 
     async def _publish_artifact(self) -> None:
         from switchyard import data as shipped
-        from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-        from switchyard.engine_agents.sim.scenario import prepare
+        from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+        from switchyard.engine_agents.sim.offline.scenario import prepare
         from switchyard.services.artifacts import publish_artifact
         from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
@@ -294,7 +294,7 @@ class Chaos:
     # ----- load, probes, telemetry -----
 
     async def _watch(self) -> None:
-        from switchyard.engine_agents.sim.protocol import SimCompleted
+        from switchyard.engine_agents.sim.live.protocol import SimCompleted
         from switchyard.shared.schemas import Telemetry
 
         def on_telemetry(t: Telemetry, _msg: object) -> None:
@@ -307,7 +307,7 @@ class Chaos:
         await self.bus.subscribe(self.bus.subjects.sim_completed, SimCompleted, on_done)
 
     async def _load(self) -> None:
-        from switchyard.engine_agents.sim.protocol import SimSubmit
+        from switchyard.engine_agents.sim.live.protocol import SimSubmit
         from switchyard.shared.codec import encode
 
         w = self.scenario.workload(4096, seed=self.o.seed + 1, rate=self.o.rate, max_tokens=self.max_tokens)

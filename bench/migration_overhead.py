@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.migration.planner import plan_steps
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings

@@ -11,10 +11,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
+from switchyard.engine_agents.sim.core.defaults import (
+    DECODE_MAX_RUNNING,
+    DP_MAX_RUNNING,
+    INFLIGHT_GRACE_S,
+    TOKEN_BUDGET,
+)
 from switchyard.shared import placement_terms
 
 if TYPE_CHECKING:
-    from switchyard.engine_agents.sim.live import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
     from switchyard.shared.settings import SwitchyardSettings
     from switchyard.solver.signatures import RequestCounts
 
@@ -422,7 +428,7 @@ TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: th
 def _fleet_config(
     name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float, **http: object
 ) -> LiveFleetConfig:
-    from switchyard.engine_agents.sim.live import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
 
     return LiveFleetConfig(
         prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name, **http
@@ -448,7 +454,7 @@ def fleet(
     seed: int = 0,
 ) -> None:
     """Run a live simulated xPyD fleet on the bus (the engines speak the vLLM agent's protocol and OpenAI HTTP)."""
-    from switchyard.engine_agents.sim.processes import run_fleet
+    from switchyard.engine_agents.sim.live.processes import run_fleet
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
@@ -494,7 +500,7 @@ def loadgen(
     On the bus (default) the latencies are the fleet's simulated ones; with --url they are what the HTTP
     clients measured (wall time x --speed), from each request's scheduled send time.
     """
-    from switchyard.engine_agents.sim.processes import run_http_loadgen, run_loadgen
+    from switchyard.engine_agents.sim.live.processes import run_http_loadgen, run_loadgen
     from switchyard.services.runtime import run_until_signalled
 
     settings = load_settings(nats_url)
@@ -696,7 +702,7 @@ def sim(
     model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
     calib_fraction: Annotated[float, typer.Option(help="Share of trace requests kept for the ELDR fit.")] = 0.5,
     prefill_fraction: Annotated[float, typer.Option(help="Prefill share of traces without phases.")] = 0.5,
-    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = 256,
+    max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = DECODE_MAX_RUNNING,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
     prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
@@ -706,7 +712,7 @@ def sim(
     """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
     import json
 
-    from switchyard.engine_agents.sim.run import SimOptions, run_sim
+    from switchyard.engine_agents.sim.offline.run import SimOptions, run_sim
 
     opts = SimOptions(
         trace=trace or load_settings().trace(shipped.ESFT),
@@ -767,8 +773,10 @@ def sim_dp(
         Path | None, typer.Option("--trace", help="Routing trace for expert selections (default: ESFT).")
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model preset (default: the trace's shape).")] = None,
-    max_running: Annotated[int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")] = 1024,
-    token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = 8192,
+    max_running: Annotated[
+        int, typer.Option(help="Max running requests per engine (vLLM max_num_seqs).")
+    ] = DP_MAX_RUNNING,
+    token_budget: Annotated[int, typer.Option(help="Tokens per step (vLLM max_num_batched_tokens).")] = TOKEN_BUDGET,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: what fits).")] = None,
     telemetry_ms: Annotated[
         float, typer.Option(help="Engine telemetry period, ms (in-flight grace: min(50, period/2)).")
@@ -783,7 +791,7 @@ def sim_dp(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
-    from switchyard.engine_agents.sim.dp_run import DPSimOptions, run_sim_dp
+    from switchyard.engine_agents.sim.offline.dp_run import DPSimOptions, run_sim_dp
 
     orders = ("fcfs", "sjf-aging") if order == "both" else (order,)
     opts = DPSimOptions(
@@ -805,7 +813,7 @@ def sim_dp(
         token_budget=token_budget,
         kv_blocks=kv_blocks,
         telemetry_interval_s=telemetry_ms / 1e3,
-        inflight_grace_s=min(0.05, telemetry_ms / 2e3),
+        inflight_grace_s=min(INFLIGHT_GRACE_S, telemetry_ms / 2e3),
         telemetry_aligned=aligned_telemetry,
         inflight_drain_tokens_per_s=inflight_drain,
     )
@@ -843,7 +851,7 @@ def report(
     ] = None,
 ) -> None:
     """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
-    from switchyard.engine_agents.sim.report import SECTIONS, ReportOptions, build_report
+    from switchyard.engine_agents.sim.offline.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
     chosen = tuple(x.strip() for x in sections.split(",") if x.strip()) if sections else SECTIONS

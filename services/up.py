@@ -7,10 +7,10 @@ under the data dir, then:
    bucket already holds one for this fleet's decoders (file, database row and KV bucket, as `switchyard fit`);
 2. starts the router, placement, migration and API services (each also deployable alone: `switchyard router`,
    `placement`, `migration`, `api`);
-3. starts a live simulated xPyD fleet (`engine_agents.sim.live`) replaying the trace's held-out requests,
+3. starts a live simulated xPyD fleet (`engine_agents.sim.live.engines`) replaying the trace's held-out requests,
    each engine serving OpenAI HTTP, and `switchyard gateway` in front of it (a child process, port 8000 by
    default); a load generator replays the Azure conversation trace for `--duration` seconds as HTTP clients
-   of the gateway (`engine_agents.sim.http_loadgen`), so every request takes the path a real fleet's do:
+   of the gateway (`engine_agents.sim.live.http_loadgen`), so every request takes the path a real fleet's do:
    gateway -> prefill engine -> `sy.route.decode` (ELDR) -> decoder -> streamed back. `--no-gateway` sends
    the load on the bus instead (`sy.sim.submit`), the prefill engines handing off themselves;
 4. shows a live table of per-engine load (from the engines' telemetry on the bus) and running TTFT/TPOT,
@@ -37,12 +37,12 @@ from rich.table import Table
 from sqlalchemy import func, select
 
 from switchyard import data as shipped
-from switchyard.engine_agents.sim.http_loadgen import ClientStats, HttpLoadGenerator
-from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from switchyard.engine_agents.sim.loadgen import Completions, LoadGenerator
-from switchyard.engine_agents.sim.protocol import SimCompleted
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.engine_agents.sim.core.workload import load_request_csv
+from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.live.http_loadgen import ClientStats, HttpLoadGenerator
+from switchyard.engine_agents.sim.live.loadgen import Completions, LoadGenerator
+from switchyard.engine_agents.sim.live.protocol import SimCompleted
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from switchyard.engine_agents.sim.migration import ExpertLoadWindow
+from switchyard.engine_agents.sim.live.migration import ExpertLoadWindow
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
 

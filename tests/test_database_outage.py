@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.migration.service import run_migration

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.engine_agents.sim.dp_engine import DPCost, MixedEngine
-from switchyard.engine_agents.sim.dp_fleet import Dispatcher, DPFleetConfig, simulate_dp
-from switchyard.engine_agents.sim.dp_run import prompt_throughput_gap, summarize_dp, trace_window
-from switchyard.engine_agents.sim.physics import cost_model
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.workload import Workload, load_request_csv
+from switchyard.engine_agents.sim.core.dp_engine import DPCost, MixedEngine
+from switchyard.engine_agents.sim.core.physics import cost_model
+from switchyard.engine_agents.sim.core.workload import Workload, load_request_csv
+from switchyard.engine_agents.sim.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
+from switchyard.engine_agents.sim.offline.dp_run import prompt_throughput_gap, summarize_dp, trace_window
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.cli import app
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
 from tests.conftest import SHIPPED_DATA

@@ -16,10 +16,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.fleet import FleetConfig, simulate
-from switchyard.engine_agents.sim.metrics import summarize
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.workload import Workload, load_request_csv
+from switchyard.engine_agents.sim.core.workload import Workload, load_request_csv
+from switchyard.engine_agents.sim.offline.metrics import summarize
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.offline.xpyd import FleetConfig, simulate
 from switchyard.shared.streams import stream
 from switchyard.shared.trace_files import load_trace
 from switchyard.solver.eldr_fit import fit_routing_artifact

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from nats.errors import MaxPayloadError
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.migration.service import run_migration
 from switchyard.services.placement import service as placement_service
 from switchyard.services.placement.settings import PlacementSettings

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from switchyard.engine_agents.sim.loadgen import LoadGenerator
-from switchyard.engine_agents.sim.migration import MigrationCost
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
+from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.live.migration import MigrationCost
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus

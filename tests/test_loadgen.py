@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 
-from switchyard.engine_agents.sim.loadgen import LoadGenerator
-from switchyard.engine_agents.sim.protocol import SimSubmit
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.core.workload import Workload
+from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.live.protocol import SimSubmit
 from switchyard.shared.bus import Bus
 
 

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.migration.service import record_plan, run_migration
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus, rejected_count

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, MigrationMove, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings

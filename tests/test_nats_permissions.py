@@ -484,7 +484,7 @@ async def test_without_a_manifest_an_engine_cannot_take_a_live_groups_coordinato
     subjects), but a hello naming a live group's rank-0 place, held by e1, made d0 that group's coordinator (it
     sorts first on the tie): the plan's steps went to d0, the migration was marked succeeded and e1 never moved
     an expert. A live engine's place is now its own: the forged hello is refused and counted, the steps go to e1."""
-    from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+    from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
     from switchyard.services.fleet_view import UNBOUND_HELLOS
     from switchyard.services.migration.service import MigrationService
     from switchyard.services.migration.settings import MigrationSettings

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import add_placement, load_layout
 from switchyard.services.migration.service import run_migration

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from switchyard.engine_agents.sim.experts import (
+from switchyard.engine_agents.sim.core.experts import (
     ReplayBank,
     distinct_per_layer,
     distinct_per_rank,
@@ -14,7 +13,8 @@ from switchyard.engine_agents.sim.experts import (
     rank_masks,
     token_counts,
 )
-from switchyard.engine_agents.sim.physics import cost_model
+from switchyard.engine_agents.sim.core.physics import cost_model
+from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.shared.routing_trace import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from switchyard.engine_agents.sim.http_loadgen import HttpLoadGenerator
-from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from switchyard.engine_agents.sim.loadgen import LoadGenerator
-from switchyard.engine_agents.sim.migration import MigrationCost
-from switchyard.engine_agents.sim.openai_wire import BadRequest, count_text_tokens, parse_request, replay_row
-from switchyard.engine_agents.sim.protocol import SimCompleted
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.token_stream import TokenStream
+from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.live.http_loadgen import HttpLoadGenerator
+from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.live.migration import MigrationCost
+from switchyard.engine_agents.sim.live.openai_wire import BadRequest, count_text_tokens, parse_request, replay_row
+from switchyard.engine_agents.sim.live.protocol import SimCompleted
+from switchyard.engine_agents.sim.live.token_stream import TokenStream
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.service import RouterService

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.migration import (
+from switchyard.engine_agents.sim.live.migration import (
     ExpertLoadWindow,
     MigrationCost,
     SimExpertGroup,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from switchyard.engine_agents.sim.experts import ReplayBank
-from switchyard.engine_agents.sim.physics import CostModel
+from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.engine_agents.sim.core.physics import CostModel
 from switchyard.shared.streams import stream
 
 __all__ = ["batch_distinct", "moe_layer_grid"]

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
-from switchyard.engine_agents.sim.workload import Workload, paced_arrivals
+from switchyard.engine_agents.sim.core.workload import Workload, paced_arrivals
+from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
 from switchyard.shared.bus import Bus
 
 

@@ -24,12 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.dp_engine import ORDERS
-from switchyard.engine_agents.sim.dp_fleet import DPFleetConfig, DPSimResult, simulate_dp
-from switchyard.engine_agents.sim.metrics import percentile, write_json
-from switchyard.engine_agents.sim.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.workload import RequestTrace, Workload, load_request_csv
-from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
+from switchyard.engine_agents.sim.core.defaults import (
+    DP_MAX_RUNNING,
+    INFLIGHT_GRACE_S,
+    TELEMETRY_INTERVAL_S,
+    TOKEN_BUDGET,
+)
+from switchyard.engine_agents.sim.core.dp_engine import ORDERS
+from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, load_request_csv
+from switchyard.engine_agents.sim.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
+from switchyard.engine_agents.sim.offline.metrics import percentile, write_json
+from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
@@ -149,12 +154,12 @@ class DPSimOptions:
     gpu: str = "H100"
     model: str | None = None
     prefill_fraction: float = 0.5
-    max_running: int = 1024
-    token_budget: int = 8192
+    max_running: int = DP_MAX_RUNNING
+    token_budget: int = TOKEN_BUDGET
     kv_blocks: int | None = None
     window_s: float = 10.0
-    telemetry_interval_s: float = 0.1
-    inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S
+    telemetry_interval_s: float = TELEMETRY_INTERVAL_S
+    inflight_grace_s: float = INFLIGHT_GRACE_S
     telemetry_aligned: bool = False
     inflight_drain_tokens_per_s: float = 0.0
 

@@ -12,11 +12,11 @@ import contextlib
 import logging
 from pathlib import Path
 
-from switchyard.engine_agents.sim.http_loadgen import HttpLoadGenerator
-from switchyard.engine_agents.sim.live import LiveFleet, LiveFleetConfig
-from switchyard.engine_agents.sim.loadgen import LoadGenerator
-from switchyard.engine_agents.sim.scenario import prepare
-from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.engine_agents.sim.core.workload import load_request_csv
+from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+from switchyard.engine_agents.sim.live.http_loadgen import HttpLoadGenerator
+from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
+from switchyard.engine_agents.sim.offline.scenario import prepare
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
 

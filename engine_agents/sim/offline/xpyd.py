@@ -3,7 +3,7 @@
 A request arrives, is prefilled on one of P prefill engines (round robin or prefix hash), and at the end
 of its prefill the decode policy (`solver.routing`) picks one of D decode engines from a snapshot of the
 fleet; its KV cache then crosses the link (bytes / bandwidth) and it joins that engine's waiting queue.
-Decode engines run continuous batching (`engine_agents.sim.engine`); each decode step replays the current
+Decode engines run continuous batching (`engine_agents.sim.core.xpyd_engines`); each decode step replays the current
 decode token of every running request from a real routing trace, so its cost follows the distinct experts
 the batch selects.
 
@@ -14,15 +14,16 @@ waiting, running), which is what a proxy router counting its outstanding request
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from switchyard.engine_agents.sim.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.physics import CostModel
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
+from switchyard.engine_agents.sim.core.physics import CostModel
+from switchyard.engine_agents.sim.core.workload import Workload
+from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.shared.streams import stream
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
@@ -38,9 +39,9 @@ class FleetConfig:
     prefill: int
     decode: int
     cost: CostModel
-    max_running: int = 256  # vLLM max_num_seqs default
+    max_running: int = DECODE_MAX_RUNNING
     kv_blocks: int | None = None  # per decode engine; default: what fits beside the weights
-    prefill_token_budget: int = 8192  # vLLM max_num_batched_tokens
+    prefill_token_budget: int = TOKEN_BUDGET
     prefill_policy: str = "rr"  # "rr" | "hash" (prefix hash of the replayed trace request)
 
     def __post_init__(self) -> None:
@@ -142,19 +143,13 @@ def simulate(
     steps: list[tuple[int, float, float, int, float]] = []
     max_used = np.zeros(fleet.decode, dtype=np.int64)
 
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
+    loop = EventLoop()
     rr_prefill = 0
-
-    def push(t: float, kind: int, idx: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, idx))
-        seq += 1
 
     def start_prefill(p: int, t: float) -> None:
         plan = prefills[p].begin_step()
         if plan is not None:
-            push(t + plan.duration, _PREFILL_END, p)
+            loop.push(t + plan.duration, _PREFILL_END, p)
 
     def start_decode(d: int, t: float) -> None:
         eng = decoders[d]
@@ -162,7 +157,7 @@ def simulate(
         if plan is not None:
             steps.append((d, t, plan.duration, plan.batch, plan.distinct_sum / layers))
             max_used[d] = max(max_used[d], eng.used_blocks)
-            push(t + plan.duration, _DECODE_END, d)
+            loop.push(t + plan.duration, _DECODE_END, d)
 
     bar = None
     if progress:
@@ -170,14 +165,11 @@ def simulate(
 
         bar = tqdm(total=n, desc=f"{policy.name} {fleet.label}", unit="req", leave=False, mininterval=0.5)
 
-    next_arrival = 0
     finished = 0
     now = 0.0
-    while finished < n:
-        if next_arrival < n and (not heap or arrival[next_arrival] <= heap[0][0]):
-            rid = next_arrival
-            next_arrival += 1
-            now = float(arrival[rid])
+    for now, kind, idx in loop.events(arrival):
+        if kind == ARRIVAL:
+            rid = idx
             if fleet.prefill_policy == "rr":
                 p = rr_prefill % fleet.prefill
                 rr_prefill += 1
@@ -187,9 +179,7 @@ def simulate(
             prefills[p].add(rid, int(replay[rid]), int(prompt[rid]))
             if not prefills[p].busy:
                 start_prefill(p, now)
-            continue
-        now, _, kind, idx = heapq.heappop(heap)
-        if kind == _DECODE_END:
+        elif kind == _DECODE_END:
             eng = decoders[idx]
             out = eng.end_step()
             if out.first:
@@ -220,7 +210,7 @@ def simulate(
                 if decision.fallback:
                     fallbacks[decision.fallback] = fallbacks.get(decision.fallback, 0) + 1
                 snap.load[d] += 1
-                push(now + xfer[rid], _KV_ARRIVED, int(rid))
+                loop.push(now + xfer[rid], _KV_ARRIVED, int(rid))
             start_prefill(idx, now)
         else:  # KV arrived at the decoder
             rid = idx
@@ -231,6 +221,8 @@ def simulate(
                 start_decode(d, now)
         if check:
             _check_invariants(decoders, snap, dec_eng, finish)
+        if finished >= n:
+            break
     if bar is not None:
         bar.close()
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from switchyard.engine_agents.sim.openai_wire import (
+from switchyard.engine_agents.sim.live.openai_wire import (
     BadRequest,
     Kind,
     ParsedRequest,
@@ -34,7 +34,7 @@ from switchyard.engine_agents.sim.openai_wire import (
     token_text,
     usage_chunk,
 )
-from switchyard.engine_agents.sim.token_stream import StreamFailed, TokenStream
+from switchyard.engine_agents.sim.live.token_stream import StreamFailed, TokenStream
 
 log = logging.getLogger(__name__)
 

@@ -28,18 +28,31 @@ What each dispatch rule sees (the delays are the real systems'):
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from switchyard.engine_agents.sim.dp_engine import ORDERS, DPCost, ExpertLoadTables, MixedEngine, MixedStep, QueueOrder
-from switchyard.engine_agents.sim.experts import ReplayBank
-from switchyard.engine_agents.sim.physics import CostModel
-from switchyard.engine_agents.sim.workload import Workload
+from switchyard.engine_agents.sim.core.defaults import (
+    COORDINATOR_INTERVAL_S,
+    DP_MAX_RUNNING,
+    INFLIGHT_GRACE_S,
+    TELEMETRY_INTERVAL_S,
+    TOKEN_BUDGET,
+)
+from switchyard.engine_agents.sim.core.dp_engine import (
+    ORDERS,
+    DPCost,
+    ExpertLoadTables,
+    MixedEngine,
+    MixedStep,
+    QueueOrder,
+)
+from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
+from switchyard.engine_agents.sim.core.physics import CostModel
+from switchyard.engine_agents.sim.core.workload import Workload
 from switchyard.shared.streams import stream
-from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import (
     DISPATCH_POLICIES,
     GimbalParams,
@@ -65,12 +78,12 @@ class DPFleetConfig:
     engines: int
     cost: CostModel
     coupled: bool = True
-    max_running: int = 1024  # vLLM max_num_seqs default for the API server on GPUs with >= 70 GiB
-    token_budget: int = 8192  # vLLM max_num_batched_tokens default, same condition
+    max_running: int = DP_MAX_RUNNING
+    token_budget: int = TOKEN_BUDGET
     kv_blocks: int | None = None  # per engine; default: what the weights leave
-    telemetry_interval_s: float = 0.1  # bus contract: sy.engine.<id>.telemetry ~every 100 ms
-    coordinator_interval_s: float = 0.1  # vLLM DP coordinator: min_stats_update_interval_ms = 100
-    inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S  # the router's SWITCHYARD_ROUTER_INFLIGHT_GRACE_S default
+    telemetry_interval_s: float = TELEMETRY_INTERVAL_S
+    coordinator_interval_s: float = COORDINATOR_INTERVAL_S
+    inflight_grace_s: float = INFLIGHT_GRACE_S
     telemetry_aligned: bool = False  # every engine reports at the same instants (default: a random phase each)
     #: Experiment: a decision's tokens stop counting as in flight as fast as an engine could prefill them
     #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.
@@ -274,13 +287,8 @@ def simulate_dp(
     tokens = np.zeros(n_req, dtype=np.int64)
     steps: list[tuple[int, float, float, int, int, int, int, int]] = []
 
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: int, idx: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, idx))
-        seq += 1
+    loop = EventLoop()
+    push = loop.push
 
     t0 = float(arrival[0]) if n_req else 0.0
     if disp.needs_telemetry:
@@ -335,14 +343,11 @@ def simulate_dp(
             disp.on_finished(i, len(out.finished))
         return len(out.finished)
 
-    next_arrival = 0
     finished = 0
     now = t0
-    while finished < n_req:
-        if next_arrival < n_req and (not heap or arrival[next_arrival] <= heap[0][0]):
-            rid = next_arrival
-            next_arrival += 1
-            now = float(arrival[rid])
+    for now, kind, idx in loop.events(arrival) if n_req else ():  # periodic events never run out
+        if kind == ARRIVAL:
+            rid = idx
             i = disp.choose(now, int(prompt[rid]))
             eng_of[rid] = i
             engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now)
@@ -351,32 +356,32 @@ def simulate_dp(
                     start_global(now)
             elif not engines[i].busy:
                 start_engine(i, now)
+        elif kind == _STEP_END and idx == _GLOBAL:
+            duration = now - global_start
+            for i, p in enumerate(plans):
+                if p is not None:
+                    finished += finish_engine(i, now, duration)
+                    plans[i] = None
+            start_global(now)
+        elif kind == _STEP_END:
+            finished += finish_engine(idx, now, None)
+            start_engine(idx, now)
+        elif kind == _TELEMETRY:
+            e = engines[idx]
+            pressure = e.take_expert_pressure()
+            disp.on_telemetry(idx, now, e.kv_usage, e.remaining_prefill_tokens, e.waiting_prefill_tokens, pressure)
+            push(now + fleet.telemetry_interval_s, _TELEMETRY, idx)
         else:
-            now, _, kind, idx = heapq.heappop(heap)
-            if kind == _STEP_END and idx == _GLOBAL:
-                duration = now - global_start
-                for i, p in enumerate(plans):
-                    if p is not None:
-                        finished += finish_engine(i, now, duration)
-                        plans[i] = None
-                start_global(now)
-            elif kind == _STEP_END:
-                finished += finish_engine(idx, now, None)
-                start_engine(idx, now)
-            elif kind == _TELEMETRY:
-                e = engines[idx]
-                pressure = e.take_expert_pressure()
-                disp.on_telemetry(idx, now, e.kv_usage, e.remaining_prefill_tokens, e.waiting_prefill_tokens, pressure)
-                push(now + fleet.telemetry_interval_s, _TELEMETRY, idx)
-            else:
-                disp.on_coordinator(
-                    np.array([e.num_waiting for e in engines], dtype=np.float64),
-                    np.array([e.num_running for e in engines], dtype=np.float64),
-                    np.array([e.kv_usage for e in engines]),
-                )
-                push(now + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
+            disp.on_coordinator(
+                np.array([e.num_waiting for e in engines], dtype=np.float64),
+                np.array([e.num_running for e in engines], dtype=np.float64),
+                np.array([e.kv_usage for e in engines]),
+            )
+            push(now + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
         if check:
             _check_invariants(engines, eng_of, finish)
+        if finished >= n_req:
+            break
 
     st = np.array(steps, dtype=np.float64).reshape(-1, 8)
     return DPSimResult(

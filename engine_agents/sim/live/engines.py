@@ -1,6 +1,6 @@
 """A live simulated xPyD fleet: many simulated MoE engines in one process, on the real bus, in scaled real time.
 
-Each engine runs the simulator's engine model (`engine_agents.sim.engine`) with its physics: a step's
+Each engine runs the simulator's engine model (`engine_agents.sim.core.xpyd_engines`) with its physics: a step's
 duration is computed, slept (divided by `speed`), then its tokens are emitted. Around it, each engine is a
 full protocol peer, exactly as the vLLM agent will be:
 
@@ -8,7 +8,7 @@ full protocol peer, exactly as the vLLM agent will be:
 - decoders publish expert-load windows (JetStream) from the expert selections they replay, a sample of
   finished requests' (prefill signature, decode pattern) pairs as routing samples for the ELDR refit
   (JetStream), and serve
-  `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.migration`): each decoder is its own EP
+  `sy.engine.<id>.migrate` on their expert slots (`engine_agents.sim.live.migration`): each decoder is its own EP
   group of `gpus_per_decoder` ranks, and its step time follows the experts of the busiest rank, so the
   placement service's per-decoder placements change its speed; while a migration step runs it is slower;
 - prefill engines take requests on `sy.sim.submit.<id>`, prefill them, and at the handoff ask the router
@@ -55,15 +55,16 @@ from switchyard.engine_agents.core import (
     rank_of_expert,
     routing_sample,
 )
-from switchyard.engine_agents.sim.engine import DecodeEngine, PrefillEngine
-from switchyard.engine_agents.sim.experts import rank_masks, token_counts
-from switchyard.engine_agents.sim.http_server import EngineHttpServer, bind
-from switchyard.engine_agents.sim.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.engine_agents.sim.openai_wire import BadRequest, ParsedRequest, replay_row
-from switchyard.engine_agents.sim.physics import cost_model
-from switchyard.engine_agents.sim.protocol import SimCompleted, SimSubmit
-from switchyard.engine_agents.sim.scenario import Scenario
-from switchyard.engine_agents.sim.token_stream import TokenStream
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TELEMETRY_INTERVAL_S, TOKEN_BUDGET
+from switchyard.engine_agents.sim.core.experts import rank_masks, token_counts
+from switchyard.engine_agents.sim.core.physics import cost_model
+from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
+from switchyard.engine_agents.sim.live.http_server import EngineHttpServer, bind
+from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
+from switchyard.engine_agents.sim.live.openai_wire import BadRequest, ParsedRequest, replay_row
+from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
+from switchyard.engine_agents.sim.live.token_stream import TokenStream
+from switchyard.engine_agents.sim.offline.scenario import Scenario
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
@@ -93,9 +94,9 @@ class LiveFleetConfig:
     gpu: str = "H100"
     #: Simulated seconds per wall second (0.5: half speed, for slow machines).
     speed: float = 1.0
-    max_running: int = 256
-    prefill_token_budget: int = 8192
-    telemetry_interval_s: float = 0.1
+    max_running: int = DECODE_MAX_RUNNING
+    prefill_token_budget: int = TOKEN_BUDGET
+    telemetry_interval_s: float = TELEMETRY_INTERVAL_S
     hello_interval_s: float = 5.0
     load_window_s: float = 2.0
     #: Fraction of finished requests published as routing samples (`RoutingSample`).
@@ -352,7 +353,7 @@ class LivePrefill(_Engine):
         return {
             "kv_usage": 0.0,
             "num_running": int(self.engine.busy),
-            "num_waiting": len(self.engine.queue),
+            "num_waiting": self.engine.pending,
             "waiting_prefill_tokens": queued,
             "remaining_prefill_tokens": 0,
             "step_time_ema": self.step_time_ema,

@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchyard.engine_agents.sim.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
-from switchyard.engine_agents.sim.scenario import prepare
-from switchyard.engine_agents.sim.workload import load_request_csv
+from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING
+from switchyard.engine_agents.sim.core.workload import load_request_csv
+from switchyard.engine_agents.sim.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
+from switchyard.engine_agents.sim.offline.scenario import prepare
 from switchyard.shared.trace_files import TraceFormat
 from switchyard.solver.routing import get_policy
 
@@ -32,7 +33,7 @@ class SimOptions:
     model: str | None = None
     calib_fraction: float = 0.5
     prefill_fraction: float = 0.5
-    max_running: int = 256
+    max_running: int = DECODE_MAX_RUNNING
     kv_blocks: int | None = None
     prefill_policy: str = "rr"
     progress: bool = True
@@ -101,7 +102,7 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
     if json_path is not None:
         write_json(json_path, payload)
     if out_dir is not None:
-        from switchyard.engine_agents.sim.plots import plot_runs
+        from switchyard.engine_agents.sim.offline.plots import plot_runs
 
         write_json(out_dir / "summary.json", payload)
         write_csv(out_dir / "summary.csv", list(summaries.values()), keys=["policy", "fleet", *SUMMARY_KEYS, "wall_s"])

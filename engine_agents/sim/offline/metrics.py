@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.fleet import SimResult
+from switchyard.engine_agents.sim.offline.xpyd import SimResult
 
 __all__ = ["SUMMARY_KEYS", "summarize", "write_csv", "write_json"]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.experts import ReplayBank
-from switchyard.engine_agents.sim.fleet import FleetConfig, SimResult, simulate
-from switchyard.engine_agents.sim.physics import MODELS, CostModel, ModelSpec, cost_model
-from switchyard.engine_agents.sim.workload import RequestTrace, Workload, build_workload
+from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.engine_agents.sim.core.physics import MODELS, CostModel, ModelSpec, cost_model
+from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, build_workload
+from switchyard.engine_agents.sim.offline.xpyd import FleetConfig, SimResult, simulate
 from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.streams import stream
 from switchyard.shared.trace_files import TraceFormat, load_trace

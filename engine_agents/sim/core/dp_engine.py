@@ -1,0 +1,305 @@
+"""A data-parallel (DP) MoE engine that prefills and decodes on the same GPUs, as vLLM V1 schedules it.
+
+The scheduling is the core's (`scheduler.Scheduler`): running requests first, in admission order, sharing the
+token budget (`max_num_batched_tokens`), so a long prompt is chunked over several steps; KV blocks allocated per
+chunk, the newest request preempted when they run short; waiting requests admitted in the queue-order hook's
+order — FCFS (vLLM's default) or Gimbal's shortest-prefill-first with aging — while a slot, the budget and KV
+blocks for their first chunk last. This module prices the batch that forms.
+
+Costs come from `physics.CostModel` through `DPCost`: the dense part and attention run on the engine's own
+`tp` GPUs; routed experts are spread over `ep_ranks` GPUs, which are the engine's own (an independent engine)
+or the whole fleet's (vLLM's DP+EP, where every DP engine's MoE layers run in lock-step and the fleet
+combines their tokens; see `offline.dp`). A step's MoE time uses the distinct experts its tokens select on the
+busiest EP rank: decode tokens replay real routing-trace tokens, a prefill chunk loads the union of its
+trace request's prefill experts, as the xPyD simulator does.
+
+The engine also keeps what Gimbal's dispatcher reads from its telemetry: KV usage, prefill tokens still to
+compute for running requests, prefill tokens of waiting requests, and expert pressure — the busiest EP
+rank's share of the tokens' expert selections over the mean rank's, averaged over MoE layers, over the
+window since the last report (1 = balanced; the live simulated engine's definition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from switchyard.engine_agents.sim.core.defaults import DP_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
+from switchyard.engine_agents.sim.core.physics import CostModel
+from switchyard.engine_agents.sim.core.scheduler import ORDERS, QueueOrder, Scheduler
+from switchyard.solver.routing.dispatch import GimbalParams
+
+__all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]
+
+
+@dataclass(frozen=True)
+class DPCost:
+    """Step costs of one DP engine: dense and attention on its `tp` GPUs, experts spread over `ep_ranks` GPUs.
+
+    `cost` is the model on one engine's GPUs (`cost.gpus` = tp). With MLA (DeepSeek) the latent KV cache
+    cannot be split by heads, so every TP rank holds and reads all of it (vLLM replicates it); GQA KV is
+    split over the TP ranks. Expert weights are split evenly over the EP ranks; the KV cache gets what the
+    weights leave of `gpu_memory_utilization` on each GPU, as vLLM sizes it.
+    """
+
+    cost: CostModel
+    ep_ranks: int
+
+    def __post_init__(self) -> None:
+        if self.ep_ranks < 1 or self.ep_ranks % self.cost.gpus:
+            raise ValueError(f"ep_ranks ({self.ep_ranks}) must be a positive multiple of tp ({self.cost.gpus})")
+
+    @property
+    def tp(self) -> int:
+        return self.cost.gpus
+
+    @property
+    def model_layers(self) -> int:
+        return self.cost.model.moe_layers
+
+    @cached_property
+    def kv_shards(self) -> int:
+        """TP ranks the KV cache is split over (1 with MLA: replicated)."""
+        return 1 if self.cost.model.kv_lora_rank else self.tp
+
+    @cached_property
+    def kv_capacity_blocks(self) -> int:
+        m, g = self.cost.model, self.cost.gpu
+        experts = m.moe_layers * m.num_experts * m.expert_bytes
+        per_gpu_weights = (m.weight_bytes - experts) / self.tp + experts / self.ep_ranks
+        free = g.hbm_bytes * self.cost.gpu_memory_utilization - per_gpu_weights
+        per_token = m.kv_bytes_per_token / self.kv_shards
+        if free <= 0:
+            raise ValueError(f"{m.name} does not fit: {per_gpu_weights / 1e9:.1f} GB of weights per {g.name}")
+        return int(free // (self.cost.block_size * per_token))
+
+    @cached_property
+    def rank_masks(self) -> np.ndarray:
+        """[G, L, W] experts on each EP rank: vLLM's default contiguous layout (no EPLB)."""
+        m = self.cost.model
+        return rank_masks(m.moe_layers, m.num_experts, self.ep_ranks)
+
+    def nonmoe_time(self, tokens: int, kv_context: np.ndarray, attn_pairs: float) -> float:
+        """Dense weights and FLOPs of `tokens`, KV reads of `kv_context` (per request), attention FLOPs (s)."""
+        c, m = self.cost, self.cost.model
+        ctx = np.asarray(kv_context, dtype=np.float64)
+        full = m.num_layers - m.sliding_layers
+        token_layers = full * ctx.sum()
+        if m.sliding_layers:
+            token_layers += m.sliding_layers * np.minimum(ctx, m.sliding_window).sum()
+        kv_read = token_layers * m.kv_bytes_per_token_layer / (self.kv_shards * c.gpu.hbm_bytes_per_s)
+        return c.dense_read_s + tokens * c.dense_flops_s_per_token + kv_read + attn_pairs * c.attn_flops_s_per_context
+
+    def distinct_max(self, union: np.ndarray) -> np.ndarray:
+        """[L, W] union of a step's expert bitsets → [L] distinct experts on the busiest EP rank."""
+        per_rank = np.bitwise_count(union[None] & self.rank_masks).sum(axis=-1, dtype=np.int64)
+        return per_rank.max(axis=0)
+
+    def moe_time(self, union: np.ndarray, tokens: int) -> float:
+        """MoE layers of a step: ``Σ_ℓ a + b·U_ℓ + tokens·k/G·expert FLOPs`` (U: busiest rank's distinct experts)."""
+        c, m = self.cost, self.cost.model
+        u = float(self.distinct_max(union).sum())
+        pair_s = tokens * m.top_k / self.ep_ranks * c.expert_pair_flops_s
+        return m.moe_layers * (c.moe_overhead_s + pair_s) + c.b * u
+
+
+@dataclass(frozen=True)
+class ExpertLoadTables:
+    """Per-token expert load on each EP rank, for the engines' expert-pressure figure.
+
+    - `decode[T, L, G]`: how many of decode token t's top-k experts live on rank g at layer ℓ.
+    - `prefill[R, L, G]`: the same per prefill token of bank request r, averaged over its prefill tokens
+      (from the trace's prefill expert counts when given, else spread evenly over its prefill union).
+    """
+
+    decode: np.ndarray
+    prefill: np.ndarray
+
+    @classmethod
+    def build(cls, bank: ReplayBank, masks: np.ndarray, prefill_counts: np.ndarray | None = None) -> ExpertLoadTables:
+        decode = np.bitwise_count(bank.decode_bits[:, None] & masks[None]).sum(axis=-1, dtype=np.int64)
+        decode = decode.transpose(0, 2, 1).astype(np.float32)  # [T, L, G]
+        if prefill_counts is not None:
+            ranks = masks.shape[0]
+            num_experts = prefill_counts.shape[2]
+            owner = (np.arange(num_experts) * ranks) // num_experts  # contiguous layout, as `DPCost.rank_masks`
+            per_rank = np.zeros((*prefill_counts.shape[:2], ranks), dtype=np.float64)
+            for g in range(ranks):
+                per_rank[..., g] = prefill_counts[..., owner == g].sum(axis=-1)
+            tokens = np.maximum(bank.prefill_len, 1).astype(np.float64)[:, None, None]
+            prefill = (per_rank / tokens).astype(np.float32)
+        else:
+            union = np.bitwise_count(bank.prefill_bits[:, None] & masks[None]).sum(axis=-1).transpose(0, 2, 1)
+            total = np.maximum(union.sum(axis=-1, keepdims=True), 1)
+            prefill = (union / total * (decode.sum(axis=-1).mean() if len(decode) else 1.0)).astype(np.float32)
+        return cls(decode=decode, prefill=prefill)
+
+
+@dataclass(slots=True)
+class MixedStep:
+    """What `MixedEngine.begin_step` scheduled."""
+
+    duration: float  # on its own (experts over the engine's own EP ranks); a lock-step fleet recomputes it
+    nonmoe_s: float  # dense + attention part (the part a lock-step fleet takes the maximum of)
+    tokens: int  # tokens computed: decode tokens + prefill chunk tokens
+    decode: int  # requests decoding one token
+    prefill_tokens: int  # prompt (or recomputed) tokens computed
+    union: np.ndarray  # [L, W] expert bitsets the step's tokens select
+    admitted: list[int]
+    preempted: list[int]
+
+
+@dataclass(slots=True)
+class MixedStepOutput:
+    first: list[int]  # requests whose first output token this step sampled
+    finished: list[int]  # requests done (they left the engine)
+    finished_tokens: list[int]  # tokens each finished request generated
+    prefill_tokens: int
+
+
+class MixedEngine(Scheduler):
+    """One DP engine: continuous batching with chunked prefill over a paged KV cache (see the module docstring).
+
+    Two-phase like `xpyd_engines.DecodeEngine`: ``plan = begin_step(now)`` schedules a step (None when idle), the
+    owner waits ``plan.duration`` (or the lock-step duration), then ``end_step(duration)`` emits its tokens.
+    Requests added in between wait for the next step.
+    """
+
+    def __init__(
+        self,
+        cost: DPCost,
+        bank: ReplayBank,
+        *,
+        max_running: int = DP_MAX_RUNNING,
+        token_budget: int = TOKEN_BUDGET,
+        kv_blocks: int | None = None,
+        order: QueueOrder = "fcfs",
+        params: GimbalParams | None = None,
+        load_tables: ExpertLoadTables | None = None,
+    ) -> None:
+        super().__init__(
+            bank,
+            cost.cost.block_size,
+            kv_blocks if kv_blocks is not None else cost.kv_capacity_blocks,
+            max_running,
+            token_budget,
+            lookahead=0,
+            order=order,
+            params=params,
+        )
+        self.cost = cost
+        self.load_tables = load_tables
+        self._bits = bank.decode_bits
+        self._busy = False
+        self._step_prefill = 0
+        self._pending_duration = 0.0
+        self._load = np.zeros((cost.cost.model.moe_layers, cost.ep_ranks))
+        # counters
+        self.steps = 0
+        self.tokens_out = 0
+        self.prompt_tokens = 0  # prefill (and recompute) tokens computed
+        self.busy_time = 0.0
+        self.max_used_blocks = 0
+
+    # -- state visible to dispatchers and tests ----------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return self.queue.tokens
+
+    @property
+    def remaining_prefill_tokens(self) -> int:
+        """Tokens running requests must still compute before they decode (prompt chunks, recomputation)."""
+        n = self._n
+        need = self._prompt[:n] + self._gen[:n] - self._computed[:n]
+        prefilling = (need > 1) | (self._gen[:n] == 0)
+        return int(need[prefilling].sum())
+
+    def running_ids(self) -> list[int]:
+        return self._rid[: self._n].tolist()
+
+    def blocks_held(self) -> int:
+        """Recount of blocks from the running requests' KV tokens (tests compare it with `used_blocks`)."""
+        return self._held(self._busy)
+
+    def take_expert_pressure(self) -> float:
+        """Busiest EP rank's expert load over the mean rank's, mean over layers, since the last call (1 if idle)."""
+        load, self._load = self._load, np.zeros_like(self._load)
+        mean = load.mean(axis=1)
+        busy = mean > 0
+        return float((load.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
+
+    # -- requests in -------------------------------------------------------------------------------------
+
+    def add(self, rid: int, replay: int, prompt_tokens: int, output_tokens: int, arrival: float) -> None:
+        """Queue a new request (its prompt must be prefilled here); it generates `output_tokens` (≥ 1) tokens."""
+        self._enqueue(rid, replay, prompt_tokens, output_tokens, arrival, prefilled=False)
+
+    # -- one step ----------------------------------------------------------------------------------------
+
+    def begin_step(self, now: float) -> MixedStep | None:
+        """Schedule running requests, then admit waiting ones; None when there is nothing to run."""
+        if self._busy:
+            raise RuntimeError("begin_step called twice without end_step")
+        preempted, admitted, _ = self._schedule(now)
+        n = self._n
+        take = self._take[:n]
+        sched = take > 0
+        if not sched.any():
+            return None
+        need = self._prompt[:n] + self._gen[:n] - self._computed[:n]
+        decoding = sched & (need == 1) & (self._gen[:n] >= 1)
+        prefilling = sched & ~decoding
+        dec_replay = self._replay[:n][decoding]
+        rows = self.bank.decode_start[dec_replay] + self._gen[:n][decoding] % self.bank.decode_len[dec_replay]
+        pre_rows = self._replay[:n][prefilling]
+        union = np.zeros(self._bits.shape[1:], dtype=np.uint64)
+        if len(rows):
+            union |= np.bitwise_or.reduce(self._bits[rows], axis=0)
+        if len(pre_rows):
+            union |= np.bitwise_or.reduce(self.bank.prefill_bits[pre_rows], axis=0)
+        chunk = take[prefilling].astype(np.float64)
+        done = self._computed[:n][prefilling].astype(np.float64)
+        ctx = self._computed[:n][sched]
+        pairs = float(self._computed[:n][decoding].sum()) + float((chunk * done + chunk * (chunk + 1) / 2).sum())
+        tokens = int(take.sum())
+        nonmoe = self.cost.nonmoe_time(tokens, ctx, pairs)
+        duration = nonmoe + self.cost.moe_time(union, tokens)
+        if self.load_tables is not None:
+            if len(rows):
+                self._load += self.load_tables.decode[rows].sum(axis=0)
+            if len(pre_rows):
+                self._load += np.einsum("r,rlg->lg", chunk, self.load_tables.prefill[pre_rows])
+        self._step_prefill = int(chunk.sum())
+        self._pending_duration = duration
+        self._busy = True
+        self.max_used_blocks = max(self.max_used_blocks, self._used)
+        return MixedStep(
+            duration=duration,
+            nonmoe_s=nonmoe,
+            tokens=tokens,
+            decode=int(decoding.sum()),
+            prefill_tokens=self._step_prefill,
+            union=union,
+            admitted=admitted,
+            preempted=preempted,
+        )
+
+    def end_step(self, duration: float | None = None) -> MixedStepOutput:
+        """Computed tokens enter the KV cache; requests that caught up sample a token; finished ones leave."""
+        if not self._busy:
+            raise RuntimeError("end_step without begin_step")
+        self._busy = False
+        self.busy_time += self._pending_duration if duration is None else duration
+        self.steps += 1
+        first, finished, tokens = self._complete()
+        self.tokens_out += self._emitted
+        self.prompt_tokens += self._step_prefill
+        return MixedStepOutput(first, finished, tokens, self._step_prefill)
