@@ -10,7 +10,7 @@ from switchyard.engine_agents.sim.core.experts import ReplayBank
 from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
 from switchyard.engine_agents.sim.core.physics import cost_model
 from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine
-from switchyard.solver.traces import RoutingTrace, split_phases
+from switchyard.shared.routing_trace import RoutingTrace, split_phases
 from tests.eldr_helpers import random_experts
 
 
