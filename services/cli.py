@@ -219,7 +219,9 @@ def fit(
     mask_tolerance: Annotated[
         float, typer.Option(help="Take the fewest layers whose ρ is within this of the peak (0: the peak).")
     ] = 0.0,
-    tau: Annotated[float, typer.Option(help="Similarity band of the online router.")] = 0.1,
+    tau: Annotated[
+        float | None, typer.Option(help="Similarity band of the online router (default: the routing layer's, 0.1).")
+    ] = None,
     max_pairs: Annotated[int, typer.Option(help="Request pairs for ρ (all if fewer).")] = 5_000,
     holdout: Annotated[float, typer.Option(help="Share of requests held out to report ρ on unseen requests.")] = 0.2,
     restarts: Annotated[int, typer.Option(help="K-means restarts.", min=1)] = 3,
@@ -240,10 +242,11 @@ def fit(
     from switchyard.shared.routing_trace import TraceError
     from switchyard.shared.trace_files import load_trace
     from switchyard.solver.eldr_fit import FitError, FitOptions, fit_routing_artifact
+    from switchyard.solver.routing.defaults import DEFAULT_TAU
 
     try:
         options = FitOptions(
-            tau=tau,
+            tau=DEFAULT_TAU if tau is None else tau,
             representation=representation,  # type: ignore[arg-type]
             layer_mask=tuple(int(v) for v in _split_csv(layers) or []) or None,
             mask_tolerance=mask_tolerance,
