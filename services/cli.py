@@ -763,7 +763,7 @@ def sim_dp(
         bool, typer.Option("--coupled/--independent", help="Experts over all engines, lock-step (vLLM DP+EP).")
     ] = True,
     dispatch: Annotated[
-        str, typer.Option("--dispatch", help="Comma-separated: rr, jsq, vllm, vllm-main, gimbal.")
+        str, typer.Option("--dispatch", help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal.")
     ] = "vllm,gimbal",
     order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 2000,

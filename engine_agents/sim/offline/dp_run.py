@@ -35,7 +35,7 @@ from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, l
 from switchyard.engine_agents.sim.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
 from switchyard.engine_agents.sim.offline.metrics import percentile, write_json
 from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
-from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
+from switchyard.solver.routing.profiles import DP_PROFILES
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
 
@@ -200,8 +200,8 @@ def run_sim_dp(
     if opts.requests is None and opts.rate is None:
         raise ValueError("give either --requests CSV (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
     for d in opts.dispatch:
-        if d not in DISPATCH_POLICIES:
-            raise ValueError(f"unknown dispatch {d!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+        if d not in DP_PROFILES:
+            raise ValueError(f"unknown dispatch {d!r}; choose a DP profile: {', '.join(DP_PROFILES)}")
     for o in opts.orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
