@@ -223,6 +223,20 @@ def test_a_new_dp_profile_runs_in_the_simulator_without_simulator_code(monkeypat
         Dispatcher("by-step", 2, GimbalParams(), grace_s=0.05)
 
 
+def test_dispatch_weights_reach_the_profiles_that_have_the_scorer(esft: Scenario) -> None:
+    fleet = _fleet(esft, dispatch_weights=(("inflight_tokens", 0.0), ("waiting", 8.0)))
+    assert fleet.weights_for("gimbal") == {"inflight_tokens": 0.0}
+    assert fleet.weights_for("vllm") == {"waiting": 8.0} and fleet.weights_for("jsq") == {}
+    burst = _workload([500] * 4, [2] * 4, np.zeros(4))  # all before any engine reports
+    assert _run(esft, burst, _fleet(esft), "gimbal").engine.tolist() == [0, 1, 0, 1]
+    assert _run(esft, burst, fleet, "gimbal").engine.tolist() == [0, 0, 0, 0], "no in-flight term: herding"
+    runner = CliRunner()
+    bad = runner.invoke(app, ["sim-dp", "--rate", "5", "--dispatch", "jsq", "--dp-weights", "kv_penalty=2"])
+    assert bad.exit_code != 0 and "no dispatched profile has a scorer 'kv_penalty'" in bad.output
+    bad = runner.invoke(app, ["sim-dp", "--rate", "5", "--dispatch", "jsq", "--dp-weights", "outstanding"])
+    assert bad.exit_code != 0 and "not name=weight" in bad.output
+
+
 def test_draining_compensation_forgets_a_prompt_at_the_drain_rate() -> None:
     g = Dispatcher("gimbal", 2, GimbalParams(), grace_s=0.05, drain_tokens_per_s=10_000)
     assert g.choose(0.0, 3000) == 0

@@ -90,10 +90,18 @@ class DPFleetConfig:
     #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.
     inflight_drain_tokens_per_s: float = 0.0
     params: GimbalParams = field(default_factory=GimbalParams)
+    #: Scorer weights by name (the router's `SWITCHYARD_ROUTER_DP_WEIGHTS`), each applied to the dispatch
+    #: profiles that have that scorer (`weights_for`).
+    dispatch_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("need at least one engine")
+
+    def weights_for(self, dispatch: str) -> dict[str, float]:
+        """`dispatch_weights` restricted to the scorers of profile `dispatch` (a fleet runs several)."""
+        names = dp_profile(dispatch, self.params).weights
+        return {name: weight for name, weight in self.dispatch_weights if name in names}
 
     @cached_property
     def dp_cost(self) -> DPCost:
@@ -307,7 +315,15 @@ def simulate_dp(
         )
         for _ in range(n)
     ]
-    disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s, fleet.inflight_drain_tokens_per_s, seed=seed)
+    disp = Dispatcher(
+        dispatch,
+        n,
+        fleet.params,
+        fleet.inflight_grace_s,
+        fleet.inflight_drain_tokens_per_s,
+        weights=fleet.weights_for(dispatch),
+        seed=seed,
+    )
     rng = stream(seed, "dp.telemetry")
     phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
     if fleet.telemetry_aligned:
