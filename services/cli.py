@@ -181,6 +181,20 @@ def _split_csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
+def _name_weights(value: str | None) -> tuple[tuple[str, float], ...]:
+    """``name=weight,name=weight`` as pairs (a bad entry is a usage error)."""
+    pairs = []
+    for item in _split_csv(value) or ():
+        name, sep, weight = item.partition("=")
+        try:
+            pairs.append((name.strip(), float(weight)))
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is not name=weight") from None
+        if not sep or not name.strip():
+            raise typer.BadParameter(f"{item!r} is not name=weight")
+    return tuple(pairs)
+
+
 @app.command()
 def fit(
     trace: Annotated[
@@ -766,7 +780,7 @@ def sim_dp(
         bool, typer.Option("--coupled/--independent", help="Experts over all engines, lock-step (vLLM DP+EP).")
     ] = True,
     dispatch: Annotated[
-        str, typer.Option("--dispatch", help="Comma-separated: rr, jsq, vllm, vllm-main, gimbal.")
+        str, typer.Option("--dispatch", help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal.")
     ] = "vllm,gimbal",
     order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 2000,
@@ -791,6 +805,10 @@ def sim_dp(
         float,
         typer.Option(help="Experiment: in-flight tokens drain at this many tokens/s (0: until the next report)."),
     ] = 0.0,
+    dp_weights: Annotated[
+        str | None,
+        typer.Option(help="Scorer weights, e.g. kv_penalty=2,moe_penalty=0 (each to the profiles that have it)."),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -807,6 +825,7 @@ def sim_dp(
         tp=tp,
         coupled=coupled,
         dispatch=tuple(_split_csv(dispatch) or ()),
+        dispatch_weights=_name_weights(dp_weights),
         orders=orders,
         num_requests=num_requests,
         seed=seed,

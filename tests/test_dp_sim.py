@@ -13,11 +13,19 @@ from typer.testing import CliRunner
 from switchyard.engine_agents.sim.core.dp_engine import DPCost, MixedEngine
 from switchyard.engine_agents.sim.core.physics import cost_model
 from switchyard.engine_agents.sim.core.workload import Workload, load_request_csv
+from switchyard.engine_agents.sim.offline import dp as dp_module
 from switchyard.engine_agents.sim.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
 from switchyard.engine_agents.sim.offline.dp_run import prompt_throughput_gap, summarize_dp, trace_window
 from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.cli import app
+from switchyard.services.router.settings import RouterSettings
+from switchyard.solver.routing import Profile
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
+from switchyard.solver.routing.filters import Alive
+from switchyard.solver.routing.framework import Weighted
+from switchyard.solver.routing.pickers import FirstMin
+from switchyard.solver.routing.profiles import DP_PROFILES
+from switchyard.solver.routing.scorers import Column
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 
@@ -183,6 +191,50 @@ def test_dispatcher_views_vllm_snapshot_and_gimbal_compensation() -> None:
     assert g.comp[0] == 3000.0, "a report sent within the grace period may not include the decision yet"
     g.on_telemetry(0, 0.06, kv=0.1, remaining=2900, waiting=0, pressure=1.0)
     assert g.comp[0] == 0.0 and g.remaining[0] == 2900
+
+
+@pytest.mark.parametrize("dispatch", DP_PROFILES)
+def test_the_simulator_dispatches_with_the_router_s_dp_profile(dispatch: str) -> None:
+    params = GimbalParams(kv_high=0.8, kv_cost_tokens=1000.0)
+    router = RouterSettings(dp_rule=dispatch).build_dp_profile(params)
+    sim = Dispatcher(dispatch, 3, params, grace_s=0.05).profile
+    assert sim == router and sim.columns == router.columns
+
+
+def test_a_reweighted_profile_changes_what_the_simulated_dispatcher_reads() -> None:
+    plain = Dispatcher("gimbal", 2, GimbalParams(), grace_s=0.05)
+    blind = Dispatcher("gimbal", 2, GimbalParams(), grace_s=0.05, weights={"inflight_tokens": 0.0})
+    assert [plain.choose(0.0, 3000), plain.choose(0.001, 100)] == [0, 1]
+    assert [blind.choose(0.0, 3000), blind.choose(0.001, 100)] == [0, 0], "no in-flight term: no compensation"
+    assert blind.ledger.tokens.tolist() == [0.0, 0.0], "a profile without the in-flight columns keeps no ledger"
+
+
+def test_a_new_dp_profile_runs_in_the_simulator_without_simulator_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    least_kv = Profile("least-kv", (Alive(),), (Weighted(Column("kv_usage"), 1.0),), FirstMin())
+    monkeypatch.setattr(dp_module, "dp_profile", lambda name, params, weights=None: least_kv)
+    d = Dispatcher("least-kv", 2, GimbalParams(), grace_s=0.05)
+    assert d.needs_telemetry and not d.needs_coordinator, "KV usage alone comes from the engines' telemetry"
+    d.on_telemetry(0, 0.0, kv=0.7, remaining=0, waiting=0, pressure=1.0)
+    d.on_telemetry(1, 0.0, kv=0.2, remaining=0, waiting=0, pressure=1.0)
+    assert d.choose(0.1, 100) == 1
+    step_time = Profile("by-step", (Alive(),), (Weighted(Column("step_time"), 1.0),), FirstMin())
+    monkeypatch.setattr(dp_module, "dp_profile", lambda name, params, weights=None: step_time)
+    with pytest.raises(ValueError, match="does not feed: step_time"):
+        Dispatcher("by-step", 2, GimbalParams(), grace_s=0.05)
+
+
+def test_dispatch_weights_reach_the_profiles_that_have_the_scorer(esft: Scenario) -> None:
+    fleet = _fleet(esft, dispatch_weights=(("inflight_tokens", 0.0), ("waiting", 8.0)))
+    assert fleet.weights_for("gimbal") == {"inflight_tokens": 0.0}
+    assert fleet.weights_for("vllm") == {"waiting": 8.0} and fleet.weights_for("jsq") == {}
+    burst = _workload([500] * 4, [2] * 4, np.zeros(4))  # all before any engine reports
+    assert _run(esft, burst, _fleet(esft), "gimbal").engine.tolist() == [0, 1, 0, 1]
+    assert _run(esft, burst, fleet, "gimbal").engine.tolist() == [0, 0, 0, 0], "no in-flight term: herding"
+    runner = CliRunner()
+    bad = runner.invoke(app, ["sim-dp", "--rate", "5", "--dispatch", "jsq", "--dp-weights", "kv_penalty=2"])
+    assert bad.exit_code != 0 and "no dispatched profile has a scorer 'kv_penalty'" in bad.output
+    bad = runner.invoke(app, ["sim-dp", "--rate", "5", "--dispatch", "jsq", "--dp-weights", "outstanding"])
+    assert bad.exit_code != 0 and "not name=weight" in bad.output
 
 
 def test_draining_compensation_forgets_a_prompt_at_the_drain_rate() -> None:

@@ -1,9 +1,11 @@
 """Gimbal data-parallel dispatch and queue ordering, as pure functions over per-engine arrays.
 
-These are the formulas; the router dispatches with their composition as named profiles of the routing
-framework (`solver.routing.profiles.dp_profile`: the KV-first rule a filter, each pressure term a weighted
-scorer, the argmin a picker), and the DP simulator's dispatcher calls the `pick_*` forms below directly.
-tests/test_routing_framework.py checks that each profile picks what its formula picks.
+These are the formulas; the router and the DP simulator (`engine_agents.sim.offline.dp.Dispatcher`) both
+dispatch with their composition as named profiles of the routing framework
+(`solver.routing.profiles.dp_profile`: the KV-first rule a filter, each pressure term a weighted scorer, the
+argmin a picker). The parts use `GimbalParams`, `kv_penalty`, `moe_penalty` and `kv_first_applies`; the
+`pick_*` forms below are kept as the independent reference that tests/test_routing_framework.py checks each
+profile against (and bench/bench_routing.py times the profiles against), not as a second dispatch path.
 
 Dispatch (seed 003, Algorithm 1): when KV caches are nearly full somewhere and unevenly used, KV is the
 binding constraint, so send the request to the engine with the most free KV. Otherwise pick the engine with
@@ -128,7 +130,7 @@ def queue_order(prefill_tokens: np.ndarray, waited_s: np.ndarray, params: Gimbal
 
 
 DISPATCH_POLICIES: tuple[str, ...] = ("rr", "jsq", "vllm", "vllm-main", "gimbal")
-"""Names of the data-parallel dispatch rules (the simulator's `--dispatch` choices)."""
+"""Names of the data-parallel dispatch rules (`solver.routing.profiles.DP_PROFILES`, `sim-dp --dispatch`)."""
 
 VLLM_WAITING_WEIGHT = 4.0
 """vLLM's DP load balancer weighs a waiting request 4x a running one (core_client.py at commit 364631ab)."""

@@ -1,8 +1,11 @@
 """Discrete-event simulation of a data-parallel (DP) MoE fleet: a dispatcher in front of N aggregated engines.
 
-Every request arrives at the dispatcher, which picks a DP engine with one of the dispatch rules of
-`solver.routing.dispatch` from what that rule can know at that instant; the engine queues it and serves it
-with chunked prefill and continuous batching (`dp_engine.MixedEngine`), in FCFS or SJF-with-aging order.
+Every request arrives at the dispatcher, which picks a DP engine with one of the router's DP profiles
+(`solver.routing.profiles.dp_profile`, the very objects `sy.route.dp` decides with) from what that rule can
+know at that instant; the engine queues it and serves it with chunked prefill and continuous batching
+(`dp_engine.MixedEngine`), in FCFS or SJF-with-aging order. A new DP profile runs here as it is named
+(`switchyard sim-dp --dispatch <profile>`), provided it reads only columns the dispatcher feeds
+(`SIM_COLUMNS`; `Dispatcher` says which view each comes from).
 
 Two deployments:
 
@@ -28,6 +31,7 @@ What each dispatch rule sees (the delays are the real systems'):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -53,22 +57,19 @@ from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
 from switchyard.engine_agents.sim.core.physics import CostModel
 from switchyard.engine_agents.sim.core.workload import Workload
 from switchyard.shared.streams import stream
-from switchyard.solver.routing.dispatch import (
-    DISPATCH_POLICIES,
-    GimbalParams,
-    kv_first_applies,
-    pick_dp_engine,
-    pick_jsq,
-    pick_round_robin,
-    pick_vllm,
-    pick_vllm_main,
-)
+from switchyard.solver.routing.decode import RouteQuery, RouterState
+from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
+from switchyard.solver.routing.filters import KvFirst
 from switchyard.solver.routing.ledger import InflightLedger
+from switchyard.solver.routing.profiles import dp_profile
+from switchyard.solver.routing.snapshot import FleetSnapshot
+from switchyard.solver.routing.tables import RoutingTables
 
 __all__ = ["DPFleetConfig", "DPSimResult", "Dispatcher", "simulate_dp"]
 
 _STEP_END, _TELEMETRY, _COORDINATOR = 0, 1, 2
 _GLOBAL = -1
+_NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,18 @@ class DPFleetConfig:
     #: (tokens/s) instead of lasting until the next report (0: the router's rule). See docs/gimbal-dispatch.md.
     inflight_drain_tokens_per_s: float = 0.0
     params: GimbalParams = field(default_factory=GimbalParams)
+    #: Scorer weights by name (the router's `SWITCHYARD_ROUTER_DP_WEIGHTS`), each applied to the dispatch
+    #: profiles that have that scorer (`weights_for`).
+    dispatch_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("need at least one engine")
+
+    def weights_for(self, dispatch: str) -> dict[str, float]:
+        """`dispatch_weights` restricted to the scorers of profile `dispatch` (a fleet runs several)."""
+        names = dp_profile(dispatch, self.params).weights
+        return {name: weight for name, weight in self.dispatch_weights if name in names}
 
     @cached_property
     def dp_cost(self) -> DPCost:
@@ -110,23 +119,52 @@ class DPFleetConfig:
         return f"DP{self.engines} TP{tp} {ep}"
 
 
+#: The engine columns the simulated dispatcher can feed a DP profile, by where a real dispatcher gets them
+#: (the module docstring): its own exact counts, the DP coordinator's snapshot, the engines' telemetry.
+EXACT_COLUMNS = frozenset({"alive", "load", "outstanding"})
+COORDINATOR_COLUMNS = frozenset({"waiting", "running"})
+TELEMETRY_COLUMNS = frozenset(
+    {"remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight"}
+)
+SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | {"kv_usage"}
+
+
 class Dispatcher:
-    """One dispatch rule with the view of the fleet that rule has (see the module docstring)."""
+    """A DP profile of the router (`solver.routing.profiles.dp_profile`) fed the view of the fleet it would
+    have (see the module docstring).
+
+    The profile's columns decide the view: ``waiting``/``running`` come from the coordinator snapshot (plus
+    vLLM's local increment of the chosen engine's waiting count), the prefill columns, ``expert_pressure`` and
+    the in-flight ledger (``inflight_tokens``, ``inflight``) from each engine's telemetry; ``outstanding``
+    (= ``load``) and ``alive`` are exact. ``kv_usage`` comes from telemetry unless the profile reads the
+    coordinator's counts and no telemetry column (vLLM main's rule reads the snapshot's KV usage).
+    """
 
     def __init__(
-        self, policy: str, engines: int, params: GimbalParams, grace_s: float, drain_tokens_per_s: float = 0.0
+        self,
+        policy: str,
+        engines: int,
+        params: GimbalParams,
+        grace_s: float,
+        drain_tokens_per_s: float = 0.0,
+        weights: Mapping[str, float] | None = None,
+        seed: int = 0,
     ) -> None:
-        if policy not in DISPATCH_POLICIES:
-            raise ValueError(f"unknown dispatch policy {policy!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+        self.profile = dp_profile(policy, params, weights)
         self.policy = policy
+        cols = self.profile.columns
+        unknown = sorted(cols - SIM_COLUMNS)
+        if unknown:
+            raise ValueError(
+                f"DP profile {policy!r} reads columns the simulator does not feed: {', '.join(unknown)} "
+                f"(it feeds {', '.join(sorted(SIM_COLUMNS))})"
+            )
         self.n = engines
         self.params = params
         self.grace_s = grace_s
         self.drain = drain_tokens_per_s
         self.alive = np.ones(engines, dtype=bool)
         self.outstanding = np.zeros(engines)  # exact: dispatched and not finished
-        self.prev = -1
-        self.start = 0
         # vLLM coordinator view
         self.snap_waiting = np.zeros(engines)
         self.snap_running = np.zeros(engines)
@@ -139,38 +177,41 @@ class Dispatcher:
         self.ledger = InflightLedger(engines)  # the router's in-flight compensation, the same ledger
         self.kv_first = 0
 
-    @property
-    def needs_telemetry(self) -> bool:
-        return self.policy == "gimbal"
-
-    @property
-    def needs_coordinator(self) -> bool:
-        return self.policy in ("vllm", "vllm-main")
+        self.needs_coordinator = bool(cols & COORDINATOR_COLUMNS)
+        kv_from_coordinator = self.needs_coordinator and not cols & TELEMETRY_COLUMNS
+        self.needs_telemetry = bool(cols & TELEMETRY_COLUMNS) or ("kv_usage" in cols and not kv_from_coordinator)
+        self._ledgered = bool(cols & {"inflight_tokens", "inflight"})
+        self._drains = self.drain > 0 and "inflight_tokens" in cols
+        self._kv_first = next((f for f in self.profile.filters if isinstance(f, KvFirst)), None)
+        self.snap = FleetSnapshot(
+            engine_ids=tuple(f"dp{i:06d}" for i in range(engines)),
+            load=self.outstanding,
+            kv_usage=self.snap_kv if kv_from_coordinator else self.kv,
+            alive=self.alive,
+            columns={
+                "outstanding": self.outstanding,
+                "waiting": self.snap_waiting,
+                "running": self.snap_running,
+                "remaining_prefill": self.remaining,
+                "waiting_prefill": self.waiting_tokens,
+                "expert_pressure": self.pressure,
+                "inflight_tokens": self.ledger.tokens,
+                "inflight": self.ledger.count,
+            },
+        )
+        self.state = RouterState(rng=stream(seed, "dp.dispatch"))
 
     def choose(self, now: float, prompt_tokens: int) -> int:
-        p = self.policy
-        if p == "rr":
-            i = pick_round_robin(self.alive, self.prev)
-        elif p == "jsq":
-            i = pick_jsq(self.alive, self.outstanding)
-        elif p == "vllm":
-            i = pick_vllm(self.alive, self.snap_waiting, self.snap_running, self.start)
-            self.snap_waiting[i] += 1
-        elif p == "vllm-main":
-            i = pick_vllm_main(
-                self.alive, self.snap_waiting, self.snap_running, self.snap_kv, self.outstanding, self.start
-            )
-            self.snap_waiting[i] += 1
-            self.start = (self.start + 1) % self.n
-        else:
-            if kv_first_applies(self.alive, self.kv, self.params):
-                self.kv_first += 1
-            comp = self._drained(now) if self.drain > 0 else self.comp
-            i = pick_dp_engine(
-                self.alive, self.kv, self.remaining, self.waiting_tokens, comp, self.pressure, self.params
-            )
+        snap = self.snap
+        if self._kv_first is not None and kv_first_applies(snap.alive, snap.kv_usage, self._kv_first.params):
+            self.kv_first += 1
+        if self._drains:
+            snap.columns["inflight_tokens"] = self._drained(now)
+        i = self.profile(snap, RouteQuery(prompt_tokens=prompt_tokens), self.state, _NO_TABLES).index
+        if self.needs_coordinator:
+            self.snap_waiting[i] += 1  # vLLM's local increment, until the next snapshot
+        if self._ledgered:
             self.ledger.add(i, now, prompt_tokens)
-        self.prev = i
         self.outstanding[i] += 1
         return i
 
@@ -274,7 +315,15 @@ def simulate_dp(
         )
         for _ in range(n)
     ]
-    disp = Dispatcher(dispatch, n, fleet.params, fleet.inflight_grace_s, fleet.inflight_drain_tokens_per_s)
+    disp = Dispatcher(
+        dispatch,
+        n,
+        fleet.params,
+        fleet.inflight_grace_s,
+        fleet.inflight_drain_tokens_per_s,
+        weights=fleet.weights_for(dispatch),
+        seed=seed,
+    )
     rng = stream(seed, "dp.telemetry")
     phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
     if fleet.telemetry_aligned:

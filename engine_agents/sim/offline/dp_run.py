@@ -35,7 +35,7 @@ from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, l
 from switchyard.engine_agents.sim.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
 from switchyard.engine_agents.sim.offline.metrics import percentile, write_json
 from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
-from switchyard.solver.routing.dispatch import DISPATCH_POLICIES
+from switchyard.solver.routing.profiles import DP_PROFILES, dp_profile
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]
 
@@ -162,6 +162,7 @@ class DPSimOptions:
     inflight_grace_s: float = INFLIGHT_GRACE_S
     telemetry_aligned: bool = False
     inflight_drain_tokens_per_s: float = 0.0
+    dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -176,6 +177,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         inflight_grace_s=opts.inflight_grace_s,
         telemetry_aligned=opts.telemetry_aligned,
         inflight_drain_tokens_per_s=opts.inflight_drain_tokens_per_s,
+        dispatch_weights=opts.dispatch_weights,
     )
 
 
@@ -200,8 +202,14 @@ def run_sim_dp(
     if opts.requests is None and opts.rate is None:
         raise ValueError("give either --requests CSV (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
     for d in opts.dispatch:
-        if d not in DISPATCH_POLICIES:
-            raise ValueError(f"unknown dispatch {d!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+        if d not in DP_PROFILES:
+            raise ValueError(f"unknown dispatch {d!r}; choose a DP profile: {', '.join(DP_PROFILES)}")
+    scorers = {name for d in opts.dispatch for name in dp_profile(d).weights}
+    unknown = sorted({name for name, _ in opts.dispatch_weights} - scorers)
+    if unknown:
+        raise ValueError(
+            f"no dispatched profile has a scorer {', '.join(map(repr, unknown))}; theirs: {', '.join(sorted(scorers))}"
+        )
     for o in opts.orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
@@ -248,6 +256,8 @@ def run_sim_dp(
         "age_threshold_s": fleet.params.age_threshold_s,
         "window_s": opts.window_s,
     }
+    if opts.dispatch_weights:
+        config["dispatch_weights"] = dict(opts.dispatch_weights)
     payload = {"config": config, "runs": runs}
     if json_path is not None:
         write_json(json_path, payload)
