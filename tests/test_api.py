@@ -16,6 +16,7 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from switchyard.services.api.app import create_app
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.history import add_placement
@@ -394,3 +395,35 @@ async def test_engines_are_paged_and_requests_are_bounded(
         )
         status, _ = await _exchange(api.base_url.port, head, [b"{"])  # 1 GB declared: refused unread
         assert status == 413
+
+
+async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """Finding 3: a flood on the engines' wildcard subjects made nats-server cut the API off as a slow consumer.
+    Its fleet view (hellos, telemetry) is on a connection of its own: losing it leaves /v1/engines answering with
+    the last view, and the writes (a calibration request on the stream) and artifact reads on the control one."""
+    app = create_app(db_settings, ApiSettings(token=TOKEN))
+    async with app.router.lifespan_context(app):
+        state = app.state.switchyard
+        assert state.ingest is not None and state.ingest.nc is not state.bus.nc
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api", timeout=10) as api:
+            await bus.publish(bus.subjects.hello("e0"), hello("e0", "g0", ["a", "b"]))
+
+            async def live() -> list | None:
+                engines = (await api.get("/v1/engines")).json()
+                return engines if any(e["engine_id"] == "e0" for e in engines) else None
+
+            await eventually(live)
+            await state.ingest.nc.close()  # what the server does to a slow consumer
+            engines = await api.get("/v1/engines")
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            asked = await api.post("/v1/calibrations", headers=auth, json={"engine_group": "g0"})
+            artifact = await api.get("/v1/router/artifact")
+            ready = await api.get("/readyz")
+    assert engines.status_code == 200 and "e0" in {e["engine_id"] for e in engines.json()}
+    assert asked.status_code < 300, asked.text
+    subject = bus.subjects.calibration_request
+    stored = decode((await bus.js.get_last_msg(bus.subjects.placement_stream, subject)).data, CalibrationRequest)
+    assert stored.request_id == asked.json()["request_id"]  # published on the control connection
+    assert artifact.status_code == 404  # the KV was asked (and holds none), not a 5xx
+    assert ready.status_code == 200 and ready.json()["checks"]["nats"] == "ok"

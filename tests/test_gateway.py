@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from switchyard.services.gateway.choice import rendezvous_order
 from switchyard.services.gateway.settings import GatewaySettings
@@ -358,3 +359,63 @@ def test_gateway_command_deploys_alone_and_stops_on_sigterm(
         process.send_signal(signal.SIGTERM)
         process.wait(30)
     assert process.returncode == 0, log.read_text()[-2000:]
+
+
+def _fallbacks() -> float:
+    """Local choices made because the router did not answer, over all kinds and reasons."""
+    return sum(
+        s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name == "switchyard_gateway_routing_fallbacks_total"
+    )
+
+
+async def test_engine_ingest_has_its_own_connection(bus: Bus, settings: SwitchyardSettings) -> None:
+    """Finding 3: a flood on the engines' wildcard subjects made nats-server cut services off as slow consumers.
+    The gateway's hellos and prefill signatures are on a connection of their own: losing it leaves the route
+    requests (and so the completions) going through the router. The engines say hello rarely, so the registry
+    keeps them while the test runs however slow the machine."""
+    stubs = [
+        StubConfig("a", waiting_prefill_tokens=50_000, hello_interval_s=60.0),
+        StubConfig("b", hello_interval_s=60.0),
+    ]
+    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+        assert gw.ingest is not None and gw.bus is not None and gw.ingest.nc is not gw.bus.nc
+        assert gw.ingest.nc.is_connected
+        before = _fallbacks()
+        await gw.ingest.nc.close()  # what the server does to a slow consumer
+        answers = [await client.post("/v1/completions", json=BODY) for _ in range(3)]
+        ready = await client.get("/readyz")
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert {a.json()["served_by"] for a in answers} == {"b"}  # the router's choice: a has a long prefill backlog
+    assert len(engines["b"].received) == 3
+    assert _fallbacks() == before  # the router answered every question
+    assert ready.status_code == 200
+
+
+async def test_a_near_limit_hello_flood_does_not_break_routing(bus: Bus, settings: SwitchyardSettings) -> None:
+    """Near-`max_payload` messages on an engine's hello subject (refused by size by every subscriber, but carried
+    to each of them by the server) while completions go on: each is served where the router says, whether or
+    not the server cuts the gateway's or the router's ingest connection meanwhile."""
+    stubs = [
+        StubConfig("a", waiting_prefill_tokens=50_000, hello_interval_s=60.0),
+        StubConfig("b", hello_interval_s=60.0),
+    ]
+    flood = b"\x00" * (bus.nc.max_payload - 4096)
+    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+        assert gw.bus is not None
+        control = gw.bus.nc
+        before = _fallbacks()
+        answers = []
+        for _ in range(4):
+            for _ in range(2):
+                await bus.nc.publish(bus.subjects.hello("flood"), flood)
+            answers.append(await client.post("/v1/completions", json=BODY))
+        await bus.nc.flush()
+        answers.append(await client.post("/v1/completions", json=BODY))
+        assert gw.bus.nc is control and control.is_connected and control.stats["reconnects"] == 0
+    assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
+    assert {a.json()["served_by"] for a in answers} == {"b"} and len(engines["b"].received) == 5
+    assert _fallbacks() == before
+    assert "flood" not in gw.registry.engines

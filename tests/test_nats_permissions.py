@@ -355,7 +355,8 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
             await engine.start()
         await router.start()
         await gateway.start()
-        await wait_for(lambda: len(gateway.registry.live()) == len(engines))
+        await wait_for(lambda: len(gateway.registry.live()) == len(engines))  # hellos on its ingest connection
+        assert gateway.ingest is not None and gateway.bus is not None and gateway.ingest.nc is not gateway.bus.nc
         await wait_for(lambda: router_knows(router, ["e0", "e1", "d0"]))
         body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
         async with httpx.AsyncClient(base_url=gateway.url) as client:

@@ -41,14 +41,21 @@ def create_app(settings: SwitchyardSettings, config: ApiSettings | None = None) 
         await ensure_schema(database_url)
         engine, sessions = create_async_db(database_url)
         bus = await Bus.connect(settings, name="switchyard-api", role="api")
+        ingest: Bus | None = None
         try:
+            # The fleet view (hellos, telemetry: wildcard subjects any engine publishes on) has a connection of
+            # its own: a flood there can make the server cut it off as a slow consumer, never the one that
+            # publishes plans and calibration requests and reads the routing artifact.
+            ingest = await Bus.connect(settings, name="switchyard-api-ingest", role="api")
             await bus.ensure_streams()
             fleet = FleetView(bindings=settings.engine_bindings())
-            await fleet.subscribe(bus)
+            await fleet.subscribe(ingest)
             kv = await bus.ensure_kv(bus.subjects.router_bucket)
-            app.state.switchyard = ApiState(settings, config, engine, sessions, bus, fleet, kv)
+            app.state.switchyard = ApiState(settings, config, engine, sessions, bus, fleet, kv, ingest)
             yield
         finally:
+            if ingest is not None:
+                await ingest.close()
             await bus.close()
             await engine.dispose()
 

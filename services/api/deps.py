@@ -30,6 +30,7 @@ class ApiState:
     bus: Bus
     fleet: FleetView
     kv: KeyValue
+    ingest: Bus | None = None  # the fleet view's own connection (hellos, telemetry); `bus` carries the rest
 
 
 def get_state(request: Request) -> ApiState:

@@ -34,7 +34,8 @@ class GatewayService:
         self.gateway = gateway or GatewaySettings()
         self.registry = EngineRegistry(self.gateway.hello_misses)
         self.signatures = SignatureBox()
-        self.bus: Bus | None = None
+        self.bus: Bus | None = None  # route requests and announces
+        self.ingest: Bus | None = None  # hellos and prefill signatures, on a connection of their own
         self.ctx: Context | None = None
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
@@ -75,12 +76,21 @@ class GatewayService:
         sock = self._listen()
         try:
             self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers, role="gateway")
+            # Engine ingest (hellos, prefill signatures: wildcard subjects any engine publishes on) has a connection
+            # of its own: a flood there can make the server cut it off as a slow consumer, never the one that
+            # asks the router where each request goes.
+            self.ingest = ingest = await Bus.connect(
+                self.settings, name=f"{g.gateway_id}-ingest", servers=servers, role="gateway"
+            )
         except BaseException:
             sock.close()
+            if self.bus is not None:
+                await self.bus.close()
             raise
         s = bus.subjects
-        await bus.subscribe(s.all_hello, Hello, self._on_hello)
-        await bus.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
+        await ingest.subscribe(s.all_hello, Hello, self._on_hello)
+        await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
+        await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
         self.ctx = Context(g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures)
@@ -110,6 +120,8 @@ class GatewayService:
             await self.ctx.upstream.close()
         if self.bus is not None:
             await self.bus.close()
+        if self.ingest is not None:
+            await self.ingest.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         await self.start(servers)
