@@ -321,3 +321,20 @@ async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: Switc
         await service.ingest.nc.close()  # what the server does to a slow consumer
         assert service.bus.nc.is_connected
         await service.bus.nc.flush(timeout=5)
+
+
+async def test_a_held_lease_outlives_its_ttl_between_plans(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """A group is planned every `period_s` but its lease lives `lease_ttl_s`: the service renews what it holds
+    every tick, so between two plans the lease stays its own (it used to lapse and be reported lost)."""
+    await bus.ensure_streams()
+    await publish_load(bus, "e0", "g0", 0, range(4))
+    service = PlacementService(db_settings, QUICK.model_copy(update={"lease_ttl_s": 1.0}))
+    async with announcing(bus, hello("e0", "g0", ["a", "b"], 0)), running(service.run):
+
+        async def holds() -> bool:
+            return service.leases is not None and "g0" in service.leases.held
+
+        await eventually(holds)  # the start trigger planned g0 under its lease
+        await asyncio.sleep(2.5)  # over twice the TTL, and no trigger (period 3600 s)
+        entry = await service.leases.kv.get("placement.g0")  # type: ignore[union-attr]
+        assert entry.value == service.config.replica_id.encode()

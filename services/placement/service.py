@@ -250,6 +250,10 @@ class PlacementService:
     # ----- triggers -----
 
     async def tick(self) -> None:
+        if self.leases is not None:
+            # A group is planned every `period_s` (30 s) but its lease lives `lease_ttl_s` (10 s): renew held
+            # leases every tick, or each would lapse between plans and the next plan find it "lost".
+            await self.leases.renew()
         await self.republish_proposed()
         if self.registry is not None:
             await self.registry.prune()

@@ -6,7 +6,7 @@ import socket
 import uuid
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from switchyard.shared.placement_terms import (
@@ -77,10 +77,19 @@ class PlacementSettings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
     #: One replica acts for a group at a time: it holds the group's lease (`<prefix>-leases`), renewed every
-    #: third of this; a replica that stops renewing loses the group to another after this long.
+    #: tick (at most a third of this); a replica that stops renewing loses the group to another after this long.
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
     #: This replica's name as a lease owner.
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+
+    @model_validator(mode="after")
+    def _ticks_renew_leases_in_time(self) -> PlacementSettings:
+        if self.tick_s > self.lease_ttl_s / 3:
+            raise ValueError(
+                f"tick_s ({self.tick_s:g} s) must be at most a third of lease_ttl_s ({self.lease_ttl_s:g} s): "
+                "each tick renews the held group leases"
+            )
+        return self
 
     def objective_weights(self) -> dict[str, float]:
         """Every configured objective weight by term: the defaults, then `weights`, then `weight_<term>`."""
