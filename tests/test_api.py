@@ -55,12 +55,14 @@ LAYERS, EXPERTS, GPUS = 2, 8, 2
 
 
 @contextlib.asynccontextmanager
-async def api_server(settings: SwitchyardSettings, token: str | None = TOKEN) -> AsyncIterator[httpx.AsyncClient]:
-    """`switchyard api` as an asyncio task on a free port, and a client for it."""
+async def api_server(
+    settings: SwitchyardSettings, token: str | None = TOKEN, request_timeout_s: float = 10
+) -> AsyncIterator[httpx.AsyncClient]:
+    """`switchyard api` as an asyncio task on a free port, and a client for it (`request_timeout_s` per request)."""
     config = ApiSettings(host="127.0.0.1", port=free_port(), token=token)
     stop = asyncio.Event()
     task = asyncio.create_task(run_api(settings, stop, config))
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=10) as client:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=request_timeout_s) as client:
 
         async def up() -> bool:
             if task.done():

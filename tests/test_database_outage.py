@@ -25,8 +25,6 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
-from switchyard.services.api.server import run_api
-from switchyard.services.api.settings import ApiSettings
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus
@@ -36,6 +34,7 @@ from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
 from tests.conftest import fresh_postgres_database
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.test_api import api_server
 
 pytestmark = pytest.mark.postgres
 
@@ -111,26 +110,9 @@ async def cut_database(postgres_admin_url: str) -> AsyncIterator[tuple[str, str,
             await proxy.close()
 
 
-@contextlib.asynccontextmanager
-async def api(settings: SwitchyardSettings) -> AsyncIterator[httpx.AsyncClient]:
-    config = ApiSettings(host="127.0.0.1", port=free_port())
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_api(settings, stop, config))
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=20) as client:
-
-        async def up() -> bool:
-            if task.done():
-                task.result()
-            with contextlib.suppress(httpx.TransportError):
-                return (await client.get("/healthz")).status_code == 200
-            return False
-
-        await eventually(up, timeout=30)
-        try:
-            yield client
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
+def api(settings: SwitchyardSettings) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
+    """The API with no write token and a patient client (requests may wait on the cut database)."""
+    return api_server(settings, token=None, request_timeout_s=20)
 
 
 async def test_a_database_outage_mid_migration_loses_nothing_and_resumes_at_once(
