@@ -307,6 +307,22 @@ def decode(data: bytes, schema: type[M], max_bytes: int = DEFAULT_MAX_PAYLOAD) -
     return _validate(obj, schema)
 
 
+def reply_fields(data: bytes, schema: type[WireModel], max_bytes: int = DEFAULT_MAX_PAYLOAD) -> dict[str, Any]:
+    """A request/reply answer's raw fields, its version checked but its values not validated; raises
+    `RemoteError` for an ErrorReply, as `decode_reply` does.
+
+    For a hot path that checks the few values it uses itself (the gateway looks the chosen engine id up among
+    its candidates): validating the whole reply cost ~60 µs of a cold request's latency.
+    """
+    obj = _unpack(data, max_bytes)
+    if "error" in obj and "error" not in schema.model_fields:
+        _check_version(obj, ErrorReply)
+        err = _validate(obj, ErrorReply).error
+        raise RemoteError(err.code, err.field, err.message)
+    _check_version(obj, schema)
+    return obj
+
+
 def decode_reply(data: bytes, schema: type[M], max_bytes: int = DEFAULT_MAX_PAYLOAD) -> M:
     """Decode a request/reply answer: `schema`, or raise `RemoteError` if the server sent an ErrorReply."""
     obj = _unpack(data, max_bytes)

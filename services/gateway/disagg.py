@@ -138,7 +138,7 @@ async def serve_disagg(
         wait_s = ctx.signatures.wait_for(engine_id, ctx.settings.signature_wait_s)
         signature = await ctx.signatures.wait(request_id, wait_s, engine_id)
         metrics.SIGNATURES.labels("bus" if signature is not None else "missing").inc()
-    decoder, _reply = await ctx.router.route_decode(
+    decoder = await ctx.router.route_decode(
         request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders, parsed.model
     )
     if decoder is None:

@@ -9,7 +9,6 @@ incident (the first fallback after a success), so an outage is one line, not one
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 from nats.errors import Error as NatsError
@@ -18,6 +17,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.choice import least_loaded
 from switchyard.services.gateway.registry import Engine
 from switchyard.shared.bus import Bus
+from switchyard.shared.codec import WireModel, encode, encode_unchecked, reply_fields
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, RouteDpReply, RouteDpRequest
 
@@ -47,11 +47,13 @@ class Router:
             log.warning("router answering again after %d local choices", self.fallbacks_in_incident)
             self.incident, self.fallbacks_in_incident = False, 0
 
-    async def _ask(self, subject: str, request: Any, reply: type[Any]) -> tuple[Any, str]:
+    async def _ask(self, subject: str, payload: bytes, reply: type[WireModel]) -> tuple[str | None, str]:
+        """The chosen engine id (checked by the caller against its candidates), or None and the reason."""
         if self.bus is None:
             return None, "no_bus"
         try:
-            answer = await self.bus.request(subject, request, reply, timeout=self.timeout_s)
+            answer = await self.bus.nc.request(subject, payload, timeout=self.timeout_s)
+            engine_id = reply_fields(answer.data, reply, self.bus.max_payload).get("engine_id")
         except TimeoutError:
             return None, "timeout"
         except RemoteError as exc:
@@ -60,7 +62,9 @@ class Router:
             return None, "bad_reply"
         except NatsError as exc:
             return None, "no_responders" if "no responders" in str(exc).lower() else "nats_error"
-        return answer, ""
+        if not isinstance(engine_id, str):
+            return None, "bad_reply"
+        return engine_id, ""
 
     def _follow(self, engine_id: str, candidates: list[Engine], kind: str) -> Engine | None:
         for engine in candidates:
@@ -77,11 +81,12 @@ class Router:
         if not candidates:
             return None
         subject = self.bus.subjects.route_dp if self.bus is not None else ""
-        request = RouteDpRequest(request_id=request_id, prompt_tokens=prompt_tokens, model=model)
-        reply, reason = await self._ask(subject, request, RouteDpReply)
-        if reply is None:
+        # Unchecked: the id is ours, the count a positive int, the model one a live engine's hello named.
+        fields = {"request_id": request_id, "prompt_tokens": prompt_tokens, "model": model}
+        engine_id, reason = await self._ask(subject, encode_unchecked(RouteDpRequest, fields), RouteDpReply)
+        if engine_id is None:
             return self.local(candidates, "dp", reason)
-        return self._follow(reply.engine_id, candidates, "dp")
+        return self._follow(engine_id, candidates, "dp")
 
     async def route_decode(
         self,
@@ -91,9 +96,11 @@ class Router:
         prefill_engine_id: str | None,
         candidates: list[Engine],
         model: str | None = None,
-    ) -> tuple[Engine | None, RouteDecodeReply | None]:
+    ) -> Engine | None:
+        """The router's (ELDR's) choice among the live decoders `candidates` for a request with this prefill
+        signature."""
         if not candidates:
-            return None, None
+            return None
         subject = self.bus.subjects.route_decode if self.bus is not None else ""
         request = RouteDecodeRequest(
             request_id=request_id,
@@ -102,7 +109,7 @@ class Router:
             prefill_engine_id=prefill_engine_id,
             model=model,
         )
-        reply, reason = await self._ask(subject, request, RouteDecodeReply)
-        if reply is None:
-            return self.local(candidates, "decode", reason), None
-        return self._follow(reply.engine_id, candidates, "decode"), reply
+        engine_id, reason = await self._ask(subject, encode(request), RouteDecodeReply)
+        if engine_id is None:
+            return self.local(candidates, "decode", reason)
+        return self._follow(engine_id, candidates, "decode")
