@@ -23,6 +23,7 @@ from switchyard.shared.codec import (
     decode_reply,
     encode,
     encode_unchecked,
+    reply_fields,
 )
 from switchyard.shared.errors import (
     ArrayMismatch,
@@ -125,6 +126,23 @@ def test_error_reply_becomes_remote_error() -> None:
     with pytest.raises(RemoteError) as info:
         decode_reply(reply, s.RouteDecodeReply)
     assert info.value.code == "schema" and info.value.field == "prompt_tokens"
+
+
+def test_reply_fields_checks_errors_and_version_but_not_values() -> None:
+    reply = encode(s.RouteDpReply(request_id="r", engine_id="e1", priority=3, decision_us=1.0))
+    assert reply_fields(reply, s.RouteDpReply)["engine_id"] == "e1"
+    error = encode(ErrorReply.from_exception(SchemaMismatch("model", "too long")))
+    with pytest.raises(RemoteError) as info:
+        reply_fields(error, s.RouteDpReply)
+    assert info.value.field == "model"
+    newer = msgpack.packb({**msgpack.unpackb(reply), "v": s.RouteDpReply.VERSION + 1})
+    with pytest.raises(UnknownSchemaVersion):
+        reply_fields(newer, s.RouteDpReply)
+    with pytest.raises(NotMsgpack):
+        reply_fields(b"\xc1", s.RouteDpReply)
+    # values are the caller's to check: a wrong type passes through
+    odd = msgpack.packb({**msgpack.unpackb(reply), "engine_id": 7})
+    assert reply_fields(odd, s.RouteDpReply)["engine_id"] == 7
 
 
 def _valid_route() -> dict[str, Any]:
