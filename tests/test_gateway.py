@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
@@ -24,9 +25,9 @@ from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
-from switchyard.shared.codec import decode
+from switchyard.shared.codec import decode, encode
 from switchyard.shared.embedded import free_port
-from switchyard.shared.schemas import RouteDecisions, RouteDecodeRequest
+from switchyard.shared.schemas import RouteDecisions, RouteDecodeRequest, RouteDpReply
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import SIGNATURE_KEY
 from tests.gateway_helpers import deployment, metric, router_knows, wait_for
@@ -282,6 +283,34 @@ async def test_router_down_falls_back_locally_and_counts_it(
     assert len(engines["a"].received) == 5  # the router's choice again: b reports a long prefill backlog
     lines = [r.getMessage() for r in caplog.records if r.name == "switchyard.services.gateway.routing"]
     assert len(lines) == 2 and "router unavailable" in lines[0] and "after 4 local choices" in lines[1]
+
+
+async def test_a_malformed_router_reply_is_a_local_choice(bus: Bus, settings: SwitchyardSettings) -> None:
+    """Whatever answers on `sy.route.dp` cannot make the gateway fail a request or send it nowhere."""
+    good = msgpack.unpackb(encode(RouteDpReply(request_id="r", engine_id="a", priority=1, decision_us=1.0)))
+    replies = [
+        (b"\xc1", "bad_reply"),  # not msgpack
+        (msgpack.packb({**good, "engine_id": 7}), "bad_reply"),  # an engine id that is not a string
+        (msgpack.packb({**good, "v": good["v"] + 1}), "bad_reply"),  # a version this build does not speak
+        (msgpack.packb({**good, "engine_id": "nobody"}), "unknown_engine"),  # not a live candidate
+    ]
+    queue = list(replies)
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        await msg.respond(queue.pop(0)[0])
+
+    async with (
+        deployment(settings, bus, [StubConfig("a"), StubConfig("b")], router=False) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        await bus.nc.subscribe(bus.subjects.route_dp, cb=answer)
+        await bus.nc.flush()
+        for _payload, reason in replies:
+            before = metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason=reason)
+            answer_ = await client.post("/v1/completions", json=BODY)
+            assert answer_.status_code == 200
+            assert metric("switchyard_gateway_routing_fallbacks_total", kind="dp", reason=reason) == before + 1
+    assert sum(len(e.received) for e in engines.values()) == len(replies)
 
 
 async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: SwitchyardSettings) -> None:
