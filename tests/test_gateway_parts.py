@@ -9,7 +9,7 @@ import socket
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from switchyard.services.gateway.body import BadBody, parse
@@ -136,6 +136,42 @@ def test_engines_leave_after_missed_hellos_and_need_a_base_url() -> None:
     assert registry.models(now=4.5) == ["m"] and registry.models(now=100.0) == []
     registry.forget_dead(now=1000.0, keep_s=10.0)
     assert registry.engines == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.sampled_from(["dp", "prefill"]),
+            st.sampled_from([0.5, 1.0, 2.0]),
+            st.floats(0.0, 3.0),  # time to the next event
+            st.booleans(),  # a hello (else only a query)
+        ),
+        max_size=30,
+    )
+)
+def test_the_cached_live_list_is_what_a_fresh_scan_gives(events: list[tuple[str, str, float, float, bool]]) -> None:
+    registry, fresh, now = EngineRegistry(hello_misses=3), EngineRegistry(hello_misses=3), 0.0
+    for engine_id, role, interval, step, says_hello in events:
+        now += step
+        if says_hello:
+            for r in (registry, fresh):
+                r.on_hello(hello(engine_id, role=role, interval=interval), now=now)
+        fresh._live.clear()  # no cache: every answer a scan
+        for role_asked in (None, "dp", "prefill"):
+            assert registry.live(role_asked, now=now) == fresh.live(role_asked, now=now)
+            assert registry.live(role_asked, "m", now=now) == fresh.live(role_asked, "m", now=now)
+
+
+def test_an_engine_url_is_parsed_once_and_follows_its_hello() -> None:
+    registry = EngineRegistry()
+    registry.on_hello(hello("a", base_url="http://127.0.0.1:1/"), now=0.0)
+    engine = registry.engines["a"]
+    assert engine.url("/v1/completions") is engine.url("/v1/completions")
+    assert str(engine.url("/v1/completions")) == "http://127.0.0.1:1/v1/completions"
+    registry.on_hello(hello("a", base_url="http://127.0.0.1:2"), now=1.0)
+    assert str(engine.url("/v1/completions")) == "http://127.0.0.1:2/v1/completions"
 
 
 # ----- signatures -----

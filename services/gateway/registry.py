@@ -8,8 +8,11 @@ which is what the local fallback choice and the prefill load bound read.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from yarl import URL
 
 from switchyard.shared.schemas import Hello
 
@@ -23,12 +26,31 @@ class Engine:
     hello_interval_s: float
     last_hello: float
     inflight: int = 0
+    _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+
+    def url(self, path: str) -> URL:
+        """`base_url + path`, parsed once (aiohttp would parse the string on every request)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.base_url + path)
+        return url
+
+
+class _Live:
+    """One cached answer of `EngineRegistry.live`: valid for `version` until the first engine in it expires."""
+
+    __slots__ = ("engines", "valid_until", "version")
+
+    def __init__(self, engines: list[Engine], valid_until: float, version: int) -> None:
+        self.engines, self.valid_until, self.version = engines, valid_until, version
 
 
 class EngineRegistry:
     def __init__(self, hello_misses: float = 3.0) -> None:
         self.hello_misses = hello_misses
         self.engines: dict[str, Engine] = {}
+        self.version = 0  # bumped by every hello: liveness and membership may have changed
+        self._live: dict[tuple[str | None, str | None], _Live] = {}
 
     def on_hello(self, hello: Hello, now: float | None = None) -> None:
         """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored."""
@@ -40,16 +62,28 @@ class EngineRegistry:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
         engine.role, engine.model = hello.role, hello.model.name
-        engine.base_url = hello.base_url.rstrip("/")
+        base_url = hello.base_url.rstrip("/")
+        if base_url != engine.base_url:
+            engine.base_url = base_url
+            engine._urls.clear()
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
+        self.version += 1
 
     def alive(self, engine: Engine, now: float) -> bool:
         return now - engine.last_hello <= self.hello_misses * engine.hello_interval_s
 
     def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[Engine]:
-        """Live engines, optionally of one role and serving one model, in engine-id order (deterministic)."""
+        """Live engines, optionally of one role and serving one model, in engine-id order (deterministic).
+
+        The same list is returned until a hello arrives or one of its engines expires (callers must not change
+        it), so a request costs no scan, sort or allocation of the fleet. Only an engine's hello can revive it.
+        """
         now = time.monotonic() if now is None else now
-        return sorted(
+        key = (role, model)
+        cached = self._live.get(key)
+        if cached is not None and cached.version == self.version and now < cached.valid_until:
+            return cached.engines
+        engines = sorted(
             (
                 e
                 for e in self.engines.values()
@@ -57,6 +91,11 @@ class EngineRegistry:
             ),
             key=lambda e: e.engine_id,
         )
+        expiries = (e.last_hello + self.hello_misses * e.hello_interval_s for e in engines)
+        if len(self._live) > 256:  # model names come from requests: bound the cache
+            self._live.clear()
+        self._live[key] = _Live(engines, min(expiries, default=math.inf), self.version)
+        return engines
 
     def get_live(self, engine_id: str, now: float | None = None) -> Engine | None:
         engine = self.engines.get(engine_id)
@@ -72,3 +111,4 @@ class EngineRegistry:
         for engine_id, e in list(self.engines.items()):
             if e.inflight == 0 and now - e.last_hello > self.hello_misses * e.hello_interval_s + keep_s:
                 del self.engines[engine_id]
+                self.version += 1

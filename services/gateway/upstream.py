@@ -92,7 +92,7 @@ class Upstream:
         if deadline_s is not None:
             timeout = aiohttp.ClientTimeout(total=deadline_s, sock_connect=self.settings.connect_timeout_s)
         try:
-            async with self.session.post(engine.base_url + path, data=content, headers=headers, timeout=timeout) as r:
+            async with self.session.post(engine.url(path), data=content, headers=headers, timeout=timeout) as r:
                 body = await r.read()
                 status, content_type = r.status, _content_type(r, "application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -107,7 +107,7 @@ class Upstream:
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
                 response = await self.session.post(
-                    engine.base_url + path, data=content, headers=headers, timeout=self.stream_timeout
+                    engine.url(path), data=content, headers=headers, timeout=self.stream_timeout
                 )
                 status = response.status
                 if status >= 500:
