@@ -328,6 +328,9 @@ async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: Switchy
     ):
         answers = [await client.post("/v1/completions", content=body) for body in bad]
         chat = await client.post("/v1/chat/completions", json={"model": "stub-model", "messages": []})
+        wrong_method = await client.get("/v1/completions")  # POSTs skip Starlette; the rest still routes there
+        wrong_path = await client.post("/v1/completion", json=BODY)
+    assert (wrong_method.status_code, wrong_path.status_code) == (405, 404)
     for answer in [*answers, chat]:
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]

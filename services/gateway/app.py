@@ -9,6 +9,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import BadBody, error_response, parse
@@ -47,14 +48,40 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> Re
     return _fleet_unavailable(ctx, parsed.model)
 
 
-def build_app(ctx: Context, is_connected: object = None) -> Starlette:
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _Completions:
+    """`POST` to one completions path as a bare ASGI app: the request path skips Starlette's middleware and
+    routing (~0.1 ms of a cold request's TTFT); `GatewayApp` sends it here."""
+
+    def __init__(self, ctx: Context, path: str, chat: bool) -> None:
+        self.ctx, self.path, self.chat = ctx, path, chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await _complete(self.ctx, Request(scope, receive), self.path, self.chat)
+        await response(scope, receive, send)
+
+
+class GatewayApp:
+    """A `POST` to a completions path straight to its handler; everything else (models, health, metrics, a wrong
+    method) through the Starlette app, which routes the same handlers and answers 404 and 405 as usual."""
+
+    def __init__(self, completions: dict[str, _Completions], rest: Starlette) -> None:
+        self.completions, self.rest = completions, rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.completions.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.rest(scope, receive, send)
+
+
+def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
     """`is_connected()` tells readiness whether the bus is up (None: assume it is)."""
-
-    async def completions(request: Request) -> Response:
-        return await _complete(ctx, request, "/v1/completions", chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        return await _complete(ctx, request, "/v1/chat/completions", chat=True)
+    completions = {path: _Completions(ctx, path, chat=path.endswith("/chat/completions")) for path in COMPLETIONS}
 
     async def models(_request: Request) -> Response:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard"} for m in ctx.registry.models()]
@@ -72,13 +99,13 @@ def build_app(ctx: Context, is_connected: object = None) -> Starlette:
     async def prometheus(_request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return Starlette(
+    rest = Starlette(
         routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            *(Route(path, handler, methods=["POST"]) for path, handler in completions.items()),
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
         ]
     )
+    return GatewayApp(completions, rest)
