@@ -18,7 +18,12 @@ from switchyard.services.gateway.disagg import decode_body, prefill_body, signat
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.signatures import MISSES_BEFORE_NO_WAIT, SignatureBox, new_request_id
+from switchyard.services.gateway.signatures import (
+    MISSES_BEFORE_NO_WAIT,
+    REQUEST_ID,
+    SignatureBox,
+    new_request_id,
+)
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.errors import ConfigError
@@ -278,3 +283,9 @@ def test_a_busy_port_is_one_plain_error() -> None:
         service = GatewayService(SwitchyardSettings(), GatewaySettings(port=port))
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
             service._listen()
+
+
+def test_request_ids_are_unique_and_have_the_shape_engines_echo() -> None:
+    ids = [new_request_id() for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    assert all(REQUEST_ID.fullmatch(i) for i in ids)
