@@ -15,7 +15,6 @@ tests/test_routing_dp_kernels.py checks kernels against compositions.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,18 +31,14 @@ if TYPE_CHECKING:
 __all__ = ["ColumnsKernel", "GimbalKernel"]
 
 _F64 = np.dtype(np.float64)
-_GIMBAL_COLUMNS = ("kv_usage", "remaining_prefill", "waiting_prefill", "inflight_tokens", "expert_pressure")
 
 
-def _float_columns(snap: FleetSnapshot, names: Iterable[str]) -> list[list[float]] | None:
-    """The named columns as Python lists, or None when one is not float64 (numpy would compute in its dtype)."""
-    lists = []
-    for name in names:
-        column = snap.column(name)
+def _as_lists(columns: tuple[np.ndarray, ...]) -> list[list[float]] | None:
+    """The columns as Python lists, or None when one is not float64 (numpy would compute in its dtype)."""
+    for column in columns:
         if column.dtype is not _F64:
             return None
-        lists.append(column.tolist())
-    return lists
+    return [column.tolist() for column in columns]
 
 
 @dataclass(frozen=True)
@@ -59,7 +54,19 @@ class GimbalKernel:
         n, p = snap.size, self.params
         if not 0 < n <= LOOP_MAX_ENGINES or state.scan_start % n or not p.kv_floor > 0.0:  # x / 0.0 raises
             return None
-        columns = _float_columns(snap, _GIMBAL_COLUMNS)
+        extra = snap.columns
+        try:
+            columns = _as_lists(
+                (
+                    snap.kv_usage,
+                    extra["remaining_prefill"],
+                    extra["waiting_prefill"],
+                    extra["inflight_tokens"],
+                    extra["expert_pressure"],
+                )
+            )
+        except KeyError:  # the composition says which
+            return None
         if columns is None:
             return None
         kv, remaining, waiting, inflight, pressure = columns
@@ -111,7 +118,7 @@ class ColumnsKernel:
         n = snap.size
         if not 0 < n <= LOOP_MAX_ENGINES:
             return None
-        columns = _float_columns(snap, (name for name, _ in self.terms))
+        columns = _as_lists(tuple(snap.column(name) for name, _ in self.terms))
         if columns is None:
             return None
         scores: list[float] | None = None
