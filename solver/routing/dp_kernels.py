@@ -75,19 +75,21 @@ class GimbalKernel:
         best, best_score = -1, math.inf  # first minimum of the score
         freest, kv_min, kv_max, freest_score = -1, math.inf, -math.inf, math.inf  # KV first: first minimum of kv
         # Conditional expressions, not min() and max() (three times slower here), with numpy's NaN semantics:
-        # a NaN usage or pressure gives a NaN score.
-        for i, (live, usage, score, waiting_i, inflight_i, pressure_i) in enumerate(
-            zip(alive, kv, remaining, waiting, inflight, pressure, strict=True)
-        ):
-            if not live:
+        # a NaN usage or pressure gives a NaN score. Indexing, not zip(): cheaper, warm and cold.
+        for i in range(n):
+            if not alive[i]:
                 continue
+            usage = kv[i]
             clipped = 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage  # np.clip(kv, 0, 1)
             free = 1.0 - clipped
-            excess = pressure_i - 1.0
-            score += waiting_i
-            score += inflight_i
-            score += c_kv * clipped / (free if free > kv_floor else kv_floor)  # P_kv
-            score += c_moe * (0.0 if excess < 0.0 else excess)  # P_moe
+            excess = pressure[i] - 1.0
+            score = (
+                remaining[i]
+                + waiting[i]
+                + inflight[i]
+                + c_kv * clipped / (free if free > kv_floor else kv_floor)  # P_kv
+                + c_moe * (0.0 if excess < 0.0 else excess)  # P_moe
+            )
             if score < best_score:
                 best, best_score = i, score
             elif score != score:  # NaN: numpy's argmin would take it
