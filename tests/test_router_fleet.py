@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.services.router.core import RoleView
+from switchyard.services.router.core import COLUMNS, RoleView
 from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
 
@@ -119,21 +119,27 @@ _events = st.one_of(
 )
 def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running: list[int]) -> None:
     """The router's cached decode view (re-read only on data changes, liveness re-checked only when an engine
-    may have expired, its own decisions applied in place) always shows what reading the fleet afresh shows."""
+    may have expired, its own decisions applied in place, to its load and to every gathered column) always
+    shows what reading the fleet afresh shows."""
     fleet = TelemetryView(stale_after_s=1.0, inflight_grace_s=0.05, capacity=2)
     view = RoleView(fleet, "decode")
     now, seq = 10.0, dict.fromkeys(_ENGINES, 0)
+    names = tuple(COLUMNS)
 
     def look() -> None:
         view.rebuild()
         snap = view.refresh(now, 1.0)
+        view.gather(names)
         fresh = RoleView(fleet, "decode")
         expected = fresh.refresh(now, 1.0)
+        fresh.gather(names)
         assert snap.engine_ids == expected.engine_ids
         np.testing.assert_array_equal(snap.load, expected.load)
         np.testing.assert_array_equal(snap.kv_usage, expected.kv_usage)
         np.testing.assert_array_equal(snap.alive, expected.alive)
         assert view.any_alive == bool(expected.alive.any())
+        for name in names:
+            np.testing.assert_array_equal(snap.columns[name], expected.columns[name], err_msg=name)
 
     for n, (kind, engine, x) in enumerate(events):
         if kind == "tick":
@@ -146,20 +152,41 @@ def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running
         elif kind == "route":  # what RouterCore.route_decode does around its policy
             view.rebuild()
             snap = view.refresh(now, 1.0)
+            view.gather(names)
             live = np.flatnonzero(snap.alive)
             if len(live):
                 row = int(view.rows[live[x % len(live)]])
-                fleet.on_decision_row(row, 100, now)
-                view.record_decision(row)
+                fleet.on_decision_row(row, 100 + x, now)
+                view.record_decision(row, 100 + x)
         elif kind == "shared":  # another replica's decision
             row = fleet.on_decision(engine, 50, now)
             if row >= 0:
-                view.record_decision(row)
+                view.record_decision(row, 50)
         elif kind == "forget":
             fleet.forget(now, 2.0)
         else:
             look()
     look()
+
+
+def test_gathered_columns_follow_decisions_in_place_and_are_re_read_after_a_report() -> None:
+    fleet = TelemetryView(stale_after_s=1.0, inflight_grace_s=0.05)
+    for engine_id in ("a", "b"):
+        fleet.on_hello(hello(engine_id, "dp"), 0.0)
+    view = RoleView(fleet, "dp")
+    names = ("inflight_tokens", "remaining_prefill", "waiting")
+    view.gather(names)
+    before = dict(view.snap.columns)
+    row = fleet.index["b"]
+    fleet.on_decision_row(row, 300, 0.1)
+    view.record_decision(row, 300)
+    view.gather(names)
+    assert all(view.snap.columns[name] is before[name] for name in names)  # no re-read...
+    assert view.snap.columns["inflight_tokens"].tolist() == [0.0, 300.0]  # ...the decision applied in place
+    assert view.snap.columns["waiting"].tolist() == [0.0, 1.0]
+    fleet.on_telemetry(telemetry("b", 1), 0.2)
+    view.gather(names)
+    assert view.snap.columns["inflight_tokens"] is not before["inflight_tokens"]  # a report: re-read
 
 
 def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> None:

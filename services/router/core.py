@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,11 +41,12 @@ from switchyard.solver.scoring import Scorer, ScoringError
 class RoleView:
     """The engines of one role as a `FleetSnapshot` (sorted ids), kept in step with the fleet columns.
 
-    `refresh` re-reads the columns only when the fleet's data changed since the last read, and re-checks
-    liveness only when the earliest-expiring live engine may have gone stale (or the clock went back), so
-    between telemetry messages a decision costs no per-engine work. A decision recorded through
-    `record_decision` right after the fleet counted it is applied in place (load + 1): the snapshot then
-    equals what a full re-read would give (loads are integer-valued), without one.
+    `refresh` and `gather` re-read the columns only when the fleet's data changed since the last read, and
+    liveness is re-checked only when the earliest-expiring live engine may have gone stale (or the clock went
+    back), so between telemetry messages a decision costs no per-engine work. A decision recorded through
+    `record_decision` right after the fleet counted it is applied in place (load + 1, and the gathered
+    in-flight columns by what it adds to them, `PER_DECISION`): the snapshot then equals what a full re-read
+    would give (counts and tokens are integer-valued), without one.
     """
 
     #: Re-check liveness this long before the earliest live engine's deadline (guards float rounding).
@@ -72,6 +73,7 @@ class RoleView:
         self._serving: dict[str, np.ndarray | None] = {}
         self.version = self.fleet.version
         self._synced = -1  # fleet.data_version the snapshot reflects
+        self._gathered: tuple[tuple[str, ...], int] = ((), -1)  # the gathered columns, and the data_version
         self._last_seen = np.zeros(d)
         self._checked_at = np.inf  # when liveness was last evaluated
         self._alive_until = -np.inf  # liveness holds while now < this
@@ -103,10 +105,14 @@ class RoleView:
         self._alive_until = earliest + stale_after_s - self._MARGIN_S
 
     def gather(self, names: tuple[str, ...]) -> None:
-        """Fill the snapshot's extra `columns` a profile reads (`COLUMNS`), fresh from the fleet's."""
+        """Fill the snapshot's extra `columns` a profile reads (`COLUMNS`) from the fleet's, unless they already
+        show its data."""
         f, rows, columns = self.fleet, self.rows, self.snap.columns
+        if self._gathered == (names, f.data_version):
+            return
         for name in names:
             columns[name] = COLUMNS[name](f, rows, self.snap)
+        self._gathered = (names, f.data_version)
 
     def serving(self, model: str | None) -> np.ndarray | None:
         """Mask of the engines serving `model`, None when no filter is needed (no model asked for, or every
@@ -126,13 +132,23 @@ class RoleView:
         mask = self.serving(model)
         return self.snap.alive if mask is None else self.snap.alive & mask
 
-    def record_decision(self, row: int) -> None:
-        """The fleet has just counted one more request in flight on `row` (`Fleet.on_decision*`)."""
-        if self._synced == self.fleet.data_version - 1:  # in step until that decision: follow it in place
-            i = self.position.get(row)
+    def record_decision(self, row: int, prompt_tokens: float) -> None:
+        """The fleet has just counted one more request in flight on `row` (`TelemetryView.on_decision*`)."""
+        version = self.fleet.data_version
+        i = self.position.get(row)
+        if self._synced == version - 1:  # in step until that decision: follow it in place
             if i is not None:
                 self.snap.load[i] += 1
-            self._synced = self.fleet.data_version
+            self._synced = version
+        names, gathered = self._gathered
+        if gathered == version - 1:
+            if i is not None:
+                columns = self.snap.columns
+                for name in names:
+                    add = PER_DECISION.get(name)
+                    if add is not None:
+                        columns[name][i] += add(prompt_tokens)
+            self._gathered = (names, version)
 
 
 #: Engine columns a routing profile may read beyond the snapshot's own (load, kv_usage, alive), from the
@@ -149,8 +165,16 @@ COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarr
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
 }
+#: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
+#: requests in flight, given its prompt tokens; the others only change with a report.
+PER_DECISION: dict[str, Callable[[float], float]] = {
+    "inflight": lambda tokens: 1.0,
+    "inflight_tokens": lambda tokens: tokens,
+    "waiting": lambda tokens: 1.0,
+}
 _SNAPSHOT_COLUMNS = frozenset({"load", "kv_usage", "alive"})
 _NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
+_NO_QUERY = RouteQuery()  # ... and most read nothing of the request: no query to build per decision
 
 
 def _extra_columns(profile: Profile) -> tuple[str, ...]:
@@ -207,6 +231,7 @@ class RouterCore:
         self.dp_state = RouterState.seeded(settings.seed)
         self._decode_columns = _extra_columns(self.policy)
         self._dp_columns = _extra_columns(self.dp_profile)
+        self._dp_reads_tokens = "prompt_tokens" in self.dp_profile.needs
         self.decode = RoleView(self.fleet, "decode")
         self.dp = RoleView(self.fleet, "dp")
         self.artifact: RoutingArtifact | None = None
@@ -217,13 +242,15 @@ class RouterCore:
         # observations are folded in bulk by `housekeeping`.
         self._seconds = {kind: metrics.Batched(metrics.DECISION_SECONDS.labels(kind)) for kind in ("decode", "dp")}
         self._band = metrics.Batched(metrics.BAND_SIZE)
-        self._counted: dict[tuple[str, str], Any] = {}
+        self._counted: dict[tuple[str, str], metrics.BatchedCount] = {}
 
     def _count(self, kind: str, policy: str, fallback: str) -> None:
-        child = self._counted.get((kind, fallback))
-        if child is None:
-            child = self._counted[kind, fallback] = metrics.DECISIONS.labels(kind, policy, fallback)
-        child.inc()
+        counted = self._counted.get((kind, fallback))
+        if counted is None:
+            counted = self._counted[kind, fallback] = metrics.BatchedCount(
+                metrics.DECISIONS.labels(kind, policy, fallback)
+            )
+        counted.inc()
 
     # ----- inputs -----
 
@@ -242,13 +269,13 @@ class RouterCore:
         """Another replica's decisions: count them in flight here too (our own are counted when made)."""
         if decisions.replica_id != self.settings.replica_id:
             for engine_id, prompt_tokens in zip(decisions.engine_ids, decisions.prompt_tokens, strict=True):
-                self._record(self.fleet.on_decision(engine_id, prompt_tokens, now))
+                self._record(self.fleet.on_decision(engine_id, prompt_tokens, now), prompt_tokens)
 
-    def _record(self, row: int) -> None:
+    def _record(self, row: int, prompt_tokens: int) -> None:
         """Keep the role views in step with a decision the fleet just counted (row -1: unknown engine)."""
         if row >= 0:
-            self.decode.record_decision(row)
-            self.dp.record_decision(row)
+            self.decode.record_decision(row, prompt_tokens)
+            self.dp.record_decision(row, prompt_tokens)
 
     def set_artifact(self, artifact: RoutingArtifact | None) -> None:
         """Swap the routing artifact (hot reload); the next decision uses it."""
@@ -258,8 +285,8 @@ class RouterCore:
         metrics.ARTIFACT_VERSION.set(artifact.version if artifact is not None else 0)
 
     def flush_metrics(self) -> None:
-        """Fold the decisions' batched histogram observations into the Prometheus histograms."""
-        for batched in (*self._seconds.values(), self._band):
+        """Fold the decisions' batched counts and histogram observations into the Prometheus metrics."""
+        for batched in (*self._seconds.values(), self._band, *self._counted.values()):
             batched.flush()
 
     def housekeeping(self, now: float) -> None:
@@ -317,7 +344,7 @@ class RouterCore:
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
-        self._record(row)
+        self._record(row, request.prompt_tokens)
         elapsed = time.perf_counter() - start
         fallback = fallback or decision.fallback
         self._count("decode", policy.name, fallback or "")
@@ -348,11 +375,12 @@ class RouterCore:
         snap = _for_model(view, snap, request.model)
         if snap is None:
             return _unavailable("dp", "dp", view.snap.size, request.model)
-        index = profile(snap, RouteQuery(prompt_tokens=request.prompt_tokens), self.dp_state, _NO_TABLES).index
+        query = RouteQuery(prompt_tokens=request.prompt_tokens) if self._dp_reads_tokens else _NO_QUERY
+        index = profile(snap, query, self.dp_state, _NO_TABLES).index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
-        self._record(row)
+        self._record(row, request.prompt_tokens)
         elapsed = time.perf_counter() - start
         self._count("dp", profile.name, "")
         self._seconds["dp"].observe(elapsed)

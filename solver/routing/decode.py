@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -45,8 +45,9 @@ class RouteQuery:
     prompt_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """One pick (a tuple: built on every request, a frozen dataclass costs twice as much to make)."""
+
     index: int  # into the snapshot's engines
     band_size: int = 0  # engines the band filter admitted (0 for load-only profiles)
     fallback: str | None = None

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from switchyard.solver.routing.decode import eldr_kernel
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
+from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
 from switchyard.solver.routing.filters import Alive, DomainPartition, KvFirst, TauBand
 from switchyard.solver.routing.framework import Profile, Weighted
 from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin
@@ -113,14 +114,17 @@ def dp_profile(
                 Weighted(MoePenalty(params), 1.0),
             ),
             FirstMin(),
+            kernel=GimbalKernel(params),
             doc="Gimbal's pressure score (prefill-token units), KV-first when caches are nearly full and uneven",
         )
     elif name == "vllm":
+        scorers = (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0))
         profile = Profile(
             "vllm",
             (_ALIVE,),
-            (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0)),
+            scorers,
             FirstMin(),
+            kernel=ColumnsKernel.of(scorers),
             doc="vLLM's DP load balancer: 4·waiting + running, first minimum",
         )
     elif name == "vllm-main":
@@ -132,8 +136,9 @@ def dp_profile(
             doc="vLLM main's DP load balancer, scan start rotating",
         )
     elif name == "jsq":
+        scorers = (Weighted(Column("outstanding"), 1.0),)
         profile = Profile(
-            "jsq", (_ALIVE,), (Weighted(Column("outstanding"), 1.0),), FirstMin(), doc="fewest outstanding requests"
+            "jsq", (_ALIVE,), scorers, FirstMin(), kernel=ColumnsKernel.of(scorers), doc="fewest outstanding requests"
         )
     elif name == "rr":
         profile = Profile("rr", (_ALIVE,), (), RoundRobin(), doc="round robin over live engines")
