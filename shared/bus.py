@@ -407,18 +407,19 @@ class Bus:
         handler: Callable[[M], Awaitable[WireModel] | WireModel],
         queue: str = "",
         *,
-        idle: Callable[[], Awaitable[None]] | None = None,
+        idle: Callable[[], None] | None = None,
     ) -> Subscription:
         """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply.
 
-        `idle`, if given, is awaited after a reply when no further request is waiting on this subscription
-        (the end of a burst). It runs before nats-py's flusher, so what it publishes leaves in the same socket
-        write as the burst's replies; a failure in it is logged and counted, never fatal.
+        `idle`, if given, is called after a reply when no further request is waiting on this subscription (the
+        end of a burst), on the loop's next turn: after nats-py's flusher has written the reply, so nothing it
+        does delays one. A failure in it is logged and counted, never fatal.
         """
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
         subscription: list[Subscription] = []  # bound once subscribed (a request may be handled before that)
         failures = _RateLimitedWarning(subject)
+        loop = asyncio.get_running_loop()
 
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
@@ -441,11 +442,14 @@ class Bus:
                     payload = encode(ErrorReply.from_exception(exc))
             await msg.respond(payload)
             if idle is not None and (not subscription or subscription[0].pending_msgs == 0):
-                try:
-                    await idle()
-                except Exception:
-                    HANDLER_ERRORS.labels(subject).inc()
-                    failures.failed("idle hook")
+                loop.call_soon(run_idle)  # after the flusher's turn, which `respond` has just scheduled
+
+        def run_idle() -> None:
+            try:
+                idle()  # type: ignore[misc]
+            except Exception:
+                HANDLER_ERRORS.labels(subject).inc()
+                failures.failed("idle hook")
 
         subscription.append(await self.nc.subscribe(subject, queue=queue, cb=_on_request))
         return subscription[0]

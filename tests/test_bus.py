@@ -71,7 +71,7 @@ async def test_serve_calls_idle_after_each_burst_and_survives_its_failure(bus: B
         handled.append(request.request_id)
         return s.RouteDpReply(request_id=request.request_id, engine_id="e1", priority=1, decision_us=1.0)
 
-    async def idle() -> None:
+    def idle() -> None:
         idle_after.append(len(handled))
         if len(idle_after) == 1:
             raise RuntimeError("the first idle call fails")

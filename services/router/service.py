@@ -60,11 +60,11 @@ def _process_age_s() -> float | None:
 class DecisionSharer:
     """Collects this replica's decisions and publishes them as `RouteDecisions`.
 
-    `idle` runs at the end of each burst of requests (`Bus.serve`'s hook), before nats-py's flusher has
-    written the burst's replies. It never publishes there: it schedules the batch for the loop's next turn,
-    after the flusher's, so the replies leave first and sharing adds nothing to a route round trip (encoding
-    a batch inline held every reply of the burst back by that much). It does so unless the previous batch
-    left less than `interval_s` ago; what such bursts leave waits for the next burst end past the interval,
+    `idle` runs at the end of each burst of requests (`Bus.serve`'s hook, called once nats-py's flusher has
+    written the burst's replies). It never publishes there: it schedules the batch for the loop's next turn,
+    so sharing adds nothing to a route round trip (encoding a batch before the replies were written held
+    every reply of the burst back by that much). It does so unless the previous batch left less than
+    `interval_s` ago; what such bursts leave waits for the next burst end past the interval,
     or, if traffic pauses, for a timer one interval later. So decisions are shared after their replies, at
     most one message per `interval_s`, and none waits more than twice that.
     """
@@ -82,7 +82,7 @@ class DecisionSharer:
     def add(self, decided: Decided) -> None:
         self.pending.append(decided)
 
-    async def idle(self) -> None:
+    def idle(self) -> None:
         if not self.pending:
             return
         due = self._last + self.interval_s
