@@ -26,9 +26,23 @@ def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
     return error_response(503, "no live engine can serve this request", "ServiceUnavailableError")
 
 
+async def _body(receive: Receive) -> bytes:
+    """The request body; `HttpLimits` has buffered it into one message (Starlette's `Request.body` iterates an
+    async generator for it)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: what arrived is all there is
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> Response:
     started = time.perf_counter()
-    raw = await request.body()
+    raw = await _body(request.receive)
     try:
         parsed = parse(raw, chat, ctx.settings.affinity_prefix_chars)
     except BadBody as exc:
