@@ -339,10 +339,4 @@ def reply_fields(data: bytes, schema: type[WireModel], max_bytes: int = DEFAULT_
 
 def decode_reply(data: bytes, schema: type[M], max_bytes: int = DEFAULT_MAX_PAYLOAD) -> M:
     """Decode a request/reply answer: `schema`, or raise `RemoteError` if the server sent an ErrorReply."""
-    obj = _unpack(data, max_bytes)
-    if "error" in obj and "error" not in schema.model_fields:
-        _check_version(obj, ErrorReply)
-        err = _validate(obj, ErrorReply).error
-        raise RemoteError(err.code, err.field, err.message)
-    _check_version(obj, schema)
-    return _validate(obj, schema)
+    return _validate(reply_fields(data, schema, max_bytes), schema)
