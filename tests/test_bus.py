@@ -51,13 +51,20 @@ async def test_no_echo_connection_does_not_receive_its_own_publishes(bus: Bus, s
     quiet = await Bus.connect(settings, name="quiet", no_echo=True)
     try:
         got: list[int] = []
-        await quiet.subscribe(bus.subjects.all_telemetry, s.Telemetry, lambda m, _: got.append(m.seq))
+        arrived = asyncio.Event()
+
+        def on_telemetry(message: s.Telemetry, _msg: object) -> None:
+            got.append(message.seq)
+            arrived.set()
+
+        await quiet.subscribe(bus.subjects.all_telemetry, s.Telemetry, on_telemetry)
         await quiet.nc.flush()
         await quiet.publish(bus.subjects.telemetry("e1"), _telemetry(1))  # its own: not delivered back
-        await bus.publish(bus.subjects.telemetry("e1"), _telemetry(2))  # another connection's: delivered
+        # After the PONG, an echo of 1 would already be in quiet's stream, so it would be handled before 2
         await quiet.nc.flush()
+        await bus.publish(bus.subjects.telemetry("e1"), _telemetry(2))  # another connection's: delivered
         await bus.nc.flush()
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(arrived.wait(), 10)  # the evidence, not a fixed sleep (failed under load at 0.1 s)
         assert got == [2]
     finally:
         await quiet.close()
