@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from yarl import URL
 
@@ -36,13 +37,12 @@ class Engine:
         return url
 
 
-class _Live:
+class _Live(NamedTuple):
     """One cached answer of `EngineRegistry.live`: valid for `version` until the first engine in it expires."""
 
-    __slots__ = ("engines", "valid_until", "version")
-
-    def __init__(self, engines: list[Engine], valid_until: float, version: int) -> None:
-        self.engines, self.valid_until, self.version = engines, valid_until, version
+    engines: list[Engine]
+    valid_until: float
+    version: int
 
 
 class EngineRegistry:

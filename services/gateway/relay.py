@@ -45,9 +45,34 @@ class ClientGone(Exception):
     """The client disconnected before its answer started."""
 
 
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _ClientWatch:
+    """Cancels the task that made it when the client disconnects: one task waiting on `receive` for ASGI's
+    `http.disconnect`, started by `start` (at once, or later from a timer)."""
+
+    def __init__(self, receive: Receive) -> None:
+        current = asyncio.current_task()
+        assert current is not None
+        self.receive, self.current = receive, current
+        self.gone = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.current.cancel()
+
+    def caused(self) -> bool:
+        """In an `except CancelledError`: whether the cancellation was the client leaving (and so is spent),
+        not the server's own."""
+        return self.gone and self.current.uncancel() == 0
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
 
 
 #: How long an upstream call runs before a watcher listens for the client's disconnect. Most first bytes come
@@ -59,35 +84,20 @@ WATCH_AFTER_S = 0.02
 async def until_disconnect(request: Request, call: Awaitable[T]) -> T:
     """`await call`, unless the client disconnects first: then cancel it (closing its connection) and raise.
 
-    The watcher (a task that cancels this one when the disconnect arrives) starts only once the call has run
-    `WATCH_AFTER_S`; a disconnect before that is still seen then, since the server queues it.
+    The watcher starts only once the call has run `WATCH_AFTER_S`; a disconnect before that is still seen
+    then, since the server queues it.
     """
-    current = asyncio.current_task()
-    assert current is not None
-    gone = False
-    watcher: asyncio.Task[None] | None = None
-
-    async def watch() -> None:
-        nonlocal gone
-        await _disconnected(request.receive)
-        gone = True
-        current.cancel()
-
-    def start_watching() -> None:
-        nonlocal watcher
-        watcher = asyncio.ensure_future(watch())
-
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
+    watch = _ClientWatch(request.receive)
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
     try:
         return await call
     except asyncio.CancelledError:
-        if gone and current.uncancel() == 0:  # our own cancellation, not the server's
+        if watch.caused():
             raise ClientGone from None
         raise
     finally:
         timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
+        watch.stop()
 
 
 def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine | None:
@@ -176,24 +186,15 @@ class Relayed(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             first_at = time.perf_counter()
-            current = asyncio.current_task()
-            assert current is not None
-            gone = False
-
-            async def watch() -> None:
-                nonlocal gone
-                await _disconnected(receive)
-                gone = True
-                current.cancel()
-
-            watcher = asyncio.ensure_future(watch())
+            watch = _ClientWatch(receive)
+            watch.start()
             try:
                 outcome = "ok" if await self.relay(send) else "upstream_error"
             except asyncio.CancelledError:
-                if not (gone and current.uncancel() == 0):  # not the client leaving: the server's own cancel
+                if not watch.caused():
                     raise
             finally:
-                watcher.cancel()
+                watch.stop()
         finally:
             self.finish(outcome, first_at)
 
