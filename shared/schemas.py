@@ -267,6 +267,7 @@ class RouteDecisions(WireModel):
     """
 
     VERSION: ClassVar[int] = 2
+    v: Literal[2] = 2
 
     replica_id: Annotated[str, Field(min_length=1, max_length=64)]
     kinds: Annotated[list[Literal["decode", "dp"]], Field(max_length=MAX_SHARED_DECISIONS)]

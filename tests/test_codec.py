@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from switchyard.shared import schemas as s
 from switchyard.shared.codec import (
     MAX_ARRAY_ELEMENTS,
     ErrorBody,
     ErrorReply,
+    WireModel,
     _is_flat,
     array_to_wire,
     decode,
@@ -119,6 +120,19 @@ def test_big_endian_arrays_are_sent_little_endian() -> None:
     assert wire["dtype"] == "<u4"
     out = decode(encode(s.RouteDecodeRequest(request_id="r", prompt_tokens=1, signature=big)), s.RouteDecodeRequest)
     np.testing.assert_array_equal(out.signature, big)
+
+
+def test_a_message_carries_its_version_and_refuses_another() -> None:
+    """`v` is a Literal field defaulting to the class's VERSION (no Python validator); a class that bumps VERSION
+    without declaring the matching field fails on import, not on the wire."""
+    assert s.RouteDpRequest(request_id="r", prompt_tokens=1).v == 1
+    assert s.RouteDecisions(replica_id="r", kinds=[], request_ids=[], engine_ids=[], prompt_tokens=[]).v == 2
+    with pytest.raises(ValidationError):
+        s.RouteDpRequest(request_id="r", prompt_tokens=1, v=2)
+    with pytest.raises(TypeError, match=r"declare `v: Literal\[3\] = 3`"):
+
+        class Bumped(WireModel):
+            VERSION: ClassVar[int] = 3
 
 
 def test_error_reply_becomes_remote_error() -> None:
