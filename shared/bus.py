@@ -404,12 +404,14 @@ class Bus:
         self,
         subject: str,
         schema: type[M],
-        handler: Callable[[M], Awaitable[WireModel] | WireModel],
+        handler: Callable[[M], Awaitable[WireModel | bytes] | WireModel | bytes],
         queue: str = "",
         *,
         idle: Callable[[], None] | None = None,
     ) -> Subscription:
         """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply.
+
+        The handler returns a message, or one it has encoded already (bytes, sent as they are).
 
         `idle`, if given, is called after a reply when no further request is waiting on this subscription (the
         end of a burst), on the loop's next turn: after nats-py's flusher has written the reply, so nothing it
@@ -432,7 +434,7 @@ class Bus:
                 try:
                     result = handler(request)
                     answer = await result if is_async else result  # type: ignore[misc]
-                    payload = encode(answer)  # type: ignore[arg-type]
+                    payload = answer if isinstance(answer, bytes) else encode(answer)  # type: ignore[arg-type]
                 except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
                     REJECTED.labels(subject, exc.code).inc()
                     payload = encode(ErrorReply.from_exception(exc))

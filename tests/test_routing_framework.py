@@ -15,9 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.services.router.core import RouterCore
+from switchyard.services.router.core import DpChoice, RouterCore
 from switchyard.services.router.settings import RouterSettings
-from switchyard.shared.schemas import Capacity, Hello, ModelShape, RouteDecodeRequest, RouteDpRequest, Telemetry
+from switchyard.shared.codec import decode
+from switchyard.shared.schemas import (
+    Capacity,
+    Hello,
+    ModelShape,
+    RouteDecodeRequest,
+    RouteDpReply,
+    RouteDpRequest,
+    Telemetry,
+)
 from switchyard.solver.routing import (
     DECODE_POLICIES,
     DECODE_PROFILES,
@@ -261,6 +270,42 @@ def _core(router: RouterSettings, role: str, rows: list[tuple[int, int, float, i
             0.0,
         )  # fmt: skip
     return core
+
+
+@given(
+    request_id=st.text(min_size=1, max_size=128),
+    prompt_tokens=st.integers(0, 2**63 - 1),
+    engine=st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True),
+)
+@settings(max_examples=50, deadline=None)
+def test_a_dp_reply_packed_unchecked_is_a_valid_reply(request_id: str, prompt_tokens: int, engine: str) -> None:
+    """The router packs its DP replies without validating them: whatever a validated request and a known
+    engine can put in one must decode, validated, to the same fields."""
+    core = RouterCore(RouterSettings())
+    core.on_hello(_hello(engine, "dp"), 0.0)
+    core.on_telemetry(
+        Telemetry(
+            engine_id=engine, seq=1, ts=0.0, kv_usage=0.0, num_running=0, num_waiting=0, waiting_prefill_tokens=0,
+            remaining_prefill_tokens=0, step_time_ema=0.01,
+        ),
+        0.0,
+    )  # fmt: skip
+    reply = core.route_dp(RouteDpRequest(request_id=request_id, prompt_tokens=prompt_tokens), 0.0).reply
+    assert isinstance(reply, DpChoice)
+    decoded = decode(reply.encode(), RouteDpReply)
+    assert (decoded.request_id, decoded.engine_id, decoded.priority) == (request_id, engine, prompt_tokens)
+    assert decoded.decision_us == reply.decision_us >= 0
+
+
+def test_views_refreshed_ahead_leave_a_decision_nothing_to_read_and_the_same_choice() -> None:
+    rows = [(0, 0, 0.6, 0), (0, 0, 0.0, 4000), (2, 1, 0.1, 50)]
+    ahead, plain = _core(RouterSettings(), "dp", rows), _core(RouterSettings(), "dp", rows)
+    ahead.refresh_views(0.0)
+    version = ahead.fleet.data_version
+    assert ahead.dp._synced == version and ahead.dp._gathered == (ahead._dp_columns, version)
+    for i in range(5):
+        request = RouteDpRequest(request_id=f"r{i}", prompt_tokens=100 * i + 1)
+        assert ahead.route_dp(request, 0.0).reply.engine_id == plain.route_dp(request, 0.0).reply.engine_id
 
 
 def test_settings_from_the_environment_choose_and_weight_the_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
