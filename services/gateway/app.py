@@ -15,7 +15,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import BadBody, error_response, parse
 from switchyard.services.gateway.disagg import serve_disagg
 from switchyard.services.gateway.dp import serve_dp
-from switchyard.services.gateway.relay import Context
+from switchyard.services.gateway.relay import Context, ToClient
 from switchyard.services.gateway.signatures import new_request_id
 
 
@@ -40,7 +40,7 @@ async def _body(receive: Receive) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> Response:
+async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> ToClient:
     started = time.perf_counter()
     raw = await _body(request.receive)
     try:

@@ -25,7 +25,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.choice import pick_prefill
 from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import ClientGone, Context, final_hop, until_disconnect
+from switchyard.services.gateway.relay import ClientGone, Context, ToClient, final_hop, until_disconnect
 from switchyard.services.gateway.upstream import UpstreamError
 from switchyard.shared.errors import WireError
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_from_json
@@ -113,7 +113,7 @@ async def serve_disagg(
     decoders: list[Engine],
     request_id: str,
     started: float,
-) -> Response:
+) -> ToClient:
     ctx.signatures.expect(request_id)  # before the prefill: the bus message may beat the HTTP answer
     try:
         done = await _prefill(ctx, request, prefills, parsed, path, request_id)

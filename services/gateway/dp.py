@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import Response
 
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import Context, final_hop
+from switchyard.services.gateway.relay import Context, ToClient, final_hop
 
 
 async def serve_dp(
@@ -19,7 +18,7 @@ async def serve_dp(
     candidates: list[Engine],
     request_id: str,
     started: float,
-) -> Response:
+) -> ToClient:
     engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")

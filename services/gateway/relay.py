@@ -119,7 +119,7 @@ async def final_hop(
     stream: bool,
     request_id: str,
     started: float,
-) -> Response:
+) -> ToClient:
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
     for attempt in (0, 1):
         engine.inflight += 1
@@ -159,14 +159,16 @@ async def final_hop(
     raise AssertionError("unreachable")
 
 
-class Relayed(Response):
-    """A streamed answer whose first chunk is already in hand: sent at once, then the rest as it comes.
+class Relayed:
+    """A streamed answer whose first chunk is already in hand, as an ASGI app: sent at once, then the rest as it
+    comes.
 
     Starlette's `StreamingResponse` races the body against a disconnect listener in an anyio task group (under
     ASGI spec 2.3, which uvicorn speaks), ~0.3 ms of a cold request's TTFT before the first byte. Here the
     first chunk leaves first; only then does one task listen for the disconnect, cancelling the relay when the
     client goes (so `finish` closes the engine's connection, which aborts the request there). `finish` runs
-    exactly once, whatever happens, with the outcome.
+    exactly once, whatever happens, with the outcome. The headers are the engine's content type, as it sent it,
+    and the request id; no content-length, so uvicorn sends the body chunked.
     """
 
     def __init__(
@@ -174,10 +176,13 @@ class Relayed(Response):
         opened: Opened,
         finish: Callable[[str, float], None],
         relay: Callable[[Send], Awaitable[bool]],
-        headers: dict[str, str],
+        request_id: str,
     ) -> None:
-        super().__init__(None, opened.status, headers, opened.content_type)
-        del self.headers["content-length"]  # streamed: uvicorn sends it chunked
+        self.status_code = opened.status
+        self.raw_headers = [
+            (b"content-type", opened.content_type.encode("latin-1")),
+            (b"x-request-id", request_id.encode("latin-1")),
+        ]
         self.first, self.finish, self.relay = opened.first, finish, relay
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
@@ -199,11 +204,11 @@ class Relayed(Response):
             self.finish(outcome, first_at)
 
 
-def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, started: float) -> Response:
-    headers = {"x-request-id": request_id}
+def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, started: float) -> ToClient:
     if opened.chunks is None:  # the engine refused the request (4xx): its answer, as it gave it
         engine.inflight -= 1
         metrics.REQUESTS.labels(kind, "client_error").inc()
+        headers = {"x-request-id": request_id}
         return Response(opened.first, opened.status, headers=headers, media_type=opened.content_type)
     chunks = opened.chunks
 
@@ -237,4 +242,8 @@ def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, sta
         else:
             opened.close()  # closing the connection is what aborts the request upstream
 
-    return Relayed(opened, finish, relay, headers)
+    return Relayed(opened, finish, relay, request_id)
+
+
+#: What a request path answers with (either is an ASGI app): a whole response, or a relayed stream.
+ToClient = Response | Relayed

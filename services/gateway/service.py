@@ -97,7 +97,10 @@ class GatewayService:
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
         )
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+        # No proxy-header middleware: the gateway reads no client address, and it cost every request a pass.
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, proxy_headers=False
+        )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours handle signals
         self._serving = asyncio.create_task(self.server.serve(sockets=[sock]))
