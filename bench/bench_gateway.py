@@ -22,11 +22,18 @@ Set-up, every part in its own process (so no two share an event loop):
 
 Latency: one streaming request at a time, the three targets alternating request by request (load drift on this
 shared machine hits all alike); TTFT is send → first chunk, inter-token latency the gaps between chunks. The
-added figures are a target's p50 minus direct's p50. Throughput: `--concurrency` connections each keep one
-non-streaming request in flight for `--duration` s per target; requests/s, and the CPU seconds the target
-process spent per request (from /proc). Handoff: the same streaming request with model `stub-pd`, through the
-gateway and straight to the decode stub, alternating; the added TTFT is the whole handoff (prefill hop,
-signature decode, `sy.route.decode`, decode hop) over a direct decode.
+added figures are a target's p50 minus direct's p50. After each round the client times one `sy.route.dp` round
+trip and one to a bare nats-py responder, each after the same 20 ms idle and in alternating order: the first
+NATS request after a pause costs ~0.3 ms more here than one right behind another (nats-server and the
+responder are still awake), and the gateway's own route request is always a first one. (Until 2026-12-02 the
+bare one always came second, which understated the floor by that much.)
+
+Throughput: `--concurrency` connections each keep one non-streaming request in flight for `--duration` s per
+target; requests/s, and the CPU seconds the target process spent per request (from /proc).
+
+Handoff: the same streaming request with model `stub-pd`, through the gateway and straight to the decode stub,
+alternating; the added TTFT is the whole handoff (prefill hop, signature decode, `sy.route.decode`, decode hop)
+over a direct decode.
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
                                                 [--profile PATH]
@@ -53,6 +60,8 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "benchgw"
 TICKS = os.sysconf("SC_CLK_TCK")
 HANDOFF_MODEL = "stub-pd"
+#: Idle time before each bare round trip: as long as a streamed request to one target takes (~35 ms), or near enough.
+IDLE_BEFORE_RTT_S = 0.02
 BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
 
 
@@ -242,9 +251,16 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
         await conn.open()
     ttft: dict[str, list[float]] = {n: [] for n in ports}
     itl: dict[str, list[float]] = {n: [] for n in ports}
-    route: list[float] = []
-    echo: list[float] = []
+    rtt: dict[str, list[float]] = {"route": [], "echo": []}
     echo_request = encode(RouteDpRequest(request_id="cmpl-sygw-" + "0" * 32 + "-0", prompt_tokens=90))
+
+    async def ask_router(i: int) -> None:
+        await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
+
+    async def ask_echo(_i: int) -> None:
+        await bus.nc.request(f"{PREFIX}.bench.echo", echo_request, timeout=5)
+
+    round_trips = {"route": ask_router, "echo": ask_echo}
     for i in range(requests + 20):
         for name, conn in conns.items():
             first, gaps, done = await stream_once(conn, body)
@@ -252,18 +268,19 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
             if i >= 20:  # warm-up
                 ttft[name].append(first)
                 itl[name].extend(gaps)
-        start = time.perf_counter()
-        await bus.request(bus.subjects.route_dp, RouteDpRequest(request_id=f"b{i}", prompt_tokens=90), RouteDpReply)
-        if i >= 20:
-            route.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        await bus.nc.request(f"{PREFIX}.bench.echo", echo_request, timeout=5)
-        if i >= 20:
-            echo.append(time.perf_counter() - start)
+        # Each round trip after the same idle gap, in alternating order: the first NATS request after a pause
+        # costs ~2x one that follows another on this machine (nats-server and the responder are still awake),
+        # and the gateway's own route request is always such a first one.
+        for name in ("route", "echo") if i % 2 else ("echo", "route"):
+            await asyncio.sleep(IDLE_BEFORE_RTT_S)
+            start = time.perf_counter()
+            await round_trips[name](i)
+            if i >= 20:
+                rtt[name].append(time.perf_counter() - start)
     await bus.close()
     router = {
-        "route_dp_rtt_p50_ms": float(np.percentile(route, 50) * 1e3),
-        "echo_rtt_p50_ms": float(np.percentile(echo, 50) * 1e3),
+        "route_dp_rtt_p50_ms": float(np.percentile(rtt["route"], 50) * 1e3),
+        "echo_rtt_p50_ms": float(np.percentile(rtt["echo"], 50) * 1e3),
     }
     result: dict[str, dict[str, float]] = {
         n: {
