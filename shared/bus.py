@@ -163,11 +163,15 @@ def _quiet_callbacks(
 ) -> dict[str, Any]:
     """One log line per connection event instead of nats-py's default tracebacks.
 
-    `closing[0]` is set when we close the connection ourselves, which is not worth a warning; each of
+    `closing[0]` is set when we close the connection ourselves: neither the disconnect nor an error on the way
+    (nats-py reports "connection closed" to whatever still uses it) is worth a warning then. Each of
     `on_reconnect` is called after a reconnect.
     """
 
     async def on_error(exc: Exception) -> None:
+        if closing[0]:  # e.g. an ordered consumer's heartbeat meeting the closed connection while we drain it
+            log.debug("%s: NATS error while closing: %s", name, exc)
+            return
         log.warning("%s: NATS error: %s", name, exc)
 
     async def on_disconnected() -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from nats.errors import ConnectionClosedError
 
 from switchyard.shared import schemas as s
-from switchyard.shared.bus import HANDLER_ERRORS, Bus, rejected_count
+from switchyard.shared.bus import HANDLER_ERRORS, Bus, _quiet_callbacks, rejected_count
 from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
 from switchyard.shared.errors import RemoteError
@@ -360,3 +361,16 @@ async def test_a_handler_failing_on_every_message_does_not_flood_the_log(bus: Bu
     assert HANDLER_ERRORS.labels(subject)._value.get() == before + 200
     logged = [r for r in caplog.records if "handler for" in r.getMessage()]
     assert 1 <= len(logged) < 20
+
+
+async def test_errors_while_we_close_the_connection_ourselves_are_not_warnings(caplog) -> None:
+    """nats-py reports "connection closed" to whatever still uses a connection being drained (an ordered
+    consumer's heartbeat, at every `make run` stop); that is our own doing, not a fault."""
+    closing = [False]
+    on_error = _quiet_callbacks("svc", closing)["error_cb"]
+    with caplog.at_level("DEBUG", logger="switchyard.shared.bus"):
+        await on_error(ConnectionClosedError())
+        closing[0] = True
+        await on_error(ConnectionClosedError())
+    levels = [r.levelname for r in caplog.records if "svc: NATS error" in r.getMessage()]
+    assert levels == ["WARNING", "DEBUG"]
