@@ -60,7 +60,8 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "benchgw"
 TICKS = os.sysconf("SC_CLK_TCK")
 HANDOFF_MODEL = "stub-pd"
-#: Idle time before each bare round trip: as long as a streamed request to one target takes (~35 ms), or near enough.
+#: Idle time before each timed round trip: long enough for nats-server and the responder to fall asleep, as they
+#: have by the time the gateway's own route request comes (each streamed request to a target takes ~35 ms).
 IDLE_BEFORE_RTT_S = 0.02
 BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
 
@@ -268,9 +269,7 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
             if i >= 20:  # warm-up
                 ttft[name].append(first)
                 itl[name].extend(gaps)
-        # Each round trip after the same idle gap, in alternating order: the first NATS request after a pause
-        # costs ~2x one that follows another on this machine (nats-server and the responder are still awake),
-        # and the gateway's own route request is always such a first one.
+        # Each after the same idle gap, in alternating order (the module docstring says why).
         for name in ("route", "echo") if i % 2 else ("echo", "route"):
             await asyncio.sleep(IDLE_BEFORE_RTT_S)
             start = time.perf_counter()

@@ -114,6 +114,15 @@ class RoleView:
             columns[name] = COLUMNS[name](f, rows, self.snap)
         self._gathered = (names, f.data_version)
 
+    def prepare(self, now: float, stale_after_s: float, columns: tuple[str, ...]) -> FleetSnapshot:
+        """The snapshot as a decision reads it: membership, liveness and load, and the extra `columns` its
+        profile reads (each step does nothing when nothing changed since it last ran)."""
+        self.rebuild()
+        snap = self.refresh(now, stale_after_s)
+        if columns:
+            self.gather(columns)
+        return snap
+
     def serving(self, model: str | None) -> np.ndarray | None:
         """Mask of the engines serving `model`, None when no filter is needed (no model asked for, or every
         engine of the view serves it). Cached until the view's membership changes (a model change is one)."""
@@ -262,11 +271,8 @@ class RouterCore:
         """Bring both role views up to date with the fleet, with the columns their profiles read: what a
         decision would do first, done ahead of it (the service calls this after telemetry, off the request
         path). A decision still checks, and finds nothing to do."""
-        for view, columns in ((self.dp, self._dp_columns), (self.decode, self._decode_columns)):
-            view.rebuild()
-            view.refresh(now, self.settings.stale_after_s)
-            if columns:
-                view.gather(columns)
+        self.dp.prepare(now, self.settings.stale_after_s, self._dp_columns)
+        self.decode.prepare(now, self.settings.stale_after_s, self._decode_columns)
 
     def _count(self, kind: str, policy: str, fallback: str) -> None:
         counted = self._counted.get((kind, fallback))
@@ -343,7 +349,7 @@ class RouterCore:
         start = time.perf_counter()
         tables = self._decode_tables()
         view = self.decode
-        snap = view.refresh(now, self.settings.stale_after_s)
+        snap = view.prepare(now, self.settings.stale_after_s, self._decode_columns)
         if not view.any_alive:
             return _unavailable("decode", "decode", snap.size)
         sims, fallback = None, None
@@ -358,8 +364,6 @@ class RouterCore:
                     sims = self.scorer.similarities(request.signature, request.layers)
                 except ScoringError as exc:
                     raise SchemaMismatch("signature", str(exc)) from None
-        if self._decode_columns:
-            view.gather(self._decode_columns)
         snap = _for_model(view, snap, request.model)
         if snap is None:
             return _unavailable("decode", "decode", view.snap.size, request.model)
@@ -389,13 +393,10 @@ class RouterCore:
     def route_dp(self, request: RouteDpRequest, now: float) -> Routed:
         start = time.perf_counter()
         view = self.dp
-        view.rebuild()
-        snap = view.refresh(now, self.settings.stale_after_s)
+        snap = view.prepare(now, self.settings.stale_after_s, self._dp_columns)
         if not view.any_alive:
             return _unavailable("dp", "dp", snap.size)
         profile = self.dp_profile
-        if self._dp_columns:
-            view.gather(self._dp_columns)
         snap = _for_model(view, snap, request.model)
         if snap is None:
             return _unavailable("dp", "dp", view.snap.size, request.model)
