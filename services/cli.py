@@ -378,8 +378,9 @@ def nats_config(
     engines: Annotated[
         str | None,
         typer.Option(
-            help="Engines, comma-separated, as ID or ID:EP_GROUP:DP_RANK: one NATS user each; with groups, also "
-            "an engines.json manifest that binds each engine to its group (SWITCHYARD_ENGINE_MANIFEST)."
+            help="Engines, comma-separated, as ID, ID:EP_GROUP:DP_RANK, ID:ROLE:URL or ID:ROLE:URL:EP_GROUP:DP_RANK "
+            "(ROLE: dp, prefill or decode; URL: its OpenAI base URL): one NATS user each; with any binding, also an "
+            "engines.json manifest that binds each engine to what it lists (SWITCHYARD_ENGINE_MANIFEST)."
         ),
     ] = None,
     fleet_engines: Annotated[
@@ -393,21 +394,14 @@ def nats_config(
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
 ) -> None:
     """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
+    from switchyard.shared.engine_manifest import parse_engine_specs
     from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
-    from switchyard.shared.subjects import check_token
 
     settings = load_settings()
-    specs = [spec.split(":") for spec in _split_csv(engines) or []]
-    if any(len(parts) not in (1, 3) for parts in specs):
-        raise typer.BadParameter("--engines takes ID or ID:EP_GROUP:DP_RANK, comma-separated")
-    bound = [parts for parts in specs if len(parts) == 3]
-    if bound and len(bound) != len(specs):
-        raise typer.BadParameter("--engines: give every engine its group and rank, or none")
     try:
-        manifest = {e: {"ep_group": check_token(g, "EP group"), "dp_rank": int(r)} for e, g, r in bound}
+        engine_ids, manifest = parse_engine_specs(engines or "")
     except ValueError as exc:
         raise typer.BadParameter(f"--engines: {exc}") from None
-    engine_ids = [parts[0] for parts in specs]
     fleet_ids = _split_csv(fleet_engines) or []
     roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
     tls = None
@@ -432,9 +426,9 @@ def nats_config(
     conf_path.write_text(config)
     credentials.save(out / "credentials.json")
     typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
-    if manifest:
-        (out / "engines.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for placement, migration and the API")
+    if manifest is not None:
+        (out / "engines.json").write_text(manifest.to_json() + "\n")
+        typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for every service and the gateway")
     typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
 
 

@@ -27,12 +27,14 @@ from nats.aio.subscription import Subscription
 from prometheus_client import Counter
 
 from switchyard.shared.bus import Bus
+from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.schemas import Announce, Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 
 UNBOUND_HELLOS = Counter(
     "switchyard_fleet_hellos_refused_total",
-    "Hellos refused: by the engine manifest (an unlisted engine, another group or DP rank than listed), or "
+    "Hellos refused: by the engine manifest (an unlisted engine, another group or DP rank, role, model or "
+    "base_url than listed), or "
     "claiming a place a live engine holds (slot_taken) or moving a live engine (rebind_while_live).",
     ["reason"],
 )
@@ -63,13 +65,13 @@ class FleetView:
         clock: Callable[[], float] = time.time,
         stale_intervals: float = 3.0,
         forget_after_s: float = 3600.0,
-        bindings: dict[str, tuple[str, int]] | None = None,
+        manifest: EngineManifest | None = None,
     ) -> None:
         self.clock = clock
-        #: engine id -> (ep_group, dp_rank) from the engine manifest: a hello claiming anything else is refused
-        #: (an engine's credentials prove its id; without this it could name any group and become its
-        #: migrate coordinator). None: every hello is believed.
-        self.bindings = bindings
+        #: The engine manifest: a hello claiming another group, rank, role, model or URL than its engine's entry
+        #: is refused (an engine's credentials prove its id; without this it could name any group and become
+        #: its migrate coordinator). None: every hello is believed.
+        self.manifest = manifest
         self.stale_intervals = stale_intervals
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
@@ -107,9 +109,9 @@ class FleetView:
         return self.engines.setdefault(engine_id, EngineState(engine_id))
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:
-        if self.bindings is not None and self.bindings.get(hello.engine_id) != (hello.ep_group, hello.dp_rank):
-            reason = "unlisted" if hello.engine_id not in self.bindings else "wrong_group_or_rank"
-            UNBOUND_HELLOS.labels(reason).inc()
+        refused = self.manifest.refusal(hello) if self.manifest is not None else None
+        if refused is not None:
+            UNBOUND_HELLOS.labels("wrong_group_or_rank" if refused in ("ep_group", "dp_rank") else refused).inc()
             return
         slot = (hello.ep_group, hello.dp_rank)
         refusal = self._claim_refusal(hello.engine_id, slot)

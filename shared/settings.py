@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from switchyard.data import trace_path
+from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.subjects import Subjects, check_token
 
 
@@ -48,9 +49,10 @@ class SwitchyardSettings(BaseSettings):
     #: A folder of the user's own traces laid out like the shipped `switchyard.data` (routing/, requests/,
     #: expert_load/); the CLI defaults take a file from it where it has one, else the shipped copy.
     trace_dir: Path | None = None
-    #: JSON `{engine_id: {"ep_group": ..., "dp_rank": ...}}` (`switchyard nats-config --engines id:group:rank`):
-    #: when set, placement, migration and the API believe a hello only from a listed engine for its listed group
-    #: and rank (bus permissions prove who an engine is, not which group it belongs to).
+    #: JSON `{engine_id: {"role", "model", "base_url", "ep_group", "dp_rank"}}` (each field optional;
+    #: `switchyard nats-config --engines`): when set, the gateway, the router, placement, migration and the API
+    #: believe a hello only from a listed engine and only for what its entry lists (bus permissions prove who
+    #: an engine is, not what it serves or where).
     engine_manifest: Path | None = None
     #: A secret shared by the fit job (signs routing artifacts) and the routers (refuse unsigned or wrongly
     #: signed ones). Unset: artifacts are neither signed nor checked beyond their content hash.
@@ -98,17 +100,9 @@ class SwitchyardSettings(BaseSettings):
     def sqlite_path(self) -> Path:
         return self.data_dir / "switchyard.sqlite"
 
-    def engine_bindings(self) -> dict[str, tuple[str, int]] | None:
-        """The engine manifest as engine id -> (ep_group, dp_rank), or None when there is none."""
-        if self.engine_manifest is None:
-            return None
-        import json
-
-        try:
-            raw = json.loads(self.engine_manifest.read_text())
-            return {e: (str(v["ep_group"]), int(v.get("dp_rank", 0))) for e, v in raw.items()}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"SWITCHYARD_ENGINE_MANIFEST {self.engine_manifest}: {exc}") from exc
+    def engine_manifest_entries(self) -> EngineManifest | None:
+        """The engine manifest (`shared.engine_manifest`), or None when there is none."""
+        return None if self.engine_manifest is None else EngineManifest.load(self.engine_manifest)
 
     def artifact_key(self) -> bytes | None:
         """The artifact signing key (the key file's bytes, surrounding whitespace removed), or None."""

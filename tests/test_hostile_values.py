@@ -121,8 +121,7 @@ def test_with_a_manifest_an_engine_cannot_claim_another_group_or_rank(tmp_path) 
 
     manifest = tmp_path / "engines.json"
     manifest.write_text('{"e0": {"ep_group": "g0", "dp_rank": 0}, "e1": {"ep_group": "g1", "dp_rank": 0}}')
-    bindings = SwitchyardSettings(engine_manifest=manifest).engine_bindings()
-    view = FleetView(clock=lambda: 0.0, bindings=bindings)
+    view = FleetView(clock=lambda: 0.0, manifest=SwitchyardSettings(engine_manifest=manifest).engine_manifest_entries())
     before = {r: UNBOUND_HELLOS.labels(r)._value.get() for r in ("unlisted", "wrong_group_or_rank")}
     view.on_hello(hello("e1", "g0", ["x"], dp_rank=0))  # e1 is g1's
     view.on_hello(hello("e0", "g0", ["a"], dp_rank=3))  # e0 is rank 0

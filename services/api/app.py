@@ -48,7 +48,7 @@ def create_app(settings: SwitchyardSettings, config: ApiSettings | None = None) 
             # publishes plans and calibration requests and reads the routing artifact.
             ingest = await Bus.connect(settings, name="switchyard-api-ingest", role="api")
             await bus.ensure_streams()
-            fleet = FleetView(bindings=settings.engine_bindings())
+            fleet = FleetView(manifest=settings.engine_manifest_entries())
             await fleet.subscribe(ingest)
             kv = await bus.ensure_kv(bus.subjects.router_bucket)
             app.state.switchyard = ApiState(settings, config, engine, sessions, bus, fleet, kv, ingest)

@@ -50,11 +50,13 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
         return error_response(400, str(exc), param=exc.param)
     registry, mode = ctx.registry, ctx.settings.mode
     request_id = new_request_id()
-    if mode != "disagg":
+    if mode == "auto":  # the model's fleet mode: a live fleet keeps it (registry.mode)
+        mode = registry.mode(parsed.model)
+    if mode == "dp":
         dp = registry.live("dp", parsed.model)
         if dp:
             return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started)
-    if mode != "dp":
+    elif mode == "disagg":
         prefills, decoders = registry.live("prefill", parsed.model), registry.live("decode", parsed.model)
         if prefills and decoders:
             return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)

@@ -83,16 +83,19 @@ async def _prefill(
             call = ctx.upstream.post(engine, path, content, headers, ctx.settings.prefill_timeout_s)
             answer = await until_disconnect(request, call)
         except UpstreamError as exc:
+            ctx.registry.hop_failed(engine)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
             continue
         finally:
             engine.inflight -= 1
+        ctx.registry.hop_succeeded(engine)
         if answer.status >= 400:  # the engine refused the request itself: the client's answer
             metrics.REQUESTS.labels("disagg", "client_error").inc()
             return Response(answer.content, answer.status, media_type=answer.content_type)
         try:
             data = json.loads(answer.content)
         except ValueError:
+            ctx.registry.hop_failed(engine)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", "not_json").inc()
             continue
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None

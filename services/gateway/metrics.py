@@ -52,3 +52,20 @@ SIGNATURES = Counter(
     "Where a handoff's prefill signature came from (response, bus) or that none came (missing).",
     ["source"],
 )
+HELLOS_REFUSED = Counter(
+    "switchyard_gateway_hellos_refused_total",
+    "Engine hellos refused because the engine manifest lists the engine otherwise (role, model, base_url, "
+    "ep_group, dp_rank) or not at all (unlisted).",
+    ["reason"],
+)
+EJECTIONS = Counter(
+    "switchyard_gateway_engine_ejections_total", "Engines taken out of rotation after failing hops in a row."
+)
+RESTORATIONS = Counter(
+    "switchyard_gateway_engine_restorations_total", "Ejected engines put back in rotation by their health check."
+)
+MODE_SWITCHES = Counter(
+    "switchyard_gateway_mode_switches_total",
+    "A model's fleet mode changed (to dp or disagg) because its current mode had no live engines left.",
+    ["to"],
+)

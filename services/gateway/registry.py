@@ -1,13 +1,18 @@
 """The engines the gateway can send requests to, learnt from their hellos on the bus.
 
-An engine is a candidate while its last hello is younger than `hello_misses` of its own hello intervals
-and its hello names an HTTP `base_url`; one that stops saying hello leaves by itself (nothing to clean up:
-liveness is computed on read). The registry also counts the gateway's own requests in flight per engine,
-which is what the local fallback choice and the prefill load bound read.
+An engine is a candidate while its hello names an HTTP `base_url` and is younger than `hello_misses` of its
+own hello intervals, but never older than the gateway's own `stale_after_s` (a sender that announces a long
+interval cannot keep itself in rotation after it died); one that stops saying hello leaves by itself (nothing
+to clean up: liveness is computed on read). With an engine manifest, a hello is believed only when it matches
+its engine's entry (role, model, base URL): an engine's credentials prove its id, not where clients' prompts
+may go. An engine whose hops keep failing is ejected until its own `/health` answers (the gateway's prober),
+whatever hellos it sends. The registry also counts the gateway's own requests in flight per engine, which is
+what the local fallback choice and the prefill load bound read, and keeps each model's fleet mode (`mode`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,7 +20,14 @@ from typing import NamedTuple
 
 from yarl import URL
 
+from switchyard.services.gateway import metrics
+from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.schemas import Hello
+
+log = logging.getLogger(__name__)
+
+#: How a request is served: by one data-parallel engine, or by a prefill and then a decode engine.
+MODES = ("dp", "disagg")
 
 
 @dataclass
@@ -27,6 +39,11 @@ class Engine:
     hello_interval_s: float
     last_hello: float
     inflight: int = 0
+    #: When its current stretch of liveness began (its first hello after being unknown or stale).
+    joined: float = 0.0
+    #: Hops failed in a row; at `eject_after_failures` the engine is ejected until its health check passes.
+    failures: int = 0
+    ejected: bool = False
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def url(self, path: str) -> URL:
@@ -46,21 +63,37 @@ class _Live(NamedTuple):
 
 
 class EngineRegistry:
-    def __init__(self, hello_misses: float = 3.0) -> None:
+    def __init__(
+        self,
+        hello_misses: float = 3.0,
+        stale_after_s: float = 15.0,
+        manifest: EngineManifest | None = None,
+        eject_after_failures: int = 2,
+    ) -> None:
         self.hello_misses = hello_misses
+        self.stale_after_s = stale_after_s
+        self.manifest = manifest
+        self.eject_after_failures = eject_after_failures
         self.engines: dict[str, Engine] = {}
-        self.version = 0  # bumped by every hello: liveness and membership may have changed
+        self.version = 0  # bumped by every hello, ejection and restoration: liveness may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
+        self._modes: dict[str | None, str] = {}
 
     def on_hello(self, hello: Hello, now: float | None = None) -> None:
-        """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored."""
+        """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored, and one
+        the manifest contradicts is refused and counted."""
         now = time.monotonic() if now is None else now
         if hello.base_url is None:
+            return
+        if self.manifest is not None and (refused := self.manifest.refusal(hello)) is not None:
+            metrics.HELLOS_REFUSED.labels(refused).inc()
             return
         engine = self.engines.get(hello.engine_id)
         if engine is None:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
+        if engine.joined == 0.0 or not self._fresh(engine, now):
+            engine.joined = now
         engine.role, engine.model = hello.role, hello.model.name
         base_url = hello.base_url.rstrip("/")
         if base_url != engine.base_url:
@@ -69,8 +102,40 @@ class EngineRegistry:
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
         self.version += 1
 
+    def _expiry(self, engine: Engine) -> float:
+        return engine.last_hello + min(self.hello_misses * engine.hello_interval_s, self.stale_after_s)
+
+    def _fresh(self, engine: Engine, now: float) -> bool:
+        return now <= self._expiry(engine)
+
     def alive(self, engine: Engine, now: float) -> bool:
-        return now - engine.last_hello <= self.hello_misses * engine.hello_interval_s
+        return not engine.ejected and self._fresh(engine, now)
+
+    # ----- failures and health -----
+
+    def hop_failed(self, engine: Engine) -> None:
+        """A hop to `engine` failed; at `eject_after_failures` in a row it leaves rotation (counted, logged)."""
+        engine.failures += 1
+        if not engine.ejected and engine.failures >= self.eject_after_failures:
+            engine.ejected = True
+            self.version += 1
+            metrics.EJECTIONS.inc()
+            log.warning("engine %s ejected after %d failed hops; back when its /health answers", engine.engine_id,
+                        engine.failures)
+
+    def hop_succeeded(self, engine: Engine) -> None:
+        engine.failures = 0
+
+    def ejected(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.ejected]
+
+    def restore(self, engine: Engine) -> None:
+        """Its health check passed: back in rotation (while its hellos keep it fresh)."""
+        if engine.ejected:
+            engine.ejected, engine.failures = False, 0
+            self.version += 1
+            metrics.RESTORATIONS.inc()
+            log.warning("engine %s back in rotation: its /health answered", engine.engine_id)
 
     def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[Engine]:
         """Live engines, optionally of one role and serving one model, in engine-id order (deterministic).
@@ -91,7 +156,7 @@ class EngineRegistry:
             ),
             key=lambda e: e.engine_id,
         )
-        expiries = (e.last_hello + self.hello_misses * e.hello_interval_s for e in engines)
+        expiries = (self._expiry(e) for e in engines)
         if len(self._live) > 256:  # model names come from requests: bound the cache
             self._live.clear()
         self._live[key] = _Live(engines, min(expiries, default=math.inf), self.version)
@@ -105,10 +170,41 @@ class EngineRegistry:
     def models(self, now: float | None = None) -> list[str]:
         return sorted({e.model for e in self.live(now=now)})
 
+    def mode(self, model: str | None, now: float | None = None) -> str | None:
+        """How to serve `model` now: "dp", "disagg", or None when no live engines can.
+
+        A fleet keeps its mode while it can serve in it: one new hello (an engine claiming `dp` beside a live
+        prefill/decode fleet) never switches a live fleet. Only when the current mode has no live engines left
+        does the mode change, and where both could serve, the mode whose engines have been live the longest
+        wins (the incumbents, not a newcomer)."""
+        now = time.monotonic() if now is None else now
+        dp = self.live("dp", model, now)
+        prefill, decode = self.live("prefill", model, now), self.live("decode", model, now)
+        current = self._modes.get(model)
+        if (current == "dp" and dp) or (current == "disagg" and prefill and decode):
+            return current
+        if dp and prefill and decode:
+            dp_since = min(e.joined for e in dp)
+            disagg_since = max(min(e.joined for e in prefill), min(e.joined for e in decode))
+            chosen = "dp" if dp_since < disagg_since else "disagg"
+        elif dp:
+            chosen = "dp"
+        elif prefill and decode:
+            chosen = "disagg"
+        else:
+            return None
+        if current is not None:
+            metrics.MODE_SWITCHES.labels(chosen).inc()
+            log.warning("model %s: no live engine to serve it as %s; now served as %s", model, current, chosen)
+        if len(self._modes) > 256:  # only models a live engine serves get here; bounded all the same
+            self._modes.clear()
+        self._modes[model] = chosen
+        return chosen
+
     def forget_dead(self, now: float | None = None, keep_s: float = 600.0) -> None:
         """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn)."""
         now = time.monotonic() if now is None else now
         for engine_id, e in list(self.engines.items()):
-            if e.inflight == 0 and now - e.last_hello > self.hello_misses * e.hello_interval_s + keep_s:
+            if e.inflight == 0 and now - self._expiry(e) > keep_s:
                 del self.engines[engine_id]
                 self.version += 1

@@ -130,6 +130,7 @@ async def final_hop(
                 answer = await until_disconnect(request, ctx.upstream.post(engine, path, content, headers))
         except UpstreamError as exc:
             engine.inflight -= 1
+            ctx.registry.hop_failed(engine)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, hop, exc.reason).inc()
             retry = other_engine(engine, candidates, attempt) if attempt == 0 else None
             if retry is None:
@@ -146,6 +147,7 @@ async def final_hop(
         except BaseException:
             engine.inflight -= 1
             raise
+        ctx.registry.hop_succeeded(engine)
         if not stream:
             engine.inflight -= 1
             elapsed = time.perf_counter() - started

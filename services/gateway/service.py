@@ -32,7 +32,10 @@ class GatewayService:
     def __init__(self, settings: SwitchyardSettings, gateway: GatewaySettings | None = None) -> None:
         self.settings = settings
         self.gateway = gateway or GatewaySettings()
-        self.registry = EngineRegistry(self.gateway.hello_misses)
+        g = self.gateway
+        self.registry = EngineRegistry(
+            g.hello_misses, g.stale_after_s, settings.engine_manifest_entries(), g.eject_after_failures
+        )
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos and prefill signatures, on a connection of their own
@@ -41,6 +44,7 @@ class GatewayService:
         self.port: int | None = None
         self._serving: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._health: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -53,6 +57,17 @@ class GatewayService:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             self.registry.forget_dead()
+
+    async def _check_ejected(self) -> None:
+        """Put an ejected engine back when its own health check passes (never on a hello alone)."""
+        g = self.gateway
+        while True:
+            await asyncio.sleep(g.health_check_interval_s)
+            if self.ctx is None:
+                continue
+            for engine in self.registry.ejected():
+                if await self.ctx.upstream.healthy(engine, g.health_timeout_s):
+                    self.registry.restore(engine)
 
     def _listen(self) -> socket.socket:
         """Bind the listening socket first: a busy port is one plain error before anything else starts."""
@@ -110,6 +125,7 @@ class GatewayService:
                 raise RuntimeError("the gateway's HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         self._housekeeping = asyncio.create_task(self._tidy())
+        self._health = asyncio.create_task(self._check_ejected())
         log.info("gateway %s serving OpenAI endpoints on %s", g.gateway_id, self.url)
 
     async def stop(self) -> None:
@@ -117,8 +133,9 @@ class GatewayService:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serving
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
+        for task in (self._housekeeping, self._health):
+            if task is not None:
+                task.cancel()
         if self.ctx is not None:
             await self.ctx.upstream.close()
         if self.bus is not None:

@@ -15,7 +15,8 @@ class GatewaySettings(BaseSettings):
     #: Where clients connect: vLLM's own default port, so the gateway can stand in for `vllm serve`.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    #: auto: a DP fleet when live `dp` engines exist, else prefill->decode when both roles are live.
+    #: auto: each model's fleet keeps the mode it is served in (DP, or prefill->decode) while live engines can
+    #: serve it so; it changes only when they are all gone (one new hello never switches a live fleet).
     mode: Literal["auto", "dp", "disagg"] = "auto"
 
     # --- per-hop timeouts (every upstream call has one) ---
@@ -33,8 +34,17 @@ class GatewaySettings(BaseSettings):
     signature_wait_s: float = Field(default=0.2, ge=0)
 
     # --- engines ---
-    #: An engine that has not said hello for this many of its hello intervals leaves the candidate set.
+    #: An engine that has not said hello for this many of its hello intervals leaves the candidate set ...
     hello_misses: float = Field(default=3.0, gt=0)
+    #: ... and never later than this many seconds after its last hello, whatever interval it announced (the
+    #: interval is the sender's word: a dead engine that claimed 60 s must not keep clients' requests for 3 min).
+    stale_after_s: float = Field(default=15.0, gt=0)
+    #: An engine whose hops fail this many times in a row leaves rotation at once ...
+    eject_after_failures: int = Field(default=2, ge=1)
+    #: ... until its own `GET /health` answers 2xx; ejected engines are checked this often, each check bounded
+    #: by `health_timeout_s`. A hello does not bring it back (anyone with its credentials can send one).
+    health_check_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)
     #: Prefill choice: rendezvous hash of the prompt's first this-many characters (prefix-cache affinity) ...
     affinity_prefix_chars: int = Field(default=512, ge=1)
     #: ... unless that engine already holds more than this factor times the mean in-flight count (+1).

@@ -134,5 +134,14 @@ class Upstream:
                 response.close()
             raise
 
+    async def healthy(self, engine: Engine, timeout_s: float) -> bool:
+        """Whether the engine's own `GET /health` answers 2xx within `timeout_s` (vLLM's health endpoint)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(engine.url("/health"), timeout=timeout) as r:
+                return 200 <= r.status < 300
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
     async def close(self) -> None:
         await self.session.close()

@@ -102,7 +102,7 @@ class MigrationService:
         self.settings = settings
         self.config = config or MigrationSettings()
         self._warn = RateLimitedLog(log, "plans")
-        self.fleet = FleetView(bindings=settings.engine_bindings())
+        self.fleet = FleetView(manifest=settings.engine_manifest_entries())
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.leases: GroupLeases | None = None
         self.bus: Bus | None = None

@@ -91,7 +91,7 @@ class PlacementService:
             redundant_slots=self.config.redundant_slots,
             weights=Weights(self.config.objective_weights()),
         )
-        self.fleet = FleetView(bindings=settings.engine_bindings())
+        self.fleet = FleetView(manifest=settings.engine_manifest_entries())
         self.layouts: LayoutProbe | None = None  # set once connected
         self.registry: EngineRegistry | None = None  # set once connected
         self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease

@@ -21,6 +21,7 @@ from switchyard.services.router import metrics
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply, encode_unchecked
+from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.errors import SchemaMismatch
 from switchyard.shared.schemas import (
     Hello,
@@ -243,8 +244,13 @@ def _unavailable(kind: str, role: str, known: int, model: str | None = None) -> 
 
 
 class RouterCore:
-    def __init__(self, settings: RouterSettings, dispatch: GimbalParams | None = None) -> None:
+    def __init__(
+        self, settings: RouterSettings, dispatch: GimbalParams | None = None, manifest: EngineManifest | None = None
+    ) -> None:
         self.settings = settings
+        #: With an engine manifest, a hello is believed only as its engine's entry lists it (role, model, ...):
+        #: an engine's credentials must not make it a decoder or DP engine the operator did not list.
+        self.manifest = manifest
         self.fleet = TelemetryView(stale_after_s=settings.stale_after_s, inflight_grace_s=settings.inflight_grace_s)
         #: The decode profile (`policy` in the replies and metrics is its name).
         self.policy: Profile = settings.build_decode_profile()
@@ -285,6 +291,9 @@ class RouterCore:
     # ----- inputs -----
 
     def on_hello(self, hello: Hello, now: float) -> None:
+        if self.manifest is not None and (refused := self.manifest.refusal(hello)) is not None:
+            metrics.HELLOS_REFUSED.labels(refused).inc()
+            return
         self.fleet.on_hello(hello, now)
 
     def on_telemetry(self, telemetry: Telemetry, now: float) -> bool:

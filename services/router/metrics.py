@@ -26,6 +26,12 @@ BAND_SIZE = Histogram(
 UNROUTABLE = Counter(
     "switchyard_router_unroutable_total", "Requests answered with an error because no engine was live.", ["kind"]
 )
+HELLOS_REFUSED = Counter(
+    "switchyard_router_hellos_refused_total",
+    "Hellos refused because the engine manifest lists the engine otherwise (role, model, base_url, ep_group, "
+    "dp_rank) or not at all (unlisted).",
+    ["reason"],
+)
 STALE_ENGINES = Gauge("switchyard_router_stale_engines", "Known engines silent for longer than stale_after_s.")
 LIVE_ENGINES = Gauge("switchyard_router_live_engines", "Engines in the candidate set, by role.", ["role"])
 ARTIFACT_VERSION = Gauge("switchyard_router_artifact_version", "Version of the routing artifact in use (0: none).")

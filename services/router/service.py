@@ -128,7 +128,7 @@ class RouterService:
     def __init__(self, settings: SwitchyardSettings, router: RouterSettings | None = None) -> None:
         self.settings = settings
         self.router = router or RouterSettings()
-        self.core = RouterCore(self.router)
+        self.core = RouterCore(self.router, manifest=settings.engine_manifest_entries())
         self.bus: Bus | None = None
         self.ingest: Bus | None = None  # hello and telemetry, on a connection of their own
         self.sharer: DecisionSharer | None = None
