@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -292,3 +295,21 @@ def test_engine_specs_are_checked(spec: str, error: str) -> None:
 
     with pytest.raises(ValueError, match=error):
         parse_engine_specs(spec)
+
+
+def _nats_config(tmp_path: Path, engines: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    argv = [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(tmp_path / "conf")]
+    return subprocess.run([*argv, "--engines", engines], capture_output=True, text=True, env=env)
+
+
+def test_nats_config_binds_role_and_url_and_refuses_a_bad_spec_in_one_line(tmp_path: Path) -> None:
+    done = _nats_config(tmp_path, "p0:prefill:http://10.0.0.5:8100,d0:decode:http://10.0.0.6:8200:g1:3,x")
+    assert done.returncode == 0, done.stderr
+    manifest = EngineManifest.load(tmp_path / "conf" / "engines.json")
+    assert manifest.entries["p0"] == EngineEntry(role="prefill", base_url="http://10.0.0.5:8100")
+    d0 = EngineEntry(role="decode", base_url="http://10.0.0.6:8200", ep_group="g1", dp_rank=3)
+    assert manifest.entries["d0"] == d0
+    assert manifest.entries["x"] == EngineEntry()  # listed, nothing bound
+    bad = _nats_config(tmp_path, "p0:gpu:http://x")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--engines" in bad.stderr
