@@ -83,12 +83,13 @@ class Infrastructure:
 
 @contextlib.asynccontextmanager
 async def infrastructure(
-    settings: SwitchyardSettings, fleet_engines: list[str] | None = None
+    settings: SwitchyardSettings, fleet_engines: list[str] | None = None, engines: list[str] | None = None
 ) -> AsyncIterator[Infrastructure]:
     """Start (or connect to) NATS and the database; tear down in reverse order on exit.
 
-    An embedded server gets fresh per-role credentials (`fleet_engines`: the ids the `fleet` user speaks for),
-    so no other local process can use it; an external one keeps whatever the settings say.
+    An embedded server gets fresh per-role credentials (`fleet_engines`: the ids the `fleet` user speaks for;
+    `engines`: real engines, an `engine-<id>` user each), so no other local process can use it; an external
+    one keeps whatever the settings say.
     """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     embedded: EmbeddedNats | None = None
@@ -97,7 +98,11 @@ async def infrastructure(
         if settings.nats_credentials is not None:
             log.info("the embedded NATS server uses its own per-run credentials, not %s", settings.nats_credentials)
         local = secured_embedded(
-            settings.data_dir / "nats", settings.subjects, fleet_engines or [], max_payload=settings.max_payload_bytes
+            settings.data_dir / "nats",
+            settings.subjects,
+            fleet_engines or [],
+            engines=engines,
+            max_payload=settings.max_payload_bytes,
         )
         embedded = local.server
         settings = settings.model_copy(update={"nats_credentials": local.credentials_path})
@@ -139,6 +144,8 @@ class UpOptions:
     api_port: int | None = None
     #: Only the control plane (no simulated fleet, no load): what operators run beside real engines.
     services_only: bool = False
+    #: Real engines' ids: each gets an `engine-<id>` user on the embedded bus (ignored with an external one).
+    engines: list[str] = field(default_factory=list)
     #: The load goes through `switchyard gateway` on this port (0: a free one); None: on the bus, no gateway.
     gateway_port: int | None = 8000
     gateway_host: str = "127.0.0.1"
@@ -404,7 +411,8 @@ async def run_up(settings: SwitchyardSettings, options: UpOptions | None = None)
         loop.add_signal_handler(sig, stop.set)
     try:
         fleet = _fleet_config(options)
-        async with infrastructure(settings, [*fleet.prefill_ids(), *fleet.decode_ids()]) as infra:
+        simulated = [*fleet.prefill_ids(), *fleet.decode_ids()]
+        async with infrastructure(settings, simulated, options.engines) as infra:
             await _run(settings, options, infra, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from switchyard.shared.embedded import EmbeddedNats
-from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, render_authorization
+from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
 from switchyard.shared.subjects import Subjects
 
 #: Every role a run of `switchyard up` connects as (the bootstrap as `admin`, the gateway child as `gateway`).
@@ -34,16 +34,22 @@ def credentials_path(store_dir: Path) -> Path:
 
 
 def secured_embedded(
-    store_dir: Path, subjects: Subjects, fleet_engines: list[str], *, max_payload: int = 8 * 1024 * 1024
+    store_dir: Path,
+    subjects: Subjects,
+    fleet_engines: list[str],
+    *,
+    engines: list[str] | None = None,
+    max_payload: int = 8 * 1024 * 1024,
 ) -> LocalBus:
     """A not yet started embedded server with fresh per-role credentials (written mode 0600, folder 0700).
 
+    `engines`: real engines to run beside it (`up --services-only --engines`), one `engine-<id>` user each.
     New passwords every run: a file left behind by an earlier run opens nothing once that run has stopped.
     """
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
     store_dir.chmod(0o700)  # the credentials, the server's config (passwords in clear) and its JetStream store
-    credentials = Credentials.generate(list(LOCAL_ROLES))
+    credentials = Credentials.generate([*LOCAL_ROLES, *(engine_user(e) for e in engines or [])])
     path = credentials_path(store_dir)
     credentials.save(path)
     block = render_authorization(subjects, credentials, fleet_engines=fleet_engines)

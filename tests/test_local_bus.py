@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -31,10 +33,12 @@ SUBJECTS = Subjects("sy")  # the default prefix: the test strips SWITCHYARD_* fr
 INTRUDER = "intruder"
 
 
-def _listen_url(data: Path, deadline: float) -> str:
+def _listen_url(data: Path, proc: subprocess.Popen[str], deadline: float) -> str:
     """The embedded server's address, from the config `up` wrote for it, once it accepts connections."""
     config = data / "nats" / "nats-server.conf"
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"up exited ({proc.returncode}): {proc.communicate()[1][-3000:]}")
         match = re.search(r'listen: "([^"]+)"', config.read_text()) if config.exists() else None
         if match:
             host, port = match.group(1).rsplit(":", 1)
@@ -131,7 +135,7 @@ def test_the_embedded_bus_takes_only_the_runs_own_users(tmp_path: Path) -> None:
         [*command, "--duration", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
-        url = _listen_url(data, time.monotonic() + 120)
+        url = _listen_url(data, proc, time.monotonic() + 120)
         asyncio.run(_attack(url, data))
         out, err = proc.communicate(timeout=180)
     finally:
@@ -153,3 +157,53 @@ def test_the_embedded_bus_takes_only_the_runs_own_users(tmp_path: Path) -> None:
     for path in (data / "nats" / "credentials.json", data / "nats" / "nats-server.conf"):
         assert path.stat().st_mode & 0o777 == 0o600, path
     assert (data / "nats").stat().st_mode & 0o077 == 0
+
+
+def test_a_real_engine_joins_services_only_under_its_own_user(tmp_path: Path) -> None:
+    """`up --services-only --engines e0`: e0 gets a user of its own on the embedded bus; its hello reaches the
+    API through the server's permissions, and no user exists for an engine that was not named."""
+    from switchyard.shared.bus import Bus
+    from switchyard.shared.embedded import free_port
+    from switchyard.shared.nats_auth import engine_user
+    from switchyard.shared.settings import SwitchyardSettings
+    from tests.fleet_helpers import hello
+
+    data, api_port = tmp_path / "state", free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")} | {"COLUMNS": "200"}
+    command = [*SWITCHYARD, "up", "--data-dir", str(data), "--api-port", str(api_port), "--services-only"]
+    proc = subprocess.Popen(
+        [*command, "--engines", "e0", "--duration", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+    async def join(url: str) -> list[str]:
+        path = data / "nats" / "credentials.json"
+        settings = SwitchyardSettings(nats_servers=[url], nats_credentials=path, nats_initial_connect_s=10.0)
+        bus = await Bus.connect(settings, name="e0", role=engine_user("e0"))  # as the vLLM agent connects
+        try:
+            deadline, seen = time.monotonic() + 60, []
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api_port}", timeout=2) as client:
+                while "e0" not in seen and time.monotonic() < deadline:
+                    await bus.publish(SUBJECTS.hello("e0"), hello("e0", "g0", ["gpu0"]))
+                    with contextlib.suppress(httpx.HTTPError):
+                        seen = [e["engine_id"] for e in (await client.get("/v1/engines")).json()]
+                    await asyncio.sleep(0.2)
+            return seen
+        finally:
+            await bus.close()
+
+    try:
+        seen = asyncio.run(join(_listen_url(data, proc, time.monotonic() + 120)))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "control plane only" in out and "stopped cleanly" in out
+    assert seen == ["e0"]
+    users = Credentials.load(data / "nats" / "credentials.json").users
+    assert engine_user("e0") in users and not [u for u in users if u.startswith("engine-") and u != "engine-e0"]
+    violations = re.findall(r".*Violation.*", (data / "nats" / "nats-server.log").read_text(errors="replace"))
+    assert violations == []
