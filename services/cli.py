@@ -85,6 +85,13 @@ def up(
     refit: Annotated[bool, typer.Option(help="Fit a new routing artifact even if one exists.")] = False,
     api_port: Annotated[int | None, typer.Option(help="API port (default SWITCHYARD_API_PORT, 8080).")] = None,
     services_only: Annotated[bool, typer.Option(help="Only the control plane: no simulated fleet or load.")] = False,
+    engines: Annotated[
+        str | None,
+        typer.Option(
+            help="Real engine ids, comma-separated: an engine-<id> user each on the embedded bus, in its "
+            "credentials file (<data dir>/nats/credentials.json)."
+        ),
+    ] = None,
     gateway: Annotated[
         bool, typer.Option(help="Send the load as HTTP clients through `switchyard gateway` (else on the bus).")
     ] = True,
@@ -101,6 +108,12 @@ def up(
     if policy not in DECODE_PROFILES:  # the router's profiles; the simulator's experiment variants are refused
         why = f" ({EXPERIMENT_VARIANTS[policy]}, not a router profile)" if policy in EXPERIMENT_VARIANTS else ""
         raise typer.BadParameter(f"unknown policy {policy!r}{why}; choose from {', '.join(DECODE_PROFILES)}")
+    from switchyard.shared.subjects import check_token
+
+    try:
+        engine_ids = [check_token(e, "engine id") for e in _split_csv(engines) or []]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--engines: {exc}") from None
     options = UpOptions(
         duration_s=duration or None,
         policy=policy,
@@ -114,6 +127,7 @@ def up(
         refit=refit,
         api_port=api_port,
         services_only=services_only,
+        engines=engine_ids,
         gateway_port=gateway_port if gateway else None,
         stream_interval=stream_interval,
         seed=seed,

@@ -3,12 +3,14 @@
 A child and not a task: on a small machine the gateway's HTTP relaying gets a core of its own instead of
 sharing the event loop with the simulated fleet and the load generator, and it runs exactly as deployed
 (`switchyard gateway`). It dies with its parent (PR_SET_PDEATHSIG on Linux) and in its own session, so
-Ctrl-C reaches `up`, which stops it in order; its output goes to `gateway.log` in the data dir.
+Ctrl-C reaches `up`, which stops it in order; its output goes to `gateway.log` in the data dir. Given the
+run's per-role credentials file, it gets its path in `SWITCHYARD_NATS_CREDENTIALS` and connects as `gateway`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -23,8 +25,11 @@ from switchyard.shared.errors import ConfigError
 
 
 class GatewayProcess:
-    def __init__(self, nats_url: str, host: str, port: int, log_path: Path) -> None:
+    def __init__(
+        self, nats_url: str, host: str, port: int, log_path: Path, nats_credentials: Path | None = None
+    ) -> None:
         self.nats_url, self.host, self.port, self.log_path = nats_url, host, port, log_path
+        self.nats_credentials = nats_credentials
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -34,12 +39,16 @@ class GatewayProcess:
     def start(self) -> None:
         command = [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", self.nats_url]
         command += ["--host", self.host, "--port", str(self.port)]
+        env = dict(os.environ)
+        if self.nats_credentials is not None:
+            env["SWITCHYARD_NATS_CREDENTIALS"] = str(self.nats_credentials.resolve())
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )

@@ -1,7 +1,8 @@
 """`switchyard up`: the whole control plane, and a simulated fleet to control, on one machine.
 
 With no external servers given it starts a private nats-server (JetStream) and uses a SQLite file, both
-under the data dir, then:
+under the data dir; that server takes only this run's own per-role users (`shared.local_nats`: passwords
+generated per run, written mode 0600), each component connecting as its role. Then it:
 
 1. fits the ELDR routing artifact on the calibration part of the shipped ESFT routing trace, unless the KV
    bucket already holds one for this fleet's decoders (file, database row and KV bucket, as `switchyard fit`);
@@ -56,6 +57,7 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.engine import upgrade
 from switchyard.shared.embedded import EmbeddedNats, free_port
+from switchyard.shared.local_nats import secured_embedded
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
@@ -75,16 +77,35 @@ class Infrastructure:
     database_url: str
     bus: Bus
     embedded_nats: EmbeddedNats | None
+    #: The per-role credentials every component connects with (generated for an embedded server).
+    nats_credentials: Path | None = None
 
 
 @contextlib.asynccontextmanager
-async def infrastructure(settings: SwitchyardSettings) -> AsyncIterator[Infrastructure]:
-    """Start (or connect to) NATS and the database; tear down in reverse order on exit."""
+async def infrastructure(
+    settings: SwitchyardSettings, fleet_engines: list[str] | None = None, engines: list[str] | None = None
+) -> AsyncIterator[Infrastructure]:
+    """Start (or connect to) NATS and the database; tear down in reverse order on exit.
+
+    An embedded server gets fresh per-role credentials (`fleet_engines`: the ids the `fleet` user speaks for;
+    `engines`: real engines, an `engine-<id>` user each), so no other local process can use it; an external
+    one keeps whatever the settings say.
+    """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     embedded: EmbeddedNats | None = None
     servers = settings.nats_servers
     if not servers:
-        embedded = EmbeddedNats(settings.data_dir / "nats", max_payload=settings.max_payload_bytes)
+        if settings.nats_credentials is not None:
+            log.info("the embedded NATS server uses its own per-run credentials, not %s", settings.nats_credentials)
+        local = secured_embedded(
+            settings.data_dir / "nats",
+            settings.subjects,
+            fleet_engines or [],
+            engines=engines,
+            max_payload=settings.max_payload_bytes,
+        )
+        embedded = local.server
+        settings = settings.model_copy(update={"nats_credentials": local.credentials_path})
         servers = [await asyncio.to_thread(embedded.start)]
     try:
         database_url = settings.resolved_database_url()
@@ -93,7 +114,7 @@ async def infrastructure(settings: SwitchyardSettings) -> AsyncIterator[Infrastr
         try:
             await bus.ensure_streams()
             await bus.ensure_kv(bus.subjects.router_bucket)
-            yield Infrastructure(servers[0], database_url, bus, embedded)
+            yield Infrastructure(servers[0], database_url, bus, embedded, settings.nats_credentials)
         finally:
             await bus.close()
     finally:
@@ -123,6 +144,8 @@ class UpOptions:
     api_port: int | None = None
     #: Only the control plane (no simulated fleet, no load): what operators run beside real engines.
     services_only: bool = False
+    #: Real engines' ids: each gets an `engine-<id>` user on the embedded bus (ignored with an external one).
+    engines: list[str] = field(default_factory=list)
     #: The load goes through `switchyard gateway` on this port (0: a free one); None: on the bus, no gateway.
     gateway_port: int | None = 8000
     gateway_host: str = "127.0.0.1"
@@ -137,6 +160,8 @@ def _describe(infra: Infrastructure, settings: SwitchyardSettings, api_url: str 
     table.add_row("NATS", f"{infra.nats_url} ({nats_kind})")
     if infra.embedded_nats:
         table.add_row("JetStream store", str(infra.embedded_nats.store_dir.resolve()))
+    if infra.nats_credentials:
+        table.add_row("NATS users", f"one per role, SWITCHYARD_NATS_CREDENTIALS={infra.nats_credentials.resolve()}")
     db_kind = "SQLite" if infra.database_url.startswith("sqlite") else "PostgreSQL"
     shown = infra.database_url if db_kind == "SQLite" else infra.database_url.split("@")[-1]
     table.add_row("database", f"{shown} ({db_kind}, schema at head)")
@@ -385,7 +410,9 @@ async def run_up(settings: SwitchyardSettings, options: UpOptions | None = None)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with infrastructure(settings) as infra:
+        fleet = _fleet_config(options)
+        simulated = [*fleet.prefill_ids(), *fleet.decode_ids()]
+        async with infrastructure(settings, simulated, options.engines) as infra:
             await _run(settings, options, infra, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -395,7 +422,11 @@ async def run_up(settings: SwitchyardSettings, options: UpOptions | None = None)
 
 async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastructure, stop: asyncio.Event) -> None:
     services_settings = settings.model_copy(
-        update={"nats_servers": [infra.nats_url], "database_url": infra.database_url}
+        update={
+            "nats_servers": [infra.nats_url],
+            "database_url": infra.database_url,
+            "nats_credentials": infra.nats_credentials,
+        }
     )
     api = ApiSettings(**({"port": options.api_port} if options.api_port is not None else {}))
     if api.port == 0:  # any free port, but one we can print
@@ -467,10 +498,25 @@ async def _start_gateway(
     settings: SwitchyardSettings, options: UpOptions, infra: Infrastructure, model: str
 ) -> GatewayProcess:
     port = options.gateway_port or free_port(options.gateway_host)
-    gateway = GatewayProcess(infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log")
+    gateway = GatewayProcess(
+        infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log", infra.nats_credentials
+    )
     gateway.start()
     await gateway.wait_ready(model)
     return gateway
+
+
+def _fleet_config(options: UpOptions) -> LiveFleetConfig:
+    """The simulated fleet's configuration (also what the embedded bus's `fleet` user may speak for)."""
+    return LiveFleetConfig(
+        prefill=options.prefill,
+        decode=options.decode,
+        gpus_per_decoder=options.gpus_per_decoder,
+        gpu=options.gpu,
+        speed=options.speed,
+        http=options.gateway_port is not None,
+        stream_interval=options.stream_interval,
+    )
 
 
 async def _run_fleet(
@@ -486,15 +532,7 @@ async def _run_fleet(
     csv_path = options.requests_csv or settings.trace(shipped.AZURE_CONV)
     scenario = await asyncio.to_thread(prepare, trace, gpu=options.gpu, seed=options.seed)
     through_gateway = options.gateway_port is not None
-    config = LiveFleetConfig(
-        prefill=options.prefill,
-        decode=options.decode,
-        gpus_per_decoder=options.gpus_per_decoder,
-        gpu=options.gpu,
-        speed=options.speed,
-        http=through_gateway,
-        stream_interval=options.stream_interval,
-    )
+    config = _fleet_config(options)
     artifact, fitted = await ensure_artifact(
         infra, scenario, config.decode_ids(), settings, options.refit, options.seed, buses["fit"]
     )

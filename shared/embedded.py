@@ -83,6 +83,8 @@ class EmbeddedNats:
     def _write_config(self) -> Path:
         config = self.store_dir / "nats-server.conf"
         jetstream_dir = (self.store_dir / "jetstream").resolve()
+        config.touch(mode=0o600)  # an authorization block holds passwords: readable by this user only
+        config.chmod(0o600)
         config.write_text(
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
