@@ -70,6 +70,15 @@ class GroupLeases:
             log.warning("%s lease of group %s lost (expired and taken over?)", self.kind, group)
             return False
 
+    async def holder(self, group: str) -> str | None:
+        """Who holds the group's lease now (None: nobody; it lapsed or was released), without taking it."""
+        assert self.kv is not None, "call start() first"
+        try:
+            entry = await self.kv.get(self._key(group))
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        return entry.value.decode(errors="replace") if entry.value else None
+
     async def renew(self) -> list[str]:
         """Renew every held lease; returns the groups whose lease was lost."""
         lost = []

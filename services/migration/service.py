@@ -24,6 +24,7 @@ from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor
 from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.migration.takeover import watch_for_orphans
 from switchyard.services.runtime import (
     FETCH_WHILE_NATS_RECOVERS,
     RateLimitedLog,
@@ -119,6 +120,7 @@ class MigrationService:
         self.ingest = ingest = await Bus.connect(self.settings, name="switchyard-migration-ingest", role="migration")
         consumer = None
         renewing: asyncio.Task[None] | None = None
+        takeover: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
@@ -136,6 +138,10 @@ class MigrationService:
                 await self.leases.start()
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
+                scan_s = self.config.takeover_scan_s or self.config.lease_ttl_s / 3
+                takeover = asyncio.create_task(
+                    watch_for_orphans(self.sessions, self.leases, self._kick, scan_s), name="migration-takeover"
+                )
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
                 while not stop.is_set():
                     try:
@@ -149,9 +155,10 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            background = [task for task in (renewing, takeover) if task is not None]
+            for task in [*self._workers.values(), *background]:
                 task.cancel()
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            for task in [*self._workers.values(), *background]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if self.leases is not None:
