@@ -24,13 +24,13 @@ from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from switchyard.services.history import UNFINISHED_MIGRATION
 from switchyard.services.lease import GroupLeases
 from switchyard.services.runtime import RateLimitedLog
 from switchyard.shared.db import Migration
 
 log = logging.getLogger(__name__)
 
-UNFINISHED = ("pending", "running", "rolling_back")
 TAKEOVERS = Counter(
     "switchyard_migration_takeovers_total", "Groups with an unfinished migration found without a lease holder."
 )
@@ -39,7 +39,7 @@ TAKEOVERS = Counter(
 async def unfinished_groups(sessions: async_sessionmaker[AsyncSession]) -> list[str]:
     """Every group with a migration not yet in a final state."""
     async with sessions() as session:
-        query = select(Migration.engine_group).where(Migration.state.in_(UNFINISHED)).distinct()
+        query = select(Migration.engine_group).where(Migration.state.in_(UNFINISHED_MIGRATION)).distinct()
         return list((await session.scalars(query)).all())
 
 
