@@ -165,3 +165,61 @@ async def _rows(database_url: str) -> list[MigrationMove]:
             return list((await session.scalars(select(MigrationMove))).all())
     finally:
         await engine.dispose()
+
+
+async def test_an_owner_that_lost_its_lease_sends_no_further_step(
+    bus: Bus, settings: SwitchyardSettings, database_url: str
+) -> None:
+    """With takeovers, an owner that stalls past its lease is taken over while it still runs. It must stop
+    sending steps once it cannot be sure it holds the lease, or two replicas send the same steps at once.
+    Here another replica takes the lease mid-migration (what a standby does once the owner's lease lapsed):
+    the owner stops before its next step while the other holds the group, then finishes once it is free;
+    every step applied once. Before, the owner ignored the lost lease and ran the migration to its end."""
+    from tests.test_migration_service import FAST, migration_service
+
+    base = default_layout(LAYERS, EXPERTS, GPUS)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=1.0), sleep=lambda _: asyncio.sleep(0.4))
+    await serve_migrate(bus, "e0", group)
+    await bus.ensure_streams()
+    target = plan("g0", 1, shuffled(base, 11))
+    config = FAST.model_copy(update={"replica_id": "owner", "lease_ttl_s": 1.5})
+    db_settings = settings.model_copy(update={"database_url": database_url})
+    async with (
+        announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])),
+        migration_service(db_settings, config) as sessions,
+    ):
+        await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
+
+        async def first_step_applied() -> bool:
+            return len(group.applications) >= 1
+
+        await eventually(first_step_applied)
+        kv = await bus.js.key_value(bus.subjects.lease_bucket)
+        await kv.delete("migration.g0")
+        revision = await kv.create("migration.g0", b"other")  # another replica's lease now
+        taken_at = time.monotonic()
+        stopped_at = None
+        while time.monotonic() - taken_at < 4.0:  # the other keeps renewing its lease, as a live owner does
+            await asyncio.sleep(0.3)
+            revision = await kv.update("migration.g0", b"other", last=revision)
+            if stopped_at is None and time.monotonic() - taken_at > 2.0:
+                stopped_at = group.requests  # by now (over two thirds of the TTL) the owner must have stopped
+        sent_while_taken = group.requests - stopped_at
+        async with sessions() as session:
+            state_while_taken = (await session.scalar(select(Migration))).state  # type: ignore[union-attr]
+        await kv.delete("migration.g0", last=revision)  # the other replica hands the group back
+        async with sessions() as session:
+            steps = len(set((await session.scalars(select(MigrationMove.step))).all()))
+
+        async def finished() -> Migration | None:
+            async with sessions() as session:
+                migration = await session.scalar(select(Migration))
+            return migration if migration is not None and migration.state in FINAL else None
+
+        done = await eventually(finished, timeout=60)
+    assert state_while_taken == "running" and sent_while_taken == 0
+    assert len(group.applications) > 1  # the test bit mid-migration: steps came after the first
+    assert done.state == "succeeded"
+    assert group.applied_keys() == [(target.plan_id, step) for step in range(steps)]  # every step once, in order
+    assert group.requests <= len(group.applications) + 1  # at most the step in flight resent (from memory)
+    np.testing.assert_array_equal(group.layout, target.placement)

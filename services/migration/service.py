@@ -22,9 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
-from switchyard.services.migration.executor import Executor
+from switchyard.services.migration.executor import Executor, LeaseLost
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.migration.takeover import watch_for_orphans
+from switchyard.services.migration.takeover import still_owner, watch_for_orphans
 from switchyard.services.runtime import (
     FETCH_WHILE_NATS_RECOVERS,
     RateLimitedLog,
@@ -125,7 +125,9 @@ class MigrationService:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
                 await self.fleet.subscribe(ingest)
-                self.executor = Executor(self.sessions, bus, self.fleet, self.config)
+                self.executor = Executor(
+                    self.sessions, bus, self.fleet, self.config, owns=lambda group: still_owner(self.leases, group)
+                )
                 subjects = bus.subjects
                 consumer = await bus.durable_pull(
                     subjects.placement_plan,
@@ -252,6 +254,9 @@ class MigrationService:
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
+            except LeaseLost as exc:  # another replica may run the group now: back to contending for its lease
+                log.warning("%s; leaving the group to its lease holder", exc)
+                continue
             except Exception as exc:  # e.g. the database is briefly unreachable: the state is durable, try again
                 if is_outage(exc) and await self._waited_for_database(group, exc):
                     continue  # it answers again: resume now, not after a backoff grown during the outage

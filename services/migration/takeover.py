@@ -36,6 +36,14 @@ TAKEOVERS = Counter(
 )
 
 
+async def still_owner(leases: GroupLeases | None, group: str) -> bool:
+    """Whether this replica may send the group's next step: its lease is fresh, or renewing it now (compare-and-set
+    on the revision this replica wrote, so never over another owner's) succeeds."""
+    if leases is None or leases.holds(group):
+        return True
+    return group in leases.held and await leases.acquire(group)
+
+
 async def unfinished_groups(sessions: async_sessionmaker[AsyncSession]) -> list[str]:
     """Every group with a migration not yet in a final state."""
     async with sessions() as session:
