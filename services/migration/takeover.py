@@ -12,6 +12,12 @@ Bound: the dead owner renewed its lease at most a third of the TTL before it die
 most one TTL after the death; the next scan (at most `takeover_scan_s` later) finds the group free and the
 worker resumes at once: within TTL + scan interval (4/3 TTL by default) plus the server's expiry latency.
 Groups whose lease another replica holds are left alone (no worker, no lease traffic for them).
+
+The other side of a takeover: an owner that stalled past its lease (CPU starvation, a long pause) would be
+taken over while it still runs. `still_owner` is asked before every step: a lease not written within two
+thirds of the TTL must first be renewed by compare-and-set on this owner's own revision, which fails once
+another replica has taken it; the executor then stops (`LeaseLost`) instead of sending steps beside its
+successor.
 """
 
 from __future__ import annotations
