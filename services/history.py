@@ -26,6 +26,9 @@ from switchyard.solver.placement.moves import plan_moves
 
 log = logging.getLogger(__name__)
 
+#: Migration states that are not final: the group's placement is still being moved (or rolled back).
+UNFINISHED_MIGRATION = ("pending", "running", "rolling_back")
+
 
 def layout_rows(layout: np.ndarray) -> list[dict[str, int]]:
     """`placement_assignments` rows for a slot map `[L, G, slots]` (empty slots included, so the shape round-trips)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -33,6 +34,7 @@ class GroupLeases:
     def __init__(self, bus: Bus, kind: str, owner: str, ttl_s: float = 10.0) -> None:
         self.bus, self.kind, self.owner, self.ttl_s = bus, kind, owner, ttl_s
         self.held: dict[str, int] = {}  # group -> revision this owner last wrote
+        self._written: dict[str, float] = {}  # group -> when (monotonic) this owner last wrote it
         self.kv: KeyValue | None = None
 
     async def start(self) -> None:
@@ -47,7 +49,9 @@ class GroupLeases:
         if group in self.held:
             return await self._renew(group)
         try:
+            asked = time.monotonic()
             self.held[group] = await self.kv.create(self._key(group), self.owner.encode())
+            self._written[group] = asked
             LEASES.labels(self.kind, "acquired").inc()
             return True
         except KeyWrongLastSequenceError:
@@ -62,13 +66,35 @@ class GroupLeases:
     async def _renew(self, group: str) -> bool:
         assert self.kv is not None
         try:
+            asked = time.monotonic()
             self.held[group] = await self.kv.update(self._key(group), self.owner.encode(), last=self.held[group])
+            self._written[group] = asked
             return True
         except (KeyWrongLastSequenceError, KeyNotFoundError, NotFoundError):
             del self.held[group]
+            self._written.pop(group, None)
             LEASES.labels(self.kind, "lost").inc()
             log.warning("%s lease of group %s lost (expired and taken over?)", self.kind, group)
             return False
+
+    def holds(self, group: str) -> bool:
+        """Whether this owner surely holds the group's lease now: it wrote it within two thirds of the TTL.
+
+        Renewals come every third of the TTL; a lease not written for longer (this process stalled, or NATS was
+        away) may have lapsed and been taken over without this owner having heard yet, so it must not act on it
+        before `acquire` has written it again.
+        """
+        written = self._written.get(group)
+        return group in self.held and written is not None and time.monotonic() - written < self.ttl_s * 2 / 3
+
+    async def holder(self, group: str) -> str | None:
+        """Who holds the group's lease now (None: nobody; it lapsed or was released), without taking it."""
+        assert self.kv is not None, "call start() first"
+        try:
+            entry = await self.kv.get(self._key(group))
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        return entry.value.decode(errors="replace") if entry.value else None
 
     async def renew(self) -> list[str]:
         """Renew every held lease; returns the groups whose lease was lost."""
@@ -81,6 +107,7 @@ class GroupLeases:
     async def release(self, group: str) -> None:
         assert self.kv is not None
         revision = self.held.pop(group, None)
+        self._written.pop(group, None)
         if revision is not None:
             with contextlib.suppress(Exception):
                 await self.kv.delete(self._key(group), last=revision)

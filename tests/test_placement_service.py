@@ -338,3 +338,44 @@ async def test_a_held_lease_outlives_its_ttl_between_plans(bus: Bus, db_settings
         await asyncio.sleep(2.5)  # over twice the TTL, and no trigger (period 3600 s)
         entry = await service.leases.kv.get("placement.g0")  # type: ignore[union-attr]
         assert entry.value == service.config.replica_id.encode()
+
+
+async def test_a_group_stays_blocked_while_its_migration_is_unfinished_and_is_free_once_it_is_final(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """Issue 29: placement let a plan block its group for `inflight_timeout_s` (600 s) whatever its migration
+    did, then planned again over a migration still running. Now an unfinished migration blocks the group however
+    old its plan is, and the group is planned again as soon as the migration is final."""
+    from switchyard.services.placement.window import DecayedLoad
+    from switchyard.shared.db import Migration
+    from switchyard.shared.schemas import ExpertLoad
+
+    await bus.ensure_streams()
+    service = PlacementService(db_settings, QUICK.model_copy(update={"inflight_timeout_s": 600.0}))
+    service.sessions, service.bus = sessions, bus
+    service.fleet = FleetView(clock=lambda: 1000.0)  # e0 stays live however slow this machine is
+    service.fleet.on_hello(hello("e0", "g0", ["a", "b"]))
+    counts = np.ones((LAYERS, EXPERTS), dtype=np.uint32)
+    counts[:, :4] = 1000  # experts 0..3, all on GPU 0 in the contiguous layout: worth moving
+    window = DecayedLoad(300.0)
+    window.add(ExpertLoad(engine_id="e0", ep_group="g0", seq=0, window_start=0, window_end=1, expert_counts=counts))
+    service.windows["g0"] = window
+    long_ago = utcnow() - timedelta(seconds=700)  # older than inflight_timeout_s
+    async with sessions() as session, session.begin():
+        first = await add_placement(session, plan("g0", 1, default_layout(LAYERS, EXPERTS, 2)), "published")
+        first.created_at = long_ago
+        migration = Migration(
+            placement_id=first.id, engine_group="g0", plan_version=1, state="running", created_at=long_ago
+        )
+        session.add(migration)
+
+    for _ in range(3):
+        assert await service.plan_group("g0", "period") is None  # its migration still runs: not placed over it
+    assert [r.version for r in await _placements(sessions, "g0")] == [1]
+
+    async with sessions() as session, session.begin():  # what the migration service commits when it finishes
+        (await session.get(Migration, migration.id)).state = "succeeded"  # type: ignore[union-attr]
+        (await session.get(Placement, first.id)).status = "applied"  # type: ignore[union-attr]
+    placed = await service.plan_group("g0", "period")
+    assert placed is not None and placed.version == 2
+    assert [r.status for r in await _placements(sessions, "g0")] == ["applied", "published"]

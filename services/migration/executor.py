@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -80,13 +80,20 @@ class Executor:
     """Runs migrations by id against the database, the bus and the live fleet view."""
 
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], bus: Bus, fleet: FleetView, config: MigrationSettings
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        bus: Bus,
+        fleet: FleetView,
+        config: MigrationSettings,
+        owns: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.sessions = sessions
         self.bus = bus
         self.fleet = fleet
         self.config = config
         self.layouts = LayoutProbe(bus, fleet, config.layout_timeout_s)
+        #: Asked before every step is sent: whether this replica still owns the group (None: no leases).
+        self.owns = owns
 
     async def run(self, migration_id: int) -> str:
         """Take the migration as far as it goes; returns its final state."""
@@ -308,6 +315,10 @@ class Executor:
         delay = self.config.retry_backoff_s
         last_error = "never sent"
         for attempt in range(1, self.config.max_attempts + 1):
+            if self.owns is not None and not await self.owns(migration.engine_group):
+                # another replica may have taken the group over (this one stalled past the lease): it resumes
+                # from the rows; going on here would send the same steps from two replicas at once
+                raise LeaseLost(f"migration {migration.id}: lost the lease of group {migration.engine_group}")
             engine = self.fleet.coordinator(migration.engine_group) or rows[0].engine_id
             async with self.sessions() as session, session.begin():
                 await _settle(session, settle)
@@ -341,6 +352,10 @@ class Executor:
             STEPS.labels(kind, "applied").inc()
             return StepOutcome(applied=True, duration_s=reply.duration_s)
         return StepOutcome(applied=False, in_doubt=last_error)
+
+
+class LeaseLost(Exception):
+    """This replica no longer surely holds the group's lease: it stops before sending another step."""
 
 
 class _Reconnected(Exception):

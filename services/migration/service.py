@@ -22,8 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
-from switchyard.services.migration.executor import Executor
+from switchyard.services.migration.executor import Executor, LeaseLost
 from switchyard.services.migration.settings import MigrationSettings
+from switchyard.services.migration.takeover import still_owner, watch_for_orphans
 from switchyard.services.runtime import (
     FETCH_WHILE_NATS_RECOVERS,
     RateLimitedLog,
@@ -119,11 +120,14 @@ class MigrationService:
         self.ingest = ingest = await Bus.connect(self.settings, name="switchyard-migration-ingest", role="migration")
         consumer = None
         renewing: asyncio.Task[None] | None = None
+        takeover: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
                 await self.fleet.subscribe(ingest)
-                self.executor = Executor(self.sessions, bus, self.fleet, self.config)
+                self.executor = Executor(
+                    self.sessions, bus, self.fleet, self.config, owns=lambda group: still_owner(self.leases, group)
+                )
                 subjects = bus.subjects
                 consumer = await bus.durable_pull(
                     subjects.placement_plan,
@@ -136,6 +140,10 @@ class MigrationService:
                 await self.leases.start()
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
+                scan_s = self.config.takeover_scan_s or self.config.lease_ttl_s / 3
+                takeover = asyncio.create_task(
+                    watch_for_orphans(self.sessions, self.leases, self._kick, scan_s), name="migration-takeover"
+                )
                 log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
                 while not stop.is_set():
                     try:
@@ -149,9 +157,10 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            background = [task for task in (renewing, takeover) if task is not None]
+            for task in [*self._workers.values(), *background]:
                 task.cancel()
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            for task in [*self._workers.values(), *background]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if self.leases is not None:
@@ -245,6 +254,9 @@ class MigrationService:
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
+            except LeaseLost as exc:  # another replica may run the group now: back to contending for its lease
+                log.warning("%s; leaving the group to its lease holder", exc)
+                continue
             except Exception as exc:  # e.g. the database is briefly unreachable: the state is durable, try again
                 if is_outage(exc) and await self._waited_for_database(group, exc):
                     continue  # it answers again: resume now, not after a backoff grown during the outage

@@ -35,5 +35,9 @@ class MigrationSettings(BaseSettings):
     #: One replica acts for a group at a time: it holds the group's lease (`<prefix>-leases`), renewed every
     #: third of this; a replica that stops renewing loses the group to another after this long.
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
+    #: How often every replica looks for groups with an unfinished migration and no lease holder (an owner that
+    #: died mid-migration) and takes them over (None: a third of `lease_ttl_s`); the takeover comes at most
+    #: `lease_ttl_s` + this after the owner's death.
+    takeover_scan_s: float | None = Field(default=None, gt=0, le=300.0)
     #: This replica's name as a lease owner.
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")

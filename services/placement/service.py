@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from switchyard.services.engine_layout import LayoutProbe
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import (
+    UNFINISHED_MIGRATION,
     add_placement,
     applied_placement,
     calibrated_params,
@@ -55,7 +56,7 @@ from switchyard.services.placement.settings import PlacementSettings
 from switchyard.services.placement.window import DecayedLoad, drift
 from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
 from switchyard.shared.bus import Bus
-from switchyard.shared.db import Placement, create_async_db
+from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
@@ -311,6 +312,19 @@ class PlacementService:
     # ----- planning -----
 
     async def _in_flight(self, session: AsyncSession, group: str) -> bool:
+        """Whether the group's last plan is unresolved: placing it again now would race its migration.
+
+        A migration the migration service has taken up blocks the group until it is final, however long that
+        takes: a standby replica takes over one whose owner died (`services/migration/takeover.py`) and marks
+        the placement applied or failed in the transaction that finishes it, so the group is free the tick
+        after. Before, any plan older than `inflight_timeout_s` (600 s) stopped blocking, unfinished migration or
+        not. That timeout now covers only plans no migration replica has recorded yet (never delivered).
+        """
+        unfinished = select(Migration.id).where(
+            Migration.engine_group == group, Migration.state.in_(UNFINISHED_MIGRATION)
+        )
+        if (await session.scalar(unfinished.limit(1))) is not None:
+            return True
         recent = utcnow() - timedelta(seconds=self.config.inflight_timeout_s)
         query = select(Placement.id).where(
             Placement.engine_group == group,

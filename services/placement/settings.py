@@ -57,7 +57,9 @@ class PlacementSettings(BaseSettings):
     #: Drop a group's decayed window once no live engine of the group has said hello for this long (a window
     #: for an invented group must not be kept forever; a restart's stream replay brings back only live ones).
     orphan_window_s: float = Field(default=30.0, ge=0)
-    #: Do not plan a group while its last published plan is unresolved, unless it is older than this.
+    #: Do not plan a group while its last published plan is unresolved: while its migration is unfinished (however
+    #: long: a standby migration replica takes over a dead owner's), or, for a plan no migration replica has
+    #: recorded yet, until it is older than this.
     inflight_timeout_s: float = Field(default=600.0, gt=0)
     #: Store the slot layout of rejected plans too (each is L x G x slots rows).
     store_rejected_layouts: bool = False
