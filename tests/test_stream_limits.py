@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -163,3 +164,11 @@ def test_the_generated_config_holds_the_contract_bounds(tmp_path: Path) -> None:
     path.write_text(config)
     checked = subprocess.run([str(find_nats_server()), "-c", str(path), "-t"], capture_output=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_the_shipped_config_holds_the_default_bounds() -> None:
+    """infra/nats/nats-server.conf's `max_file_store` is what `switchyard nats-config` writes for the defaults."""
+    shipped = (Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf").read_text()
+    found = re.search(r"^\s*max_file_store:\s*(\d+)\s*$", shipped, re.MULTILINE)
+    assert found is not None, "no max_file_store in bytes in the shipped config"
+    assert int(found.group(1)) == file_store_bytes(SwitchyardSettings(_env_file=None))  # type: ignore[call-arg]
