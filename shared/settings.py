@@ -73,10 +73,10 @@ class SwitchyardSettings(BaseSettings):
     stream_expert_load_max_msgs: int = Field(default=1_000_000, ge=1)
     #: Twice placement's warmup (`SWITCHYARD_PLACEMENT_WARMUP_S`, 1800 s): nothing reads older windows.
     stream_expert_load_max_age_s: float = Field(default=3600.0, ge=0)
-    #: Plans and calibration requests, written only by placement and the API: ~70 KB per DeepSeek-V3 plan, so
-    #: 2 GiB is ~30,000 plans. Placement publishes at most one plan per group per
-    #: `SWITCHYARD_PLACEMENT_INFLIGHT_TIMEOUT_S` (600 s) while the last is unconsumed: a full stream means a
-    #: migration service down for a week with 30 groups, and then the oldest plans go first.
+    #: Plans and calibration requests, written only by placement and the API: a DeepSeek-V3 plan (a [58, 32, 8]
+    #: int32 layout, up to 2000 moves) is 60-110 KB, so 2 GiB is 20,000-35,000 plans. Placement publishes at most
+    #: one plan per group per `SWITCHYARD_PLACEMENT_INFLIGHT_TIMEOUT_S` (600 s) while the last is unconsumed: a
+    #: full stream means a migration service down for a week with 20 groups, and then the oldest plans go first.
     stream_placement_max_bytes: int = Field(default=2 * 1024**3, ge=1024)
     stream_placement_max_msgs: int = Field(default=100_000, ge=1)
     #: No age limit: a plan is work, and the migration service must find one it has not consumed yet.
