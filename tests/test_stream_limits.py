@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import APIError
+from pydantic import ValidationError
 
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus
@@ -172,3 +173,14 @@ def test_the_shipped_config_holds_the_default_bounds() -> None:
     found = re.search(r"^\s*max_file_store:\s*(\d+)\s*$", shipped, re.MULTILINE)
     assert found is not None, "no max_file_store in bytes in the shipped config"
     assert int(found.group(1)) == file_store_bytes(SwitchyardSettings(_env_file=None))  # type: ignore[call-arg]
+
+
+def test_an_engine_share_above_half_the_stream_is_refused() -> None:
+    """One engine at its cap must leave room for the others' windows: a share above half the stream is an error."""
+    with pytest.raises(ValidationError, match="WINDOWS_PER_ENGINE"):
+        SwitchyardSettings(
+            _env_file=None,  # type: ignore[call-arg]
+            stream_expert_load_window_bytes=MIB,
+            stream_expert_load_windows_per_engine=600,
+            stream_expert_load_max_bytes=1024 * MIB,
+        )
