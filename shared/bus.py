@@ -358,7 +358,8 @@ class Bus:
         A contract bucket gets its byte bounds (`stream_limits.bucket_limits`), also when it exists without them.
         History and TTL stay as the bucket was created: two services may ask with different TTLs.
         """
-        max_bytes, max_value = bucket_limits(self.settings).get(bucket, (-1, self.max_payload))
+        bounds = bucket_limits(self.settings).get(bucket)
+        max_bytes, max_value = bounds or (-1, self.max_payload)
         try:
             kv = await self.js.key_value(bucket)
         except BucketNotFoundError:
@@ -371,6 +372,8 @@ class Bus:
                 )
             except BadRequestError:  # created concurrently with another config: use what exists
                 kv = await self.js.key_value(bucket)
+        if bounds is None:  # not a contract bucket: left as it is
+            return kv
         stream = f"KV_{bucket}"
         current = (await self.js.stream_info(stream)).config
         wanted = {"max_bytes": max_bytes, "max_msg_size": max_value}
