@@ -410,6 +410,7 @@ def nats_config(
     """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
     from switchyard.shared.engine_manifest import parse_engine_specs
     from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+    from switchyard.shared.stream_limits import file_store_bytes
 
     settings = load_settings()
     try:
@@ -432,6 +433,7 @@ def nats_config(
         monitor=monitor or None,
         store_dir=store_dir,
         max_payload=settings.max_payload_bytes,
+        max_file_store=file_store_bytes(settings),
         tls=tls,
     )
     out.mkdir(parents=True, exist_ok=True)

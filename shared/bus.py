@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import random
@@ -28,19 +29,21 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
 from switchyard.shared.errors import ConfigError, Impersonation, WireError
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.stream_limits import LIMIT_FIELDS, bucket_limits, contract_limits, limits_differ
 from switchyard.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=WireModel)
 R = TypeVar("R", bound=WireModel)
+T = TypeVar("T")
 
 REJECTED = Counter(
     "switchyard_bus_rejected_total",
@@ -186,6 +189,25 @@ def _quiet_callbacks(
     return {"error_cb": on_error, "disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected}
 
 
+#: JetStream's answer when a stream's `max_bytes` does not fit in what the server may still reserve.
+_INSUFFICIENT_STORAGE = 10047
+
+
+async def _reserving(stream: str, call: Awaitable[T]) -> T:
+    """Run a stream create/update; a refusal to reserve its `max_bytes` becomes a `ConfigError` saying what to do."""
+    try:
+        return await call
+    except APIError as exc:
+        if exc.err_code != _INSUFFICIENT_STORAGE:
+            raise
+        raise ConfigError(
+            f"NATS cannot reserve the bytes of stream {stream}: JetStream reserves every stream's max_bytes "
+            "up front. Raise the server's jetstream max_file_store (`switchyard nats-config` writes one that "
+            "holds the contract's streams) or lower the SWITCHYARD_STREAM_*_MAX_BYTES / SWITCHYARD_KV_*_MAX_BYTES "
+            "settings (docs/security.md)"
+        ) from exc
+
+
 class Bus:
     """A connected NATS client plus JetStream, speaking the Switchyard wire contract."""
 
@@ -281,37 +303,38 @@ class Bus:
 
     # ----- JetStream setup -----
 
-    async def ensure_stream(self, name: str, subjects: list[str], **config: Any) -> None:
-        """Create the stream, or update it if its subjects or limits differ. Safe under concurrent callers."""
-        wanted = StreamConfig(
-            name=name, subjects=subjects, storage=StorageType.FILE, max_msg_size=self.max_payload, **config
-        )
+    async def ensure_stream(self, name: str, subjects: list[str], **config: Any) -> str:
+        """Create the stream, or update it if its subjects or limits differ: "created", "updated" or "unchanged".
+
+        Idempotent, and safe under concurrent callers with the same settings (they make the same update); replicas
+        with different settings would each impose theirs on start, so give every replica the same.
+        """
+        wanted = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, max_msg_size=self.max_payload)
+        for key, value in config.items():
+            setattr(wanted, key, value)
+        managed = {k: getattr(wanted, k) for k in {*LIMIT_FIELDS, *config}}
         try:
             info = await self.js.stream_info(name)
         except NotFoundError:
             try:
-                await self.js.add_stream(wanted)
-                return
+                await _reserving(name, self.js.add_stream(wanted))
+                return "created"
             except BadRequestError:  # another replica created it meanwhile
                 info = await self.js.stream_info(name)
         current = info.config
-        if sorted(current.subjects or []) != sorted(subjects) or any(
-            getattr(current, k) != v for k, v in config.items()
-        ):
-            await self.js.update_stream(wanted)
+        if sorted(current.subjects or []) == sorted(subjects) and not limits_differ(current, managed):
+            return "unchanged"
+        await _reserving(name, self.js.update_stream(wanted))
+        return "updated"
 
-    async def ensure_streams(self) -> None:
-        """Every stream of the bus contract (see `Subjects.streams`)."""
-        # Bounded by age and count, never by `max_bytes`: JetStream reserves a stream's max_bytes on disk up
-        # front, which would make the streams refuse to exist on a small disk.
-        week = 7 * 24 * 3600.0
-        limits = {
-            self.subjects.expert_load_stream: {"max_age": week, "max_msgs": 1_000_000},
-            self.subjects.placement_stream: {"max_msgs": 100_000},
-            self.subjects.routing_samples_stream: {"max_age": week, "max_msgs": 50_000},
+    async def ensure_streams(self) -> dict[str, str]:
+        """Every stream of the bus contract (see `Subjects.streams`), with its limits (`shared.stream_limits`);
+        a stream created before it had them is updated. Returns what was done to each."""
+        limits = contract_limits(self.settings)
+        return {
+            name: await self.ensure_stream(name, subjects, **limits[name].config())
+            for name, subjects in self.subjects.streams().items()
         }
-        for name, subjects in self.subjects.streams().items():
-            await self.ensure_stream(name, subjects, **limits.get(name, {}))
 
     async def durable_pull(
         self, subject: str, stream: str, durable: str, *, ack_wait: float, max_deliver: int
@@ -330,17 +353,33 @@ class Bus:
         return await self.js.pull_subscribe_bind(durable, stream)
 
     async def ensure_kv(self, bucket: str, history: int = 16, ttl: float | None = None) -> KeyValue:
-        """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write)."""
+        """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write).
+
+        A contract bucket gets its byte bounds (`stream_limits.bucket_limits`), also when it exists without them.
+        History and TTL stay as the bucket was created: two services may ask with different TTLs.
+        """
+        bounds = bucket_limits(self.settings).get(bucket)
+        max_bytes, max_value = bounds or (-1, self.max_payload)
         try:
-            return await self.js.key_value(bucket)
+            kv = await self.js.key_value(bucket)
         except BucketNotFoundError:
-            pass
-        try:
-            return await self.js.create_key_value(
-                bucket=bucket, history=history, max_value_size=self.max_payload, ttl=ttl
-            )
-        except BadRequestError:  # created concurrently with another config: use what exists
-            return await self.js.key_value(bucket)
+            try:
+                return await _reserving(
+                    f"KV_{bucket}",
+                    self.js.create_key_value(
+                        bucket=bucket, history=history, max_value_size=max_value, ttl=ttl, max_bytes=max_bytes
+                    ),
+                )
+            except BadRequestError:  # created concurrently with another config: use what exists
+                kv = await self.js.key_value(bucket)
+        if bounds is None:  # not a contract bucket: left as it is
+            return kv
+        stream = f"KV_{bucket}"
+        current = (await self.js.stream_info(stream)).config
+        wanted = {"max_bytes": max_bytes, "max_msg_size": max_value}
+        if limits_differ(current, wanted):
+            await _reserving(stream, self.js.update_stream(dataclasses.replace(current, **wanted)))
+        return kv
 
     # ----- messaging -----
 

@@ -22,6 +22,11 @@ from pathlib import Path
 from types import TracebackType
 
 _PR_SET_PDEATHSIG = 1
+#: The embedded server's `max_file_store`: not a bound but room for reservations. JetStream reserves each
+#: stream's `max_bytes` up front against it, and the server's default (75 % of the free disk) is less than the
+#: contract's streams add up to on many laptops and CI machines, and than a test session's prefixes (each test
+#: its own streams) add up to anywhere. What the streams hold is bounded by their own limits.
+EMBEDDED_FILE_STORE = 1 << 40
 
 
 def find_nats_server() -> Path:
@@ -63,6 +68,7 @@ class EmbeddedNats:
         port: int | None = None,
         max_payload: int = 8 * 1024 * 1024,
         extra_config: str = "",
+        max_file_store: int = EMBEDDED_FILE_STORE,
     ) -> None:
         self.store_dir = Path(store_dir)
         #: Appended to the generated config, e.g. an `authorization` block from `shared.nats_auth`.
@@ -70,6 +76,7 @@ class EmbeddedNats:
         self.host = host
         self.port = port
         self.max_payload = max_payload
+        self.max_file_store = max_file_store
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -88,7 +95,8 @@ class EmbeddedNats:
         config.write_text(
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
-            f'jetstream {{\n  store_dir: "{jetstream_dir}"\n  max_memory_store: 268435456\n}}\n' + self.extra_config
+            f'jetstream {{\n  store_dir: "{jetstream_dir}"\n  max_memory_store: 268435456\n'
+            f"  max_file_store: {self.max_file_store}\n}}\n" + self.extra_config
         )
         return config
 

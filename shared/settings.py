@@ -61,6 +61,40 @@ class SwitchyardSettings(BaseSettings):
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     log_level: str = "INFO"
 
+    # ----- JetStream bounds (`shared.stream_limits`): sizes from the contract; 0 = none for an age -----
+    #: Largest expert-load window stored: the schema's largest window (2^18 layer x expert cells) at uint32 is
+    #: 1 MiB, DeepSeek-V3 (58 x 256) with per-source counts for 16 EP ranks 0.97 MiB; a quarter on top.
+    stream_expert_load_window_bytes: int = Field(default=1280 * 1024, ge=1024)
+    #: Windows kept per engine (per subject): placement replays 1800 s (its warmup) at the vLLM agent's 1 s
+    #: interval. With the window size, one engine's share is at most 2.2 GiB, however fast it publishes.
+    stream_expert_load_windows_per_engine: int = Field(default=1800, ge=1)
+    #: The stream's bound: 4.5 engines at their cap, or with one at its cap, the 60 KB windows of 78 DeepSeek-V3
+    #: engines (no per-source counts) besides. Full, it drops its oldest windows (the lightest in placement's
+    #: decayed window).
+    stream_expert_load_max_bytes: int = Field(default=10 * 1024**3, ge=1024)
+    stream_expert_load_max_msgs: int = Field(default=1_000_000, ge=1)
+    #: Twice placement's warmup (`SWITCHYARD_PLACEMENT_WARMUP_S`, 1800 s): nothing reads older windows.
+    stream_expert_load_max_age_s: float = Field(default=3600.0, ge=0)
+    #: Plans and calibration requests, written only by placement and the API: a DeepSeek-V3 plan (a [58, 32, 8]
+    #: int32 layout, up to 2000 moves) is 60-110 KB, so 2 GiB is 20,000-35,000 plans. Placement publishes at most
+    #: one plan per group per `SWITCHYARD_PLACEMENT_INFLIGHT_TIMEOUT_S` (600 s) while the last is unconsumed: a
+    #: full stream means a migration service down for a week with 20 groups, and then the oldest plans go first.
+    stream_placement_max_bytes: int = Field(default=2 * 1024**3, ge=1024)
+    stream_placement_max_msgs: int = Field(default=100_000, ge=1)
+    #: No age limit: a plan is work, and the migration service must find one it has not consumed yet.
+    stream_placement_max_age_s: float = Field(default=0.0, ge=0)
+    #: Largest routing sample stored: two [L, E] count arrays (DeepSeek-V3 at uint32: 119 KB), up to 2^17
+    #: cells each, plus a quarter.
+    stream_routing_samples_sample_bytes: int = Field(default=1280 * 1024, ge=1024)
+    #: ~35,000 DeepSeek-V3 samples: more than `switchyard fit --from-stream` reads (the newest 20,000).
+    stream_routing_samples_max_bytes: int = Field(default=4 * 1024**3, ge=1024)
+    stream_routing_samples_max_msgs: int = Field(default=50_000, ge=1)
+    stream_routing_samples_max_age_s: float = Field(default=7 * 86400.0, ge=0)
+    #: The routing artifact bucket: its 16 revisions at the largest payload (128 MiB), twice over.
+    kv_router_max_bytes: int = Field(default=256 * 1024**2, ge=1024)
+    #: The lease bucket: one ~100-byte key per service and group, and their delete markers.
+    kv_leases_max_bytes: int = Field(default=64 * 1024**2, ge=1024)
+
     @field_validator("nats_servers", mode="before")
     @classmethod
     def _split_servers(cls, value: object) -> object:
@@ -90,6 +124,17 @@ class SwitchyardSettings(BaseSettings):
         methods = [self.nats_user, self.nats_token, self.nats_nkey_seed_file, self.nats_creds_file]
         if sum(m is not None for m in methods) > 1:
             raise ValueError("choose one NATS authentication: user/password, token, nkey seed or creds file")
+        return self
+
+    @model_validator(mode="after")
+    def _one_engine_fits(self) -> SwitchyardSettings:
+        share = self.stream_expert_load_windows_per_engine * self.stream_expert_load_window_bytes
+        if share * 2 > self.stream_expert_load_max_bytes:
+            raise ValueError(
+                f"one engine's expert-load share (SWITCHYARD_STREAM_EXPERT_LOAD_WINDOWS_PER_ENGINE x _WINDOW_BYTES "
+                f"= {share} bytes) must be at most half of SWITCHYARD_STREAM_EXPERT_LOAD_MAX_BYTES "
+                f"({self.stream_expert_load_max_bytes}): an engine at its cap would push the others' windows out"
+            )
         return self
 
     @property
