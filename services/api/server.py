@@ -10,6 +10,7 @@ import uvicorn
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.http_limits import HttpLimits
+from switchyard.services.http_server import front_protocol
 from switchyard.shared.settings import SwitchyardSettings
 
 
@@ -28,7 +29,7 @@ async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: Api
             HttpLimits(create_app(settings, config), config.max_body_bytes, config.body_timeout_s),
             host=config.host,
             port=config.port,
-            limit_concurrency=config.max_connections,
+            http=front_protocol(config.header_timeout_s, config.max_connections, {"detail": "too many connections"}),
             timeout_keep_alive=5,
             log_level=settings.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through the process's own handlers (up: file + console)
