@@ -300,3 +300,24 @@ async def test_the_api_answers_deeply_nested_json_400_without_a_traceback(
     assert wrong == {}
     assert all("detail" in json.loads(body) for _status, body in answers.values())
     assert [r.getMessage() for r in errors] == []
+
+
+def test_the_gateway_bound_is_128_levels_and_brackets_in_strings_do_not_count() -> None:
+    """The bound is exact: 128 levels parse, 129 are refused; a prompt full of brackets (code) is not nested."""
+    from switchyard.services.gateway.body import BadBody, parse
+
+    def body(levels: int, prompt: str = "x") -> bytes:
+        # the body object is one level, `extra` holds the rest
+        extra = "[" * (levels - 1) + "]" * (levels - 1)
+        return f'{{"prompt": {json.dumps(prompt)}, "extra": {extra}}}'.encode()
+
+    assert parse(body(128), chat=False).prompt_tokens == 1
+    code = "def f(x):\n    return [{x[i]: [i]} for i in range(3)]\n" * 500  # 2,000 opening brackets
+    assert parse(body(128, code), chat=False).body["prompt"] == code
+    try:
+        parse(body(129), chat=False)
+    except BadBody as exc:
+        refused = exc.reason
+    else:
+        refused = None
+    assert refused == "too_deep"
