@@ -9,6 +9,10 @@ as the client liked. `HttpLimits` reads the whole body before the app sees the r
 
 The app then gets the buffered body in one message, so its own parsing never waits on the client. Requests
 without a body (GET) pass with no delay. Pure ASGI: no dependency on the framework inside.
+
+With `max_json_depth`, a JSON body nested deeper than that is answered 400 before the app parses it (the API's
+FastAPI parsed ~930 levels and then failed encoding its own 422 with a RecursionError: a 500 and a traceback).
+The gateway leaves it unset and checks in its own parse, which it does anyway.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prometheus_client import Counter
+
+from switchyard.shared import json_depth
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -45,6 +51,19 @@ async def _reply(send: Send, status: int, detail: str, shape: Callable[[int, str
     await send({"type": "http.response.body", "body": body})
 
 
+def _too_deep(body: bytes, limit: int) -> bool:
+    """True for JSON nested past `limit`; anything else (not JSON, or shallow) is the app's to judge."""
+    if not json_depth.may_exceed(body, limit):
+        return False
+    try:
+        json_depth.loads(body, limit)
+    except json_depth.TooDeep:
+        return True
+    except ValueError:  # not JSON (UnicodeDecodeError included): the app answers as it would
+        return False
+    return False
+
+
 class HttpLimits:
     """Wrap an ASGI app: `HttpLimits(app, max_body_bytes=..., body_timeout_s=...)`.
 
@@ -57,11 +76,13 @@ class HttpLimits:
         max_body_bytes: int = 1 << 20,
         body_timeout_s: float = 10.0,
         error_shape: Callable[[int, str], dict[str, Any]] = detail_body,
+        max_json_depth: int | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.error_shape = error_shape
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,13 +112,18 @@ class HttpLimits:
             detail = f"request body not received within {self.body_timeout_s:g} s"
             await _reply(send, 408, detail, self.error_shape)
             return
+        body = b"".join(chunks)
+        if self.max_json_depth is not None and _too_deep(body, self.max_json_depth):
+            detail = f"request body is nested more than {self.max_json_depth} levels deep"
+            await _reply(send, 400, detail, self.error_shape)
+            return
         replayed = False
 
         async def buffered() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(scope, buffered, send)

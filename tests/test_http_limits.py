@@ -128,6 +128,7 @@ def test_the_api_binds_loopback_and_limits_by_default() -> None:
     config = ApiSettings(_env_file=None)  # type: ignore[call-arg]
     assert config.host == "127.0.0.1"
     assert config.max_body_bytes <= 1 << 20 and config.body_timeout_s <= 30 and config.max_connections <= 1024
+    assert config.header_timeout_s <= 30
 
 
 async def test_the_gateway_refuses_oversized_and_slow_bodies_in_openai_shape(
@@ -154,3 +155,4 @@ def test_the_gateway_binds_loopback_and_limits_by_default() -> None:
     config = GatewaySettings(_env_file=None)  # type: ignore[call-arg]
     assert config.host == "127.0.0.1"
     assert config.max_body_bytes <= 64 << 20 and config.body_timeout_s <= 60
+    assert config.header_timeout_s <= 30 and config.max_client_connections <= 16384

@@ -10,6 +10,8 @@ import uvicorn
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.http_limits import HttpLimits
+from switchyard.services.http_server import front_protocol
+from switchyard.shared.json_depth import MAX_DEPTH
 from switchyard.shared.settings import SwitchyardSettings
 
 
@@ -25,10 +27,12 @@ async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: Api
     config = config or ApiSettings()
     server = _InProcessServer(
         uvicorn.Config(
-            HttpLimits(create_app(settings, config), config.max_body_bytes, config.body_timeout_s),
+            HttpLimits(
+                create_app(settings, config), config.max_body_bytes, config.body_timeout_s, max_json_depth=MAX_DEPTH
+            ),
             host=config.host,
             port=config.port,
-            limit_concurrency=config.max_connections,
+            http=front_protocol(config.header_timeout_s, config.max_connections, {"detail": "too many connections"}),
             timeout_keep_alive=5,
             log_level=settings.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through the process's own handlers (up: file + console)

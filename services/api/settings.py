@@ -18,5 +18,8 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: A request's body must arrive within this long (408 beyond): a slow client cannot pin a worker.
     body_timeout_s: float = Field(default=10.0, gt=0)
-    #: Connections served at once; more are answered 503 (uvicorn's limit_concurrency).
+    #: A connection must send its request headers within this long of opening (and each later request within this
+    #: long of its first byte), else it is closed.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    #: Open connections at once (idle keep-alive ones included); one more is answered 503 and closed at once.
     max_connections: int = Field(default=256, ge=1)

@@ -13,6 +13,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from switchyard.shared import json_depth
+
 #: A rough characters-per-token ratio for a text prompt's size (the router only ranks by it).
 CHARS_PER_TOKEN = 4
 
@@ -68,7 +70,9 @@ def _prompt_size_and_prefix(body: dict[str, Any], chat: bool, prefix_chars: int)
 def parse(raw: bytes, chat: bool, prefix_chars: int = 512) -> Parsed:
     """Validate what routing reads; raises `BadBody` with a message for the client."""
     try:
-        body = json.loads(raw)
+        body = json_depth.loads(raw)
+    except json_depth.TooDeep as exc:
+        raise BadBody(str(exc), reason="too_deep") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadBody(f"request body is not valid JSON: {exc}", reason="not_json") from None
     if not isinstance(body, dict):

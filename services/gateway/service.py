@@ -18,6 +18,7 @@ from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Upstream
 from switchyard.services.http_limits import HttpLimits
+from switchyard.services.http_server import front_protocol
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.schemas import Announce, Hello, PrefillSignature
@@ -113,8 +114,15 @@ class GatewayService:
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
         )
         # No proxy-header middleware: the gateway reads no client address, and it cost every request a pass.
+        refusal = openai_error(503, "too many connections", "ServiceUnavailableError")
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, proxy_headers=False
+            app,
+            http=front_protocol(g.header_timeout_s, g.max_client_connections, refusal),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            proxy_headers=False,
         )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours handle signals

@@ -57,6 +57,12 @@ class GatewaySettings(BaseSettings):
     #: The whole request body must arrive within this many seconds of the request's start, else 408: a client
     #: sending one byte at a time cannot hold a connection (and its buffer) open for ever.
     body_timeout_s: float = Field(default=30.0, gt=0)
+    #: A connection must send its request headers within this many seconds of opening (and each later request on
+    #: it within this many seconds of its first byte), else it is closed: slowloris sockets cannot pile up.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    #: Open client connections at once (idle keep-alive ones included); one more is answered 503 and closed at
+    #: once. Keep it below the process's open-file limit (`ulimit -n`), which also has the upstream pool's.
+    max_client_connections: int = Field(default=2048, ge=1)
 
     # --- upstream connection pool ---
     max_connections: int = Field(default=1024, ge=1)
