@@ -1,23 +1,41 @@
-"""`make chaos`: the whole loop on loopback, one fault at a time, measured.
+"""`make chaos`: the whole loop on loopback, in its production shape, one fault at a time, measured.
 
-Each service runs as its own process (`switchyard router|placement|migration|api`, the simulated fleet as
-`switchyard fleet`), with an embedded nats-server whose JetStream store survives its restart and a throwaway
-PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). This process sends the
-client load to the fleet's prefill engines (`sy.sim.submit.<id>`), probes `sy.route.decode` at a steady rate,
-watches every engine's telemetry, and runs one extra decoder (`ghost-d0`, a process of its own that the
-routing artifact names) to vanish and to be slow. With the gateway installed, it also runs `switchyard
-gateway` (on a free port) and two stub DP engines that answer HTTP (`http-e0`, `http-e1`), and sends a second
-client load as OpenAI completions through the gateway (which asks the router's `sy.route.dp` for each).
+Each service runs as its own process (`switchyard router|placement|migration|api|gateway`, the simulated fleet
+as `switchyard fleet`), with an embedded nats-server whose JetStream store survives its restart and a throwaway
+PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). The production shape:
+
+- per-role NATS users (`shared.nats_auth`: one per service role, `fleet` for the simulated fleet's engine ids,
+  `engine-<id>` for the ghost decoder, the HTTP stub engines and one attacker); each process gets a credentials
+  file holding only its own entry (`SWITCHYARD_NATS_CREDENTIALS`), this script connects as `admin`;
+- signed routing artifacts (`SWITCHYARD_ARTIFACT_KEY_FILE` for the fit step, the routers and the API; the
+  artifact is published under the `fit` user);
+- an engine manifest (`SWITCHYARD_ENGINE_MANIFEST`, every service) binding each engine the run starts to its
+  role, model, group, rank and (HTTP stubs) base URL; the attacker is not in it;
+- two replicas each of router, placement, migration and gateway (`--router-replicas`, `--replicas`).
+
+This process sends the client load to the fleet's prefill engines (`sy.sim.submit.<id>`), probes
+`sy.route.decode` at a steady rate, watches every engine's telemetry, and runs one extra decoder (`ghost-d0`,
+a process of its own that the routing artifact names) to vanish and to be slow. With the gateway installed,
+it sends a second client load as OpenAI completions round robin over the gateways (attempt by attempt), which
+ask the router's `sy.route.dp` for one of two stub DP engines that answer HTTP (`http-e0`, `http-e1`).
 Then, in turn:
 
-  router / placement / migration / api / gateway: SIGKILL and restart at once;
+  router / gateway: SIGKILL one of the replicas, restart it at once;
+  placement / migration: SIGKILL the replica holding the group leases, restart it at once;
+  api: SIGKILL, restart at once (its resume counts in the closing line's max resume);
   nats: stop the server and start it again on the same port and store;
   postgres: crash the cluster (`pg_ctl -m immediate`) and start it again;
   engine-vanish: SIGKILL the ghost decoder (no goodbye);
   slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit);
-  flood (only with --faults flood): payloads just under the server's 8 MiB limit on `sy.engine.*.hello` and
-  `.telemetry`, as fast as one client can send them, for the window; the note counts nats-server's slow
-  consumer cut-offs by connection name.
+  migration-active: wait for a running migration, SIGKILL the migration replica holding its group's lease and
+  leave it dead for the lease's TTL + half a window: the standby must finish the migration (stuck if not);
+  role-claim: with the attacker's credentials, hellos as role `dp`, then `prefill`, naming the base URL of an
+  HTTP server this script runs; every client request that reaches it is misrouted;
+  stream-flood: with the attacker's credentials, near-limit payloads on its own `sy.engine.attacker.expert_load`
+  (captured by the expert-load stream) for the window; the note gives the stream's size before and after and
+  whether the other engines' latest windows are still in it (an evicted one is lost);
+  flood (only with --faults flood): near-limit payloads on the attacker's hello and telemetry subjects, as fast
+  as one client can send them; the note counts nats-server's slow consumer cut-offs by connection name.
 
 Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
 answered 200 within 20 s of retries every 0.5 s), probes that failed,
@@ -27,7 +45,7 @@ had been silent longer than its staleness limit. The closing line:
 
   chaos: <faults> faults, lost <n>, duplicated <n>, stuck <n>, misrouted <n>, max resume <s> s
 
-    python bench/chaos.py                      # every fault, ~3-4 minutes
+    python bench/chaos.py                      # every fault, ~5-6 minutes
     python bench/chaos.py --faults router,nats --fault-s 8
 """
 
@@ -192,7 +210,6 @@ class Chaos:
         #: Replica id -> process name (placement and migration leases name the replica that holds them).
         self.replica_proc: dict[str, str] = {}
         self.gateway_urls: list[str] = []
-        self._gateway_turn = 0
         self.windows_by: dict[str, list[tuple[float, float]]] = {}  # placement replica -> (time, windows)
         self._attack: dict[str, object] = {}  # what the running attack fault needs in `_after`
 
@@ -615,6 +632,28 @@ class Chaos:
             return await self._after_stream_flood(attack)
         return "", {}
 
+    def _shape(self) -> str:
+        kinds = ("router", "placement", "migration", "gateway", "api")
+        replicas = Counter(name.split("-")[0] for name in self.procs if name.split("-")[0] in kinds)
+        listed = len(json.loads(self.manifest_file.read_text()))
+        return (
+            f"production shape: {len(self.credentials.users)} NATS users (one per role and engine; each process "
+            f"holds only its own), signed routing artifacts, an engine manifest of {listed} engines; replicas: "
+            + ", ".join(f"{kind} {n}" for kind, n in replicas.items())
+        )
+
+    def _violations(self) -> str:
+        """nats-server's permission violations over the whole run, by connection name and subject."""
+        found: Counter[str] = Counter()
+        for line in self._server_log_since(0):
+            if "Violation" in line:
+                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
+                subject = line.rsplit("Subject", 1)[-1].strip(' :"') if "Subject" in line else "?"
+                found[f"{name} on {subject}"] += 1
+        if not found:
+            return "nats-server permission violations: none"
+        return "nats-server permission violations: " + ", ".join(f"{k} ({n})" for k, n in found.most_common(8))
+
     def _server_log_size(self) -> int:
         path = self.nats.log_path
         return path.stat().st_size if path.exists() else 0
@@ -908,6 +947,8 @@ class Chaos:
         await asyncio.sleep(self.o.settle_s)
         audit = await self._audit()
         (self.root / "windows.json").write_text(json.dumps(self.windows_by))
+        self.notes.insert(0, self._shape())
+        self.notes.append(self._violations())
         self._score(results, audit)
         return results, audit
 
@@ -1065,12 +1106,13 @@ class Chaos:
         body = {"model": STUB_MODEL, "prompt": f"chaos request {i}", "max_tokens": 8}
         sent = time.time()
         first: bool | None = None
+        attempt = 0
         while True:
             at = time.time()
-            # Round robin over the gateways, attempt by attempt (a retry goes to the next one, as behind a
-            # load balancer or with a client that knows several).
-            url = self.gateway_urls[self._gateway_turn % len(self.gateway_urls)]
-            self._gateway_turn += 1
+            # Requests go round robin over the gateways; a retry goes to the next one (a client that knows them
+            # all, or a load balancer that takes a refusing one out).
+            url = self.gateway_urls[(i + attempt) % len(self.gateway_urls)]
+            attempt += 1
             try:
                 answer = await client.post(f"{url}/v1/completions", json=body)
                 ok = answer.status_code == 200
@@ -1159,11 +1201,20 @@ class Chaos:
             api = [(t, code) for t, code in self.api_probes if r.start <= t < r.end]
             r.api_failed = sum(code is None for _, code in api)
             r.api_500 = sum(code is not None and code >= 500 and code != 503 for _, code in api)
-            down = [t for t, code in api if code is None]
-            if down:  # the first answer after the last refused connection
-                after = [t for t, code in api if code is not None and t > down[-1]]
-                r.api_resume_s = (after[0] if after else r.end) - r.injected
-                r.resumed = r.resumed and bool(after)
+            if r.name == "api":  # its own restart, however long it takes (later windows included)
+                answered = [t for t, code in self.api_probes if t > r.injected and code is not None]
+                last = self.api_probes[-1][0] if self.api_probes else r.end
+                r.api_resume_s = (answered[0] if answered else last) - r.injected
+                r.resumed = r.resumed and bool(answered)
+                r.note += f"; the API answered again {r.api_resume_s:.2f} s after its SIGKILL"
+            else:  # an outage that began in this window (one carried over from an earlier fault is not its own)
+                up = [t for t, code in api if code is not None]
+                was_down = [code for t, code in self.api_probes if t < r.start][-1:] == [None]
+                down = [t for t, code in api if code is None and (not was_down or (up and t > up[0]))]
+                if down:  # the first answer after the last refused connection
+                    after = [t for t, code in api if code is not None and t > down[-1]]
+                    r.api_resume_s = (after[0] if after else r.end) - r.injected
+                    r.resumed = r.resumed and bool(after)
             gw = [(first, ok) for t, first, ok in self.gw_requests if r.start <= t < r.end]
             r.gw_sent, r.gw_failed = len(gw), sum(not first for first, _ in gw)
             r.gw_lost = sum(not ok for _, ok in gw)
@@ -1305,6 +1356,12 @@ def main(argv: list[str] | None = None) -> int:
         default=ChaosOptions.router_replicas,
         help="router replicas; the router fault kills one (1: routing waits for its restart)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=ChaosOptions.replicas,
+        help="replicas of placement, migration and the gateway (their faults kill one)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -1329,6 +1386,7 @@ def main(argv: list[str] | None = None) -> int:
         database=args.database,
         workdir=args.workdir,
         router_replicas=max(args.router_replicas, 1),
+        replicas=max(args.replicas, 1),
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)
