@@ -534,12 +534,20 @@ class Chaos:
                         holders[key.removeprefix(f"{kind}.")] = entry.value.decode()
         return holders
 
-    async def _active(self, kind: str) -> tuple[str, str]:
-        """The replica of `kind` ("placement", "migration") holding the most group leases: (process, why)."""
-        holders = await self._lease_holders(kind)
-        counts = Counter(self.replica_proc[owner] for owner in holders.values() if owner in self.replica_proc)
+    async def _active(self, kind: str, wait_s: float = 6.0) -> tuple[str, str]:
+        """The replica of `kind` ("placement", "migration") holding the most group leases: (process, why).
+
+        A migration replica holds a group's lease while it migrates the group, so this waits (up to `wait_s`)
+        for one to be held."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holders = await self._lease_holders(kind)
+            counts = Counter(self.replica_proc[owner] for owner in holders.values() if owner in self.replica_proc)
+            if counts or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         if not counts:
-            return kind, "no lease held, the first replica"
+            return kind, f"no {kind} lease held for {wait_s:.0f} s, the first replica"
         name, n = counts.most_common(1)[0]
         return name, f"{name}, holding {n} of {len(holders)} group leases"
 
@@ -801,6 +809,8 @@ class Chaos:
         await asyncio.sleep(half)
         into["as_dp"] = len(stub.received)  # type: ignore[attr-defined]
         stub.config.role = "prefill"  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):  # at once, not at its next hello
+            await stub.bus.publish(stub.bus.subjects.hello(ATTACKER), stub.hello())  # type: ignore[attr-defined]
         await asyncio.sleep(max(half - 3.5, 0.5))
         stub.saying_hello = False  # type: ignore[attr-defined]  # it keeps serving what the gateways still send
 
@@ -922,6 +932,8 @@ class Chaos:
         up = await self._wait_routing()
         log.info("loop up: routing answered %.1f s after the services started", up)
         await asyncio.sleep(5.0)  # telemetry, first windows
+        if not (await self._active("placement", wait_s=30.0))[1].startswith("no "):  # placement has planned
+            log.info("loop planning: a placement replica holds group leases")
         results = []
         for fault in self._enabled():
             start = time.time()
@@ -1223,7 +1235,10 @@ class Chaos:
             if down:
                 after = [t for t, ok in attempts if ok and t > down[-1]]
                 r.gw_resume_s = (after[0] if after else r.end) - r.injected
-                r.resumed = r.resumed and bool(after)
+                # With several gateways the failed attempts are the killed one's (until it is back); clients
+                # were served again once their retry reached another: resumed unless a request was lost.
+                failover = len(self.gateway_urls) > 1 and r.gw_lost == 0
+                r.resumed = r.resumed and (bool(after) or failover)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
