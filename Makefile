@@ -47,8 +47,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_sim.py
 	$(BIN)/python bench/bench_gateway.py --requests 200 --duration 3
 
-## chaos: the whole loop as processes, each fault in turn (SIGKILLs, NATS and PostgreSQL restarts, a vanished
-## and a slow engine), measured; a few minutes (docs/reliability.md)
+## chaos: the whole loop as processes in its production shape (per-role NATS users, signed artifacts, an engine
+## manifest, two replicas of router/placement/migration/gateway), each fault in turn (SIGKILLs, NATS and
+## PostgreSQL restarts, a vanished and a slow engine, an active migration replica killed mid-migration, an
+## engine claiming another role, a stream flood), measured; ~6 minutes (docs/reliability.md)
 chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py $(ARGS)
 

@@ -1,23 +1,41 @@
-"""`make chaos`: the whole loop on loopback, one fault at a time, measured.
+"""`make chaos`: the whole loop on loopback, in its production shape, one fault at a time, measured.
 
-Each service runs as its own process (`switchyard router|placement|migration|api`, the simulated fleet as
-`switchyard fleet`), with an embedded nats-server whose JetStream store survives its restart and a throwaway
-PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). This process sends the
-client load to the fleet's prefill engines (`sy.sim.submit.<id>`), probes `sy.route.decode` at a steady rate,
-watches every engine's telemetry, and runs one extra decoder (`ghost-d0`, a process of its own that the
-routing artifact names) to vanish and to be slow. With the gateway installed, it also runs `switchyard
-gateway` (on a free port) and two stub DP engines that answer HTTP (`http-e0`, `http-e1`), and sends a second
-client load as OpenAI completions through the gateway (which asks the router's `sy.route.dp` for each).
+Each service runs as its own process (`switchyard router|placement|migration|api|gateway`, the simulated fleet
+as `switchyard fleet`), with an embedded nats-server whose JetStream store survives its restart and a throwaway
+PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). The production shape:
+
+- per-role NATS users (`shared.nats_auth`: one per service role, `fleet` for the simulated fleet's engine ids,
+  `engine-<id>` for the ghost decoder, the HTTP stub engines and one attacker); each process gets a credentials
+  file holding only its own entry (`SWITCHYARD_NATS_CREDENTIALS`), this script connects as `admin`;
+- signed routing artifacts (`SWITCHYARD_ARTIFACT_KEY_FILE` for the fit step, the routers and the API; the
+  artifact is published under the `fit` user);
+- an engine manifest (`SWITCHYARD_ENGINE_MANIFEST`, every service) binding each engine the run starts to its
+  role, model, group, rank and (HTTP stubs) base URL; the attacker is not in it;
+- two replicas each of router, placement, migration and gateway (`--router-replicas`, `--replicas`).
+
+This process sends the client load to the fleet's prefill engines (`sy.sim.submit.<id>`), probes
+`sy.route.decode` at a steady rate, watches every engine's telemetry, and runs one extra decoder (`ghost-d0`,
+a process of its own that the routing artifact names) to vanish and to be slow. With the gateway installed,
+it sends a second client load as OpenAI completions round robin over the gateways (attempt by attempt), which
+ask the router's `sy.route.dp` for one of two stub DP engines that answer HTTP (`http-e0`, `http-e1`).
 Then, in turn:
 
-  router / placement / migration / api / gateway: SIGKILL and restart at once;
+  router / gateway: SIGKILL one of the replicas, restart it at once;
+  placement / migration: SIGKILL the replica holding the group leases, restart it at once;
+  api: SIGKILL, restart at once (its resume counts in the closing line's max resume);
   nats: stop the server and start it again on the same port and store;
   postgres: crash the cluster (`pg_ctl -m immediate`) and start it again;
   engine-vanish: SIGKILL the ghost decoder (no goodbye);
   slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit);
-  flood (only with --faults flood): payloads just under the server's 8 MiB limit on `sy.engine.*.hello` and
-  `.telemetry`, as fast as one client can send them, for the window; the note counts nats-server's slow
-  consumer cut-offs by connection name.
+  migration-active: wait for a running migration, SIGKILL the migration replica holding its group's lease and
+  leave it dead for the lease's TTL + half a window: the standby must finish the migration (stuck if not);
+  role-claim: with the attacker's credentials, hellos as role `dp`, then `prefill`, naming the base URL of an
+  HTTP server this script runs; every client request that reaches it is misrouted;
+  stream-flood: with the attacker's credentials, near-limit payloads on its own `sy.engine.attacker.expert_load`
+  (captured by the expert-load stream) for the window; the note gives the stream's size before and after and
+  whether the other engines' latest windows are still in it (an evicted one is lost);
+  flood (only with --faults flood): near-limit payloads on the attacker's hello and telemetry subjects, as fast
+  as one client can send them; the note counts nats-server's slow consumer cut-offs by connection name.
 
 Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
 answered 200 within 20 s of retries every 0.5 s), probes that failed,
@@ -27,7 +45,7 @@ had been silent longer than its staleness limit. The closing line:
 
   chaos: <faults> faults, lost <n>, duplicated <n>, stuck <n>, misrouted <n>, max resume <s> s
 
-    python bench/chaos.py                      # every fault, ~3-4 minutes
+    python bench/chaos.py                      # every fault, ~5-6 minutes
     python bench/chaos.py --faults router,nats --fault-s 8
 """
 
@@ -62,13 +80,25 @@ from chaos_infra import (
 log = logging.getLogger("chaos")
 
 SERVICE_FAULTS = ("router", "placement", "migration", "api")
-FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine")
+#: Issue 29: the production shape's own faults (an active migration replica killed mid-migration, an engine
+#: credential claiming another role, one engine flooding its own expert-load subject into the stream).
+ATTACK_FAULTS = ("migration-active", "role-claim", "stream-flood")
+FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine", *ATTACK_FAULTS)
 #: Faults run only when asked for (`--faults flood`): issue 15 finding 3, near-limit payloads on the engines'
 #: wildcard subjects.
 EXTRA_FAULTS = ("flood",)
 GHOST = "ghost-d0"
+GHOST_MODEL = "deepseek-v2-lite"
 #: Stub engines (services/gateway/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
 HTTP_ENGINES = ("http-e0", "http-e1")
+STUB_MODEL = "stub-model"
+#: An engine with valid credentials of its own (`engine-attacker`) and no place in the engine manifest: it claims
+#: roles (`role-claim`) and floods its expert-load subject (`stream-flood`, `flood`).
+ATTACKER = "attacker"
+#: The migration lease's TTL (the services' default): a standby takes a lapsed group over after at most this.
+MIGRATION_LEASE_TTL_S = 10.0
+#: The stream flood stops after this many bytes even if its window is not over (the store is on this disk).
+STREAM_FLOOD_CAP_BYTES = 2 << 30
 STALE_AFTER_S = 1.0
 #: A probe reply naming an engine silent for longer than this is misrouted (staleness limit + one telemetry
 #: interval + scheduling slack: the router and this process see the same telemetry a few ms apart).
@@ -95,6 +125,9 @@ class ChaosOptions:
     #: Router replicas (one queue group); the `router` fault SIGKILLs the first. With one, routing is down until
     #: the new process has started, which on a loaded machine is mostly the interpreter waiting for CPU.
     router_replicas: int = 2
+    #: Replicas of placement, migration and the gateway (the production shape: two of each); their faults kill
+    #: one (placement and migration: the replica holding the group leases; the gateway: the first).
+    replicas: int = 2
 
 
 @dataclass
@@ -128,6 +161,9 @@ class FaultResult:
     gw_failed: int = 0  # ... whose first attempt failed (then retried every 0.5 s)
     gw_lost: int = 0  # ... that never succeeded within `retry_after_s`
     gw_resume_s: float = 0.0  # seconds until the gateway answered again after its last failed attempt
+    hijacked: int = 0  # requests that reached the attacker's server (role-claim): counted as misrouted
+    extra_lost: int = 0  # the fault's own losses (stream-flood: other engines' windows evicted from the stream)
+    extra_stuck: int = 0  # the fault's own (migration-active: the killed replica's migration not finished)
     placements: int = 0
     migrations: int = 0
     lost_rows: int = 0
@@ -161,7 +197,6 @@ class Chaos:
         #: engine id -> the `ts` of each of its telemetry messages (same host, same clock); judged after the run,
         #: so a message that reached this process late (its connection was reconnecting) still counts.
         self.telemetry: dict[str, list[float]] = {}
-        self.windows: list[tuple[float, float]] = []  # (time, placement's windows counter) samples
         #: When this process's own NATS connection was down: telemetry it missed then cannot judge a probe.
         self.blind: list[tuple[float, float]] = []
         self.api_probes: list[tuple[float, int | None]] = []  # (time, HTTP status or None)
@@ -172,17 +207,74 @@ class Chaos:
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        #: Replica id -> process name (placement and migration leases name the replica that holds them).
+        self.replica_proc: dict[str, str] = {}
+        self.gateway_urls: list[str] = []
+        self.windows_by: dict[str, list[tuple[float, float]]] = {}  # placement replica -> (time, windows)
+        self._attack: dict[str, object] = {}  # what the running attack fault needs in `_after`
 
     # ----- infrastructure -----
+
+    def _secure(self, root: Path) -> str:
+        """The production shape's secrets: one NATS user per role (each process gets a credentials file holding
+        only its own entry), the artifact signing key and the engine manifest. Returns the server's
+        `authorization` block."""
+        import secrets
+
+        from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
+        from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+        from switchyard.shared.subjects import Subjects
+
+        self.config = LiveFleetConfig(prefill=self.o.prefill, decode=self.o.decode, speed=self.o.speed)
+        self.fleet_ids = [*self.config.prefill_ids(), *self.config.decode_ids()]
+        engines = [GHOST, *HTTP_ENGINES, ATTACKER]
+        credentials = Credentials.generate([*SERVICE_ROLES, "fleet", *(engine_user(e) for e in engines)])
+        self.credentials = credentials
+        self.creds_dir = root / "credentials"
+        for role, entry in credentials.users.items():
+            Credentials({role: entry}).save(self.creds_dir / f"{role}.json")
+        self.key_file = root / "artifact.key"
+        self.key_file.touch(mode=0o600)
+        self.key_file.write_text(secrets.token_hex(32) + "\n")
+        self.stub_ports = {engine_id: free_port() for engine_id in HTTP_ENGINES}
+        self.manifest_file = root / "engines.json"  # written once the fleet's model is known (_publish_artifact)
+        return render_authorization(Subjects("sy"), credentials, fleet_engines=self.fleet_ids)
+
+    def _write_manifest(self, model: str) -> None:
+        """Every engine the run starts, bound to its role, group, rank, model and (for HTTP engines) base URL.
+        The attacker is not listed: its credentials are valid, its place in the fleet is not."""
+        manifest: dict[str, dict[str, object]] = {}
+        for role, ids in (("prefill", self.config.prefill_ids()), ("decode", self.config.decode_ids())):
+            for engine_id in ids:
+                manifest[engine_id] = {"role": role, "model": model, "ep_group": engine_id, "dp_rank": 0}
+        manifest[GHOST] = {"role": "decode", "model": GHOST_MODEL, "ep_group": GHOST, "dp_rank": 0}
+        for engine_id, port in self.stub_ports.items():
+            manifest[engine_id] = {
+                "role": "dp",
+                "base_url": f"http://127.0.0.1:{port}",
+                "model": STUB_MODEL,
+                "ep_group": engine_id,
+                "dp_rank": 0,
+            }
+        self.manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
+
+    def role_settings(self, role: str) -> object:
+        from switchyard.shared.settings import SwitchyardSettings
+
+        return SwitchyardSettings(
+            nats_servers=[self.nats_url],
+            database_url=self.database_url,
+            nats_credentials=self.creds_dir / f"{role}.json",
+            artifact_key_file=self.key_file,
+        )
 
     async def _start_infra(self, root: Path) -> None:
         from switchyard.shared.bus import Bus
         from switchyard.shared.db.engine import upgrade
         from switchyard.shared.embedded import EmbeddedNats
-        from switchyard.shared.settings import SwitchyardSettings
 
         self.root = root
-        self.nats = EmbeddedNats(root / "nats")
+        self.nats = EmbeddedNats(root / "nats", extra_config=self._secure(root))
         self.nats_url = await asyncio.to_thread(self.nats.start)
         self.pg: ThrowawayPostgres | None = None
         bin_dir = find_postgres_bin() if self.o.database in ("auto", "postgres") else None
@@ -197,42 +289,59 @@ class Chaos:
             self.database_url = f"sqlite:///{root / 'switchyard.db'}"
             self.notes.append("no PostgreSQL binaries found: SQLite instead, the postgres fault is skipped")
         await asyncio.to_thread(upgrade, self.database_url)
-        self.settings = SwitchyardSettings(nats_servers=[self.nats_url], database_url=self.database_url)
-        self.bus = await Bus.connect(self.settings, name="chaos")
+        # This process is the operator and the observer: it sets the streams up and watches everything as admin.
+        self.settings = self.role_settings("admin")
+        self.bus = await Bus.connect(self.settings, name="chaos", role="admin")
         # The script's own telemetry watch (a wildcard) on a connection of its own, as the services have: a
         # flood there must not cut off the connection that sends the probes and the load.
-        self.watch_bus = await Bus.connect(self.settings, name="chaos-watch")
+        self.watch_bus = await Bus.connect(self.settings, name="chaos-watch", role="admin")
         await self.bus.ensure_streams()
         await self.bus.ensure_kv(self.bus.subjects.router_bucket)
 
     async def _publish_artifact(self) -> None:
         from switchyard import data as shipped
-        from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
+        from switchyard.engine_agents.sim.live.engines import LiveFleet
         from switchyard.engine_agents.sim.offline.scenario import prepare
         from switchyard.services.artifacts import publish_artifact
+        from switchyard.shared.bus import Bus
         from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
-        self.config = LiveFleetConfig(prefill=self.o.prefill, decode=self.o.decode, speed=self.o.speed)
         self.trace = self.settings.trace(shipped.ESFT)
         self.scenario = await asyncio.to_thread(prepare, self.trace, gpu=self.config.gpu, seed=self.o.seed)
+        self._write_manifest(self.scenario.model.name)
         decoders = [*self.config.decode_ids(), GHOST]
         calibration = self.scenario.counts.subset(self.scenario.calib)
         artifact, report = await asyncio.to_thread(
             fit_routing_artifact, calibration, len(decoders), FitOptions(seed=self.o.seed), decoder_ids=decoders
         )
-        await publish_artifact(
-            artifact, report, out=self.root / "artifact.msgpack", database_url=self.database_url, bus=self.bus
-        )
+        # The fit job: its own NATS user (the only one that may write the artifact) and the signing key.
+        fit = self.role_settings("fit")
+        fit_bus = await Bus.connect(fit, name="switchyard-fit", role="fit")
+        try:
+            await publish_artifact(
+                artifact,
+                report,
+                out=self.root / "artifact.msgpack",
+                database_url=self.database_url,
+                bus=fit_bus,
+                key=fit.artifact_key(),
+            )
+        finally:
+            await fit_bus.close()
         self.max_tokens = LiveFleet(self.scenario, self.config).max_tokens
         fleet = LiveFleet(self.scenario, self.config)
         self.signatures = fleet.signatures
 
     def _processes(self) -> None:
+        from switchyard.shared.nats_auth import engine_user
+
         env = service_env(
             {
                 "SWITCHYARD_DATABASE_URL": self.database_url,
                 "SWITCHYARD_NATS_SERVERS": self.nats_url,
                 "SWITCHYARD_LOG_LEVEL": "INFO",
+                "SWITCHYARD_ARTIFACT_KEY_FILE": str(self.key_file),
+                "SWITCHYARD_ENGINE_MANIFEST": str(self.manifest_file),
                 # a loop that does something within a few minutes: plan often, publish any gain
                 "SWITCHYARD_PLACEMENT_PERIOD_S": "6",
                 "SWITCHYARD_PLACEMENT_MIN_INTERVAL_S": "3",
@@ -240,52 +349,57 @@ class Chaos:
                 "SWITCHYARD_PLACEMENT_INFLIGHT_TIMEOUT_S": "60",
                 "SWITCHYARD_MIGRATION_STEP_TIMEOUT_S": "5",
                 "SWITCHYARD_MIGRATION_RETRY_BACKOFF_S": "0.2",
+                "SWITCHYARD_MIGRATION_LEASE_TTL_S": str(MIGRATION_LEASE_TTL_S),
                 "SWITCHYARD_ROUTER_STALE_AFTER_S": str(STALE_AFTER_S),
             }
         )
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
         api_port = free_port()
-        self.placement_metrics = free_port()
-        env = {**env, "SWITCHYARD_PLACEMENT_METRICS_PORT": str(self.placement_metrics)}
         self.api_url = f"http://127.0.0.1:{api_port}"
-        commands = {
-            "router": cli("router"),
-            "placement": cli("placement"),
-            "migration": cli("migration"),
-            "api": cli("api", "--port", str(api_port)),
-            "fleet": cli(
-                "fleet",
-                "--prefill",
-                str(self.o.prefill),
-                "--decode",
-                str(self.o.decode),
-                "--speed",
-                str(self.o.speed),
-                "--seed",
-                str(self.o.seed),
-            ),
-        }
-        for replica in range(2, self.o.router_replicas + 1):  # spares the `router` fault leaves running
-            commands[f"router-{replica}"] = cli("router")
-        gateway_port = free_port()
-        self.gateway_url = f"http://127.0.0.1:{gateway_port}"
+        #: process name -> (argv, role, extra environment)
+        commands: dict[str, tuple[list[str], str, dict[str, str]]] = {}
+        for replica in range(1, self.o.router_replicas + 1):  # the `router` fault kills the first
+            commands["router" if replica == 1 else f"router-{replica}"] = (cli("router"), "router", {})
+        self.placement_metrics: dict[str, int] = {}
+        for kind in ("placement", "migration"):
+            for replica in range(1, self.o.replicas + 1):
+                name = kind if replica == 1 else f"{kind}-{replica}"
+                replica_id = f"chaos-{kind}-{replica}"
+                self.replica_proc[replica_id] = name
+                extra = {f"SWITCHYARD_{kind.upper()}_REPLICA_ID": replica_id}
+                if kind == "placement":
+                    self.placement_metrics[name] = free_port()
+                    extra["SWITCHYARD_PLACEMENT_METRICS_PORT"] = str(self.placement_metrics[name])
+                commands[name] = (cli(kind), kind, extra)
+        commands["api"] = (cli("api", "--port", str(api_port)), "api", {})
+        fleet_args = ("--prefill", str(self.o.prefill), "--decode", str(self.o.decode), "--speed", str(self.o.speed))
+        commands["fleet"] = (cli("fleet", *fleet_args, "--seed", str(self.o.seed)), "fleet", {})
+        gateway_ports: dict[str, int] = {}
         if gateway_available():
-            commands["gateway"] = cli("gateway", "--port", str(gateway_port))
+            for replica in range(1, self.o.replicas + 1):  # the load goes round robin over them
+                name = "gateway" if replica == 1 else f"gateway-{replica}"
+                gateway_ports[name] = free_port()
+                extra = {"SWITCHYARD_GATEWAY_GATEWAY_ID": f"chaos-{name}"}
+                commands[name] = (cli("gateway", "--port", str(gateway_ports[name])), "gateway", extra)
             for engine_id in HTTP_ENGINES:  # DP engines that answer HTTP: what the gateway's load reaches
-                commands[engine_id] = [
+                argv = [
                     sys.executable,
                     "-m",
                     "switchyard.services.gateway.stub",
                     *("--engine-id", engine_id, "--nats-url", self.nats_url, "--tokens", "8"),
-                    *("--token-interval-s", "0.01"),
+                    *("--token-interval-s", "0.01", "--port", str(self.stub_ports[engine_id])),
                 ]
-        for name, argv in commands.items():
-            self.procs[name] = ServiceProcess(name, argv, env, logs / f"{name}.log")
+                commands[engine_id] = (argv, engine_user(engine_id), {})
+        self.gateway_urls = [f"http://127.0.0.1:{port}" for port in gateway_ports.values()]
+        commands[GHOST] = (self._ghost_argv(late_s=None), engine_user(GHOST), {})
+        for name, (argv, role, extra) in commands.items():
+            role_env = {**env, "SWITCHYARD_NATS_CREDENTIALS": str(self.creds_dir / f"{role}.json"), **extra}
+            log_name = "ghost" if name == GHOST else name
+            self.procs[name] = ServiceProcess(name, argv, role_env, logs / f"{log_name}.log")
         self.procs["api"].ready_port = api_port
-        if "gateway" in self.procs:
-            self.procs["gateway"].ready_port = gateway_port
-        self.procs[GHOST] = ServiceProcess(GHOST, self._ghost_argv(late_s=None), env, logs / "ghost.log")
+        for name, port in gateway_ports.items():
+            self.procs[name].ready_port = port
 
     def _ghost_argv(self, late_s: float | None) -> list[str]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--engine", GHOST, "--nats-url", self.nats_url]
@@ -404,9 +518,73 @@ class Chaos:
         await asyncio.to_thread(proc.kill)
         proc.start()  # not waited for: the probes measure when it answers again
 
+    async def _lease_holders(self, kind: str) -> dict[str, str]:
+        """Group -> the replica id holding `kind`'s lease of it, as the leases bucket says now."""
+        holders: dict[str, str] = {}
+        try:
+            kv = await self.bus.js.key_value(self.bus.subjects.lease_bucket)
+            keys = await kv.keys()
+        except Exception:  # no bucket or no key yet
+            return holders
+        for key in keys:
+            if key.startswith(f"{kind}."):
+                with contextlib.suppress(Exception):
+                    entry = await kv.get(key)
+                    if entry.value:
+                        holders[key.removeprefix(f"{kind}.")] = entry.value.decode()
+        return holders
+
+    async def _active(self, kind: str, wait_s: float = 6.0) -> tuple[str, str]:
+        """The replica of `kind` ("placement", "migration") holding the most group leases: (process, why).
+
+        A migration replica holds a group's lease while it migrates the group, so this waits (up to `wait_s`)
+        for one to be held."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holders = await self._lease_holders(kind)
+            counts = Counter(self.replica_proc[owner] for owner in holders.values() if owner in self.replica_proc)
+            if counts or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        if not counts:
+            return kind, f"no {kind} lease held for {wait_s:.0f} s, the first replica"
+        name, n = counts.most_common(1)[0]
+        return name, f"{name}, holding {n} of {len(holders)} group leases"
+
+    async def _raw(self, role: str, name: str) -> object:
+        """A plain nats-py connection as `role` (what a holder of those credentials would use)."""
+        import nats
+
+        from switchyard.shared.nats_auth import inbox_prefix
+
+        async def ignore(_exc: Exception) -> None:
+            pass
+
+        creds = self.credentials.users[role]
+        return await nats.connect(
+            self.nats_url,
+            name=name,
+            user=creds["user"],
+            password=creds["password"],
+            inbox_prefix=inbox_prefix(creds["user"]),
+            max_reconnect_attempts=-1,
+            error_cb=ignore,
+        )
+
     async def _inject(self, fault: str) -> str:
-        if fault in (*SERVICE_FAULTS, "gateway"):
-            await self._restart(fault)
+        if fault == "router":
+            await self._restart("router")
+            spares = self.o.router_replicas - 1
+            return f"SIGKILL of one router ({spares} more replica(s) running), restarted at once"
+        if fault in ("placement", "migration"):
+            name, why = await self._active(fault)
+            await self._restart(name)
+            return f"SIGKILL of the active replica ({why}), restarted at once"
+        if fault == "gateway":
+            await self._restart("gateway")
+            return f"SIGKILL of gateway 1 of {len(self.gateway_urls)} (the load goes round robin), restarted at once"
+        if fault == "api":
+            await self._restart("api")
             return "SIGKILL, restarted at once"
         if fault == "nats":
             await asyncio.to_thread(self.nats.stop)
@@ -420,8 +598,15 @@ class Chaos:
             await asyncio.to_thread(self.pg.start)
             return "crashed (immediate), down 2 s, restarted"
         if fault == "flood":
-            self._flooding = asyncio.create_task(self._flood(max(self.o.fault_s - 3.0, 1.0)))
-            return f"payloads of {self.bus.max_payload - 512} bytes on engine hello and telemetry subjects"
+            self._attack["log_offset"] = self._server_log_size()
+            self._attack["flood"] = asyncio.create_task(self._flood(max(self.o.fault_s - 3.0, 1.0)))
+            return f"payloads of {self.bus.max_payload - 512} bytes on engine-{ATTACKER}'s hello and telemetry"
+        if fault == "migration-active":
+            return await self._kill_active_migration()
+        if fault == "role-claim":
+            return await self._claim_roles()
+        if fault == "stream-flood":
+            return await self._start_stream_flood()
         ghost = self.procs[GHOST]
         if fault == "engine-vanish":
             await asyncio.to_thread(ghost.kill)
@@ -432,59 +617,284 @@ class Chaos:
             return "ghost decoder back, telemetry every 1.5 s (limit 1 s)"
         raise ValueError(f"unknown fault {fault!r}")
 
-    async def _after(self, fault: str) -> str:
-        """Undo the fault; returns what to add to its note."""
+    async def _after(self, fault: str) -> tuple[str, dict[str, int]]:
+        """Undo the fault; returns what to add to its note, and the fault's own counts (FaultResult fields)."""
+        attack, self._attack = self._attack, {}
         if fault == "slow-engine":
             await asyncio.to_thread(self.procs[GHOST].kill)
         if fault == "flood":
             started = time.time()
-            sent, cut_off = await self._flooding
+            sent = await attack["flood"]  # type: ignore[misc]
+            cut_off = self._cut_offs(attack["log_offset"])  # type: ignore[arg-type]
             who = ", ".join(f"{name} {n}" for name, n in cut_off.most_common()) or "none"
             note = f"; {sent} flood messages; slow-consumer cut-offs: {who}"
             if cut_off["chaos-watch"]:  # this script missed telemetry the router saw: it cannot judge misrouting
                 self.blind.append((started - self.o.fault_s, time.time()))
                 note += "; this script's telemetry watch was cut off too"
-            return note
-        return ""
+            return note, {}
+        if fault == "migration-active":
+            return await self._after_migration_kill(attack)
+        if fault == "role-claim":
+            return await self._after_role_claim(attack)
+        if fault == "stream-flood":
+            return await self._after_stream_flood(attack)
+        return "", {}
 
-    async def _flood(self, seconds: float) -> tuple[int, Counter[str]]:
-        """Send near-limit garbage on engine wildcard subjects for `seconds`; (messages sent, the server's
-        slow-consumer cut-offs meanwhile by client connection name)."""
-        import nats
+    def _shape(self) -> str:
+        kinds = ("router", "placement", "migration", "gateway", "api")
+        replicas = Counter(name.split("-")[0] for name in self.procs if name.split("-")[0] in kinds)
+        listed = len(json.loads(self.manifest_file.read_text()))
+        return (
+            f"production shape: {len(self.credentials.users)} NATS users (one per role and engine; each process "
+            f"holds only its own), signed routing artifacts, an engine manifest of {listed} engines; replicas: "
+            + ", ".join(f"{kind} {n}" for kind, n in replicas.items())
+        )
 
-        log_path = self.nats.log_path
-        offset = log_path.stat().st_size if log_path.exists() else 0
-        nc = await nats.connect(self.nats_url, name="chaos-flood", max_reconnect_attempts=-1)
+    def _violations(self) -> str:
+        """nats-server's permission violations over the whole run, by connection name and subject."""
+        found: Counter[str] = Counter()
+        for line in self._server_log_since(0):
+            if "Violation" in line:
+                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
+                subject = line.rsplit("Subject", 1)[-1].strip(' :"') if "Subject" in line else "?"
+                found[f"{name} on {subject}"] += 1
+        if not found:
+            return "nats-server permission violations: none"
+        return "nats-server permission violations: " + ", ".join(f"{k} ({n})" for k, n in found.most_common(8))
+
+    def _server_log_size(self) -> int:
+        path = self.nats.log_path
+        return path.stat().st_size if path.exists() else 0
+
+    def _server_log_since(self, offset: int) -> list[str]:
+        with self.nats.log_path.open("rb") as server_log:
+            server_log.seek(offset)
+            return server_log.read().decode(errors="replace").splitlines()
+
+    def _cut_offs(self, offset: int) -> Counter[str]:
+        """nats-server's slow-consumer cut-offs since `offset` of its log, by client connection name."""
+        cut_off: Counter[str] = Counter()
+        for line in self._server_log_since(offset):
+            if "Slow Consumer" in line:
+                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
+                cut_off[name] += 1
+        return cut_off
+
+    async def _flood(self, seconds: float) -> int:
+        """Near-limit garbage on the attacker's own hello and telemetry (the wildcard subjects every service
+        ingests; its credentials allow nothing else) for `seconds`; returns the messages sent."""
+        from switchyard.shared.nats_auth import engine_user
+
+        nc = await self._raw(engine_user(ATTACKER), "chaos-flood")
         payload = bytes(self.bus.max_payload - 512)  # not msgpack: refused by size before anything is read
         s = self.bus.subjects
-        subjects = [subject(f"flood-{i}") for i in range(4) for subject in (s.hello, s.telemetry)]
+        subjects = [s.hello(ATTACKER), s.telemetry(ATTACKER)]
         sent = 0
         deadline = time.monotonic() + seconds
         try:
             while time.monotonic() < deadline:
-                await nc.publish(subjects[sent % len(subjects)], payload)
+                await nc.publish(subjects[sent % len(subjects)], payload)  # type: ignore[attr-defined]
                 sent += 1
                 if sent % 4 == 0:  # keep the client's own buffer bounded: the server takes what it can
                     with contextlib.suppress(Exception):
-                        await nc.flush(timeout=5)
+                        await nc.flush(timeout=5)  # type: ignore[attr-defined]
         finally:
             with contextlib.suppress(Exception):
-                await nc.close()
-        with log_path.open("rb") as server_log:
-            server_log.seek(offset)
-            lines = server_log.read().decode(errors="replace").splitlines()
-        cut_off: Counter[str] = Counter()
-        for line in lines:
-            if "Slow Consumer" in line:
-                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
-                cut_off[name] += 1
-        return sent, cut_off
+                await nc.close()  # type: ignore[attr-defined]
+        return sent
+
+    # migration-active: the replica holding a running migration's group lease is SIGKILLed; the standby must
+    # take the group over (after the lease's TTL at most) and finish the migration.
+
+    async def _kill_active_migration(self) -> str:
+        from sqlalchemy import select
+
+        from switchyard.shared.db import Migration, create_async_db
+
+        engine, sessions = create_async_db(self.database_url)
+        self._attack["db"] = engine
+        deadline = time.time() + max(self.o.fault_s, 15.0)  # placement plans every 6 s: one comes
+        while time.time() < deadline:
+            rows: list[tuple[int, str, str]] = []
+            with contextlib.suppress(Exception):
+                async with sessions() as session:
+                    query = (
+                        select(Migration.id, Migration.engine_group, Migration.state)
+                        .where(Migration.state.in_(("pending", "running")))
+                        .order_by(Migration.id.desc())
+                    )
+                    rows = [tuple(row) for row in (await session.execute(query)).all()]  # type: ignore[misc]
+            holders = await self._lease_holders("migration") if rows else {}
+            for migration_id, group, state in rows:
+                name = self.replica_proc.get(holders.get(group, ""))
+                if name is None or not self.procs[name].alive():
+                    continue
+                await asyncio.to_thread(self.procs[name].kill)
+                killed = time.time()
+                self._attack.update(migration=migration_id, group=group, killed=name, at=killed)
+                # The window lasts until the lease has lapsed and the standby has had time to finish.
+                self._attack["until"] = killed + MIGRATION_LEASE_TTL_S + self.o.fault_s / 2
+                self._attack["watch"] = asyncio.create_task(self._watch_migration(migration_id, sessions, self._attack))
+                return (
+                    f"SIGKILL of {name} (holding group {group}'s lease) while migration {migration_id} was {state}; "
+                    "not restarted in the window"
+                )
+            await asyncio.sleep(0.1)
+        return "no migration ran in the window: nothing killed"
+
+    async def _watch_migration(self, migration_id: int, sessions: object, into: dict[str, object]) -> None:
+        """Record in `into` when the migration reaches a final state (polled every 0.25 s)."""
+        from sqlalchemy import select
+
+        from switchyard.shared.db import Migration
+
+        while True:
+            with contextlib.suppress(Exception):
+                async with sessions() as session:  # type: ignore[operator]
+                    state = await session.scalar(select(Migration.state).where(Migration.id == migration_id))
+                into["state"] = state
+                if state in FINAL:
+                    into["finished"] = time.time()
+                    return
+            await asyncio.sleep(0.25)
+
+    async def _after_migration_kill(self, attack: dict[str, object]) -> tuple[str, dict[str, int]]:
+        watch = attack.get("watch")
+        if isinstance(watch, asyncio.Task):
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        counts: dict[str, int] = {}
+        note = ""
+        if "killed" in attack:
+            killed_at = float(attack["at"])  # type: ignore[arg-type]
+            if "finished" in attack:
+                took = float(attack["finished"]) - killed_at  # type: ignore[arg-type]
+                note = f"; migration {attack['migration']} {attack['state']} {took:.1f} s after the kill"
+            else:
+                waited = time.time() - killed_at
+                note = (
+                    f"; migration {attack['migration']} still {attack.get('state', '?')} {waited:.1f} s after the kill "
+                    f"(lease TTL {MIGRATION_LEASE_TTL_S:.0f} s): the standby did not finish it (stuck)"
+                )
+                counts["extra_stuck"] = 1
+            self.procs[str(attack["killed"])].start()  # back to two replicas for what follows
+            note += f"; {attack['killed']} restarted after the window"
+        engine = attack.get("db")
+        if engine is not None:
+            await engine.dispose()  # type: ignore[attr-defined]
+        return note, counts
+
+    # role-claim: the attacker's credentials (a valid engine user, not in the manifest) announce it as a DP engine,
+    # then as a prefill engine, with the base URL of an HTTP server this process runs.
+
+    async def _claim_roles(self) -> str:
+        from switchyard.services.gateway.stub import StubConfig, StubEngine
+        from switchyard.shared.bus import Bus
+        from switchyard.shared.nats_auth import engine_user
+
+        role = engine_user(ATTACKER)
+        bus = await Bus.connect(self.role_settings(role), name=ATTACKER, role=role)
+        config = StubConfig(engine_id=ATTACKER, role="dp", model=STUB_MODEL, tokens=8, token_interval_s=0.01)
+        stub = StubEngine(config, bus)
+        await stub.start(0)
+        self._attack.update(stub=stub, bus=bus)
+        self._attack["flip"] = asyncio.create_task(self._flip_role(stub, self._attack))
+        return (
+            f"engine-{ATTACKER} (valid credentials, not in the manifest) says hello as role dp with base_url "
+            f"{stub.base_url} (this process's server), then as prefill"
+        )
+
+    async def _flip_role(self, stub: object, into: dict[str, object]) -> None:
+        half = max((self.o.fault_s - 1.0) / 2, 1.0)
+        await asyncio.sleep(half)
+        into["as_dp"] = len(stub.received)  # type: ignore[attr-defined]
+        stub.config.role = "prefill"  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):  # at once, not at its next hello
+            await stub.bus.publish(stub.bus.subjects.hello(ATTACKER), stub.hello())  # type: ignore[attr-defined]
+        await asyncio.sleep(max(half - 3.5, 0.5))
+        stub.saying_hello = False  # type: ignore[attr-defined]  # it keeps serving what the gateways still send
+
+    async def _after_role_claim(self, attack: dict[str, object]) -> tuple[str, dict[str, int]]:
+        flip, stub, bus = attack["flip"], attack["stub"], attack["bus"]
+        flip.cancel()  # type: ignore[attr-defined]
+        await asyncio.gather(flip, return_exceptions=True)  # type: ignore[arg-type]
+        await stub.stop()  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            await bus.close()  # type: ignore[attr-defined]
+        hits = len(stub.received)  # type: ignore[attr-defined]
+        as_dp = int(attack.get("as_dp", hits))  # type: ignore[call-overload]
+        note = (
+            f"; {hits} client requests reached the attacker's server ({as_dp} while it claimed dp, "
+            f"{hits - as_dp} after it claimed prefill): counted as misrouted"
+        )
+        return note, {"hijacked": hits}
+
+    # stream-flood: the attacker's credentials flood its own expert-load subject (captured by the stream).
+
+    async def _start_stream_flood(self) -> str:
+        s = self.bus.subjects
+        stream = s.expert_load_stream
+        before = await self.bus.js.stream_info(stream)
+        latest: dict[str, int] = {}
+        for engine_id in [*self.fleet_ids, GHOST]:
+            with contextlib.suppress(Exception):
+                latest[engine_id] = (await self.bus.js.get_last_msg(stream, s.expert_load(engine_id))).seq
+        self._attack.update(before=before.state, latest=latest, log_offset=self._server_log_size())
+        self._attack["flood"] = asyncio.create_task(self._stream_flood(max(self.o.fault_s - 3.0, 1.0)))
+        size = self.bus.max_payload - 512
+        return f"engine-{ATTACKER}'s credentials: {size}-byte payloads on its own {s.expert_load(ATTACKER)}"
+
+    async def _stream_flood(self, seconds: float) -> tuple[int, int]:
+        """(messages, bytes) sent on the attacker's expert-load subject for `seconds` (or up to the cap)."""
+        from switchyard.shared.nats_auth import engine_user
+
+        nc = await self._raw(engine_user(ATTACKER), "chaos-stream-flood")
+        payload = bytes(self.bus.max_payload - 512)
+        subject = self.bus.subjects.expert_load(ATTACKER)
+        sent = 0
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline and sent * len(payload) < STREAM_FLOOD_CAP_BYTES:
+                await nc.publish(subject, payload)  # type: ignore[attr-defined]
+                sent += 1
+                if sent % 2 == 0:
+                    with contextlib.suppress(Exception):
+                        await nc.flush(timeout=5)  # type: ignore[attr-defined]
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+        return sent, sent * len(payload)
+
+    async def _after_stream_flood(self, attack: dict[str, object]) -> tuple[str, dict[str, int]]:
+        sent, sent_bytes = await attack["flood"]  # type: ignore[misc]
+        s = self.bus.subjects
+        stream = s.expert_load_stream
+        before = attack["before"]
+        after = (await self.bus.js.stream_info(stream)).state
+        latest: dict[str, int] = attack["latest"]  # type: ignore[assignment]
+        evicted = []
+        for engine_id, seq in latest.items():
+            try:
+                await self.bus.js.get_msg(stream, seq)
+            except Exception:  # the window it had before the flood is gone: was anything newer kept?
+                evicted.append(engine_id)
+        cut_off = self._cut_offs(attack["log_offset"])  # type: ignore[arg-type]
+        who = ", ".join(f"{name} {n}" for name, n in cut_off.most_common()) or "none"
+        mib = 1 << 20
+        note = (
+            f"; {sent} messages ({sent_bytes / mib:.0f} MiB) sent; {stream}: {before.bytes / mib:.1f} MiB, "  # type: ignore[attr-defined]
+            f"{before.messages} msgs before, {after.bytes / mib:.1f} MiB, {after.messages} msgs after; "  # type: ignore[attr-defined]
+            f"other engines' latest windows kept: {len(latest) - len(evicted)} of {len(latest)}"
+            + (f" (evicted: {', '.join(evicted)}; counted as lost)" if evicted else "")
+            + f"; slow-consumer cut-offs: {who}"
+        )
+        return note, {"extra_lost": len(evicted)}
 
     def _enabled(self) -> list[str]:
         enabled = []
         for fault in self.o.faults:
-            if fault == "gateway" and "gateway" not in self.procs:
-                self.notes.append("gateway fault skipped: switchyard.services.gateway is not installed")
+            if fault in ("gateway", "role-claim") and "gateway" not in self.procs:
+                self.notes.append(f"{fault} fault skipped: switchyard.services.gateway is not installed")
             elif fault == "postgres" and self.pg is None:
                 continue
             else:
@@ -514,14 +924,16 @@ class Chaos:
         self._tasks = [
             asyncio.create_task(self._probes()),
             asyncio.create_task(self._load()),
-            asyncio.create_task(self._sample_windows(self.placement_metrics)),
+            *(asyncio.create_task(self._sample_windows(n, port)) for n, port in self.placement_metrics.items()),
             asyncio.create_task(self._probe_api()),
-            *([asyncio.create_task(self._gateway_load())] if "gateway" in self.procs else []),
+            *([asyncio.create_task(self._gateway_load())] if self.gateway_urls else []),
         ]
         retry = asyncio.create_task(self._retry())
         up = await self._wait_routing()
         log.info("loop up: routing answered %.1f s after the services started", up)
         await asyncio.sleep(5.0)  # telemetry, first windows
+        if not (await self._active("placement", wait_s=30.0))[1].startswith("no "):  # placement has planned
+            log.info("loop planning: a placement replica holds group leases")
         results = []
         for fault in self._enabled():
             start = time.time()
@@ -529,19 +941,26 @@ class Chaos:
             injected = time.time()
             note = await self._inject(fault)
             log.info("fault %s: %s", fault, note)
-            await asyncio.sleep(max(start + self.o.fault_s - time.time(), 0.0))
-            note += await self._after(fault)
-            results.append(FaultResult(fault, start, injected, time.time(), note))
+            until = max(start + self.o.fault_s, float(self._attack.get("until", 0.0)))  # type: ignore[arg-type]
+            await asyncio.sleep(max(until - time.time(), 0.0))
+            more, counts = await self._after(fault)
+            result = FaultResult(fault, start, injected, time.time(), note + more)
+            for attr, value in counts.items():
+                setattr(result, attr, value)
+            results.append(result)
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._drain(self.o.retry_after_s + 30.0)
         retry.cancel()
         # Quiesce before comparing live layouts with the database: no new plans, in-flight migrations finish.
-        await asyncio.to_thread(self.procs["placement"].stop)
+        for name in self.placement_metrics:
+            await asyncio.to_thread(self.procs[name].stop)
         await self._wait_migrations(self.o.stuck_after_s)
         await asyncio.sleep(self.o.settle_s)
         audit = await self._audit()
-        (self.root / "windows.json").write_text(json.dumps(self.windows))
+        (self.root / "windows.json").write_text(json.dumps(self.windows_by))
+        self.notes.insert(0, self._shape())
+        self.notes.append(self._violations())
         self._score(results, audit)
         return results, audit
 
@@ -572,6 +991,13 @@ class Chaos:
         self._stop.set()
         for task in self._tasks:
             task.cancel()
+        attack, self._attack = self._attack, {}
+        for value in attack.values():  # a fault interrupted by an error: its tasks, the attacker's server
+            if isinstance(value, asyncio.Task):
+                value.cancel()
+        if "stub" in attack:
+            with contextlib.suppress(Exception):
+                await attack["stub"].stop()  # type: ignore[attr-defined]
         for name, proc in reversed(list(self.procs.items())):
             code = await asyncio.to_thread(proc.stop)
             if code not in (0, None, -9) and name != GHOST:
@@ -644,7 +1070,10 @@ class Chaos:
         return audit
 
     def _misrouted(self, p: Probe) -> bool:
-        """Routed to an engine that had sent no telemetry for longer than the staleness limit (+ slack)."""
+        """Routed to the attacker (no engine of the fleet), or to an engine that had sent no telemetry for longer
+        than the staleness limit (+ slack)."""
+        if p.ok and p.engine == ATTACKER:
+            return True
         if not p.ok or self._blind(p.answered):
             return False
         stamps = self.telemetry.get(p.engine, [])
@@ -655,9 +1084,13 @@ class Chaos:
         return any(down <= t <= up + MISROUTE_AFTER_S + 1.0 for down, up in self.blind)
 
     def _windows_stalled(self, r: FaultResult) -> bool:
-        """No expert-load window folded by placement in the last third of the fault's window."""
-        tail = [v for t, v in self.windows if r.end - (r.end - r.injected) / 3 <= t <= r.end]
-        return len(tail) >= 2 and tail[-1] == tail[0]
+        """No expert-load window folded by any placement replica in the last third of the fault's window."""
+        tails = [
+            [v for t, v in samples if r.end - (r.end - r.injected) / 3 <= t <= r.end]
+            for samples in self.windows_by.values()
+        ]
+        tails = [tail for tail in tails if len(tail) >= 2]
+        return bool(tails) and all(tail[-1] == tail[0] for tail in tails)
 
     async def _probe_api(self) -> None:
         """The history API as a dashboard uses it: a page of placements every 0.25 s."""
@@ -682,13 +1115,18 @@ class Chaos:
         import httpx
 
         assert isinstance(client, httpx.AsyncClient)
-        body = {"model": "stub-model", "prompt": f"chaos request {i}", "max_tokens": 8}
+        body = {"model": STUB_MODEL, "prompt": f"chaos request {i}", "max_tokens": 8}
         sent = time.time()
         first: bool | None = None
+        attempt = 0
         while True:
             at = time.time()
+            # Requests go round robin over the gateways; a retry goes to the next one (a client that knows them
+            # all, or a load balancer that takes a refusing one out).
+            url = self.gateway_urls[(i + attempt) % len(self.gateway_urls)]
+            attempt += 1
             try:
-                answer = await client.post("/v1/completions", json=body)
+                answer = await client.post(f"{url}/v1/completions", json=body)
                 ok = answer.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -700,12 +1138,12 @@ class Chaos:
             await asyncio.sleep(0.5)
 
     async def _gateway_load(self) -> None:
-        """Client requests through the gateway (HTTP, to the stub DP engines), at `gateway_rate` per second."""
+        """Client requests through the gateways (HTTP, to the stub DP engines), at `gateway_rate` per second."""
         import httpx
 
         rng = np.random.default_rng(self.o.seed + 3)
         pending: set[asyncio.Task[None]] = set()
-        async with httpx.AsyncClient(base_url=self.gateway_url, timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0) as client:
             i = 0
             while not self._stop.is_set():
                 task = asyncio.create_task(self._gateway_request(client, i))
@@ -716,7 +1154,7 @@ class Chaos:
             if pending:
                 await asyncio.wait(pending)
 
-    async def _sample_windows(self, port: int) -> None:
+    async def _sample_windows(self, name: str, port: int) -> None:
         def scrape() -> float | None:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
@@ -731,7 +1169,7 @@ class Chaos:
         while not self._stop.is_set():
             value = await asyncio.to_thread(scrape)
             if value is not None:
-                self.windows.append((time.time(), value))
+                self.windows_by.setdefault(name, []).append((time.time(), value))
             await asyncio.sleep(0.5)
 
     def _router_startups(self) -> list[str]:
@@ -756,7 +1194,9 @@ class Chaos:
             in_window = [p for p in self.probes if r.start <= p.sent < r.end]
             r.probes = len(in_window)
             r.probe_failures = sum(not p.ok for p in in_window)
-            r.misrouted = sum(self._misrouted(p) for p in in_window)
+            r.misrouted = sum(self._misrouted(p) for p in in_window) + r.hijacked
+            r.stuck += r.extra_stuck
+            r.lost_rows += r.extra_lost
             unjudged = sum(p.ok and self._blind(p.answered) for p in in_window)
             if unjudged:
                 r.note += f"; {unjudged} probes not judged for misrouting (this process was reconnecting)"
@@ -773,11 +1213,20 @@ class Chaos:
             api = [(t, code) for t, code in self.api_probes if r.start <= t < r.end]
             r.api_failed = sum(code is None for _, code in api)
             r.api_500 = sum(code is not None and code >= 500 and code != 503 for _, code in api)
-            down = [t for t, code in api if code is None]
-            if down:  # the first answer after the last refused connection
-                after = [t for t, code in api if code is not None and t > down[-1]]
-                r.api_resume_s = (after[0] if after else r.end) - r.injected
-                r.resumed = r.resumed and bool(after)
+            if r.name == "api":  # its own restart, however long it takes (later windows included)
+                answered = [t for t, code in self.api_probes if t > r.injected and code is not None]
+                last = self.api_probes[-1][0] if self.api_probes else r.end
+                r.api_resume_s = (answered[0] if answered else last) - r.injected
+                r.resumed = r.resumed and bool(answered)
+                r.note += f"; the API answered again {r.api_resume_s:.2f} s after its SIGKILL"
+            else:  # an outage that began in this window (one carried over from an earlier fault is not its own)
+                up = [t for t, code in api if code is not None]
+                was_down = [code for t, code in self.api_probes if t < r.start][-1:] == [None]
+                down = [t for t, code in api if code is None and (not was_down or (up and t > up[0]))]
+                if down:  # the first answer after the last refused connection
+                    after = [t for t, code in api if code is not None and t > down[-1]]
+                    r.api_resume_s = (after[0] if after else r.end) - r.injected
+                    r.resumed = r.resumed and bool(after)
             gw = [(first, ok) for t, first, ok in self.gw_requests if r.start <= t < r.end]
             r.gw_sent, r.gw_failed = len(gw), sum(not first for first, _ in gw)
             r.gw_lost = sum(not ok for _, ok in gw)
@@ -786,7 +1235,10 @@ class Chaos:
             if down:
                 after = [t for t, ok in attempts if ok and t > down[-1]]
                 r.gw_resume_s = (after[0] if after else r.end) - r.injected
-                r.resumed = r.resumed and bool(after)
+                # With several gateways the failed attempts are the killed one's (until it is back); clients
+                # were served again once their retry reached another: resumed unless a request was lost.
+                failover = len(self.gateway_urls) > 1 and r.gw_lost == 0
+                r.resumed = r.resumed and (bool(after) or failover)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
@@ -819,7 +1271,8 @@ def totals(results: list[FaultResult], audit: Audit) -> dict[str, float]:
         "duplicated": sum(r.duplicated for r in results),
         "stuck": sum(r.stuck for r in results),
         "misrouted": sum(r.misrouted for r in results),
-        "max_resume_s": max((r.resume_s for r in results), default=0.0),
+        # Routing's resume and the API's (the first answer after it stopped answering, from the fault).
+        "max_resume_s": max((max(r.resume_s, r.api_resume_s) for r in results), default=0.0),
     }
 
 
@@ -833,7 +1286,7 @@ def closing_line(results: list[FaultResult], audit: Audit) -> str:
 
 def table(results: list[FaultResult]) -> str:
     head = (
-        f"{'fault':<14}{'requests':>9}{'retried':>8}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}"
+        f"{'fault':<17}{'requests':>9}{'retried':>8}{'lost':>6}{'probes':>8}{'failed':>8}{'resume s':>10}"
         f"{'misrouted':>11}{'api resume s':>13}{'api 5xx':>8}"
         f"{'gw req':>7}{'gw fail':>8}{'gw lost':>8}{'gw resume s':>12}"
         f"{'plans':>7}{'migr.':>7}{'rows lost':>10}{'dup':>5}{'stuck':>7}"
@@ -841,7 +1294,7 @@ def table(results: list[FaultResult]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.name:<14}{r.sent:>9}{r.retried:>8}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
+            f"{r.name:<17}{r.sent:>9}{r.retried:>8}{r.lost:>6}{r.probes:>8}{r.probe_failures:>8}{r.resume_s:>10.2f}"
             f"{r.misrouted:>11}{r.api_resume_s:>13.2f}{r.api_500:>8}"
             f"{r.gw_sent:>7}{r.gw_failed:>8}{r.gw_lost:>8}{r.gw_resume_s:>12.2f}"
             f"{r.placements:>7}{r.migrations:>7}{r.lost_rows:>10}{r.duplicated:>5}{r.stuck:>7}"
@@ -856,15 +1309,16 @@ def table(results: list[FaultResult]) -> str:
 async def run_ghost(nats_url: str, engine_id: str, late_s: float | None) -> None:
     from switchyard.engine_agents.core import EngineAgent
     from switchyard.shared.bus import Bus
+    from switchyard.shared.nats_auth import engine_user
     from switchyard.shared.schemas import Capacity, Hello, ModelShape
     from switchyard.shared.settings import SwitchyardSettings
 
-    settings = SwitchyardSettings(nats_servers=[nats_url])
-    bus = await Bus.connect(settings, name=engine_id)
+    settings = SwitchyardSettings(nats_servers=[nats_url])  # credentials: SWITCHYARD_NATS_CREDENTIALS
+    bus = await Bus.connect(settings, name=engine_id, role=engine_user(engine_id))
     hello = Hello(
         engine_id=engine_id,
         role="decode",
-        model=ModelShape(name="deepseek-v2-lite", num_layers=26, num_experts=64, top_k=6),
+        model=ModelShape(name=GHOST_MODEL, num_layers=26, num_experts=64, top_k=6),
         ep_group=engine_id,
         gpus=[f"{engine_id}-gpu0", f"{engine_id}-gpu1"],
         capacity=Capacity(max_running=256, kv_blocks=4096, block_size=16),
@@ -917,6 +1371,12 @@ def main(argv: list[str] | None = None) -> int:
         default=ChaosOptions.router_replicas,
         help="router replicas; the router fault kills one (1: routing waits for its restart)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=ChaosOptions.replicas,
+        help="replicas of placement, migration and the gateway (their faults kill one)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -941,6 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
         database=args.database,
         workdir=args.workdir,
         router_replicas=max(args.router_replicas, 1),
+        replicas=max(args.replicas, 1),
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)

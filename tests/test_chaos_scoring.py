@@ -1,0 +1,58 @@
+"""How `make chaos` scores what it saw (no processes: the harness's records filled in by hand).
+
+The closing line keeps its form; the API's resume counts in `max resume` and is measured to its first answer
+however long its restart takes, without later windows claiming the rest of its outage; requests that reached
+the attacker's server (role-claim) and probes answered with the attacker are misrouted; a fault's own stuck
+and lost counts (migration-active, stream-flood) reach the totals.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/ holds scripts, not a package
+from chaos import ATTACKER, Audit, Chaos, ChaosOptions, FaultResult, Probe, closing_line, totals
+
+
+def _chaos(tmp_path: Path) -> Chaos:
+    chaos = Chaos(ChaosOptions(workdir=tmp_path))
+    chaos.root = tmp_path  # no router log: no restart to describe
+    return chaos
+
+
+def test_the_apis_resume_runs_past_its_window_and_counts_in_max_resume(tmp_path: Path) -> None:
+    chaos = _chaos(tmp_path)
+    t0 = 1000.0
+    api = FaultResult("api", t0, t0 + 1, t0 + 12)
+    gateway = FaultResult("gateway", t0 + 12, t0 + 13, t0 + 24)
+    # Up, killed at t0 + 1, refused until t0 + 16.5 (into the gateway's window), then up again.
+    chaos.api_probes = [(t0 + 0.25 * i, None if t0 + 1 < t0 + 0.25 * i < t0 + 16.5 else 200) for i in range(96)]
+    chaos.probes = [Probe(t0 + 0.05 * i, True, "sim-d0", t0 + 0.05 * i) for i in range(480)]
+    chaos.telemetry = {"sim-d0": [t0 + 0.1 * i for i in range(250)]}
+    chaos._score([api, gateway], Audit())
+    assert abs(api.api_resume_s - 15.5) < 0.3, api  # from the kill to the first answer, past the window
+    assert gateway.api_resume_s == 0.0, gateway  # the API's own outage, carried over, is not the gateway's
+    assert totals([api, gateway], Audit())["max_resume_s"] == api.api_resume_s
+    line = closing_line([api, gateway], Audit())
+    assert re.fullmatch(r"chaos: 2 faults, lost 0, duplicated 0, stuck 0, misrouted 0, max resume \d+\.\d s", line), (
+        line
+    )
+
+
+def test_attacks_count_as_misrouted_stuck_and_lost(tmp_path: Path) -> None:
+    chaos = _chaos(tmp_path)
+    t0 = 2000.0
+    claim = FaultResult("role-claim", t0, t0 + 1, t0 + 12, hijacked=5)
+    killed = FaultResult("migration-active", t0 + 12, t0 + 13, t0 + 40, extra_stuck=1)
+    flood = FaultResult("stream-flood", t0 + 40, t0 + 41, t0 + 52, extra_lost=2)
+    # One probe answered with the attacker (it sends telemetry, so staleness alone would not catch it).
+    chaos.probes = [Probe(t0 + 2, True, ATTACKER, t0 + 2.01), Probe(t0 + 3, True, "sim-d0", t0 + 3.01)]
+    chaos.telemetry = {ATTACKER: [t0 + 2.0], "sim-d0": [t0 + 3.0]}
+    results = [claim, killed, flood]
+    chaos._score(results, Audit())
+    assert (claim.misrouted, killed.stuck, flood.lost_rows) == (6, 1, 2)
+    assert closing_line(results, Audit()) == (
+        "chaos: 3 faults, lost 2, duplicated 0, stuck 1, misrouted 6, max resume 0.0 s"
+    )
