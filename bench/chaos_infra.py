@@ -64,6 +64,13 @@ class ThrowawayPostgres:
             info = pwd.getpwnam(self._user)
             os.chown(self.root, info.pw_uid, info.pw_gid)
             self.root.chmod(0o755)
+            # The cluster's user must reach its folder: a temporary directory above it is 0700 (ours). Let it
+            # pass through (execute only, no listing: the credentials beside it stay unreadable, 0600).
+            for parent in self.root.resolve().parents:
+                mode = parent.stat().st_mode
+                if mode & 0o001 or parent.stat().st_uid != os.geteuid():
+                    break
+                parent.chmod(mode | 0o011)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
 
     def start(self) -> None:
