@@ -198,6 +198,9 @@ def test_the_graph_sees_the_package() -> None:
     assert "switchyard.shared.bus" in GRAPH["switchyard.services.placement.service"]
     assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert _component("switchyard.services.cli") == _component("switchyard.services.up") == "entry points"
+    assert {"switchyard.services.cli.options", "switchyard.services.cli.fitting"} <= set(MODULES)
+    assert _component("switchyard.services.cli.fitting") == "entry points"  # the whole CLI package
+    assert _component("switchyard.services.cli_errors") == "services"  # a prefix is a package, not a string
     assert _component("switchyard.services.placement.service") == "services"
     assert _component("switchyard.infra.alembic.env") == "alembic"
     assert set(RANK) == set(COMPONENT_OF_PREFIX.values())
