@@ -9,7 +9,8 @@ from setuptools import find_namespace_packages, setup
 
 ROOTS = ("shared", "services", "solver", "engine_agents", "infra", "data")
 
-# Data folders (infra/alembic, data/routing, …) count as packages too, so their files are package data.
+# Data folders (shared/db/migrations, infra/nats, data/routing, …) count as packages too, so their files are package
+# data.
 packages = [
     f"switchyard.{pkg}"
     for root in ROOTS

@@ -1,1 +1,2 @@
-"""Deployment material: Alembic migrations (`alembic/`), NATS and PostgreSQL configuration, manifests."""
+"""Deployment material: NATS and PostgreSQL configuration, manifests. Files only: no module of the package imports
+from here (the schema migrations live beside the models, in `switchyard.shared.db`'s `migrations/`)."""

@@ -2,10 +2,10 @@
 
 Layers (lowest first; a module may import its own component and any lower rank, nothing else):
 
-    0  data, infra              shipped files: traces, Alembic migrations, NATS and database configuration
-    1  shared                   wire schemas, codec, bus, settings, database models, routing-trace files
+    0  data, infra              shipped files: traces, NATS and database configuration
+    1  shared                   wire schemas, codec, bus, settings, database models and their Alembic migrations
+                                (shared/db/migrations), routing-trace files
     2  solver                   pure numerics over arrays (no file, wire or database I/O)
-    2  infra.alembic            the migration scripts Alembic runs over shared.db's models
     3  engine_agents, services  peers: neither imports the other
     4  services.cli, services.up   the entry points (`switchyard …`, `switchyard up`): they compose services
                                    and simulated engines, so they alone may import both
@@ -34,7 +34,6 @@ COMPONENT_OF_PREFIX = {
     "switchyard.infra": "infra",
     "switchyard.shared": "shared",
     "switchyard.solver": "solver",
-    "switchyard.infra.alembic": "alembic",
     "switchyard.engine_agents": "engine_agents",
     "switchyard.services": "services",
     "switchyard.services.cli": "entry points",
@@ -46,7 +45,6 @@ RANK = {
     "infra": 0,
     "shared": 1,
     "solver": 2,
-    "alembic": 2,
     "engine_agents": 3,
     "services": 3,
     "entry points": 4,
@@ -198,8 +196,12 @@ def test_the_graph_sees_the_package() -> None:
     assert "switchyard.shared.bus" in GRAPH["switchyard.services.placement.service"]
     assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert _component("switchyard.services.cli") == _component("switchyard.services.up") == "entry points"
+    assert {"switchyard.services.cli.options", "switchyard.services.cli.fitting"} <= set(MODULES)
+    assert _component("switchyard.services.cli.fitting") == "entry points"  # the whole CLI package
+    assert _component("switchyard.services.cli_errors") == "services"  # a prefix is a package, not a string
     assert _component("switchyard.services.placement.service") == "services"
-    assert _component("switchyard.infra.alembic.env") == "alembic"
+    assert _component("switchyard.shared.db.migrations.env") == "shared"  # the migrations sit beside the models
+    assert "switchyard.shared.db.models" in GRAPH["switchyard.shared.db.migrations.env"]
     assert set(RANK) == set(COMPONENT_OF_PREFIX.values())
 
 

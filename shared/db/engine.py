@@ -2,7 +2,9 @@
 
 Users give plain URLs (`postgresql://user@host/db`, `sqlite:///path`); Switchyard picks the drivers:
 psycopg 3 for PostgreSQL (sync and async), sqlite3/aiosqlite for SQLite. The schema is only ever created
-by Alembic (`upgrade`), never by `create_all`, so production and tests run the same DDL.
+by Alembic (`upgrade`), never by `create_all`, so production and tests run the same DDL. The migrations live
+beside the models they migrate, in `migrations/` (env.py, script.py.mako, versions/): package data of
+`switchyard.shared`, so nothing here reaches up to `infra` for them.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-import switchyard.infra as infra
 from switchyard.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
-ALEMBIC_DIR = Path(infra.__file__).resolve().parent / "alembic"
+#: The Alembic script folder: env.py, script.py.mako and the revisions in versions/.
+ALEMBIC_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 def _url(url: str | URL) -> URL:

@@ -1,4 +1,4 @@
-"""The history tables of DESIGN.md. Every change goes through an Alembic migration in `infra/alembic/`.
+"""The history tables of DESIGN.md. Every change goes through an Alembic migration in `shared/db/migrations/`.
 
 Placements are append-only (a rollback is a new placement whose source is `rollback`); a migration row and
 its move rows are the durable state machine the migration service resumes from after a restart.

@@ -1,4 +1,7 @@
-"""Alembic environment: runs migrations with the synchronous driver for the configured URL."""
+"""Alembic environment: runs migrations with the synchronous driver for the configured URL.
+
+`switchyard.shared.db.engine` points Alembic at this folder (`ALEMBIC_DIR`); new revisions go in `versions/`.
+"""
 
 from __future__ import annotations
 

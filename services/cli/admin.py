@@ -1,0 +1,90 @@
+"""The admin commands: the database schema (`db upgrade`, `db downgrade`) and the NATS server's configuration
+with one user per role (`nats-config`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from switchyard.services.cli.options import DatabaseUrl, load_settings, split_csv
+
+
+def db_upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
+    """Apply schema migrations up to REVISION (default head)."""
+    from switchyard.shared.db.engine import current_revision, upgrade
+
+    url = load_settings(database_url=database_url).resolved_database_url()
+    upgrade(url, revision)
+    typer.echo(f"schema at {current_revision(url)}")
+
+
+def db_downgrade(revision: str, database_url: DatabaseUrl = None) -> None:
+    """Revert schema migrations down to REVISION ('base' drops every table)."""
+    from switchyard.shared.db.engine import current_revision, downgrade
+
+    url = load_settings(database_url=database_url).resolved_database_url()
+    downgrade(url, revision)
+    typer.echo(f"schema at {current_revision(url)}")
+
+
+def nats_config(
+    out: Annotated[Path, typer.Option(help="Folder for nats-server.conf and credentials.json.")],
+    engines: Annotated[
+        str | None,
+        typer.Option(
+            help="Engines, comma-separated, as ID, ID:EP_GROUP:DP_RANK, ID:ROLE:URL or ID:ROLE:URL:EP_GROUP:DP_RANK "
+            "(ROLE: dp, prefill or decode; URL: its OpenAI base URL): one NATS user each; with any binding, also an "
+            "engines.json manifest that binds each engine to what it lists (SWITCHYARD_ENGINE_MANIFEST)."
+        ),
+    ] = None,
+    fleet_engines: Annotated[
+        str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
+    ] = None,
+    listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
+    monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
+    store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
+    tls_cert: Annotated[Path | None, typer.Option(help="Server TLS certificate (with --tls-key, --tls-ca).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server TLS key.")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
+) -> None:
+    """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
+    from switchyard.shared.engine_manifest import parse_engine_specs
+    from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+    from switchyard.shared.stream_limits import file_store_bytes
+
+    settings = load_settings()
+    try:
+        engine_ids, manifest = parse_engine_specs(engines or "")
+    except ValueError as exc:
+        raise typer.BadParameter(f"--engines: {exc}") from None
+    fleet_ids = split_csv(fleet_engines) or []
+    roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
+    tls = None
+    if tls_cert or tls_key or tls_ca:
+        if not (tls_cert and tls_key):
+            raise typer.BadParameter("--tls-cert and --tls-key go together")
+        tls = {"cert_file": str(tls_cert), "key_file": str(tls_key), **({"ca_file": str(tls_ca)} if tls_ca else {})}
+    credentials = Credentials.generate(roles)
+    config = render_server_config(
+        settings.subjects,
+        credentials,
+        fleet_engines=fleet_ids,
+        listen=listen,
+        monitor=monitor or None,
+        store_dir=store_dir,
+        max_payload=settings.max_payload_bytes,
+        max_file_store=file_store_bytes(settings),
+        tls=tls,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    conf_path = out / "nats-server.conf"
+    conf_path.touch(mode=0o600)
+    conf_path.write_text(config)
+    credentials.save(out / "credentials.json")
+    typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
+    if manifest is not None:
+        (out / "engines.json").write_text(manifest.to_json() + "\n")
+        typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for every service and the gateway")
+    typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")

@@ -1,0 +1,50 @@
+"""The options several commands share, declared once, and the settings they resolve to.
+
+`--nats-url`, `--database-url` and `--data-dir` mean the same in every command that takes them. `load_settings`
+lays them over the environment's settings (SWITCHYARD_*, which also name the NATS credentials file and the log
+level) and sets up logging; every command runs with what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from switchyard.shared.settings import SwitchyardSettings
+
+NatsUrl = Annotated[
+    str | None,
+    typer.Option("--nats-url", help="External NATS server(s), comma-separated; default: start an embedded one."),
+]
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option("--database-url", help="postgresql://... or sqlite:///path; default: SQLite under --data-dir."),
+]
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="State folder (default .switchyard).")]
+
+
+def load_settings(
+    nats_url: str | None = None, database_url: str | None = None, data_dir: Path | None = None
+) -> SwitchyardSettings:
+    """Environment settings, overridden by command-line options."""
+    from switchyard.shared.settings import SwitchyardSettings
+
+    overrides: dict[str, object] = {}
+    if nats_url:
+        overrides["nats_servers"] = nats_url
+    if database_url:
+        overrides["database_url"] = database_url
+    if data_dir:
+        overrides["data_dir"] = data_dir
+    settings = SwitchyardSettings(**overrides)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return settings
+
+
+def split_csv(value: str | None) -> list[str] | None:
+    """A comma-separated option as its non-empty items (None when not given)."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
