@@ -40,7 +40,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from switchyard.services.engine_layout import LayoutProbe, differs
 from switchyard.services.fleet_view import FleetView
-from switchyard.services.history import applied_placement, load_layout, set_status
+from switchyard.services.history import load_layout, set_status
+from switchyard.services.layout_now import GroupShape, layout_now, recorded
 from switchyard.services.migration.planner import plan_steps, rollback_steps
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus
@@ -49,7 +50,6 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import MOVE_COLUMNS, MigrateReply, MigrateRequest
 from switchyard.solver.placement import PlacementError
-from switchyard.solver.placement.layouts import current_layout, default_layout_like
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ class Executor:
                 return migration.state if migration else "failed"
             placement = await session.get(Placement, migration.placement_id)
             assert placement is not None  # enforced by the foreign key
-            current = await applied_placement(session, group)
+            record = await recorded(session, group)
+            current = record.applied
             if current is not None and placement.version <= current.version:
                 stale = f"stale plan: version {placement.version} <= applied version {current.version}"
                 return await self._finish(session, migration, "refused", "superseded", stale)
@@ -171,12 +172,8 @@ class Executor:
                 return await self._finish(session, migration, "failed", "failed", "placement has no stored layout")
             target = await load_layout(session, placement)
             try:
-                applied = await load_layout(session, current) if current is not None else None
-                recorded = applied if applied is not None else default_layout_like(target)
-                base, source = current_layout(
-                    reported.layout if reported is not None else None, applied, lambda: recorded
-                )
-                if reported is not None and source == "engines" and differs(base, recorded):
+                base, source, on_record = layout_now(reported, record, GroupShape.of(target))
+                if reported is not None and source == "engines" and differs(base, on_record):
                     log.warning(
                         "migration %d: group %s runs another layout than %s (engines report v%d); moving from theirs",
                         migration.id,

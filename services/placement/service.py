@@ -39,7 +39,6 @@ from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import (
     UNFINISHED_MIGRATION,
     add_placement,
-    applied_placement,
     calibrated_params,
     load_layout,
     moves_between,
@@ -48,6 +47,7 @@ from switchyard.services.history import (
     plan_message,
     publish_plan,
 )
+from switchyard.services.layout_now import GroupShape, layout_now, recorded
 from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.decide import Decision, Policy, decide
 from switchyard.services.placement.engine_registry import EngineRegistry
@@ -61,7 +61,6 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
-from switchyard.solver.placement.layouts import current_layout, default_layout
 
 log = logging.getLogger(__name__)
 
@@ -351,9 +350,9 @@ class PlacementService:
         async with self.sessions() as session:
             if await self._in_flight(session, group):
                 return None
-            applied = await applied_placement(session, group)
-            recorded = await load_layout(session, applied) if applied is not None else None
+            record = await recorded(session, group)
             params, calibration_id = await calibrated_params(session, group)
+        applied = record.applied
         topology = self.fleet.topology(group, list(applied.gpus) if applied is not None else None)
         if topology is None:
             log.info("group %s: no live engine has said hello; cannot place its experts", group)
@@ -366,12 +365,8 @@ class PlacementService:
         num_layers, num_experts = window.load.shape
         reported = await self.layouts.live_layout(group) if self.layouts is not None else None
         slots = -(-(num_experts + self.config.redundant_slots) // len(gpus))
-        current, current_from = current_layout(
-            reported.layout if reported is not None else None,
-            recorded,
-            lambda: default_layout(num_layers, num_experts, len(gpus), slots),
-            shape=(num_layers, len(gpus)),
-        )
+        shape = GroupShape(num_layers, num_experts, len(gpus), slots)
+        current, current_from, _ = layout_now(reported, record, shape)
         if current.shape[0] != num_layers or len(gpus) != current.shape[1]:
             log.warning(
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
