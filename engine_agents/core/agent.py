@@ -1,7 +1,8 @@
 """The control-plane duties of one engine, as every Switchyard engine agent performs them.
 
 An agent says hello on start, every `hello_interval_s`, and whenever a service asks on `sy.engine.announce`
-(a restarted router then knows the fleet within one telemetry interval); it publishes telemetry every
+(a restarted router then knows the fleet within one telemetry interval), at most once per
+`announce_min_interval_s` of its bus's settings however many ask (`core.announce`); it publishes telemetry every
 `telemetry_interval_s` with a per-engine sequence number that starts at 0 on every start, so consumers can
 tell lost messages from a restart. Given the engine's expert slots (`core.layout.ExpertSlots`) it also
 answers `sy.engine.<id>.layout` and `.migrate`, before its first hello, so a control plane that hears the
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 
+from switchyard.engine_agents.core.announce import AnnounceAnswerer
 from switchyard.engine_agents.core.layout import ExpertSlots, serve_expert_slots
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Announce, Hello, Telemetry
@@ -39,6 +41,7 @@ class EngineAgent:
         self.seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Subscription] = []
+        self.announces = AnnounceAnswerer(self.say_hello, bus.settings.announce_min_interval_s)
 
     @property
     def engine_id(self) -> str:
@@ -51,7 +54,7 @@ class EngineAgent:
 
     async def _on_announce(self, request: Announce, _msg: object) -> None:
         if request.engine_id in (None, self.engine_id):
-            await self.say_hello()
+            await self.announces.on_announce()
 
     async def _hello_loop(self) -> None:
         while True:
@@ -89,3 +92,4 @@ class EngineAgent:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         self._subscriptions = []
+        await self.announces.close()  # after unsubscribing: no announce can schedule another
