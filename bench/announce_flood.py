@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 import nats
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos_infra import ServiceProcess, cli, service_env
@@ -37,6 +38,10 @@ def slow_consumers(log: str) -> Counter[str]:
     return Counter(SLOW.findall(log)) + Counter(
         "?" for line in log.splitlines() if "Slow Consumer" in line and not SLOW.search(line)
     )
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{float(np.percentile(values, q)) * 1e3:.1f} ms" if values else "-"
 
 
 def cpu_s(process: ServiceProcess) -> float:
@@ -118,6 +123,7 @@ async def run(args: argparse.Namespace) -> int:
         flooder = await nats.connect(url, name="flood-readonly", error_cb=quiet, **user("readonly"))
         prober = await nats.connect(url, name="flood-probe", error_cb=quiet, **user("gateway"))
         answered = timed_out = 0
+        round_trips: list[float] = []
         flooding = True
 
         async def probe() -> None:
@@ -127,7 +133,9 @@ async def run(args: argparse.Namespace) -> int:
                 i += 1
                 request = encode(RouteDpRequest(request_id=f"probe-{i}", prompt_tokens=100))
                 try:
+                    sent = time.perf_counter()
                     await prober.request(subjects.route_dp, request, timeout=0.5)
+                    round_trips.append(time.perf_counter() - sent)
                     answered += 1
                 except Exception:
                     timed_out += 1
@@ -157,7 +165,8 @@ async def run(args: argparse.Namespace) -> int:
             f"announce flood: {args.announces} announces in {flood_s:.2f} s, answered for {answer_s:.1f} s; "
             f"hellos published {sum(hellos.values())} "
             f"({dict(sorted(hellos.items()))}); slow-consumer cut-offs {dict(cut) or 0}; "
-            f"route probes answered {answered}, timed out {timed_out}; CPU s during flood + settle {cpu}"
+            f"route probes answered {answered} (p50 {_ms(round_trips, 50)}, p99 {_ms(round_trips, 99)}), "
+            f"timed out {timed_out}; CPU s during flood + settle {cpu}"
         )
         print(f"logs: {root}")
         await flooder.close()
