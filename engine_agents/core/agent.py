@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 
-from switchyard.engine_agents.core.announce import AnnounceAnswerer
+from switchyard.engine_agents.core.announce import AnnounceAnswerer, listen, stop_listening
 from switchyard.engine_agents.core.layout import ExpertSlots, serve_expert_slots
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import Announce, Hello, Telemetry
+from switchyard.shared.schemas import Hello, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EngineAgent:
         self.seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Subscription] = []
-        self.announces = AnnounceAnswerer(self.say_hello, bus.settings.announce_min_interval_s)
+        self.announces = AnnounceAnswerer(self._answer_announce, bus.settings.announce_min_interval_s)
 
     @property
     def engine_id(self) -> str:
@@ -52,9 +52,8 @@ class EngineAgent:
             self.bus.subjects.hello(self.engine_id), self.hello.model_copy(update={"ts": time.time()})
         )
 
-    async def _on_announce(self, request: Announce, _msg: object) -> None:
-        if request.engine_id in (None, self.engine_id):
-            await self.announces.on_announce()
+    async def _answer_announce(self) -> None:
+        await self.say_hello()  # looked up at each call: a test harness may replace `say_hello` (bench/chaos.py)
 
     async def _hello_loop(self) -> None:
         while True:
@@ -78,7 +77,7 @@ class EngineAgent:
     async def start(self) -> None:
         if self.slots is not None:
             self._subscriptions += await serve_expert_slots(self.bus, self.engine_id, self.slots)
-        self._subscriptions.append(await self.bus.subscribe(self.bus.subjects.announce, Announce, self._on_announce))
+        await listen(self.bus, self.engine_id, self.announces.on_announce)  # one subscription per connection
         await self.say_hello()
         self._tasks = [asyncio.create_task(self._hello_loop()), asyncio.create_task(self._telemetry_loop())]
 
@@ -92,4 +91,5 @@ class EngineAgent:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         self._subscriptions = []
-        await self.announces.close()  # after unsubscribing: no announce can schedule another
+        await stop_listening(self.bus, self.engine_id)
+        await self.announces.close()  # after that: no announce can schedule another

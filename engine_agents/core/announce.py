@@ -1,14 +1,16 @@
 """How an engine answers `sy.engine.announce`: at a bounded rate, whoever asks and however often.
 
 Any credential that may publish an announce (the read-only one included) can ask every engine for a hello.
-Answered one for one, 100,000 announces made an 8-engine fleet publish ~730,000 hellos
+Answered one for one, 100,000 announces made an 8-engine fleet publish 800,000 hellos
 (`bench/announce_flood.py`), each carried to every service's engine ingest, and the server cut placement's
-off as a slow consumer. An engine therefore answers
-the first announce at once, then at most one hello per `min_interval_s`; announces that arrive during that
-hold-off are answered together by one trailing hello at its end, so a service that starts during a flood still
-hears every engine within `min_interval_s`. The rule is `AnnounceGate` (pure, clock passed in); every engine
-kind answers through `AnnounceAnswerer` (the agent core, the simulated engines and the vLLM agent through it,
-the gateway's stub engine, the router bench's engines).
+off as a slow consumer. An engine therefore answers the first announce at once, then at most one hello per
+`min_interval_s`; announces that arrive during that hold-off are answered together by one trailing hello at its
+end, so a service that starts during a flood still hears every engine within `min_interval_s`. The rule is
+`AnnounceGate` (pure, clock passed in); every engine kind answers through `AnnounceAnswerer` (the agent core,
+hence the simulated engines and the vLLM agent, the gateway's stub engine, the router bench's engines).
+
+Engine agents that share a connection (the simulated fleet runs all its engines on one) share one announce
+subscription (`listen`): the server then sends the process each announce once, not once per engine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Awaitable, Callable
+
+from nats.aio.subscription import Subscription
+
+from switchyard.shared.bus import Bus
+from switchyard.shared.schemas import Announce
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +98,44 @@ class AnnounceAnswerer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._trailing
             self._trailing = None
+
+
+class _Listeners:
+    """The engines on one connection that answer announces, behind one subscription."""
+
+    def __init__(self) -> None:
+        self.by_engine: dict[str, Callable[[], Awaitable[None]]] = {}
+        self.subscription: Subscription | None = None
+        self.lock = asyncio.Lock()
+
+    async def on_announce(self, request: Announce, _msg: object) -> None:
+        if request.engine_id is None:
+            for answer in list(self.by_engine.values()):
+                await answer()
+        elif (answer := self.by_engine.get(request.engine_id)) is not None:
+            await answer()
+
+
+_LISTENERS: weakref.WeakKeyDictionary[Bus, _Listeners] = weakref.WeakKeyDictionary()
+
+
+async def listen(bus: Bus, engine_id: str, answer: Callable[[], Awaitable[None]]) -> None:
+    """Call `answer` for each announce on `bus` that concerns `engine_id` (all, or those naming it)."""
+    listeners = _LISTENERS.setdefault(bus, _Listeners())
+    async with listeners.lock:
+        listeners.by_engine[engine_id] = answer
+        if listeners.subscription is None:
+            listeners.subscription = await bus.subscribe(bus.subjects.announce, Announce, listeners.on_announce)
+
+
+async def stop_listening(bus: Bus, engine_id: str) -> None:
+    """`engine_id` no longer answers announces on `bus`; the subscription goes with the last engine."""
+    listeners = _LISTENERS.get(bus)
+    if listeners is None:
+        return
+    async with listeners.lock:
+        listeners.by_engine.pop(engine_id, None)
+        if not listeners.by_engine and listeners.subscription is not None:
+            subscription, listeners.subscription = listeners.subscription, None
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
