@@ -241,3 +241,44 @@ async def test_placement_is_not_cut_off_by_an_announce_flood(fleet: Fleet, tmp_p
             placement.kill()
     assert cut == [], cut
     assert "reconnect" not in log.read_text(errors="replace").lower()
+
+
+async def test_engines_sharing_a_connection_take_each_announce_once(fleet: Fleet) -> None:
+    """Four engine agents on one connection (as the simulated fleet runs them): the server sends the process
+    each announce once, not once per engine (counted by the connection's received messages), yet an announce
+    for all reaches every engine and one naming an engine only that one."""
+    bus = await Bus.connect(fleet.settings(), name="engines", role="admin")
+    watch = await fleet.raw("admin", "watch")
+    heard: list[str] = []
+
+    async def count(msg) -> None:
+        heard.append(msg.subject.split(".")[2])
+
+    await watch.subscribe(fleet.subjects.all_hello, cb=count)
+    await watch.flush()
+    agents = [
+        EngineAgent(bus, hello(e, e, [f"{e}-gpu0"], role="decode").model_copy(update={"hello_interval_s": 60.0}), _idle)
+        for e in ENGINES[:4]
+    ]
+    try:
+        for agent in agents:
+            await agent.start()
+        await eventually(lambda: _true(len(heard) == 4), timeout=20)  # the start-up hellos
+        await asyncio.sleep(INTERVAL_S)  # the first announce below is answered at once
+        received = bus.nc.stats["in_msgs"]
+        await watch.publish(fleet.subjects.announce, encode(Announce(requester="test")))
+        await watch.publish(fleet.subjects.announce, encode(Announce(requester="test", engine_id=ENGINES[1])))
+        await watch.flush()
+        await eventually(lambda: _true(len(heard) >= 4 + 4 + 1), timeout=20)  # all four, then e1's trailing one
+        await asyncio.sleep(0.5)
+        assert sorted(heard[4:]) == sorted([*ENGINES[:4], ENGINES[1]]), heard
+        assert bus.nc.stats["in_msgs"] - received == 2  # was 8: one copy per engine's subscription
+    finally:
+        for agent in agents:
+            await agent.stop()
+        await bus.close()
+        await watch.close()
+
+
+def _idle() -> dict[str, float | int | bool]:
+    return dict(IDLE)
