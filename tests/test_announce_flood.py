@@ -145,7 +145,7 @@ async def _flood(nc: nats.NATS, subject: str, count: int, batches: int, every_s:
 
 
 async def test_an_announce_flood_costs_each_engine_about_one_hello_per_interval(fleet: Fleet) -> None:
-    """5,000 announces from the read-only credential over ~4 s: each engine sends at most ~one hello per
+    """5,000 announces from the read-only credential over ~4–5 s: each engine sends at most ~one hello per
     `announce_min_interval_s` (+1), not one per announce; a service that starts during the flood still gets a
     fresh hello from every engine (sent after it asked) while the flood goes on."""
     watch = await fleet.raw("admin", "watch")
@@ -282,3 +282,32 @@ async def test_engines_sharing_a_connection_take_each_announce_once(fleet: Fleet
 
 def _idle() -> dict[str, float | int | bool]:
     return dict(IDLE)
+
+
+async def test_the_gateways_stub_engine_answers_announces_at_the_same_rate(fleet: Fleet) -> None:
+    """The gateway's stub engine answers announces by the same rule: 500 announces in one burst cost it the
+    answer at once and one trailing hello (was 500)."""
+    from switchyard.services.gateway.stub import StubConfig, StubEngine
+
+    bus = await Bus.connect(fleet.settings(), name="stub", role="admin")
+    watch = await fleet.raw("admin", "watch")
+    heard: list[float] = []
+
+    async def count(msg) -> None:
+        heard.append(time.monotonic())
+
+    await watch.subscribe(fleet.subjects.hello("stub0"), cb=count)
+    await watch.flush()
+    stub = StubEngine(StubConfig(hello_interval_s=60.0, telemetry_interval_s=60.0), bus)
+    await stub.start()
+    try:
+        await eventually(lambda: _true(len(heard) == 1), timeout=20)  # its start-up hello
+        await asyncio.sleep(INTERVAL_S)
+        await _flood(watch, fleet.subjects.announce, 500, 1, 0.0)
+        await eventually(lambda: _true(len(heard) >= 3), timeout=20)
+        await asyncio.sleep(2 * INTERVAL_S)  # nothing more comes
+        assert len(heard) == 3, len(heard)
+    finally:
+        await stub.stop()
+        await bus.close()
+        await watch.close()
