@@ -77,6 +77,7 @@ class EngineAgent:
     async def start(self) -> None:
         if self.slots is not None:
             self._subscriptions += await serve_expert_slots(self.bus, self.engine_id, self.slots)
+        self.announces = AnnounceAnswerer(self._answer_announce, self.bus.settings.announce_min_interval_s)
         await listen(self.bus, self.engine_id, self.announces.on_announce)  # one subscription per connection
         await self.say_hello()
         self._tasks = [asyncio.create_task(self._hello_loop()), asyncio.create_task(self._telemetry_loop())]

@@ -72,9 +72,12 @@ class AnnounceAnswerer:
         self.gate = AnnounceGate(min_interval_s)
         self.clock = clock
         self._trailing: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def on_announce(self) -> None:
         """One announce (already found to concern this engine) arrived."""
+        if self._closed:  # one still being fanned out as the engine stopped
+            return
         delay = self.gate.offer(self.clock())
         if delay is None:
             return
@@ -92,7 +95,8 @@ class AnnounceAnswerer:
             log.warning("trailing hello failed", exc_info=True)
 
     async def close(self) -> None:
-        """Cancel a trailing hello not yet sent (the engine is stopping)."""
+        """Cancel a trailing hello not yet sent and answer no more announces (the engine is stopping)."""
+        self._closed = True
         if self._trailing is not None:
             self._trailing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
