@@ -114,10 +114,15 @@ class _Listeners:
 
     async def on_announce(self, request: Announce, _msg: object) -> None:
         if request.engine_id is None:
-            for answer in list(self.by_engine.values()):
+            answers = list(self.by_engine.items())
+        else:
+            answer = self.by_engine.get(request.engine_id)
+            answers = [] if answer is None else [(request.engine_id, answer)]
+        for engine_id, answer in answers:
+            try:
                 await answer()
-        elif (answer := self.by_engine.get(request.engine_id)) is not None:
-            await answer()
+            except Exception:  # one engine's failed hello (e.g. a full outbound buffer) must not silence the others
+                log.warning("%s: hello for an announce failed", engine_id, exc_info=True)
 
 
 _LISTENERS: weakref.WeakKeyDictionary[Bus, _Listeners] = weakref.WeakKeyDictionary()
