@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -65,6 +66,7 @@ def decoder_ids() -> list[str]:
 
 async def run_engines(url: str, model: dict) -> None:
     """16 decode engines on one connection: hello (start, announce, every 5 s), telemetry every 100 ms."""
+    from switchyard.engine_agents.core.announce import AnnounceAnswerer
     from switchyard.shared.bus import Bus
     from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, Telemetry
     from switchyard.shared.settings import SwitchyardSettings
@@ -89,10 +91,13 @@ async def run_engines(url: str, model: dict) -> None:
         )
         await bus.publish(bus.subjects.hello(engine_id), message)
 
+    interval = bus.settings.announce_min_interval_s
+    answerers = {e: AnnounceAnswerer(functools.partial(hello, e), interval) for e in ids}  # as engines answer
+
     async def on_announce(message: Announce, _msg: object) -> None:
         for engine_id in ids:
             if message.engine_id in (None, engine_id):
-                await hello(engine_id)
+                await answerers[engine_id].on_announce()
 
     await bus.subscribe(bus.subjects.announce, Announce, on_announce)
     seq = 0

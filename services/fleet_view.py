@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.aio.subscription import Subscription
@@ -85,10 +85,28 @@ class FleetView:
         #: group -> engines whose hello named it (an index: `group` must not scan every engine per hello).
         self._members: dict[str, set[str]] = {}
 
-    async def subscribe(self, bus: Bus, requester: str = "fleet-view", telemetry: bool = True) -> list[Subscription]:
+    async def subscribe(
+        self,
+        bus: Bus,
+        requester: str = "fleet-view",
+        telemetry: bool = True,
+        also: Callable[[Hello], Awaitable[None]] | None = None,
+    ) -> list[Subscription]:
         """Follow hellos (and telemetry, unless the caller only needs who is in which group), and ask every
-        engine to say hello now rather than in up to 5 s."""
-        subscriptions = [await bus.subscribe(bus.subjects.all_hello, Hello, self.on_hello)]
+        engine to say hello now rather than in up to 5 s.
+
+        `also` takes every hello after this view (placement's engines table): on the same subscription, since a
+        second one on the same connection makes the server send each hello twice and the service decode it twice
+        (placement's ingest, the one service that did, was the one cut off as a slow consumer in a hello flood)."""
+        on_hello: Callable[[Hello, object], Awaitable[None] | None] = self.on_hello
+        if also is not None:
+            then = also
+
+            async def on_hello(hello: Hello, _msg: object = None) -> None:
+                self.on_hello(hello)
+                await then(hello)
+
+        subscriptions = [await bus.subscribe(bus.subjects.all_hello, Hello, on_hello)]
         if telemetry:
             subscriptions.append(await bus.subscribe(bus.subjects.all_telemetry, Telemetry, self.on_telemetry))
         await bus.publish(bus.subjects.announce, Announce(requester=requester))

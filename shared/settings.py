@@ -59,6 +59,10 @@ class SwitchyardSettings(BaseSettings):
     artifact_key_file: Path | None = None
     #: Largest bus payload accepted by decoders (and configured on the embedded server).
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: An engine answers the first announce at once, then at most one hello per this many seconds (announces
+    #: in between get one trailing hello): an announce flood costs each engine ~1 hello/s, not one per announce.
+    #: A service that waits for hellos after announcing should wait longer than this.
+    announce_min_interval_s: float = Field(default=1.0, gt=0, le=60)
     log_level: str = "INFO"
 
     # ----- JetStream bounds (`shared.stream_limits`): sizes from the contract; 0 = none for an age -----

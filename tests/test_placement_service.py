@@ -317,7 +317,9 @@ async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: Switc
         ingest = {sub.subject for sub in service.ingest.nc._subs.values()}
         control = {sub.subject for sub in service.bus.nc._subs.values()}
         assert bus.subjects.all_hello in ingest and bus.subjects.all_hello not in control
-        assert len(ingest) == 3  # two hello subscriptions and the expert-load consumer's delivery subject
+        assert len(ingest) == 3, ingest  # hellos, the expert-load consumer's delivery subject, the request inbox
+        hellos = [sub for sub in service.ingest.nc._subs.values() if sub.subject == bus.subjects.all_hello]
+        assert len(hellos) == 1  # the fleet view's feeds the engines table too: two made the server send each twice
         await service.ingest.nc.close()  # what the server does to a slow consumer
         assert service.bus.nc.is_connected
         await service.bus.nc.flush(timeout=5)

@@ -5,6 +5,7 @@ control-plane duties; only where the readings come from differs. This package ho
 
 - `agent.EngineAgent`: hello (on start, periodically, on `announce`), telemetry with sequence numbers, and
   the engine's `layout` / `migrate` subjects when given its expert slots;
+- `announce`: the one rule by which every engine kind answers announces, at a bounded rate;
 - `thread.AgentThread`: the bus on a daemon thread with its own event loop, for engines whose own loop is
   not asyncio (vLLM's engine core and workers; SGLang's scheduler would be the same);
 - `expert_load`: expert-load windows (`ExpertLoadWindow` accumulates, `WindowPublisher` publishes what a
@@ -25,6 +26,8 @@ from typing import Any
 #: Name -> submodule. Loaded on first use, so that a process importing one pure part (vLLM's config reader
 #: imports `expert_load` in every vLLM process) does not pull in NATS.
 _EXPORTS = {
+    "AnnounceAnswerer": "announce",
+    "AnnounceGate": "announce",
     "EngineAgent": "agent",
     "TelemetrySource": "agent",
     "ExpertLoadWindow": "expert_load",

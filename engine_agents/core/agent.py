@@ -1,7 +1,8 @@
 """The control-plane duties of one engine, as every Switchyard engine agent performs them.
 
 An agent says hello on start, every `hello_interval_s`, and whenever a service asks on `sy.engine.announce`
-(a restarted router then knows the fleet within one telemetry interval); it publishes telemetry every
+(a restarted router then knows the fleet within one telemetry interval), at most once per
+`announce_min_interval_s` of its bus's settings however many ask (`core.announce`); it publishes telemetry every
 `telemetry_interval_s` with a per-engine sequence number that starts at 0 on every start, so consumers can
 tell lost messages from a restart. Given the engine's expert slots (`core.layout.ExpertSlots`) it also
 answers `sy.engine.<id>.layout` and `.migrate`, before its first hello, so a control plane that hears the
@@ -18,9 +19,10 @@ from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 
+from switchyard.engine_agents.core.announce import AnnounceAnswerer, listen, stop_listening
 from switchyard.engine_agents.core.layout import ExpertSlots, serve_expert_slots
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import Announce, Hello, Telemetry
+from switchyard.shared.schemas import Hello, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class EngineAgent:
         self.seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Subscription] = []
+        self.announces = AnnounceAnswerer(self._answer_announce, bus.settings.announce_min_interval_s)
 
     @property
     def engine_id(self) -> str:
@@ -49,9 +52,8 @@ class EngineAgent:
             self.bus.subjects.hello(self.engine_id), self.hello.model_copy(update={"ts": time.time()})
         )
 
-    async def _on_announce(self, request: Announce, _msg: object) -> None:
-        if request.engine_id in (None, self.engine_id):
-            await self.say_hello()
+    async def _answer_announce(self) -> None:
+        await self.say_hello()  # looked up at each call: a test harness may replace `say_hello` (bench/chaos.py)
 
     async def _hello_loop(self) -> None:
         while True:
@@ -75,7 +77,8 @@ class EngineAgent:
     async def start(self) -> None:
         if self.slots is not None:
             self._subscriptions += await serve_expert_slots(self.bus, self.engine_id, self.slots)
-        self._subscriptions.append(await self.bus.subscribe(self.bus.subjects.announce, Announce, self._on_announce))
+        self.announces = AnnounceAnswerer(self._answer_announce, self.bus.settings.announce_min_interval_s)
+        await listen(self.bus, self.engine_id, self.announces.on_announce)  # one subscription per connection
         await self.say_hello()
         self._tasks = [asyncio.create_task(self._hello_loop()), asyncio.create_task(self._telemetry_loop())]
 
@@ -89,3 +92,5 @@ class EngineAgent:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         self._subscriptions = []
+        await stop_listening(self.bus, self.engine_id)
+        await self.announces.close()  # after that: no announce can schedule another

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from switchyard.engine_agents.core.announce import AnnounceAnswerer
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, PrefillSignature, Telemetry
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
@@ -194,13 +195,29 @@ class StubEngine:
     async def _agent(self) -> None:
         assert self.bus is not None
         s, cfg = self.bus.subjects, self.config
-        seq, last_hello = 0, -np.inf
 
-        async def on_announce(message: Announce, _msg: object) -> None:  # a service (re)started: hello now
-            if self.saying_hello and message.engine_id in (None, cfg.engine_id):
+        async def say_hello() -> None:
+            if self.saying_hello:
                 await self.bus.publish(s.hello(cfg.engine_id), self.hello())  # type: ignore[union-attr]
 
-        await self.bus.subscribe(s.announce, Announce, on_announce)
+        answerer = AnnounceAnswerer(say_hello, self.bus.settings.announce_min_interval_s)
+
+        async def on_announce(message: Announce, _msg: object) -> None:  # a service (re)started: hello soon
+            if self.saying_hello and message.engine_id in (None, cfg.engine_id):
+                await answerer.on_announce()
+
+        subscription = await self.bus.subscribe(s.announce, Announce, on_announce)
+        try:
+            await self._hello_and_telemetry()
+        finally:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+            await answerer.close()
+
+    async def _hello_and_telemetry(self) -> None:
+        assert self.bus is not None
+        s, cfg = self.bus.subjects, self.config
+        seq, last_hello = 0, -np.inf
         while True:
             now = time.monotonic()
             if self.saying_hello and now - last_hello >= cfg.hello_interval_s:

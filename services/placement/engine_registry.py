@@ -8,6 +8,7 @@ said hello gets a row (20,000 invented ids made 20,009 rows), so without pruning
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -44,13 +45,20 @@ class EngineRegistry:
         self.prune_every_s = prune_every_s
         self._written: dict[str, float] = {}
         self._last_prune = -prune_every_s
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def on_hello(self, hello: Hello, _msg: object = None) -> None:
-        """Insert or refresh the engine's row, at most every `row_every_s` per engine."""
+        """Insert or refresh the engine's row, at most every `row_every_s` per engine, in a task of its own:
+        placement's fleet view takes hellos on the same subscription, and a slow database must not hold them up."""
         now = time.monotonic()
         if now - self._written.get(hello.engine_id, -self.row_every_s) < self.row_every_s:
             return
         self._written[hello.engine_id] = now
+        task = asyncio.create_task(self._write(hello))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, hello: Hello) -> None:
         fields = {
             "role": hello.role,
             "ep_group": hello.ep_group,
@@ -62,14 +70,23 @@ class EngineRegistry:
             "last_seen": utcnow(),
             "hello": hello.model_dump(mode="json"),
         }
-        with contextlib.suppress(IntegrityError):  # another replica inserted it first
-            async with self.sessions() as session, session.begin():
-                row = await session.get(Engine, hello.engine_id)
-                if row is None:
-                    session.add(Engine(engine_id=hello.engine_id, **fields))
-                else:
-                    for key, value in fields.items():
-                        setattr(row, key, value)
+        try:
+            with contextlib.suppress(IntegrityError):  # another replica inserted it first
+                async with self.sessions() as session, session.begin():
+                    row = await session.get(Engine, hello.engine_id)
+                    if row is None:
+                        session.add(Engine(engine_id=hello.engine_id, **fields))
+                    else:
+                        for key, value in fields.items():
+                            setattr(row, key, value)
+        except Exception as exc:  # e.g. the database is down: the next hello after `row_every_s` tries again
+            log.warning("engines row of %s not written: %s", hello.engine_id, exc)
+
+    async def close(self) -> None:
+        """Cancel the row writes still in flight (the service is stopping)."""
+        for task in list(self._writes):
+            task.cancel()
+        await asyncio.gather(*self._writes, return_exceptions=True)
 
     async def prune(self, now: float | None = None) -> int:
         """Delete rows not seen for `retention_s`, at most once per `prune_every_s`; returns how many."""

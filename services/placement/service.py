@@ -58,7 +58,7 @@ from switchyard.services.runtime import decode_stream_message, ensure_schema, me
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.types import utcnow
-from switchyard.shared.schemas import ExpertLoad, Hello, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.shared.schemas import ExpertLoad, ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
 
@@ -121,12 +121,12 @@ class PlacementService:
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
-                await self.fleet.subscribe(ingest, telemetry=False)  # hellos say who is alive and owns which GPUs
+                self.registry = EngineRegistry(self.sessions, self.config.engine_retention_s)
+                # Hellos say who is alive and owns which GPUs, and keep the engines table: one subscription for both
+                await self.fleet.subscribe(ingest, telemetry=False, also=self.registry.on_hello)
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
-                self.registry = EngineRegistry(self.sessions, self.config.engine_retention_s)
-                await ingest.subscribe(bus.subjects.all_hello, Hello, self.registry.on_hello)
                 await self._follow_expert_load()
                 context = CalibrationContext(
                     bus, self.sessions, self.fleet, self.windows, self.policy, self.config.calibration_budget_s
@@ -148,6 +148,8 @@ class PlacementService:
             if self.leases is not None:
                 with contextlib.suppress(Exception):
                     await self.leases.release_all()
+            if self.registry is not None:
+                await self.registry.close()
             await ingest.close()
             await bus.close()
             await engine.dispose()
