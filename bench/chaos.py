@@ -208,8 +208,8 @@ class Chaos:
     async def _publish_artifact(self) -> None:
         from switchyard import data as shipped
         from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
-        from switchyard.engine_agents.sim.offline.scenario import prepare
         from switchyard.services.artifacts import publish_artifact
+        from switchyard.simulator.offline.scenario import prepare
         from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
         self.config = LiveFleetConfig(prefill=self.o.prefill, decode=self.o.decode, speed=self.o.speed)

@@ -37,14 +37,15 @@ from functools import cached_property
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import (
+from switchyard.shared.streams import stream
+from switchyard.simulator.core.defaults import (
     COORDINATOR_INTERVAL_S,
     DP_MAX_RUNNING,
     INFLIGHT_GRACE_S,
     TELEMETRY_INTERVAL_S,
     TOKEN_BUDGET,
 )
-from switchyard.engine_agents.sim.core.dp_engine import (
+from switchyard.simulator.core.dp_engine import (
     ORDERS,
     DPCost,
     ExpertLoadTables,
@@ -52,11 +53,10 @@ from switchyard.engine_agents.sim.core.dp_engine import (
     MixedStep,
     QueueOrder,
 )
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.workload import Workload
-from switchyard.shared.streams import stream
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
 from switchyard.solver.routing.filters import KvFirst

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.physics import SEED_FIG2, cost_model
-from switchyard.engine_agents.sim.core.workload import RequestTrace, load_request_csv
-from switchyard.engine_agents.sim.offline.experiments import batch_distinct, moe_layer_grid
-from switchyard.engine_agents.sim.offline.metrics import SUMMARY_KEYS, summarize
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.physics import SEED_FIG2, cost_model
+from switchyard.simulator.core.workload import RequestTrace, load_request_csv
+from switchyard.simulator.offline.experiments import batch_distinct, moe_layer_grid
+from switchyard.simulator.offline.metrics import SUMMARY_KEYS, summarize
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing import DECODE_POLICIES, get_policy
 
 __all__ = ["ReportOptions", "build_report"]
@@ -175,7 +175,7 @@ def build_report(out_dir: Path, opts: ReportOptions) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from switchyard.engine_agents.sim.offline.plots import save
+    from switchyard.simulator.offline.plots import save
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

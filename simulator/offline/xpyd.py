@@ -3,7 +3,7 @@
 A request arrives, is prefilled on one of P prefill engines (round robin or prefix hash), and at the end
 of its prefill the decode policy (`solver.routing`) picks one of D decode engines from a snapshot of the
 fleet; its KV cache then crosses the link (bytes / bandwidth) and it joins that engine's waiting queue.
-Decode engines run continuous batching (`engine_agents.sim.core.xpyd_engines`); each decode step replays the current
+Decode engines run continuous batching (`simulator.core.xpyd_engines`); each decode step replays the current
 decode token of every running request from a real routing trace, so its cost follows the distinct experts
 the batch selects.
 
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
-from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.workload import Workload
-from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.simulator.core.experts import ReplayBank, rank_masks
+from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.workload import Workload
+from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
 __all__ = ["FleetConfig", "SimResult", "simulate"]
