@@ -67,7 +67,7 @@ FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow
 #: wildcard subjects.
 EXTRA_FAULTS = ("flood",)
 GHOST = "ghost-d0"
-#: Stub engines (services/gateway/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
+#: Stub engines (engine_agents/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
 HTTP_ENGINES = ("http-e0", "http-e1")
 STALE_AFTER_S = 1.0
 #: A probe reply naming an engine silent for longer than this is misrouted (staleness limit + one telemetry
@@ -276,7 +276,7 @@ class Chaos:
                 commands[engine_id] = [
                     sys.executable,
                     "-m",
-                    "switchyard.services.gateway.stub",
+                    "switchyard.engine_agents.stub",
                     *("--engine-id", engine_id, "--nats-url", self.nats_url, "--tokens", "8"),
                     *("--token-interval-s", "0.01"),
                 ]
