@@ -1,4 +1,5 @@
-"""The package's layers, read from its source: no import cycle, no import upwards, a light placement solver.
+"""The package's layers, read from its source: no import cycle, no import upwards, a light placement solver,
+a simulator off the network.
 
 Layers (lowest first; a module may import its own component and any lower rank, nothing else):
 
