@@ -7,7 +7,7 @@ Budgets (issue 12): added TTFT p50 ≤ 2 ms over direct (router round trip inclu
 Set-up, every part in its own process (so no two share an event loop):
 
 - a private nats-server;
-- the stub engine (`services.gateway.stub`, Starlette on uvicorn), role `dp`, with its engine agent's part:
+- the stub engine (`engine_agents.stub`, Starlette on uvicorn), role `dp`, with its engine agent's part:
   hello (with its base URL) and telemetry on the bus; it streams `--tokens` SSE chunks `--token-interval-ms`
   apart and answers non-streaming requests at once;
 - a prefill stub and a decode stub serving another model name (`stub-pd`), so the same gateway hands those
@@ -71,7 +71,7 @@ BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the laz
 
 async def run_stub(url: str, port: int, tokens: int, interval_s: float, engine_id: str, engine_role: str) -> None:
     """A stub engine; a prefill one answers with a DeepSeek-V2-Lite-sized signature (26 x 64, uint16)."""
-    from switchyard.services.gateway.stub import StubConfig, StubEngine
+    from switchyard.engine_agents.stub import StubConfig, StubEngine
     from switchyard.shared.bus import Bus
     from switchyard.shared.settings import SwitchyardSettings
 

@@ -12,9 +12,9 @@ import os
 import time
 
 from switchyard.data import SHIPPED_DIR
-from switchyard.engine_agents.sim.core.workload import load_request_csv
-from switchyard.engine_agents.sim.offline.metrics import summarize
-from switchyard.engine_agents.sim.offline.scenario import prepare
+from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.offline.metrics import summarize
+from switchyard.simulator.offline.scenario import prepare
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow
 EXTRA_FAULTS = ("flood",)
 GHOST = "ghost-d0"
 GHOST_MODEL = "deepseek-v2-lite"
-#: Stub engines (services/gateway/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
+#: Stub engines (engine_agents/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
 HTTP_ENGINES = ("http-e0", "http-e1")
 STUB_MODEL = "stub-model"
 #: An engine with valid credentials of its own (`engine-attacker`) and no place in the engine manifest: it claims
@@ -301,9 +301,9 @@ class Chaos:
     async def _publish_artifact(self) -> None:
         from switchyard import data as shipped
         from switchyard.engine_agents.sim.live.engines import LiveFleet
-        from switchyard.engine_agents.sim.offline.scenario import prepare
         from switchyard.services.artifacts import publish_artifact
         from switchyard.shared.bus import Bus
+        from switchyard.simulator.offline.scenario import prepare
         from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
         self.trace = self.settings.trace(shipped.ESFT)
@@ -386,7 +386,7 @@ class Chaos:
                 argv = [
                     sys.executable,
                     "-m",
-                    "switchyard.services.gateway.stub",
+                    "switchyard.engine_agents.stub",
                     *("--engine-id", engine_id, "--nats-url", self.nats_url, "--tokens", "8"),
                     *("--token-interval-s", "0.01", "--port", str(self.stub_ports[engine_id])),
                 ]
@@ -788,7 +788,7 @@ class Chaos:
     # then as a prefill engine, with the base URL of an HTTP server this process runs.
 
     async def _claim_roles(self) -> str:
-        from switchyard.services.gateway.stub import StubConfig, StubEngine
+        from switchyard.engine_agents.stub import StubConfig, StubEngine
         from switchyard.shared.bus import Bus
         from switchyard.shared.nats_auth import engine_user
 

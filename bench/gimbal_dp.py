@@ -33,10 +33,10 @@ from pathlib import Path
 import _single_core  # before numpy: one BLAS thread; and the machine line
 
 from switchyard.data import SHIPPED_DIR
-from switchyard.engine_agents.sim.core.dp_engine import DPCost
-from switchyard.engine_agents.sim.core.physics import cost_model
-from switchyard.engine_agents.sim.offline.dp_run import DPSimOptions, run_sim_dp
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
+from switchyard.simulator.core.dp_engine import DPCost
+from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.offline.dp_run import DPSimOptions, run_sim_dp
+from switchyard.simulator.offline.scenario import Scenario, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 ESFT = SHIPPED_DIR / "routing" / "esft_deepseek_v2_lite"

@@ -38,12 +38,10 @@ from rich.table import Table
 from sqlalchemy import func, select
 
 from switchyard import data as shipped
-from switchyard.engine_agents.sim.core.workload import load_request_csv
 from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
 from switchyard.engine_agents.sim.live.http_loadgen import ClientStats, HttpLoadGenerator
 from switchyard.engine_agents.sim.live.loadgen import Completions, LoadGenerator
 from switchyard.engine_agents.sim.live.protocol import SimCompleted
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.artifacts import ArtifactError, get_artifact_kv, publish_artifact
@@ -60,6 +58,8 @@ from switchyard.shared.embedded import EmbeddedNats, free_port
 from switchyard.shared.local_nats import secured_embedded
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
 log = logging.getLogger(__name__)

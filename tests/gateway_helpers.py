@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from prometheus_client import REGISTRY
 
+from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.stub import StubConfig, StubEngine
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus

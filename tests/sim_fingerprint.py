@@ -12,10 +12,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from switchyard.engine_agents.sim.offline.dp_run import DPSimOptions, run_sim_dp
-from switchyard.engine_agents.sim.offline.metrics import summarize
-from switchyard.engine_agents.sim.offline.run import SimOptions, run_sim
-from switchyard.engine_agents.sim.offline.scenario import prepare
+from switchyard.simulator.offline.dp_run import DPSimOptions, run_sim_dp
+from switchyard.simulator.offline.metrics import summarize
+from switchyard.simulator.offline.run import SimOptions, run_sim
+from switchyard.simulator.offline.scenario import prepare
 from tests.conftest import SHIPPED_DATA
 
 GOLDEN = Path(__file__).parent / "golden" / "sim_fixed_seed.json"

@@ -287,7 +287,7 @@ def _idle() -> dict[str, float | int | bool]:
 async def test_the_gateways_stub_engine_answers_announces_at_the_same_rate(fleet: Fleet) -> None:
     """The gateway's stub engine answers announces by the same rule: 500 announces in one burst cost it the
     answer at once and one trailing hello (was 500)."""
-    from switchyard.services.gateway.stub import StubConfig, StubEngine
+    from switchyard.engine_agents.stub import StubConfig, StubEngine
 
     bus = await Bus.connect(fleet.settings(), name="stub", role="admin")
     watch = await fleet.raw("admin", "watch")

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.engine_agents.sim.core.dp_engine import DPCost, MixedEngine
-from switchyard.engine_agents.sim.core.physics import cost_model
-from switchyard.engine_agents.sim.core.workload import Workload, load_request_csv
-from switchyard.engine_agents.sim.offline import dp as dp_module
-from switchyard.engine_agents.sim.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
-from switchyard.engine_agents.sim.offline.dp_run import prompt_throughput_gap, summarize_dp, trace_window
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.cli import app
 from switchyard.services.router.settings import RouterSettings
+from switchyard.simulator.core.dp_engine import DPCost, MixedEngine
+from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.core.workload import Workload, load_request_csv
+from switchyard.simulator.offline import dp as dp_module
+from switchyard.simulator.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
+from switchyard.simulator.offline.dp_run import prompt_throughput_gap, summarize_dp, trace_window
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing import Profile
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
 from switchyard.solver.routing.filters import Alive

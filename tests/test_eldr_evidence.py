@@ -16,12 +16,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.core.workload import Workload, load_request_csv
-from switchyard.engine_agents.sim.offline.metrics import summarize
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
-from switchyard.engine_agents.sim.offline.xpyd import FleetConfig, simulate
 from switchyard.shared.streams import stream
 from switchyard.shared.trace_files import load_trace
+from switchyard.simulator.core.workload import Workload, load_request_csv
+from switchyard.simulator.offline.metrics import summarize
+from switchyard.simulator.offline.scenario import Scenario, prepare
+from switchyard.simulator.offline.xpyd import FleetConfig, simulate
 from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.representations import REPRESENTATIONS, features, idf_weights
 from switchyard.solver.rho import calibration_pairs, decode_target, rho

@@ -27,9 +27,9 @@ import httpx
 import nats
 import pytest
 
+from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.stub import StubConfig, StubEngine
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared import schemas as s

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.gateway.choice import rendezvous_order
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus

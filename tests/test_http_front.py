@@ -11,11 +11,11 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.stub import StubConfig
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings

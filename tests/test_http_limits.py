@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.gateway.settings import GatewaySettings
-from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.http_limits import HttpLimits
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port

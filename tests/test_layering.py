@@ -1,4 +1,5 @@
-"""The package's layers, read from its source: no import cycle, no import upwards, a light placement solver.
+"""The package's layers, read from its source: no import cycle, no import upwards, a light placement solver,
+a simulator off the network.
 
 Layers (lowest first; a module may import its own component and any lower rank, nothing else):
 
@@ -6,8 +7,11 @@ Layers (lowest first; a module may import its own component and any lower rank, 
     1  shared                   wire schemas, codec, bus, settings, database models and their Alembic migrations
                                 (shared/db/migrations), routing-trace files
     2  solver                   pure numerics over arrays (no file, wire or database I/O)
-    3  engine_agents, services  peers: neither imports the other
-    4  services.cli, services.up   the entry points (`switchyard …`, `switchyard up`): they compose services
+    3  simulator                the discrete-event simulator (engine model, offline harness): shared and solver
+                                only, no bus, no HTTP; below both its users, the live simulated engines
+                                (engine_agents.sim.live) and the CLI (`switchyard sim`, `sim-dp`, `report`)
+    4  engine_agents, services  peers: neither imports the other
+    5  services.cli, services.up   the entry points (`switchyard …`, `switchyard up`): they compose services
                                    and simulated engines, so they alone may import both
 
 Every `import` counts, wherever it stands (module level, inside a function, under `TYPE_CHECKING`): a cycle
@@ -26,7 +30,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("shared", "services", "solver", "engine_agents", "infra", "data")
+ROOTS = ("shared", "services", "solver", "simulator", "engine_agents", "infra", "data")
 
 #: Module prefix -> component (the longest matching prefix wins).
 COMPONENT_OF_PREFIX = {
@@ -34,6 +38,7 @@ COMPONENT_OF_PREFIX = {
     "switchyard.infra": "infra",
     "switchyard.shared": "shared",
     "switchyard.solver": "solver",
+    "switchyard.simulator": "simulator",
     "switchyard.engine_agents": "engine_agents",
     "switchyard.services": "services",
     "switchyard.services.cli": "entry points",
@@ -45,9 +50,10 @@ RANK = {
     "infra": 0,
     "shared": 1,
     "solver": 2,
-    "engine_agents": 3,
-    "services": 3,
-    "entry points": 4,
+    "simulator": 3,
+    "engine_agents": 4,
+    "services": 4,
+    "entry points": 5,
 }
 
 #: What `solver/` may not import: file, wire, database and network I/O belong to its callers.
@@ -71,6 +77,19 @@ SOLVER_IO_MODULES = {
     "switchyard.shared.codec",
     "switchyard.shared.db",
     "switchyard.shared.trace_files",
+}
+#: What `simulator/` may not import: it simulates engines, the bus and HTTP belong to the live engines above it.
+SIMULATOR_NETWORK_MODULES = {
+    "aiohttp",
+    "fastapi",
+    "httpx",
+    "nats",
+    "socket",
+    "sqlalchemy",
+    "starlette",
+    "uvicorn",
+    "switchyard.shared.bus",
+    "switchyard.shared.db",
 }
 #: Calls that read or write files (`np.load`, `np.savez`, `open`, `Path.read_text`, …).
 SOLVER_IO_CALLS = {"load", "save", "savez", "savez_compressed", "fromfile", "tofile", "loadtxt", "savetxt", "open"}
@@ -239,6 +258,18 @@ def test_the_solver_does_no_io(module: str) -> None:
             if (called in SOLVER_IO_CALLS and (on_numpy or called == "open")) or called in SOLVER_IO_METHODS:
                 wrong.append(f"line {node.lineno}: calls {called}")
     assert not wrong, f"{path.relative_to(REPO)} does I/O (its callers should):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("switchyard.simulator")))
+def test_the_simulator_needs_no_bus_or_network(module: str) -> None:
+    wrong = sorted(
+        {
+            f"line {line}: imports {name}"
+            for name, line in _imported_names(module, MODULES[module])
+            if any(name == net or name.startswith(net + ".") for net in SIMULATOR_NETWORK_MODULES)
+        }
+    )
+    assert not wrong, f"{MODULES[module].relative_to(REPO)} talks to the network:\n" + "\n".join(wrong)
 
 
 def test_importing_the_placement_solver_does_not_load_or_tools() -> None:

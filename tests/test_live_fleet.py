@@ -17,7 +17,6 @@ import pytest
 from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
 from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
 from switchyard.engine_agents.sim.live.migration import MigrationCost
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
@@ -34,6 +33,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.placement.moves import plan_moves
 from tests.conftest import SHIPPED_DATA
 

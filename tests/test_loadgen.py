@@ -6,10 +6,10 @@ import asyncio
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.workload import Workload
 from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
 from switchyard.engine_agents.sim.live.protocol import SimSubmit
 from switchyard.shared.bus import Bus
+from switchyard.simulator.core.workload import Workload
 
 
 def _workload(n: int, gap_s: float) -> Workload:

@@ -329,8 +329,8 @@ def _total(name: str) -> float:
 async def test_a_gateway_under_its_own_credentials_still_routes(secured: SecuredNats, admin: Bus) -> None:
     """Gateway, router and stub engines each as their own NATS user: DP dispatch and a prefill->decode handoff
     (signature on the bus) go through the router, with no local fallback and no permission violation."""
+    from switchyard.engine_agents.stub import StubConfig, StubEngine
     from switchyard.services.gateway.settings import GatewaySettings
-    from switchyard.services.gateway.stub import StubConfig, StubEngine
     from switchyard.services.router.service import RouterService
     from switchyard.services.router.settings import RouterSettings
     from tests.gateway_helpers import router_knows, wait_for

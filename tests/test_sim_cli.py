@@ -68,7 +68,7 @@ def test_sim_rejects_bad_options(tmp_path: Path, extra: tuple[str, ...], message
 
 
 def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
-    from switchyard.engine_agents.sim.offline.report import ReportOptions, build_report
+    from switchyard.simulator.offline.report import ReportOptions, build_report
 
     opts = ReportOptions(trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=80, progress=False)
     md = build_report(tmp_path, opts).read_text()
@@ -91,7 +91,7 @@ def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
 
 
 def test_report_runs_only_the_sections_asked_for(tmp_path: Path) -> None:
-    from switchyard.engine_agents.sim.offline.report import ReportOptions, build_report
+    from switchyard.simulator.offline.report import ReportOptions, build_report
 
     opts = ReportOptions(
         trace=ESFT_DIR, requests=AZURE_CONV, quick=True, num_requests=60, progress=False, sections=("bracket",)

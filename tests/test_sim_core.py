@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
-from switchyard.engine_agents.sim.core.physics import cost_model
-from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine
 from switchyard.shared.routing_trace import RoutingTrace, split_phases
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.core.xpyd_engines import DecodeEngine
 from tests.eldr_helpers import random_experts
 
 
@@ -92,7 +92,7 @@ def test_event_loop_puts_arrivals_first_then_push_order() -> None:
 
 
 def test_the_simulated_router_grace_is_the_router_default() -> None:
-    from switchyard.engine_agents.sim.core.defaults import INFLIGHT_GRACE_S
     from switchyard.services.router.settings import RouterSettings
+    from switchyard.simulator.core.defaults import INFLIGHT_GRACE_S
 
     assert RouterSettings.model_fields["inflight_grace_s"].default == INFLIGHT_GRACE_S

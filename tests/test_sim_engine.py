@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.core.experts import (
+from switchyard.shared.routing_trace import RoutingTrace, split_phases
+from switchyard.simulator.core.experts import (
     ReplayBank,
     distinct_per_layer,
     distinct_per_rank,
@@ -13,9 +14,8 @@ from switchyard.engine_agents.sim.core.experts import (
     rank_masks,
     token_counts,
 )
-from switchyard.engine_agents.sim.core.physics import cost_model
-from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
-from switchyard.shared.routing_trace import RoutingTrace, split_phases
+from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from tests.eldr_helpers import random_experts
 
 

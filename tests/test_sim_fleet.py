@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.core.workload import load_request_csv
-from switchyard.engine_agents.sim.offline.experiments import batch_distinct
-from switchyard.engine_agents.sim.offline.metrics import summarize
-from switchyard.engine_agents.sim.offline.scenario import Scenario, match_model, prepare, split_calibration
-from switchyard.engine_agents.sim.offline.xpyd import FleetConfig
+from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.offline.experiments import batch_distinct
+from switchyard.simulator.offline.metrics import summarize
+from switchyard.simulator.offline.scenario import Scenario, match_model, prepare, split_calibration
+from switchyard.simulator.offline.xpyd import FleetConfig
 from switchyard.solver.routing import DECODE_POLICIES
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
@@ -87,7 +87,7 @@ def test_same_seed_same_run_other_seed_other_run(esft: Scenario) -> None:
 
 def test_same_domain_batches_select_fewer_experts_on_esft(esft: Scenario) -> None:
     """The seed's Fig. 4 fact on real routing: co-locating one task's requests loads fewer experts."""
-    from switchyard.engine_agents.sim.core.experts import ReplayBank
+    from switchyard.simulator.core.experts import ReplayBank
 
     bank = ReplayBank.from_trace(esft.trace)  # all 213 sequences: a trace statistic, not a serving run
     same, mixed, _ = batch_distinct(bank, batch=8, samples=1500, seed=0)

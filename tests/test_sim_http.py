@@ -26,7 +26,6 @@ from switchyard.engine_agents.sim.live.migration import MigrationCost
 from switchyard.engine_agents.sim.live.openai_wire import BadRequest, count_text_tokens, parse_request, replay_row
 from switchyard.engine_agents.sim.live.protocol import SimCompleted
 from switchyard.engine_agents.sim.live.token_stream import TokenStream
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.service import RouterService
@@ -35,6 +34,7 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Hello
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_from_json
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from tests.conftest import SHIPPED_DATA
 from tests.gateway_helpers import metric, wait_for
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
 from switchyard.shared.streams import stream
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing import DECODE_POLICIES, RouterState
 from tests.eldr_helpers import ESFT_DIR
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.engine_agents.sim.core.physics import (
+from switchyard.simulator.core.physics import (
     GPUS,
     MODELS,
     SEED_FIG2,

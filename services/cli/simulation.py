@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
-from switchyard.engine_agents.sim.core.defaults import (
+from switchyard.services.cli.options import DataDir, NatsUrl, load_settings, split_csv
+from switchyard.simulator.core.defaults import (
     DECODE_MAX_RUNNING,
     DP_MAX_RUNNING,
     INFLIGHT_GRACE_S,
     TOKEN_BUDGET,
 )
-from switchyard.services.cli.options import DataDir, NatsUrl, load_settings, split_csv
 
 if TYPE_CHECKING:
     from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
@@ -58,7 +58,7 @@ def sim(
     """Simulate an xPyD fleet replaying a real routing trace under each decode policy."""
     import json
 
-    from switchyard.engine_agents.sim.offline.run import SimOptions, run_sim
+    from switchyard.simulator.offline.run import SimOptions, run_sim
 
     opts = SimOptions(
         trace=trace or load_settings().trace(shipped.ESFT),
@@ -154,7 +154,7 @@ def sim_dp(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
-    from switchyard.engine_agents.sim.offline.dp_run import DPSimOptions, run_sim_dp
+    from switchyard.simulator.offline.dp_run import DPSimOptions, run_sim_dp
 
     orders = ("fcfs", "sjf-aging") if order == "both" else (order,)
     opts = DPSimOptions(
@@ -214,7 +214,7 @@ def report(
     ] = None,
 ) -> None:
     """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
-    from switchyard.engine_agents.sim.offline.report import SECTIONS, ReportOptions, build_report
+    from switchyard.simulator.offline.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
     chosen = tuple(x.strip() for x in sections.split(",") if x.strip()) if sections else SECTIONS

@@ -1,6 +1,6 @@
 """Gimbal data-parallel dispatch and queue ordering, as pure functions over per-engine arrays.
 
-These are the formulas; the router and the DP simulator (`engine_agents.sim.offline.dp.Dispatcher`) both
+These are the formulas; the router and the DP simulator (`simulator.offline.dp.Dispatcher`) both
 dispatch with their composition as named profiles of the routing framework
 (`solver.routing.profiles.dp_profile`: the KV-first rule a filter, each pressure term a weighted scorer, the
 argmin a picker). The parts use `GimbalParams`, `kv_penalty`, `moe_penalty` and `kv_first_applies`; the

@@ -3,7 +3,7 @@ experiment-only options a simulation may set.
 
 `eldr-vanilla` (ELDR over a vanilla K-means fit) and `eldr-tau0` (ELDR with τ = 0) are the ELDR profile with
 options `fit="vanilla"` and `tau=0.0`; the simulator fits and builds its tables accordingly
-(`engine_agents.sim.offline.scenario`). The router has no such names (`profiles.decode_profile` refuses them): it
+(`simulator.offline.scenario`). The router has no such names (`profiles.decode_profile` refuses them): it
 routes with the artifact it is given, whose fit and τ are the fit's business.
 """
 

@@ -4,7 +4,7 @@ Telemetry lags a dispatcher by up to one reporting interval; every dispatcher ro
 numbers would herd onto one engine. So each decision is written down (when, prompt tokens) and counted on
 its engine (`count`, `tokens`) until a report received at least `grace_s` after it arrives (`settle`), which
 then includes it. The router's telemetry view (`services.router.telemetry_view`) and the DP simulator's
-dispatcher (`engine_agents.sim.offline.dp`) both keep one; Gimbal's `comp` term is `tokens`.
+dispatcher (`simulator.offline.dp`) both keep one; Gimbal's `comp` term is `tokens`.
 
 No clock and no I/O: the caller passes times in. Columns are float64 so a caller may add them to others
 without a cast; they are exact for integer token counts.

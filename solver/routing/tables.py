@@ -2,7 +2,7 @@
 ELDR's τ band, label → engine partition for the oracle Domain baseline).
 
 Built once per change of the engine list or the artifact, never per request, by the router
-(`services.router.core`), the simulator (`engine_agents.sim.offline.scenario`) and the benchmarks alike.
+(`services.router.core`), the simulator (`simulator.offline.scenario`) and the benchmarks alike.
 
 Centroid → engine mapping (`centroid_members`):
 

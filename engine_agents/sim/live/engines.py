@@ -1,6 +1,6 @@
 """A live simulated xPyD fleet: many simulated MoE engines in one process, on the real bus, in scaled real time.
 
-Each engine runs the simulator's engine model (`engine_agents.sim.core.xpyd_engines`) with its physics: a step's
+Each engine runs the simulator's engine model (`simulator.core.xpyd_engines`) with its physics: a step's
 duration is computed, slept (divided by `speed`), then its tokens are emitted. Around it, each engine is a
 full protocol peer, exactly as the vLLM agent will be:
 
@@ -55,16 +55,11 @@ from switchyard.engine_agents.core import (
     rank_of_expert,
     routing_sample,
 )
-from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TELEMETRY_INTERVAL_S, TOKEN_BUDGET
-from switchyard.engine_agents.sim.core.experts import rank_masks, token_counts
-from switchyard.engine_agents.sim.core.physics import cost_model
-from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.engine_agents.sim.live.http_server import EngineHttpServer, bind
 from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.engine_agents.sim.live.openai_wire import BadRequest, ParsedRequest, replay_row
 from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
 from switchyard.engine_agents.sim.live.token_stream import TokenStream
-from switchyard.engine_agents.sim.offline.scenario import Scenario
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError, RemoteError
 from switchyard.shared.schemas import (
@@ -77,6 +72,11 @@ from switchyard.shared.schemas import (
 )
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TELEMETRY_INTERVAL_S, TOKEN_BUDGET
+from switchyard.simulator.core.experts import rank_masks, token_counts
+from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
+from switchyard.simulator.offline.scenario import Scenario
 from switchyard.solver.placement.layouts import default_layout
 
 log = logging.getLogger(__name__)

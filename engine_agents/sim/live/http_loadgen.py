@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from switchyard.engine_agents.sim.core.workload import Workload, paced_arrivals
-from switchyard.engine_agents.sim.offline.metrics import percentile
+from switchyard.simulator.core.workload import Workload, paced_arrivals
+from switchyard.simulator.offline.metrics import percentile
 
 #: Token ids of the synthetic prompts are drawn below this (any real vocabulary is larger).
 PROMPT_VOCAB = 30000

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.workload import Workload, paced_arrivals
 from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
 from switchyard.shared.bus import Bus
+from switchyard.simulator.core.workload import Workload, paced_arrivals
 
 
 @dataclass

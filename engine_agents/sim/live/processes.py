@@ -12,13 +12,13 @@ import contextlib
 import logging
 from pathlib import Path
 
-from switchyard.engine_agents.sim.core.workload import load_request_csv
 from switchyard.engine_agents.sim.live.engines import LiveFleet, LiveFleetConfig
 from switchyard.engine_agents.sim.live.http_loadgen import HttpLoadGenerator
 from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
-from switchyard.engine_agents.sim.offline.scenario import prepare
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.offline.scenario import prepare
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.offline.xpyd import SimResult
+from switchyard.simulator.offline.xpyd import SimResult
 
 __all__ = ["SUMMARY_KEYS", "summarize", "write_csv", "write_json"]
 

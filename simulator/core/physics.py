@@ -17,7 +17,7 @@ latency by 4.7×): ``(a + c64 + 128·b) / (a + c64 + 16·b) = 4.7``. The same ``
 for every GPU and model: it stands for per-layer fixed work that does not scale with expert bytes. Every
 other constant is a datasheet or model-config number; `docs/simulator.md` lists them with sources.
 
-Everything here is pure and vectorised: the engine model (`engine_agents.sim.core.xpyd_engines`), the discrete-event
+Everything here is pure and vectorised: the engine model (`simulator.core.xpyd_engines`), the discrete-event
 simulator and the live simulated fleet call these functions with numpy arrays of per-layer distinct-expert
 counts.
 """

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from switchyard.engine_agents.sim.offline.xpyd import SimResult
+from switchyard.simulator.offline.xpyd import SimResult
 
 __all__ = ["plot_runs", "save"]
 

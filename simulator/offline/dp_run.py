@@ -24,17 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import (
+from switchyard.simulator.core.defaults import (
     DP_MAX_RUNNING,
     INFLIGHT_GRACE_S,
     TELEMETRY_INTERVAL_S,
     TOKEN_BUDGET,
 )
-from switchyard.engine_agents.sim.core.dp_engine import ORDERS
-from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, load_request_csv
-from switchyard.engine_agents.sim.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
-from switchyard.engine_agents.sim.offline.metrics import percentile, write_json
-from switchyard.engine_agents.sim.offline.scenario import Scenario, prepare
+from switchyard.simulator.core.dp_engine import ORDERS
+from switchyard.simulator.core.workload import RequestTrace, Workload, load_request_csv
+from switchyard.simulator.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
+from switchyard.simulator.offline.metrics import percentile, write_json
+from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing.profiles import DP_PROFILES, dp_profile
 
 __all__ = ["DP_SUMMARY_KEYS", "DPSimOptions", "prompt_throughput_gap", "run_sim_dp", "summarize_dp", "trace_window"]

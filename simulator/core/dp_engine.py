@@ -26,10 +26,10 @@ from functools import cached_property
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import DP_MAX_RUNNING, TOKEN_BUDGET
-from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.scheduler import ORDERS, QueueOrder, Scheduler
+from switchyard.simulator.core.defaults import DP_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.simulator.core.experts import ReplayBank, rank_masks
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.scheduler import ORDERS, QueueOrder, Scheduler
 from switchyard.solver.routing.dispatch import GimbalParams
 
 __all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING
-from switchyard.engine_agents.sim.core.workload import load_request_csv
-from switchyard.engine_agents.sim.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
-from switchyard.engine_agents.sim.offline.scenario import prepare
 from switchyard.shared.trace_files import TraceFormat
+from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING
+from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
+from switchyard.simulator.offline.scenario import prepare
 from switchyard.solver.routing import get_policy
 
 __all__ = ["SimOptions", "run_sim"]
@@ -102,7 +102,7 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
     if json_path is not None:
         write_json(json_path, payload)
     if out_dir is not None:
-        from switchyard.engine_agents.sim.offline.plots import plot_runs
+        from switchyard.simulator.offline.plots import plot_runs
 
         write_json(out_dir / "summary.json", payload)
         write_csv(out_dir / "summary.csv", list(summaries.values()), keys=["policy", "fleet", *SUMMARY_KEYS, "wall_s"])

@@ -3,7 +3,7 @@
 A request arrives, is prefilled on one of P prefill engines (round robin or prefix hash), and at the end
 of its prefill the decode policy (`solver.routing`) picks one of D decode engines from a snapshot of the
 fleet; its KV cache then crosses the link (bytes / bandwidth) and it joins that engine's waiting queue.
-Decode engines run continuous batching (`engine_agents.sim.core.xpyd_engines`); each decode step replays the current
+Decode engines run continuous batching (`simulator.core.xpyd_engines`); each decode step replays the current
 decode token of every running request from a real routing trace, so its cost follows the distinct experts
 the batch selects.
 
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
-from switchyard.engine_agents.sim.core.experts import ReplayBank, rank_masks
-from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.workload import Workload
-from switchyard.engine_agents.sim.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.simulator.core.experts import ReplayBank, rank_masks
+from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.workload import Workload
+from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 
 __all__ = ["FleetConfig", "SimResult", "simulate"]
@@ -111,16 +111,7 @@ def simulate(
     n = workload.size
     cost = fleet.cost
     tables = tables or RoutingTables()
-    # Expert parallelism inside an engine: each MoE layer waits for the rank that loads the most experts.
-    masks = rank_masks(bank.num_layers, bank.num_experts, cost.gpus) if cost.gpus > 1 else None
-    decoders = [
-        DecodeEngine(cost, bank, max_running=fleet.max_running, kv_blocks=fleet.decode_kv_blocks, rank_masks=masks)
-        for _ in range(fleet.decode)
-    ]
-    prefills = [
-        PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget, rank_masks=masks)
-        for _ in range(fleet.prefill)
-    ]
+    decoders, prefills = _engines(fleet, bank)
     snap = FleetSnapshot.build([f"d{i:03d}" for i in range(fleet.decode)])
     state = RouterState(rng=stream(seed, "router"))  # never the workload's stream (shared.streams)
     label_names = bank.label_names
@@ -226,7 +217,6 @@ def simulate(
     if bar is not None:
         bar.close()
 
-    st = np.array(steps, dtype=np.float64).reshape(-1, 5)
     return SimResult(
         policy=policy.name,
         fleet=fleet,
@@ -241,18 +231,49 @@ def simulate(
         tokens=tokens,
         band_size=band,
         fallbacks=fallbacks,
-        step_engine=st[:, 0].astype(np.int64),
-        step_start=st[:, 1],
-        step_duration=st[:, 2],
-        step_batch=st[:, 3].astype(np.int64),
-        step_distinct=st[:, 4],
-        engine_tokens=np.array([e.tokens_out for e in decoders], dtype=np.int64),
-        engine_busy=np.array([e.busy_time for e in decoders]),
-        engine_preemptions=np.array([e.preemptions for e in decoders], dtype=np.int64),
-        prefill_busy=np.array([p.busy_time for p in prefills]),
+        **_step_columns(steps),
+        **_engine_totals(decoders, prefills),
         max_kv_blocks_used=max_used,
         makespan=now - float(arrival[0]),
     )
+
+
+def _engines(fleet: FleetConfig, bank: ReplayBank) -> tuple[list[DecodeEngine], list[PrefillEngine]]:
+    """The fleet's decode and prefill engines, fresh."""
+    cost = fleet.cost
+    # Expert parallelism inside an engine: each MoE layer waits for the rank that loads the most experts.
+    masks = rank_masks(bank.num_layers, bank.num_experts, cost.gpus) if cost.gpus > 1 else None
+    decoders = [
+        DecodeEngine(cost, bank, max_running=fleet.max_running, kv_blocks=fleet.decode_kv_blocks, rank_masks=masks)
+        for _ in range(fleet.decode)
+    ]
+    prefills = [
+        PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget, rank_masks=masks)
+        for _ in range(fleet.prefill)
+    ]
+    return decoders, prefills
+
+
+def _step_columns(steps: list[tuple[int, float, float, int, float]]) -> dict[str, np.ndarray]:
+    """The decode steps' log as `SimResult`'s step columns."""
+    st = np.array(steps, dtype=np.float64).reshape(-1, 5)
+    return {
+        "step_engine": st[:, 0].astype(np.int64),
+        "step_start": st[:, 1],
+        "step_duration": st[:, 2],
+        "step_batch": st[:, 3].astype(np.int64),
+        "step_distinct": st[:, 4],
+    }
+
+
+def _engine_totals(decoders: list[DecodeEngine], prefills: list[PrefillEngine]) -> dict[str, np.ndarray]:
+    """Per-engine totals at the end of a run, as `SimResult`'s engine columns."""
+    return {
+        "engine_tokens": np.array([e.tokens_out for e in decoders], dtype=np.int64),
+        "engine_busy": np.array([e.busy_time for e in decoders]),
+        "engine_preemptions": np.array([e.preemptions for e in decoders], dtype=np.int64),
+        "prefill_busy": np.array([p.busy_time for p in prefills]),
+    }
 
 
 def _check_invariants(

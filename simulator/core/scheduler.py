@@ -32,7 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.experts import ReplayBank
+from switchyard.simulator.core.experts import ReplayBank
 from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 __all__ = ["ORDERS", "UNBOUNDED", "QueueOrder", "Scheduler", "WaitingQueue", "ceil_div"]

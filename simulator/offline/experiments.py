@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.physics import CostModel
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.physics import CostModel
 
 __all__ = ["batch_distinct", "moe_layer_grid"]
 

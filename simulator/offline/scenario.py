@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.physics import MODELS, CostModel, ModelSpec, cost_model
-from switchyard.engine_agents.sim.core.workload import RequestTrace, Workload, build_workload
-from switchyard.engine_agents.sim.offline.xpyd import FleetConfig, SimResult, simulate
 from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.streams import stream
 from switchyard.shared.trace_files import TraceFormat, load_trace
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.physics import MODELS, CostModel, ModelSpec, cost_model
+from switchyard.simulator.core.workload import RequestTrace, Workload, build_workload
+from switchyard.simulator.offline.xpyd import FleetConfig, SimResult, simulate
 from switchyard.solver.routing import DecodePolicy, RoutingTables, get_policy
 from switchyard.solver.signatures import RequestCounts, request_counts
 

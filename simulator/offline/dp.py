@@ -37,14 +37,15 @@ from functools import cached_property
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import (
+from switchyard.shared.streams import stream
+from switchyard.simulator.core.defaults import (
     COORDINATOR_INTERVAL_S,
     DP_MAX_RUNNING,
     INFLIGHT_GRACE_S,
     TELEMETRY_INTERVAL_S,
     TOKEN_BUDGET,
 )
-from switchyard.engine_agents.sim.core.dp_engine import (
+from switchyard.simulator.core.dp_engine import (
     ORDERS,
     DPCost,
     ExpertLoadTables,
@@ -52,11 +53,10 @@ from switchyard.engine_agents.sim.core.dp_engine import (
     MixedStep,
     QueueOrder,
 )
-from switchyard.engine_agents.sim.core.experts import ReplayBank
-from switchyard.engine_agents.sim.core.loop import ARRIVAL, EventLoop
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.workload import Workload
-from switchyard.shared.streams import stream
+from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
 from switchyard.solver.routing.filters import KvFirst
@@ -296,25 +296,10 @@ def simulate_dp(
     `prefill_counts[R, L, E]`: the bank requests' prefill expert counts (expert pressure; optional).
     `seed` sets the engines' telemetry phases. `check` asserts the fleet's invariants after every event.
     """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     n_req = workload.size
     n = fleet.engines
     dc = fleet.dp_cost
-    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if dispatch == "gimbal" else None
-    engines = [
-        MixedEngine(
-            dc,
-            bank,
-            max_running=fleet.max_running,
-            token_budget=fleet.token_budget,
-            kv_blocks=fleet.engine_kv_blocks,
-            order=order,
-            params=fleet.params,
-            load_tables=tables,
-        )
-        for _ in range(n)
-    ]
+    engines = _engines(fleet, bank, dispatch, order, prefill_counts)
     disp = Dispatcher(
         dispatch,
         n,
@@ -324,10 +309,7 @@ def simulate_dp(
         weights=fleet.weights_for(dispatch),
         seed=seed,
     )
-    rng = stream(seed, "dp.telemetry")
-    phases = rng.uniform(0.0, fleet.telemetry_interval_s, n)
-    if fleet.telemetry_aligned:
-        phases[:] = phases[0]
+    phases = _telemetry_phases(fleet, seed)
 
     arrival, prompt, output, replay = workload.arrival, workload.prompt, workload.output, workload.replay
     eng_of = np.full(n_req, -1, dtype=np.int64)
@@ -432,7 +414,6 @@ def simulate_dp(
         if finished >= n_req:
             break
 
-    st = np.array(steps, dtype=np.float64).reshape(-1, 8)
     return DPSimResult(
         dispatch=dispatch,
         order=order,
@@ -443,24 +424,71 @@ def simulate_dp(
         first_token=first,
         finish=finish,
         tokens=tokens,
-        step_engine=st[:, 0].astype(np.int64),
-        step_start=st[:, 1],
-        step_duration=st[:, 2],
-        step_tokens=st[:, 3].astype(np.int64),
-        step_prefill=st[:, 4].astype(np.int64),
-        step_decode=st[:, 5].astype(np.int64),
-        step_running=st[:, 6].astype(np.int64),
-        step_waiting=st[:, 7].astype(np.int64),
+        **_step_columns(steps),
         engine_requests=np.bincount(eng_of[eng_of >= 0], minlength=n),
-        engine_tokens=np.array([e.tokens_out for e in engines], dtype=np.int64),
-        engine_prompt_tokens=np.array([e.prompt_tokens for e in engines], dtype=np.int64),
-        engine_busy=np.array([e.busy_time for e in engines]),
-        engine_preemptions=np.array([e.preemptions for e in engines], dtype=np.int64),
-        engine_max_kv_blocks=np.array([e.max_used_blocks for e in engines], dtype=np.int64),
-        engine_aged_admissions=np.array([e.aged_admissions for e in engines], dtype=np.int64),
+        **_engine_totals(engines),
         kv_first_decisions=disp.kv_first,
         makespan=now - t0,
     )
+
+
+def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
+    """Each engine's first telemetry offset within an interval (all the first one's when aligned)."""
+    rng = stream(seed, "dp.telemetry")
+    phases = rng.uniform(0.0, fleet.telemetry_interval_s, fleet.engines)
+    if fleet.telemetry_aligned:
+        phases[:] = phases[0]
+    return phases
+
+
+def _engines(
+    fleet: DPFleetConfig, bank: ReplayBank, dispatch: str, order: QueueOrder, prefill_counts: np.ndarray | None
+) -> list[MixedEngine]:
+    """The fleet's DP engines, fresh (with expert-load tables when Gimbal's pressure needs them)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    dc = fleet.dp_cost
+    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if dispatch == "gimbal" else None
+    return [
+        MixedEngine(
+            dc,
+            bank,
+            max_running=fleet.max_running,
+            token_budget=fleet.token_budget,
+            kv_blocks=fleet.engine_kv_blocks,
+            order=order,
+            params=fleet.params,
+            load_tables=tables,
+        )
+        for _ in range(fleet.engines)
+    ]
+
+
+def _step_columns(steps: list[tuple[int, float, float, int, int, int, int, int]]) -> dict[str, np.ndarray]:
+    """The steps' log as `DPSimResult`'s step columns."""
+    st = np.array(steps, dtype=np.float64).reshape(-1, 8)
+    return {
+        "step_engine": st[:, 0].astype(np.int64),
+        "step_start": st[:, 1],
+        "step_duration": st[:, 2],
+        "step_tokens": st[:, 3].astype(np.int64),
+        "step_prefill": st[:, 4].astype(np.int64),
+        "step_decode": st[:, 5].astype(np.int64),
+        "step_running": st[:, 6].astype(np.int64),
+        "step_waiting": st[:, 7].astype(np.int64),
+    }
+
+
+def _engine_totals(engines: list[MixedEngine]) -> dict[str, np.ndarray]:
+    """Per-engine totals at the end of a run, as `DPSimResult`'s engine columns."""
+    return {
+        "engine_tokens": np.array([e.tokens_out for e in engines], dtype=np.int64),
+        "engine_prompt_tokens": np.array([e.prompt_tokens for e in engines], dtype=np.int64),
+        "engine_busy": np.array([e.busy_time for e in engines]),
+        "engine_preemptions": np.array([e.preemptions for e in engines], dtype=np.int64),
+        "engine_max_kv_blocks": np.array([e.max_used_blocks for e in engines], dtype=np.int64),
+        "engine_aged_admissions": np.array([e.aged_admissions for e in engines], dtype=np.int64),
+    }
 
 
 def _check_invariants(engines: list[MixedEngine], eng_of: np.ndarray, finish: np.ndarray) -> None:

@@ -4,7 +4,11 @@ It is the engine, not infrastructure, so a stub is fair: it answers `/v1/complet
 `/v1/chat/completions` as vLLM does (SSE chunks then `data: [DONE]`, or one JSON answer with `usage`), acts
 as a prefill engine when asked for `do_remote_decode` (returns `kv_transfer_params`, with the signature inside
 or published on the bus as a `PrefillSignature`), can fail its first requests, and records what it received
-and which streams the client abandoned. With a bus it says hello and sends telemetry like an engine agent.
+and which streams the client abandoned. With a bus it is an engine agent: its hello, announce replies and
+telemetry are the engine-agent core's (`engine_agents.core.EngineAgent`), as for every engine kind.
+
+It lives in `engine_agents/`, not beside the gateway it serves in tests, because it is an engine: services do not
+import engine agents (`tests/test_layering.py`); tests and benchmarks import it from here.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from switchyard.engine_agents.core.announce import AnnounceAnswerer
+from switchyard.engine_agents.core.agent import EngineAgent
 from switchyard.shared.bus import Bus
-from switchyard.shared.schemas import Announce, Capacity, Hello, ModelShape, PrefillSignature, Telemetry
+from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
 
 #: Larger `max_tokens` are refused with 400, as an engine refuses a request beyond its context.
@@ -65,10 +69,11 @@ class StubEngine:
         self.received: list[tuple[str, str, dict[str, Any]]] = []  # (path, x-request-id, body)
         self.aborted: list[str] = []
         self.finished: list[str] = []
-        self.saying_hello = True
         self.port = 0
         self._served = itertools.count()
-        self._tasks: list[asyncio.Task[None]] = []
+        self.agent: EngineAgent | None = None
+        self._saying_hello = True
+        self._switching: list[asyncio.Task[None]] = []
         self.server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
 
@@ -174,9 +179,10 @@ class StubEngine:
             ]
         )
 
-    # ----- bus (the engine agent's part) -----
+    # ----- bus (the engine agent's part: the engine-agent core's hello, announce and telemetry) -----
 
     def hello(self) -> Hello:
+        """The engine's hello as its config says now (a test may change its intervals while it runs)."""
         cfg = self.config
         return Hello(
             engine_id=cfg.engine_id,
@@ -192,52 +198,31 @@ class StubEngine:
             base_url=self.base_url,
         )
 
-    async def _agent(self) -> None:
-        assert self.bus is not None
-        s, cfg = self.bus.subjects, self.config
+    def telemetry(self) -> dict[str, float | int | bool]:
+        """What the stub reports every interval: an idle engine, with the configured prefill backlog."""
+        return {
+            "kv_usage": 0.1,
+            "num_running": 0,
+            "num_waiting": 0,
+            "waiting_prefill_tokens": self.config.waiting_prefill_tokens,
+            "remaining_prefill_tokens": 0,
+            "step_time_ema": 0.01,
+        }
 
-        async def say_hello() -> None:
-            if self.saying_hello:
-                await self.bus.publish(s.hello(cfg.engine_id), self.hello())  # type: ignore[union-attr]
+    @property
+    def saying_hello(self) -> bool:
+        """False: the engine falls silent (no hello, no announce reply, no telemetry), as a vanished engine does,
+        while its HTTP server keeps answering; True again: it says hello again."""
+        return self._saying_hello
 
-        answerer = AnnounceAnswerer(say_hello, self.bus.settings.announce_min_interval_s)
-
-        async def on_announce(message: Announce, _msg: object) -> None:  # a service (re)started: hello soon
-            if self.saying_hello and message.engine_id in (None, cfg.engine_id):
-                await answerer.on_announce()
-
-        subscription = await self.bus.subscribe(s.announce, Announce, on_announce)
-        try:
-            await self._hello_and_telemetry()
-        finally:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
-            await answerer.close()
-
-    async def _hello_and_telemetry(self) -> None:
-        assert self.bus is not None
-        s, cfg = self.bus.subjects, self.config
-        seq, last_hello = 0, -np.inf
-        while True:
-            now = time.monotonic()
-            if self.saying_hello and now - last_hello >= cfg.hello_interval_s:
-                await self.bus.publish(s.hello(cfg.engine_id), self.hello())
-                last_hello = now
-            if self.saying_hello:
-                telemetry = Telemetry(
-                    engine_id=cfg.engine_id,
-                    seq=seq,
-                    ts=time.time(),
-                    kv_usage=0.1,
-                    num_running=0,
-                    num_waiting=0,
-                    waiting_prefill_tokens=cfg.waiting_prefill_tokens,
-                    remaining_prefill_tokens=0,
-                    step_time_ema=0.01,
-                )
-                await self.bus.publish(s.telemetry(cfg.engine_id), telemetry)
-                seq += 1
-            await asyncio.sleep(cfg.telemetry_interval_s)
+    @saying_hello.setter
+    def saying_hello(self, on: bool) -> None:
+        if on == self._saying_hello:
+            return
+        self._saying_hello = on
+        if self.agent is not None:
+            switch = self.agent.start() if on else self.agent.stop()
+            self._switching.append(asyncio.get_running_loop().create_task(switch))
 
     # ----- lifecycle -----
 
@@ -257,21 +242,43 @@ class StubEngine:
                 await self._serving
             await asyncio.sleep(0.01)
         if self.bus is not None:
-            self._tasks.append(asyncio.create_task(self._agent()))
+            self.agent = _StubAgent(self)
+            if self._saying_hello:
+                await self.agent.start()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for task in self._switching:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                await self.agent.stop()
         if self.server is not None and self._serving is not None:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serving
 
 
+class _StubAgent(EngineAgent):
+    """The core's agent, with the hello read from the stub's config each time it is sent (so a test that
+    changes `hello_interval_s` while the stub runs sees the next hello carry it, and the loops follow it)."""
+
+    def __init__(self, stub: StubEngine) -> None:
+        assert stub.bus is not None
+        self._stub = stub
+        super().__init__(stub.bus, stub.hello(), stub.telemetry)
+
+    @property  # type: ignore[override]
+    def hello(self) -> Hello:
+        return self._stub.hello()
+
+    @hello.setter
+    def hello(self, _value: Hello) -> None:  # the core's constructor stores the first one; the config rules
+        pass
+
+
 def main() -> None:
-    """`python -m switchyard.services.gateway.stub --port N`: a stand-alone stub engine (the benchmark's).
+    """`python -m switchyard.engine_agents.stub --port N`: a stand-alone stub engine (the benchmark's).
 
     With `--nats-url` it also says hello and sends telemetry as `--engine-id`, so a gateway finds it (chaos)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

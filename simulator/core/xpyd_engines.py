@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from switchyard.engine_agents.sim.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
-from switchyard.engine_agents.sim.core.experts import ReplayBank, distinct_per_layer, distinct_per_rank
-from switchyard.engine_agents.sim.core.physics import CostModel
-from switchyard.engine_agents.sim.core.scheduler import UNBOUNDED, Scheduler
+from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
+from switchyard.simulator.core.experts import ReplayBank, distinct_per_layer, distinct_per_rank
+from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.scheduler import UNBOUNDED, Scheduler
 
 __all__ = ["DecodeEngine", "DecodeStep", "PrefillEngine", "PrefillStep", "StepOutput"]
 

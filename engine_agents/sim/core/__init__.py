@@ -1,1 +1,0 @@
-"""The simulated engine model shared by the offline harness and the live engines (see `engine_agents.sim`)."""

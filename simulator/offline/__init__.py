@@ -1,0 +1,1 @@
+"""The offline discrete-event harness: xPyD and DP fleets, scenarios, runs, metrics, report (see `simulator`)."""
