@@ -15,7 +15,9 @@ whoever can publish as an engine shapes routing and placement. So every party ge
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
 services may create and update the contract's streams (every replica sets them up idempotently on start);
-nobody but `admin` may delete or purge them.
+nobody but `admin` may delete or purge them. A durable consumer (`Subjects.durables`) belongs to one role:
+only that role may create, update, inspect, pull from, acknowledge on or delete it; every other consumer is
+ephemeral, and only on streams that hold no durable (see `_stream_read` for why).
 
 `render_server_config` turns this into a nats-server configuration (see `switchyard nats-config`).
 """
@@ -63,24 +65,39 @@ def engine_user(engine_id: str) -> str:
     return f"engine-{check_token(engine_id, 'engine id')}"
 
 
-def _stream_read(stream: str, *, delete_consumers: bool) -> list[str]:
-    """JetStream API subjects to read a stream: its info, consumers on it, single messages, acks."""
+def _stream_read(stream: str, *, own: list[str], ephemeral: bool, delete_consumers: bool) -> list[str]:
+    """JetStream API subjects to read a stream: its info and single messages; consumers of the reader's own.
+
+    `own`: the durable consumers (names) this role owns on the stream: it alone may create and update each
+    (`CONSUMER.CREATE.<stream>.<name>[.<filter>]`, `CONSUMER.DURABLE.CREATE.<stream>.<name>`, where the server
+    holds the request's name to the subject's), inspect it, pull from it, acknowledge on it and delete it.
+
+    `ephemeral`: ephemeral consumers (the nameless `CONSUMER.CREATE.<stream>`, what nats-py sends for ordered
+    consumers and KV watches), their info and flow control. Only on a stream that holds no durable: that
+    request carries the consumer's name in its body, never in its subject, and nats-server (2.15) takes a
+    `name` there as create-or-update of whatever consumer has it, a durable included.
+    """
     api = "$JS.API"
     subjects = [
         f"{api}.STREAM.INFO.{stream}",
-        f"{api}.CONSUMER.CREATE.{stream}",
-        f"{api}.CONSUMER.CREATE.{stream}.>",
-        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
-        f"{api}.CONSUMER.INFO.{stream}.>",
-        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
         f"{api}.STREAM.MSG.GET.{stream}",
         f"{api}.DIRECT.GET.{stream}",
         f"{api}.DIRECT.GET.{stream}.>",
-        f"$JS.ACK.{stream}.>",
-        f"$JS.FC.{stream}.>",
     ]
-    if delete_consumers:
-        subjects.append(f"{api}.CONSUMER.DELETE.{stream}.>")
+    if ephemeral:
+        subjects += [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
+        if delete_consumers:
+            subjects.append(f"{api}.CONSUMER.DELETE.{stream}.*")
+    for name in own:
+        subjects += [
+            f"{api}.CONSUMER.CREATE.{stream}.{name}",
+            f"{api}.CONSUMER.CREATE.{stream}.{name}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+            f"{api}.CONSUMER.INFO.{stream}.{name}",
+            f"{api}.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"{api}.CONSUMER.DELETE.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+        ]
     return subjects
 
 
@@ -96,11 +113,17 @@ class Roles:
         self.kv_stream = f"KV_{subjects.router_bucket}"
         self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
 
+    def _read(self, role: str, stream: str, *, delete_consumers: bool) -> list[str]:
+        """`role`'s read rights on `stream`: the durables it owns there, ephemeral consumers where none is."""
+        durables = [d for d in self.s.durables() if d.stream == stream]
+        own = [d.name for d in durables if d.role == role]
+        return _stream_read(stream, own=own, ephemeral=not durables, delete_consumers=delete_consumers)
+
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
         """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams."""
         js: list[str] = ["$JS.API.INFO"]
         for stream in [*self.contract_streams, self.kv_stream]:
-            js += _stream_read(stream, delete_consumers=admin)
+            js += self._read(user, stream, delete_consumers=admin)
             if admin:
                 js += _stream_admin(stream)
         return Permissions(
@@ -154,7 +177,7 @@ class Roles:
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
             # It also reads the routing samples' stream of before the rename, where a deployed bus still has it.
-            legacy = _stream_read(s.legacy_routing_samples_stream, delete_consumers=True)
+            legacy = self._read(name, s.legacy_routing_samples_stream, delete_consumers=True)
             return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce, *legacy], engines)
         if name == "api":
             # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.

@@ -19,6 +19,7 @@ from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Durable
 
 
 def _telemetry(seq: int) -> s.Telemetry:
@@ -294,13 +295,26 @@ async def test_durable_pull_follows_the_settings_in_the_code(bus: Bus) -> None:
     """A durable consumer created by an older release gets the current settings, not silently the old ones."""
     await bus.ensure_streams()
     stream, subject = bus.subjects.placement_stream, bus.subjects.placement_plan
-    first = await bus.durable_pull(subject, stream, "durable-test", ack_wait=5.0, max_deliver=2)
+    durable = Durable("admin", stream, "durable-test", subject)
+    first = await bus.durable_pull(durable, ack_wait=5.0, max_deliver=2)
     await first.unsubscribe()
-    second = await bus.durable_pull(subject, stream, "durable-test", ack_wait=7.0, max_deliver=4)
+    second = await bus.durable_pull(durable, ack_wait=7.0, max_deliver=4)
     info = await bus.js.consumer_info(stream, "durable-test")
     assert (info.config.ack_wait, info.config.max_deliver, info.config.filter_subject) == (7.0, 4, subject)
     await bus.js.publish(subject, b"x")
     assert [m.data for m in await second.fetch(1, timeout=2)] == [b"x"]
+    # unchanged settings are left alone; a rewritten filter is found and set back
+    assert not await bus.ensure_durable(durable, ack_wait=7.0, max_deliver=4)
+    await bus.js.add_consumer(
+        stream,
+        durable_name="durable-test",
+        filter_subject=bus.subjects.calibration_request,
+        ack_policy="explicit",
+        ack_wait=7.0,
+        max_deliver=4,
+    )
+    assert await bus.ensure_durable(durable, ack_wait=7.0, max_deliver=4)
+    assert (await bus.js.consumer_info(stream, "durable-test")).config.filter_subject == subject
     await second.unsubscribe()
 
 

@@ -90,6 +90,11 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
+#: The plans consumer's settings: recording a plan takes milliseconds, so unacked after `PLAN_ACK_WAIT_S` means
+#: the replica died; a plan is never dropped (recording it is idempotent).
+PLAN_ACK_WAIT_S = 30.0
+PLAN_MAX_DELIVER = -1
+
 #: Probing an unreachable database: first after this, doubled up to `DATABASE_PROBE_MAX_S`.
 DATABASE_PROBE_S = 0.1
 DATABASE_PROBE_MAX_S = 1.0
@@ -124,19 +129,13 @@ class MigrationService:
                 await bus.ensure_streams()
                 await self.fleet.subscribe(ingest)
                 self.executor = Executor(self.sessions, bus, self.fleet, self.config)
-                subjects = bus.subjects
-                consumer = await bus.durable_pull(
-                    subjects.placement_plan,
-                    subjects.placement_stream,
-                    self.config.consumer,
-                    ack_wait=30.0,  # recording a plan takes milliseconds; unacked means this replica died
-                    max_deliver=-1,  # a plan is never dropped: recording it is idempotent
-                )
+                durable = bus.subjects.migration_plans
+                consumer = await bus.durable_pull(durable, ack_wait=PLAN_ACK_WAIT_S, max_deliver=PLAN_MAX_DELIVER)
                 self.leases = GroupLeases(bus, "migration", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
                 await self._resume()
-                log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
+                log.info("migration service ready (consumer %s on %s)", durable.name, durable.stream)
                 while not stop.is_set():
                     try:
                         messages = await consumer.fetch(16, timeout=0.5)
@@ -149,9 +148,10 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            background = [task for task in (renewing,) if task is not None]
+            for task in [*self._workers.values(), *background]:
                 task.cancel()
-            for task in [*self._workers.values(), *([renewing] if renewing is not None else [])]:
+            for task in [*self._workers.values(), *background]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if self.leases is not None:

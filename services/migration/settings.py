@@ -24,8 +24,6 @@ class MigrationSettings(BaseSettings):
     max_runs: int = Field(default=5, ge=1)
     #: How long a new migration waits for a live engine of its group to say hello before it fails.
     engine_wait_s: float = Field(default=15.0, gt=0)
-    #: Name of the durable JetStream consumer on the placement stream (one per deployment: replicas share it).
-    consumer: str = "migration"
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
