@@ -17,7 +17,8 @@ Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another'
 services may create and update the contract's streams (every replica sets them up idempotently on start);
 nobody but `admin` may delete or purge them. A durable consumer (`Subjects.durables`) belongs to one role:
 only that role may create, update, inspect, pull from, acknowledge on or delete it; every other consumer is
-ephemeral, and only on streams that hold no durable (see `_stream_read` for why).
+ephemeral, only on streams that hold no durable and only for the control-plane services: the read roles
+(`readonly`, `loadgen`) read single messages, with no consumer at all (see `_stream_read` for why).
 
 `render_server_config` turns this into a nats-server configuration (see `switchyard nats-config`).
 """
@@ -73,9 +74,11 @@ def _stream_read(stream: str, *, own: list[str], ephemeral: bool, delete_consume
     holds the request's name to the subject's), inspect it, pull from it, acknowledge on it and delete it.
 
     `ephemeral`: ephemeral consumers (the nameless `CONSUMER.CREATE.<stream>`, what nats-py sends for ordered
-    consumers and KV watches), their info and flow control. Only on a stream that holds no durable: that
+    consumers and KV watches), their info and flow control. Never on a stream that holds a durable: that
     request carries the consumer's name in its body, never in its subject, and nats-server (2.15) takes a
-    `name` there as create-or-update of whatever consumer has it, a durable included.
+    `name` there as create-or-update of whatever consumer has it, a durable included. Nor for read roles: a
+    push consumer's deliver subject is in the body too, and the server delivers the stream's messages to
+    it whatever the creator may publish, so an ephemeral consumer relays stored bytes onto any subject.
     """
     api = "$JS.API"
     subjects = [
@@ -113,17 +116,20 @@ class Roles:
         self.kv_stream = f"KV_{subjects.router_bucket}"
         self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
 
-    def _read(self, role: str, stream: str, *, delete_consumers: bool) -> list[str]:
-        """`role`'s read rights on `stream`: the durables it owns there, ephemeral consumers where none is."""
+    def _read(self, role: str, stream: str, *, consumers: bool) -> list[str]:
+        """`role`'s read rights on `stream`: the durables it owns there; with `consumers`, ephemeral consumers
+        (and deleting them) where no durable is."""
         durables = [d for d in self.s.durables() if d.stream == stream]
         own = [d.name for d in durables if d.role == role]
-        return _stream_read(stream, own=own, ephemeral=not durables, delete_consumers=delete_consumers)
+        return _stream_read(stream, own=own, ephemeral=consumers and not durables, delete_consumers=consumers)
 
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
-        """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams."""
+        """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams.
+
+        `admin=False` (the read roles): stream info and single messages only, no consumer at all."""
         js: list[str] = ["$JS.API.INFO"]
         for stream in [*self.contract_streams, self.kv_stream]:
-            js += self._read(user, stream, delete_consumers=admin)
+            js += self._read(user, stream, consumers=admin)
             if admin:
                 js += _stream_admin(stream)
         return Permissions(
@@ -177,7 +183,7 @@ class Roles:
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
             # It also reads the routing samples' stream of before the rename, where a deployed bus still has it.
-            legacy = self._read(name, s.legacy_routing_samples_stream, delete_consumers=True)
+            legacy = self._read(name, s.legacy_routing_samples_stream, consumers=True)
             return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce, *legacy], engines)
         if name == "api":
             # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.

@@ -21,10 +21,11 @@ from nats.js.api import ConsumerConfig
 from sqlalchemy import select
 
 from switchyard.shared.bus import Bus
+from switchyard.shared.codec import encode
 from switchyard.shared.nats_auth import SERVICE_ROLES, engine_user
 from switchyard.shared.subjects import Durable
 from tests import test_nats_permissions as permissions
-from tests.fleet_helpers import eventually
+from tests.fleet_helpers import eventually, hello
 from tests.test_nats_permissions import SecuredNats
 
 #: The module's own secured nats-server (the generated per-role configuration) and admin connection.
@@ -132,31 +133,52 @@ async def _refused(secured: SecuredNats, before: int, subject: str) -> bool:
     return any(subject in line for line in secured.violations()[before:])
 
 
-async def test_read_roles_keep_ephemeral_consumers_of_their_own(secured: SecuredNats, admin: Bus) -> None:
-    """Positive control: `readonly` still reads a stream with no durable through an ephemeral (ordered)
-    consumer, and reads single messages of the plans stream, without a violation."""
+@pytest.mark.parametrize("role", ["readonly", "loadgen"])
+async def test_a_read_role_cannot_relay_stored_bytes_onto_an_engines_subject(
+    secured: SecuredNats, admin: Bus, role: str
+) -> None:
+    """An engine's credentials store any bytes on the routing-samples stream, and a push consumer's deliver
+    subject is its creator's choice: nats-server delivers there whatever the creator may publish. So with a
+    read role's credentials, a consumer delivering those bytes to e1's hello subject made a hello in e1's name
+    that passes every check (it arrives on e1's own subject). Read roles now create no consumer at all; they
+    still read single messages (positive control)."""
     subjects = secured.subjects
-    await admin.js.publish(subjects.expert_load("e0"), b"window")
-    seq = (await admin.js.publish(subjects.placement_plan, b"a-plan")).seq
-    before = len(secured.violations())
-    nc = await secured.raw("readonly")
+    stream = subjects.routing_samples_stream
+    forged = encode(hello("e1", "g-forged", ["forged-gpu"], role="decode"))
+    e0 = await secured.raw(engine_user("e0"))
+    reader, router = await secured.raw(role), await secured.raw("router")
     got: list[bytes] = []
 
-    async def on_message(msg) -> None:
+    async def on_hello(msg) -> None:
         got.append(msg.data)
 
     try:
-        js = nc.jetstream()
-        sub = await js.subscribe(
-            subjects.all_expert_load, stream=subjects.expert_load_stream, cb=on_message, ordered_consumer=True
+        seq = (await e0.jetstream().publish(subjects.routing_samples, forged)).seq  # stored as a "sample"
+        consumers = (await admin.js.stream_info(stream)).state.consumer_count
+        await router.subscribe(subjects.hello("e1"), cb=on_hello)
+        await router.flush()
+        relay = {"deliver_subject": subjects.hello("e1"), "deliver_policy": "last", "ack_policy": "none"}
+        create = f"$JS.API.CONSUMER.CREATE.{stream}"
+        before = len(secured.violations())
+        await reader.publish(
+            create, json.dumps({"stream_name": stream, "config": relay}).encode(), reply=f"_INBOX_{role}.x"
         )
-        await eventually(lambda: _true(b"window" in got), timeout=30)
-        assert (await sub.consumer_info()).num_pending == 0
-        await sub.unsubscribe()
-        assert (await js.get_msg(subjects.placement_stream, seq)).data == b"a-plan"
+        marker = f"{subjects.prefix}.marker.{uuid.uuid4().hex}"
+        await reader.publish(marker)
+        await reader.flush()
+        await eventually(lambda: _refused(secured, before, marker), timeout=30)
+        refused = any(create in line for line in secured.violations()[before:])
+        if not refused:  # show what it allowed: the stored bytes arrive as e1's hello
+            await eventually(lambda: _true(forged in got), timeout=10)
+        assert refused and got == [], f"{role} relayed a hello in e1's name"
+        assert (await admin.js.stream_info(stream)).state.consumer_count == consumers
+        # positive control: single messages by sequence, no consumer, no violation
+        before = len(secured.violations())
+        assert (await reader.jetstream().get_msg(stream, seq)).data == forged
+        assert secured.violations()[before:] == []
     finally:
-        await nc.close()
-    assert secured.violations()[before:] == []
+        for nc in (e0, reader, router):
+            await nc.close()
 
 
 async def _true(value: bool) -> bool:
@@ -176,7 +198,7 @@ async def test_readonly_cannot_make_the_migration_service_skip_plans(
     from switchyard.services.migration.settings import MigrationSettings
     from switchyard.shared.db import Migration, Placement, create_async_db, upgrade
     from switchyard.solver.placement.layouts import default_layout
-    from tests.fleet_helpers import announcing, hello, plan, shuffled
+    from tests.fleet_helpers import announcing, plan, shuffled
 
     subjects = secured.subjects
     durable = subjects.migration_plans
