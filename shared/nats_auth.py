@@ -17,8 +17,9 @@ Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another'
 services may create and update the contract's streams (every replica sets them up idempotently on start);
 nobody but `admin` may delete or purge them. A durable consumer (`Subjects.durables`) belongs to one role:
 only that role may create, update, inspect, pull from, acknowledge on or delete it; every other consumer is
-ephemeral, only on streams that hold no durable and only for the control-plane services: the read roles
-(`readonly`, `loadgen`) read single messages, with no consumer at all (see `_stream_read` for why).
+ephemeral, only on streams that hold no durable and only for a service that reads that stream through one
+(`Roles.ephemeral`): the read roles (`readonly`, `loadgen`), `migration` and `fleet` create none; they read
+single messages (see `_stream_read` for why).
 
 `render_server_config` turns this into a nats-server configuration (see `switchyard nats-config`).
 """
@@ -115,21 +116,32 @@ class Roles:
         self.s = subjects
         self.kv_stream = f"KV_{subjects.router_bucket}"
         self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
+        s = subjects
+        #: Where each service reads through ephemeral consumers, and nowhere else: any such consumer can relay
+        #: the stream's bytes onto a subject of its creator's choosing (`_stream_read`), so only the service
+        #: that needs it gets one. (Leases, plans and calibration requests are read without one.)
+        self.ephemeral: dict[str, set[str]] = {
+            "router": {self.kv_stream},  # watching the routing artifact, and its history
+            "api": {self.kv_stream},  # the artifact's history (last valid revision)
+            "placement": {s.expert_load_stream},  # following the expert-load windows
+            "fit": {s.routing_samples_stream, s.legacy_routing_samples_stream, self.kv_stream},
+        }
 
-    def _read(self, role: str, stream: str, *, consumers: bool) -> list[str]:
-        """`role`'s read rights on `stream`: the durables it owns there; with `consumers`, ephemeral consumers
-        (and deleting them) where no durable is."""
+    def _read(self, role: str, stream: str) -> list[str]:
+        """`role`'s read rights on `stream`: the durables it owns there, ephemeral consumers if it reads it
+        through them (never where a durable is)."""
         durables = [d for d in self.s.durables() if d.stream == stream]
         own = [d.name for d in durables if d.role == role]
-        return _stream_read(stream, own=own, ephemeral=consumers and not durables, delete_consumers=consumers)
+        ephemeral = stream in self.ephemeral.get(role, set()) and not durables
+        return _stream_read(stream, own=own, ephemeral=ephemeral, delete_consumers=ephemeral)
 
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
         """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams.
 
-        `admin=False` (the read roles): stream info and single messages only, no consumer at all."""
+        `admin=False` (the read roles): no stream set-up."""
         js: list[str] = ["$JS.API.INFO"]
         for stream in [*self.contract_streams, self.kv_stream]:
-            js += self._read(user, stream, consumers=admin)
+            js += self._read(user, stream)
             if admin:
                 js += _stream_admin(stream)
         return Permissions(
@@ -183,7 +195,7 @@ class Roles:
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
             # It also reads the routing samples' stream of before the rename, where a deployed bus still has it.
-            legacy = self._read(name, s.legacy_routing_samples_stream, consumers=True)
+            legacy = self._read(name, s.legacy_routing_samples_stream)
             return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce, *legacy], engines)
         if name == "api":
             # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.

@@ -133,15 +133,15 @@ async def _refused(secured: SecuredNats, before: int, subject: str) -> bool:
     return any(subject in line for line in secured.violations()[before:])
 
 
-@pytest.mark.parametrize("role", ["readonly", "loadgen"])
-async def test_a_read_role_cannot_relay_stored_bytes_onto_an_engines_subject(
+@pytest.mark.parametrize("role", ["readonly", "loadgen", "router", "api", "migration", "fleet"])
+async def test_a_role_without_a_consumer_of_the_stream_cannot_relay_its_bytes_onto_an_engines_subject(
     secured: SecuredNats, admin: Bus, role: str
 ) -> None:
     """An engine's credentials store any bytes on the routing-samples stream, and a push consumer's deliver
-    subject is its creator's choice: nats-server delivers there whatever the creator may publish. So with a
-    read role's credentials, a consumer delivering those bytes to e1's hello subject made a hello in e1's name
-    that passes every check (it arrives on e1's own subject). Read roles now create no consumer at all; they
-    still read single messages (positive control)."""
+    subject is its creator's choice: nats-server delivers there whatever the creator may publish. So with the
+    credentials of any role but `gateway` and the engines, a consumer delivering those bytes to e1's hello
+    subject made a hello in e1's name that passes every check (it arrives on e1's own subject). Only `fit`
+    reads that stream through consumers now; the others still read single messages (positive control)."""
     subjects = secured.subjects
     stream = subjects.routing_samples_stream
     forged = encode(hello("e1", "g-forged", ["forged-gpu"], role="decode"))
