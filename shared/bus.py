@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
-from switchyard.shared.errors import ConfigError, Impersonation, WireError
+from switchyard.shared.errors import ConfigError, Impersonation, Relayed, WireError
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Durable, Subjects
 
@@ -63,6 +63,27 @@ def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
     claimed = getattr(message, "engine_id", None)
     if sender is not None and claimed is not None and claimed != sender:
         raise Impersonation("engine_id", f"{claimed!r} published on {sender!r}'s subject")
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a last `>` one or more."""
+    if pattern == subject:
+        return True
+    wanted, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(wanted) == len(got)
+
+
+def _relayed(pattern: str, msg: Msg) -> bool:
+    """Whether a core subscription on `pattern` got a message published elsewhere: a JetStream push consumer's
+    delivery, which keeps the stored message's subject. Whoever may create a consumer picks its deliver
+    subject (nats-server checks no permission on it), so stored bytes could arrive on any subscription; an
+    engine's stored bytes relayed onto `<p>.engine.e1.hello` would be a hello in e1's name."""
+    return msg.subject != pattern and not subject_matches(pattern, msg.subject)
 
 
 def _same_durable(current: ConsumerConfig, wanted: ConsumerConfig) -> bool:
@@ -410,6 +431,10 @@ class Bus:
         warn = _RateLimitedWarning(subject)
 
         async def _on_message(msg: Msg) -> None:
+            if _relayed(subject, msg):
+                REJECTED.labels(subject, Relayed.code).inc()
+                warn(Relayed("subject", f"a message stored on {msg.subject!r} relayed here; dropped"))
+                return
             message = decode_one(msg.data)
             if isinstance(message, WireError):
                 return
@@ -455,6 +480,9 @@ class Bus:
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
                 REJECTED.labels(subject, "no_reply_subject").inc()
+                return
+            if _relayed(subject, msg):  # not a request at all: its reply subject would be an acknowledgement
+                REJECTED.labels(subject, Relayed.code).inc()
                 return
             request = decode_one(msg.data)
             if isinstance(request, WireError):

@@ -388,3 +388,39 @@ async def test_errors_while_we_close_the_connection_ourselves_are_not_warnings(c
         await on_error(ConnectionClosedError())
     levels = [r.levelname for r in caplog.records if "svc: NATS error" in r.getMessage()]
     assert levels == ["WARNING", "DEBUG"]
+
+
+async def test_stored_bytes_relayed_by_a_jetstream_consumer_are_refused(bus: Bus) -> None:
+    """Whoever may create a push consumer picks its deliver subject, and nats-server delivers the stream's
+    messages there (keeping their stored subject) whatever the creator may publish: bytes an engine stored as
+    a routing sample arrived on e1's hello subject as a hello in e1's name, and on a served subject as a
+    request. Subscriptions now refuse (and count) a message whose subject is not theirs (a delivery keeps the
+    subject it was stored under)."""
+    from tests.fleet_helpers import eventually, hello
+
+    await bus.ensure_streams()
+    subjects = bus.subjects
+    forged = hello("e1", "g-forged", ["forged-gpu"], role="decode")
+    await bus.js.publish(subjects.routing_samples, encode(forged))  # what any engine may store
+    seen: list[str] = []
+    served: list[s.Announce] = []
+    await bus.subscribe(subjects.all_hello, s.Hello, lambda m, _: seen.append(m.engine_id))
+    await bus.serve(subjects.route_dp, s.Announce, lambda m: served.append(m) or m)
+    # a push consumer delivers only while its deliver subject itself has a subscriber (wildcards do not count):
+    # whoever may read hellos can make one (the attacker, as `readonly`), and then the wildcards get it too
+    exact = await bus.nc.subscribe(subjects.hello("e1"))
+    await bus.nc.flush()
+    hellos, requests = (rejected_count(x, "relayed") for x in (subjects.all_hello, subjects.route_dp))
+    for target in (subjects.hello("e1"), subjects.route_dp):  # ack none: the delivery still has a reply subject
+        await bus.js.add_consumer(
+            subjects.routing_samples_stream, deliver_subject=target, ack_policy="none", deliver_policy="last"
+        )
+    await bus.publish(subjects.hello("e0"), hello("e0", "g0", ["gpu0"]))  # positive control: a real hello
+
+    async def settled() -> bool:
+        counts = (rejected_count(subjects.all_hello, "relayed"), rejected_count(subjects.route_dp, "relayed"))
+        return "e0" in seen and counts == (hellos + 1, requests + 1)
+
+    await eventually(settled, timeout=30)
+    assert seen == ["e0"] and served == []
+    await exact.unsubscribe()
