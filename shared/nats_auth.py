@@ -67,7 +67,7 @@ def engine_user(engine_id: str) -> str:
     return f"engine-{check_token(engine_id, 'engine id')}"
 
 
-def _stream_read(stream: str, *, own: list[str], ephemeral: bool, delete_consumers: bool) -> list[str]:
+def _stream_read(stream: str, *, own: list[str], ephemeral: bool) -> list[str]:
     """JetStream API subjects to read a stream: its info and single messages; consumers of the reader's own.
 
     `own`: the durable consumers (names) this role owns on the stream: it alone may create and update each
@@ -75,11 +75,12 @@ def _stream_read(stream: str, *, own: list[str], ephemeral: bool, delete_consume
     holds the request's name to the subject's), inspect it, pull from it, acknowledge on it and delete it.
 
     `ephemeral`: ephemeral consumers (the nameless `CONSUMER.CREATE.<stream>`, what nats-py sends for ordered
-    consumers and KV watches), their info and flow control. Never on a stream that holds a durable: that
-    request carries the consumer's name in its body, never in its subject, and nats-server (2.15) takes a
-    `name` there as create-or-update of whatever consumer has it, a durable included. Nor for read roles: a
-    push consumer's deliver subject is in the body too, and the server delivers the stream's messages to
-    it whatever the creator may publish, so an ephemeral consumer relays stored bytes onto any subject.
+    consumers and KV watches), their info, flow control and delete. Never on a stream that holds a durable:
+    that request carries the consumer's name in its body, never in its subject, and nats-server (2.15) takes
+    a `name` there as create-or-update of whatever consumer has it, a durable included. Nor for a role that
+    does not read the stream through one: a push consumer's deliver subject is in the body too, and the server
+    delivers the stream's messages there whatever the creator may publish, so any ephemeral consumer can relay
+    stored bytes onto any subject.
     """
     api = "$JS.API"
     subjects = [
@@ -89,9 +90,12 @@ def _stream_read(stream: str, *, own: list[str], ephemeral: bool, delete_consume
         f"{api}.DIRECT.GET.{stream}.>",
     ]
     if ephemeral:
-        subjects += [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
-        if delete_consumers:
-            subjects.append(f"{api}.CONSUMER.DELETE.{stream}.*")
+        subjects += [
+            f"{api}.CONSUMER.CREATE.{stream}",
+            f"{api}.CONSUMER.INFO.{stream}.*",
+            f"{api}.CONSUMER.DELETE.{stream}.*",
+            f"$JS.FC.{stream}.>",
+        ]
     for name in own:
         subjects += [
             f"{api}.CONSUMER.CREATE.{stream}.{name}",
@@ -133,7 +137,7 @@ class Roles:
         durables = [d for d in self.s.durables() if d.stream == stream]
         own = [d.name for d in durables if d.role == role]
         ephemeral = stream in self.ephemeral.get(role, set()) and not durables
-        return _stream_read(stream, own=own, ephemeral=ephemeral, delete_consumers=ephemeral)
+        return _stream_read(stream, own=own, ephemeral=ephemeral)
 
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
         """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams.
