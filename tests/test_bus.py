@@ -14,7 +14,7 @@ import pytest
 from nats.errors import ConnectionClosedError
 
 from switchyard.shared import schemas as s
-from switchyard.shared.bus import HANDLER_ERRORS, Bus, _quiet_callbacks, rejected_count
+from switchyard.shared.bus import HANDLER_ERRORS, Bus, _quiet_callbacks, rejected_count, subject_matches
 from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
 from switchyard.shared.errors import RemoteError
@@ -424,3 +424,20 @@ async def test_stored_bytes_relayed_by_a_jetstream_consumer_are_refused(bus: Bus
     await eventually(settled, timeout=30)
     assert seen == ["e0"] and served == []
     await exact.unsubscribe()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "matches"),
+    [
+        ("sy.engine.*.hello", "sy.engine.e1.hello", True),
+        ("sy.engine.*.hello", "sy.routing.samples", False),
+        ("sy.engine.*.hello", "sy.engine.e1.hello.x", False),
+        ("sy.sim.>", "sy.sim.submit.p0", True),
+        ("sy.sim.>", "sy.sim", False),
+        ("sy.route.dp", "sy.route.dp", True),
+        ("sy.route.dp", "sy.route.decode", False),
+    ],
+)
+def test_subject_matching_follows_nats(pattern: str, subject: str, matches: bool) -> None:
+    """What a subscription may receive (anything else is a relayed delivery): `*` one token, `>` the rest."""
+    assert subject_matches(pattern, subject) is matches
