@@ -34,10 +34,10 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
-from switchyard.shared.errors import ConfigError, Impersonation, WireError
+from switchyard.shared.errors import ConfigError, Impersonation, Relayed, WireError
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.stream_limits import LIMIT_FIELDS, bucket_limits, contract_limits, limits_differ
-from switchyard.shared.subjects import Subjects
+from switchyard.shared.subjects import Durable, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,39 @@ def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
     claimed = getattr(message, "engine_id", None)
     if sender is not None and claimed is not None and claimed != sender:
         raise Impersonation("engine_id", f"{claimed!r} published on {sender!r}'s subject")
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a last `>` one or more."""
+    if pattern == subject:
+        return True
+    wanted, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(wanted) == len(got)
+
+
+def _relayed(pattern: str, msg: Msg) -> bool:
+    """Whether a core subscription on `pattern` got a message published elsewhere: a JetStream push consumer's
+    delivery, which keeps the stored message's subject. Whoever may create a consumer picks its deliver
+    subject (nats-server checks no permission on it), so stored bytes could arrive on any subscription; an
+    engine's stored bytes relayed onto `<p>.engine.e1.hello` would be a hello in e1's name."""
+    return msg.subject != pattern and not subject_matches(pattern, msg.subject)
+
+
+def _same_durable(current: ConsumerConfig, wanted: ConsumerConfig) -> bool:
+    """Whether a durable's settings are the code's (what the server fills in by default is not compared)."""
+    return (
+        current.filter_subject == wanted.filter_subject
+        and not current.filter_subjects
+        and current.ack_policy == wanted.ack_policy
+        and current.ack_wait == wanted.ack_wait
+        and current.max_deliver == wanted.max_deliver
+        and current.deliver_subject is None
+    )
 
 
 def rejected_count(subscription: str, code: str) -> float:
@@ -336,21 +369,34 @@ class Bus:
             for name, subjects in self.subjects.streams().items()
         }
 
-    async def durable_pull(
-        self, subject: str, stream: str, durable: str, *, ack_wait: float, max_deliver: int
-    ) -> JetStreamContext.PullSubscription:
-        """A pull subscription on a durable consumer whose settings follow the code: created, or updated when
-        a consumer of that name already exists with other settings (`pull_subscribe` would silently keep the
-        old ones)."""
-        config = ConsumerConfig(
-            durable_name=durable,
-            filter_subject=subject,
+    async def ensure_durable(self, durable: Durable, *, ack_wait: float, max_deliver: int) -> bool:
+        """Create the durable consumer, or set its settings back to the code's; True if it was missing or had
+        other settings (another release's, or an operator's edit): its filter and pointer decide what the
+        owning service ever sees, so whoever checks it periodically also repairs it."""
+        wanted = ConsumerConfig(
+            durable_name=durable.name,
+            filter_subject=durable.filter_subject,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=max_deliver,
         )
-        await self.js.add_consumer(stream, config=config)  # create-or-update on NATS >= 2.9
-        return await self.js.pull_subscribe_bind(durable, stream)
+        try:
+            current = (await self.js.consumer_info(durable.stream, durable.name)).config
+        except NotFoundError:
+            current = None
+        if current is not None and _same_durable(current, wanted):
+            return False
+        await self.js.add_consumer(durable.stream, config=wanted)  # create-or-update on NATS >= 2.9
+        return True
+
+    async def durable_pull(
+        self, durable: Durable, *, ack_wait: float, max_deliver: int
+    ) -> JetStreamContext.PullSubscription:
+        """A pull subscription on a durable consumer whose settings follow the code: created, or updated when
+        a consumer of that name already exists with other settings (`pull_subscribe` would silently keep the
+        old ones)."""
+        await self.ensure_durable(durable, ack_wait=ack_wait, max_deliver=max_deliver)
+        return await self.js.pull_subscribe_bind(durable.name, durable.stream)
 
     async def ensure_kv(self, bucket: str, history: int = 16, ttl: float | None = None) -> KeyValue:
         """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write).
@@ -424,6 +470,10 @@ class Bus:
         warn = _RateLimitedWarning(subject)
 
         async def _on_message(msg: Msg) -> None:
+            if _relayed(subject, msg):
+                REJECTED.labels(subject, Relayed.code).inc()
+                warn(Relayed("subject", f"a message stored on {msg.subject!r} relayed here; dropped"))
+                return
             message = decode_one(msg.data)
             if isinstance(message, WireError):
                 return
@@ -469,6 +519,9 @@ class Bus:
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
                 REJECTED.labels(subject, "no_reply_subject").inc()
+                return
+            if _relayed(subject, msg):  # not a request at all: its reply subject would be an acknowledgement
+                REJECTED.labels(subject, Relayed.code).inc()
                 return
             request = decode_one(msg.data)
             if isinstance(request, WireError):

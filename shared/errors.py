@@ -55,6 +55,13 @@ class Impersonation(WireError):
     code = "engine_id_mismatch"
 
 
+class Relayed(WireError):
+    """A message published on another subject than the subscription's: a JetStream consumer's delivery of
+    stored bytes to a subject its creator chose (see `shared.bus`)."""
+
+    code = "relayed"
+
+
 class ConfigError(ValueError):
     """A setting or URL the user gave cannot work (unknown scheme, missing server): said in one line."""
 

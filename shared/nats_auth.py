@@ -15,7 +15,11 @@ whoever can publish as an engine shapes routing and placement. So every party ge
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
 services may create and update the contract's streams (every replica sets them up idempotently on start);
-nobody but `admin` may delete or purge them.
+nobody but `admin` may delete or purge them. A durable consumer (`Subjects.durables`) belongs to one role:
+only that role may create, update, inspect, pull from, acknowledge on or delete it; every other consumer is
+ephemeral, only on streams that hold no durable and only for a service that reads that stream through one
+(`Roles.ephemeral`): the read roles (`readonly`, `loadgen`), `migration` and `fleet` create none; they read
+single messages (see `_stream_read` for why).
 
 `render_server_config` turns this into a nats-server configuration (see `switchyard nats-config`).
 """
@@ -63,24 +67,45 @@ def engine_user(engine_id: str) -> str:
     return f"engine-{check_token(engine_id, 'engine id')}"
 
 
-def _stream_read(stream: str, *, delete_consumers: bool) -> list[str]:
-    """JetStream API subjects to read a stream: its info, consumers on it, single messages, acks."""
+def _stream_read(stream: str, *, own: list[str], ephemeral: bool) -> list[str]:
+    """JetStream API subjects to read a stream: its info and single messages; consumers of the reader's own.
+
+    `own`: the durable consumers (names) this role owns on the stream: it alone may create and update each
+    (`CONSUMER.CREATE.<stream>.<name>[.<filter>]`, `CONSUMER.DURABLE.CREATE.<stream>.<name>`, where the server
+    holds the request's name to the subject's), inspect it, pull from it, acknowledge on it and delete it.
+
+    `ephemeral`: ephemeral consumers (the nameless `CONSUMER.CREATE.<stream>`, what nats-py sends for ordered
+    consumers and KV watches), their info, flow control and delete. Never on a stream that holds a durable:
+    that request carries the consumer's name in its body, never in its subject, and nats-server (2.15) takes
+    a `name` there as create-or-update of whatever consumer has it, a durable included. Nor for a role that
+    does not read the stream through one: a push consumer's deliver subject is in the body too, and the server
+    delivers the stream's messages there whatever the creator may publish, so any ephemeral consumer can relay
+    stored bytes onto any subject.
+    """
     api = "$JS.API"
     subjects = [
         f"{api}.STREAM.INFO.{stream}",
-        f"{api}.CONSUMER.CREATE.{stream}",
-        f"{api}.CONSUMER.CREATE.{stream}.>",
-        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
-        f"{api}.CONSUMER.INFO.{stream}.>",
-        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
         f"{api}.STREAM.MSG.GET.{stream}",
         f"{api}.DIRECT.GET.{stream}",
         f"{api}.DIRECT.GET.{stream}.>",
-        f"$JS.ACK.{stream}.>",
-        f"$JS.FC.{stream}.>",
     ]
-    if delete_consumers:
-        subjects.append(f"{api}.CONSUMER.DELETE.{stream}.>")
+    if ephemeral:
+        subjects += [
+            f"{api}.CONSUMER.CREATE.{stream}",
+            f"{api}.CONSUMER.INFO.{stream}.*",
+            f"{api}.CONSUMER.DELETE.{stream}.*",
+            f"$JS.FC.{stream}.>",
+        ]
+    for name in own:
+        subjects += [
+            f"{api}.CONSUMER.CREATE.{stream}.{name}",
+            f"{api}.CONSUMER.CREATE.{stream}.{name}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+            f"{api}.CONSUMER.INFO.{stream}.{name}",
+            f"{api}.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"{api}.CONSUMER.DELETE.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+        ]
     return subjects
 
 
@@ -95,12 +120,32 @@ class Roles:
         self.s = subjects
         self.kv_stream = f"KV_{subjects.router_bucket}"
         self.contract_streams = [*subjects.streams(), f"KV_{subjects.lease_bucket}"]
+        s = subjects
+        #: Where each service reads through ephemeral consumers, and nowhere else: any such consumer can relay
+        #: the stream's bytes onto a subject of its creator's choosing (`_stream_read`), so only the service
+        #: that needs it gets one. (Leases, plans and calibration requests are read without one.)
+        self.ephemeral: dict[str, set[str]] = {
+            "router": {self.kv_stream},  # watching the routing artifact, and its history
+            "api": {self.kv_stream},  # the artifact's history (last valid revision)
+            "placement": {s.expert_load_stream},  # following the expert-load windows
+            "fit": {s.routing_samples_stream, s.legacy_routing_samples_stream, self.kv_stream},
+        }
+
+    def _read(self, role: str, stream: str) -> list[str]:
+        """`role`'s read rights on `stream`: the durables it owns there, ephemeral consumers if it reads it
+        through them (never where a durable is)."""
+        durables = [d for d in self.s.durables() if d.stream == stream]
+        own = [d.name for d in durables if d.role == role]
+        ephemeral = stream in self.ephemeral.get(role, set()) and not durables
+        return _stream_read(stream, own=own, ephemeral=ephemeral)
 
     def _service(self, user: str, publish: list[str], subscribe: list[str], *, admin: bool = True) -> Permissions:
-        """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams."""
+        """A control-plane service: its subjects, its inbox, read (and set up) the contract's streams.
+
+        `admin=False` (the read roles): no stream set-up."""
         js: list[str] = ["$JS.API.INFO"]
         for stream in [*self.contract_streams, self.kv_stream]:
-            js += _stream_read(stream, delete_consumers=admin)
+            js += self._read(user, stream)
             if admin:
                 js += _stream_admin(stream)
         return Permissions(
@@ -154,7 +199,7 @@ class Roles:
             return self._service(name, [*requests, s.announce], engines)
         if name == "fit":
             # It also reads the routing samples' stream of before the rename, where a deployed bus still has it.
-            legacy = _stream_read(s.legacy_routing_samples_stream, delete_consumers=True)
+            legacy = self._read(name, s.legacy_routing_samples_stream)
             return self._service(name, [f"$KV.{s.router_bucket}.>", s.announce, *legacy], engines)
         if name == "api":
             # The API's write endpoints (calibrate, reapply a plan) are guarded by its token.

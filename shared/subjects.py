@@ -20,6 +20,22 @@ def check_token(value: str, what: str = "subject token") -> str:
 
 
 @dataclass(frozen=True)
+class Durable:
+    """A durable JetStream consumer and the one role that owns it.
+
+    Only the owner may create, update, inspect, pull from, acknowledge on or delete it (`shared.nats_auth`):
+    a durable's filter and delivery pointer decide which messages its service ever sees, so a role that could
+    rewrite them could make that service skip work for good. NATS permissions match whole subject tokens
+    only, so each name is listed here once and used both by the code and by the permissions.
+    """
+
+    role: str
+    stream: str
+    name: str
+    filter_subject: str
+
+
+@dataclass(frozen=True)
 class Subjects:
     prefix: str = "sy"
 
@@ -162,3 +178,18 @@ class Subjects:
             self.placement_stream: [self.placement_plan, self.calibration_request],
             self.routing_samples_stream: [self.routing_samples],
         }
+
+    # --- durable consumers (each owned by one role; see `Durable`) ---
+    @property
+    def migration_plans(self) -> Durable:
+        """The migration service's plans (its replicas share it)."""
+        return Durable("migration", self.placement_stream, "migration", self.placement_plan)
+
+    @property
+    def calibration_requests(self) -> Durable:
+        """The placement service's calibration requests (the API's `POST /v1/calibrations`)."""
+        return Durable("placement", self.placement_stream, "placement-calibrate", self.calibration_request)
+
+    def durables(self) -> list[Durable]:
+        """Every durable consumer of the contract; every other consumer is ephemeral."""
+        return [self.migration_plans, self.calibration_requests]

@@ -14,11 +14,12 @@ import pytest
 from nats.errors import ConnectionClosedError
 
 from switchyard.shared import schemas as s
-from switchyard.shared.bus import HANDLER_ERRORS, Bus, _quiet_callbacks, rejected_count
+from switchyard.shared.bus import HANDLER_ERRORS, Bus, _quiet_callbacks, rejected_count, subject_matches
 from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Durable
 
 
 def _telemetry(seq: int) -> s.Telemetry:
@@ -294,13 +295,26 @@ async def test_durable_pull_follows_the_settings_in_the_code(bus: Bus) -> None:
     """A durable consumer created by an older release gets the current settings, not silently the old ones."""
     await bus.ensure_streams()
     stream, subject = bus.subjects.placement_stream, bus.subjects.placement_plan
-    first = await bus.durable_pull(subject, stream, "durable-test", ack_wait=5.0, max_deliver=2)
+    durable = Durable("admin", stream, "durable-test", subject)
+    first = await bus.durable_pull(durable, ack_wait=5.0, max_deliver=2)
     await first.unsubscribe()
-    second = await bus.durable_pull(subject, stream, "durable-test", ack_wait=7.0, max_deliver=4)
+    second = await bus.durable_pull(durable, ack_wait=7.0, max_deliver=4)
     info = await bus.js.consumer_info(stream, "durable-test")
     assert (info.config.ack_wait, info.config.max_deliver, info.config.filter_subject) == (7.0, 4, subject)
     await bus.js.publish(subject, b"x")
     assert [m.data for m in await second.fetch(1, timeout=2)] == [b"x"]
+    # unchanged settings are left alone; a rewritten filter is found and set back
+    assert not await bus.ensure_durable(durable, ack_wait=7.0, max_deliver=4)
+    await bus.js.add_consumer(
+        stream,
+        durable_name="durable-test",
+        filter_subject=bus.subjects.calibration_request,
+        ack_policy="explicit",
+        ack_wait=7.0,
+        max_deliver=4,
+    )
+    assert await bus.ensure_durable(durable, ack_wait=7.0, max_deliver=4)
+    assert (await bus.js.consumer_info(stream, "durable-test")).config.filter_subject == subject
     await second.unsubscribe()
 
 
@@ -374,3 +388,56 @@ async def test_errors_while_we_close_the_connection_ourselves_are_not_warnings(c
         await on_error(ConnectionClosedError())
     levels = [r.levelname for r in caplog.records if "svc: NATS error" in r.getMessage()]
     assert levels == ["WARNING", "DEBUG"]
+
+
+async def test_stored_bytes_relayed_by_a_jetstream_consumer_are_refused(bus: Bus) -> None:
+    """Whoever may create a push consumer picks its deliver subject, and nats-server delivers the stream's
+    messages there (keeping their stored subject) whatever the creator may publish: bytes an engine stored as
+    a routing sample arrived on e1's hello subject as a hello in e1's name, and on a served subject as a
+    request. Subscriptions now refuse (and count) a message whose subject is not theirs (a delivery keeps the
+    subject it was stored under)."""
+    from tests.fleet_helpers import eventually, hello
+
+    await bus.ensure_streams()
+    subjects = bus.subjects
+    forged = hello("e1", "g-forged", ["forged-gpu"], role="decode")
+    await bus.js.publish(subjects.routing_samples, encode(forged))  # what any engine may store
+    seen: list[str] = []
+    served: list[s.Announce] = []
+    await bus.subscribe(subjects.all_hello, s.Hello, lambda m, _: seen.append(m.engine_id))
+    await bus.serve(subjects.route_dp, s.Announce, lambda m: served.append(m) or m)
+    # a push consumer delivers only while its deliver subject itself has a subscriber (wildcards do not count):
+    # whoever may read hellos can make one (the attacker, as `readonly`), and then the wildcards get it too
+    exact = await bus.nc.subscribe(subjects.hello("e1"))
+    await bus.nc.flush()
+    hellos, requests = (rejected_count(x, "relayed") for x in (subjects.all_hello, subjects.route_dp))
+    for target in (subjects.hello("e1"), subjects.route_dp):  # ack none: the delivery still has a reply subject
+        await bus.js.add_consumer(
+            subjects.routing_samples_stream, deliver_subject=target, ack_policy="none", deliver_policy="last"
+        )
+    await bus.publish(subjects.hello("e0"), hello("e0", "g0", ["gpu0"]))  # positive control: a real hello
+
+    async def settled() -> bool:
+        counts = (rejected_count(subjects.all_hello, "relayed"), rejected_count(subjects.route_dp, "relayed"))
+        return "e0" in seen and counts == (hellos + 1, requests + 1)
+
+    await eventually(settled, timeout=30)
+    assert seen == ["e0"] and served == []
+    await exact.unsubscribe()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "matches"),
+    [
+        ("sy.engine.*.hello", "sy.engine.e1.hello", True),
+        ("sy.engine.*.hello", "sy.routing.samples", False),
+        ("sy.engine.*.hello", "sy.engine.e1.hello.x", False),
+        ("sy.sim.>", "sy.sim.submit.p0", True),
+        ("sy.sim.>", "sy.sim", False),
+        ("sy.route.dp", "sy.route.dp", True),
+        ("sy.route.dp", "sy.route.decode", False),
+    ],
+)
+def test_subject_matching_follows_nats(pattern: str, subject: str, matches: bool) -> None:
+    """What a subscription may receive (anything else is a relayed delivery): `*` one token, `>` the rest."""
+    assert subject_matches(pattern, subject) is matches

@@ -276,13 +276,13 @@ async def test_plans_that_can_never_be_stored_are_terminated_not_redelivered(
             from nats.js.errors import NotFoundError
 
             try:
-                info = await bus.js.consumer_info(stream, FAST.consumer)
+                info = await bus.js.consumer_info(stream, bus.subjects.migration_plans.name)
             except NotFoundError:  # the service has not created it yet
                 return False
             return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.stream_seq == 3
 
         await eventually(settled)
-        info = await bus.js.consumer_info(stream, FAST.consumer)
+        info = await bus.js.consumer_info(stream, bus.subjects.migration_plans.name)
         assert info.num_redelivered == 0 and info.delivered.stream_seq == 3
     assert rejected_count(subject, "schema") == before + 3
     # what the schema cannot see is judged by the error storing it raised

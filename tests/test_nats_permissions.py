@@ -503,7 +503,7 @@ async def test_without_a_manifest_an_engine_cannot_take_a_live_groups_coordinato
     e1 = await Bus.connect(settings, name="e1", role=engine_user("e1"))
     d0 = await Bus.connect(settings, name="d0", role=engine_user("d0"))
     placement = await Bus.connect(settings, name="placement", role="placement")
-    service = MigrationService(settings, MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, consumer="m"))
+    service = MigrationService(settings, MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05))
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     engine, sessions = create_async_db(database_url)

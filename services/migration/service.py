@@ -3,7 +3,9 @@
 A plan is recorded (placement row if new, one `pending` migration per placement) before its JetStream
 message is acknowledged, so a plan is never lost and a redelivered plan is a no-op. Each engine group has
 one worker that runs the group's unfinished migrations one at a time, oldest version first; on start the
-service resumes every migration a previous run left `pending`, `running` or `rolling_back`.
+service resumes every migration a previous run left `pending`, `running` or `rolling_back`. Every
+`reconcile_s` it sets its plans consumer back to the code's settings if someone changed them, and takes up
+from the database any plan that stayed `published` with no migration (`services.migration.reconcile`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import add_placement
 from switchyard.services.lease import GroupLeases
 from switchyard.services.migration.executor import Executor, LeaseLost
+from switchyard.services.migration.reconcile import CONSUMER_REPAIRS, recover_skipped
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.services.migration.takeover import still_owner, watch_for_orphans
 from switchyard.services.runtime import (
@@ -91,6 +94,11 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
+#: The plans consumer's settings: recording a plan takes milliseconds, so unacked after `PLAN_ACK_WAIT_S` means
+#: the replica died; a plan is never dropped (recording it is idempotent).
+PLAN_ACK_WAIT_S = 30.0
+PLAN_MAX_DELIVER = -1
+
 #: Probing an unreachable database: first after this, doubled up to `DATABASE_PROBE_MAX_S`.
 DATABASE_PROBE_S = 0.1
 DATABASE_PROBE_MAX_S = 1.0
@@ -121,6 +129,7 @@ class MigrationService:
         consumer = None
         renewing: asyncio.Task[None] | None = None
         takeover: asyncio.Task[None] | None = None
+        reconciling: asyncio.Task[None] | None = None
         try:
             with metrics_endpoint(self.config.metrics_port, self.config.metrics_host):
                 await bus.ensure_streams()
@@ -128,14 +137,8 @@ class MigrationService:
                 self.executor = Executor(
                     self.sessions, bus, self.fleet, self.config, owns=lambda group: still_owner(self.leases, group)
                 )
-                subjects = bus.subjects
-                consumer = await bus.durable_pull(
-                    subjects.placement_plan,
-                    subjects.placement_stream,
-                    self.config.consumer,
-                    ack_wait=30.0,  # recording a plan takes milliseconds; unacked means this replica died
-                    max_deliver=-1,  # a plan is never dropped: recording it is idempotent
-                )
+                durable = bus.subjects.migration_plans
+                consumer = await bus.durable_pull(durable, ack_wait=PLAN_ACK_WAIT_S, max_deliver=PLAN_MAX_DELIVER)
                 self.leases = GroupLeases(bus, "migration", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
                 renewing = asyncio.create_task(self._renew_leases(), name="migration-leases")
@@ -144,7 +147,8 @@ class MigrationService:
                 takeover = asyncio.create_task(
                     watch_for_orphans(self.sessions, self.leases, self._kick, scan_s), name="migration-takeover"
                 )
-                log.info("migration service ready (consumer %s on %s)", self.config.consumer, subjects.placement_stream)
+                reconciling = asyncio.create_task(self._reconcile_forever(), name="migration-reconcile")
+                log.info("migration service ready (consumer %s on %s)", durable.name, durable.stream)
                 while not stop.is_set():
                     try:
                         messages = await consumer.fetch(16, timeout=0.5)
@@ -157,7 +161,7 @@ class MigrationService:
                     for msg in messages:
                         await self._on_plan(bus, msg)
         finally:
-            background = [task for task in (renewing, takeover) if task is not None]
+            background = [task for task in (renewing, takeover, reconciling) if task is not None]
             for task in [*self._workers.values(), *background]:
                 task.cancel()
             for task in [*self._workers.values(), *background]:
@@ -202,6 +206,40 @@ class MigrationService:
                     await self.leases.renew()
             except Exception:  # NATS briefly away: try again next round (the lease outlives a short blip)
                 log.warning("renewing migration leases failed; retrying", exc_info=True)
+
+    async def _reconcile_forever(self) -> None:
+        """`reconcile` every `reconcile_s`; a failure (NATS or the database briefly away) waits for the next."""
+        while True:
+            await asyncio.sleep(self.config.reconcile_s)
+            try:
+                await self.reconcile()
+            except Exception as exc:
+                self._warn(f"reconciling plans failed ({type(exc).__name__}: {exc}); trying again")
+
+    async def reconcile(self) -> int:
+        """Set the plans consumer back to the code's settings if it differs, and take up every plan left
+        `published` with no migration for `skipped_plan_s`; returns how many plans were taken up.
+
+        Either alone is not enough: a consumer whose filter was rewritten has moved its pointer past the plans
+        it skipped (repairing it brings none of them back), and without the repair every later plan would be
+        skipped too and found only `skipped_plan_s` late.
+        """
+        assert self.bus is not None
+        durable = self.bus.subjects.migration_plans
+        if await self.bus.ensure_durable(durable, ack_wait=PLAN_ACK_WAIT_S, max_deliver=PLAN_MAX_DELIVER):
+            CONSUMER_REPAIRS.inc()
+            log.warning("plans consumer %s was missing or changed; set back to the service's settings", durable.name)
+        recovered = await recover_skipped(self.sessions, self.config.skipped_plan_s)
+        for plan in recovered:
+            PLANS.labels("recovered").inc()
+            log.warning(
+                "plan %s (group %s) stayed published with no migration for %.0f s: taken up from the database",
+                plan.plan_id,
+                plan.engine_group,
+                self.config.skipped_plan_s,
+            )
+            self._kick(plan.engine_group)
+        return len(recovered)
 
     async def _resume(self) -> None:
         async with self.sessions() as session:

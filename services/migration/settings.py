@@ -24,8 +24,12 @@ class MigrationSettings(BaseSettings):
     max_runs: int = Field(default=5, ge=1)
     #: How long a new migration waits for a live engine of its group to say hello before it fails.
     engine_wait_s: float = Field(default=15.0, gt=0)
-    #: Name of the durable JetStream consumer on the placement stream (one per deployment: replicas share it).
-    consumer: str = "migration"
+    #: A plan left `published` with no migration this long was skipped on its way (a consumer rewritten, a
+    #: message lost): it is taken up from the database. Recording a delivered plan takes milliseconds; a plan
+    #: still in the consumer's backlog and taken up early is recorded once all the same.
+    skipped_plan_s: float = Field(default=60.0, gt=0)
+    #: How often to look for skipped plans and check the plans consumer's settings (`services.migration.reconcile`).
+    reconcile_s: float = Field(default=10.0, gt=0)
     #: Serve this service's Prometheus metrics on this port (None: off; the API serves its own at /metrics).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"

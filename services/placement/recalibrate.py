@@ -39,7 +39,6 @@ from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementE
 from switchyard.solver.placement.calibrate import REFERENCE_SOLVES
 
 log = logging.getLogger(__name__)
-CONSUMER = "placement-calibrate"
 #: Deliveries of one request (crashes, database outages; a shutdown's cancellation counts too).
 MAX_DELIVER = 5
 
@@ -67,9 +66,7 @@ async def serve_calibration_requests(context: CalibrationContext, stop: asyncio.
     subject = bus.subjects.calibration_request
     # ack_wait above the longest calibration (its budget), so a running one is never handed out twice
     ack_wait = context.budget_s + 60.0
-    consumer = await bus.durable_pull(
-        subject, bus.subjects.placement_stream, CONSUMER, ack_wait=ack_wait, max_deliver=MAX_DELIVER
-    )
+    consumer = await bus.durable_pull(bus.subjects.calibration_requests, ack_wait=ack_wait, max_deliver=MAX_DELIVER)
     try:
         while not stop.is_set():
             try:
