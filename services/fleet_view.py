@@ -13,6 +13,11 @@ holds (see docs/security.md, "Group claims"): a hello naming a (group, rank) tha
 moving a live engine to another group or rank, is refused and counted; and a group's coordinator, once it has
 been live for one hello interval, keeps the migrate steps while it stays live, so an engine that joins later
 with a lower rank cannot take them over.
+
+Every value it keeps is keyed by what engines say (ids, groups, ranks), so each is bounded: at most
+`max_engines` engines (a new id beyond that takes the place of the least recently heard engine only if that one
+is stale, else it is refused and counted), an engine that moves leaves its old place and group behind, and
+engines silent for `forget_after_s` are dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +42,15 @@ UNBOUND_HELLOS = Counter(
     "claiming a place a live engine holds (slot_taken) or moving a live engine (rebind_while_live).",
     ["reason"],
 )
+ENGINES_REFUSED = Counter(
+    "switchyard_fleet_engines_refused_total",
+    "Hellos and telemetry from a new engine id refused because the view already holds max_engines engines, "
+    "none of them stale, by message kind.",
+    ["kind"],
+)
+#: Engines a fleet view holds at most (each keeps its last hello, up to 256 KiB): ids are the senders' word,
+#: and on a bus without credentials anyone can name new ones.
+MAX_ENGINES = 4096
 
 
 @dataclass
@@ -64,6 +79,7 @@ class FleetView:
         stale_intervals: float = 3.0,
         forget_after_s: float = 3600.0,
         bindings: dict[str, tuple[str, int]] | None = None,
+        max_engines: int = MAX_ENGINES,
     ) -> None:
         self.clock = clock
         #: engine id -> (ep_group, dp_rank) from the engine manifest: a hello claiming anything else is refused
@@ -73,7 +89,9 @@ class FleetView:
         self.stale_intervals = stale_intervals
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
-        self.engines: dict[str, EngineState] = {}
+        self.max_engines = max_engines
+        #: Least recently heard first (each message moves its engine to the end): the one a newcomer may evict.
+        self.engines: OrderedDict[str, EngineState] = OrderedDict()
         self._changed = asyncio.Event()
         self._next_prune = 0.0
         #: (group, rank) -> the engine last accepted there; a live holder keeps it (see the module docstring).
@@ -92,19 +110,45 @@ class FleetView:
         await bus.publish(bus.subjects.announce, Announce(requester=requester))
         return subscriptions
 
-    def _state(self, engine_id: str) -> EngineState:
+    def _state(self, engine_id: str, kind: str) -> EngineState | None:
+        """The engine's record, moved to the most recently heard end; a new one if there is room (None and
+        counted if not)."""
         now = self.clock()
         if now >= self._next_prune:  # at most once a minute: an O(engines) pass
             self._next_prune = now + 60.0
             for gone in [e for e, s in self.engines.items() if now - s.last_seen > self.forget_after_s]:
-                del self.engines[gone]
-            self._slots = {slot: e for slot, e in self._slots.items() if e in self.engines}
-            self._pinned = {group: e for group, e in self._pinned.items() if e in self.engines}
-            for group, members in list(self._members.items()):
-                members.intersection_update(self.engines)
-                if not members:
-                    del self._members[group]
-        return self.engines.setdefault(engine_id, EngineState(engine_id))
+                self._drop(gone)
+        state = self.engines.get(engine_id)
+        if state is not None:
+            self.engines.move_to_end(engine_id)
+            return state
+        if len(self.engines) >= self.max_engines:
+            oldest = next(iter(self.engines.values()))
+            if not self.is_stale(oldest):  # never evict a live engine for a newcomer
+                ENGINES_REFUSED.labels(kind).inc()
+                return None
+            self._drop(oldest.engine_id)
+        state = self.engines[engine_id] = EngineState(engine_id)
+        return state
+
+    def _drop(self, engine_id: str) -> None:
+        """Forget an engine and every index entry that names it."""
+        state = self.engines.pop(engine_id, None)
+        if state is not None and state.hello is not None:
+            self._leave(engine_id, state.hello)
+
+    def _leave(self, engine_id: str, hello: Hello) -> None:
+        """The engine no longer holds the place its `hello` named: drop that slot, membership and pin."""
+        slot = (hello.ep_group, hello.dp_rank)
+        if self._slots.get(slot) == engine_id:
+            del self._slots[slot]
+        members = self._members.get(hello.ep_group)
+        if members is not None:
+            members.discard(engine_id)
+            if not members:
+                del self._members[hello.ep_group]
+        if self._pinned.get(hello.ep_group) == engine_id:
+            del self._pinned[hello.ep_group]
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:
         if self.bindings is not None and self.bindings.get(hello.engine_id) != (hello.ep_group, hello.dp_rank):
@@ -116,7 +160,9 @@ class FleetView:
         if refusal is not None:
             UNBOUND_HELLOS.labels(refusal).inc()
             return
-        state = self._state(hello.engine_id)
+        state = self._state(hello.engine_id, "hello")
+        if state is None:
+            return
         now = self.clock()
         if self._live_slot(hello.engine_id) == slot:  # the periodic hello of a live member: nothing moves
             state.hello, state.hello_at = hello, now
@@ -124,7 +170,7 @@ class FleetView:
             return
         before = self.coordinator(hello.ep_group)
         if state.hello is not None:
-            self._members.get(state.hello.ep_group, set()).discard(hello.engine_id)
+            self._leave(hello.engine_id, state.hello)
         state.hello, state.hello_at, state.joined_at = hello, now, now
         self._slots[slot] = hello.engine_id
         self._members.setdefault(hello.ep_group, set()).add(hello.engine_id)
@@ -151,7 +197,9 @@ class FleetView:
         return None
 
     def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
-        state = self._state(telemetry.engine_id)
+        state = self._state(telemetry.engine_id, "telemetry")
+        if state is None:
+            return
         event, missed = classify(state.telemetry.seq if state.telemetry else None, telemetry.seq)
         if event is Seq.LATE:
             return  # newer data is already in
