@@ -1,0 +1,203 @@
+"""Structures keyed by values a peer controls stay bounded (issue 29, item 7: "Memory").
+
+Each test feeds one structure many distinct hostile values over a real nats-server, the way the probe did, and
+asserts the number of entries it holds afterwards (not RSS): the router's engine rows and in-flight FIFOs, and
+the fleet view's engines, slots and group index (the API's, placement's and migration's view of the engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import nats
+import pytest
+from prometheus_client import REGISTRY
+
+from switchyard.services.fleet_view import FleetView
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
+from switchyard.shared import schemas as s
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode_reply, encode
+from switchyard.shared.settings import SwitchyardSettings
+from tests.fleet_helpers import eventually, hello
+from tests.test_nats_permissions import SecuredNats, secured  # noqa: F401  (the module-scoped fixture)
+
+#: The fleet view's default bound (`services.fleet_view.MAX_ENGINES`), as the API, placement and migration build it.
+MAX_ENGINES = 4096
+
+
+def _refused_hellos() -> float:
+    return REGISTRY.get_sample_value("switchyard_fleet_engines_refused_total", {"kind": "hello"}) or 0.0
+
+
+def _telemetry(engine_id: str, seq: int = 1) -> s.Telemetry:
+    return s.Telemetry(
+        engine_id=engine_id,
+        seq=seq,
+        ts=time.time(),
+        kv_usage=0.1,
+        num_running=0,
+        num_waiting=0,
+        waiting_prefill_tokens=0,
+        remaining_prefill_tokens=0,
+        step_time_ema=0.01,
+    )
+
+
+async def _flood(nc: nats.NATS, messages: list[tuple[str, bytes]]) -> None:
+    for i, (subject, payload) in enumerate(messages):
+        await nc.publish(subject, payload)
+        if i % 500 == 499:
+            await nc.flush()
+    await nc.flush()
+
+
+@pytest.fixture
+async def router(settings: SwitchyardSettings) -> AsyncIterator[RouterService]:
+    service = RouterService(settings, RouterSettings(policy="jsq", max_engines=32, stale_after_s=1.0))
+    await service.start()
+    yield service
+    await service.stop()
+
+
+async def test_the_router_holds_at_most_max_engines_whatever_ids_arrive(bus: Bus, router: RouterService) -> None:
+    """A bus without credentials: 400 hellos and 400 telemetry messages, each from a new engine id. The router
+    keeps at most `max_engines` rows (old code: one per id, 801, until `forget_after_s` = 5 min, and its
+    columns never shrink), a live engine keeps its row and its traffic, and a newcomer gets in once the flood's
+    ids are stale."""
+    subjects = bus.subjects
+    await bus.publish(subjects.hello("d0"), hello("d0", "g0", ["gpu0"], role="dp"))
+    await bus.publish(subjects.telemetry("d0"), _telemetry("d0", 1))
+    fleet = router.core.fleet
+    await until(lambda: "d0" in fleet.index)
+    flood = [(subjects.hello(f"x{i}"), encode(hello(f"x{i}", f"g{i}", [f"gpu{i}"], role="decode"))) for i in range(400)]
+    flood += [(subjects.telemetry(f"t{i}"), encode(_telemetry(f"t{i}"))) for i in range(400)]
+    await _flood(bus.nc, flood)
+    # Markers after the flood on both subjects (one publisher's order holds per subscription).
+    await bus.publish(subjects.hello("d0"), hello("d0", "marker", ["gpu0"], role="dp"))
+    await bus.publish(subjects.telemetry("d0"), _telemetry("d0", 2))
+
+    def row() -> int:
+        return fleet.index.get("d0", -1)
+
+    await until(lambda: len(fleet) > 32 or (fleet.ep_group[row()] == "marker" and fleet.last_seq[row()] == 2))
+    assert len(fleet) <= 32, f"{len(fleet)} engine rows for a limit of 32"
+    assert len(fleet.role) <= 64 and len(fleet.ledger) <= 64  # the columns' capacity too
+    assert fleet.counters.engines_refused > 0
+    reply = await bus.request(
+        subjects.route_dp, s.RouteDpRequest(request_id="after", prompt_tokens=1), s.RouteDpReply, timeout=2
+    )
+    assert reply.engine_id == "d0"
+    for seq in range(3, 9):  # the flood's ids go stale (stale_after_s 1 s) while d0 keeps reporting
+        await bus.publish(subjects.telemetry("d0"), _telemetry("d0", seq))
+        await asyncio.sleep(0.2)
+    await bus.publish(subjects.hello("n0"), hello("n0", "g1", ["gpu1"], role="dp"))
+    await until(lambda: "n0" in fleet.index)
+    assert "d0" in fleet.index and len(fleet) <= 32
+
+
+async def test_an_engine_that_never_reports_holds_a_bounded_in_flight_count(
+    secured: SecuredNats,  # noqa: F811
+) -> None:
+    """Per-role credentials: `engine-e0` says hello and never sends telemetry, `gateway` asks for 3,000 routes.
+    Each decision waits in e0's in-flight FIFO until a report settles it; the FIFO holds at most
+    `max_inflight_per_engine` (old code: all 3,000, for as long as the hellos keep coming)."""
+    settings = secured.settings()
+    router = RouterService(settings, RouterSettings(policy="jsq", max_inflight_per_engine=100, stale_after_s=5.0))
+    await router.start()
+    engine, gateway = await secured.raw("engine-e0"), await secured.raw("gateway")
+    try:
+        subjects = secured.subjects
+        await engine.publish(subjects.hello("e0"), encode(hello("e0", "g0", ["gpu0"], role="dp")))
+        fleet = router.core.fleet
+        await until(lambda: "e0" in fleet.index)
+        sent = 0
+        for burst in range(15):
+            if burst % 5 == 0:  # e0 stays live on hellos alone
+                await engine.publish(subjects.hello("e0"), encode(hello("e0", "g0", ["gpu0"], role="dp")))
+            requests = [
+                gateway.request(
+                    subjects.route_dp, encode(s.RouteDpRequest(request_id=uuid.uuid4().hex, prompt_tokens=7)), timeout=5
+                )
+                for _ in range(200)
+            ]
+            replies = await asyncio.gather(*requests)
+            sent += sum(decode_reply(r.data, s.RouteDpReply).engine_id == "e0" for r in replies)
+        assert sent == 3000  # every request was routed to e0
+        row = fleet.index["e0"]
+        held = len(fleet.ledger.entries(row))
+        assert held <= 100, f"{held} decisions held in flight for a limit of 100"
+        assert fleet.inflight[row] == held and fleet.inflight_tokens[row] == 7 * held
+        assert fleet.ledger.dropped == 3000 - held
+    finally:
+        await engine.close()
+        await gateway.close()
+        await router.stop()
+
+
+async def test_the_fleet_view_holds_at_most_max_engines(bus: Bus) -> None:
+    """A bus without credentials: hellos from `MAX_ENGINES` + 300 distinct ids into a fleet view as the API
+    builds it (defaults). It holds at most `MAX_ENGINES` (old code: every id, each with its hello of up to 256 KiB,
+    for an hour), a live engine keeps its place, and a newcomer takes the place of a stale one."""
+    view = FleetView()
+    await view.subscribe(bus)
+    subjects = bus.subjects
+    await bus.publish(subjects.hello("real"), hello("real", "g0", ["gpu0"]).model_copy(update={"hello_interval_s": 60}))
+    await until(lambda: "real" in view.engines)
+
+    def fake(i: int) -> tuple[str, bytes]:
+        message = hello(f"x{i}", f"g{i}", [f"gpu{i}"]).model_copy(update={"hello_interval_s": 0.05})
+        return subjects.hello(message.engine_id), encode(message)
+
+    refused = _refused_hellos()
+    await _flood(bus.nc, [fake(i) for i in range(MAX_ENGINES + 300)])
+    marker = hello("real", "g0", ["gpu0"]).model_copy(update={"hello_interval_s": 60, "agent_version": "marker"})
+    await bus.publish(subjects.hello("real"), marker)  # after the flood, in its order
+    await until(lambda: view.engines["real"].hello.agent_version == "marker", within=30)
+    assert len(view.engines) <= MAX_ENGINES, f"{len(view.engines)} engines for a limit of {MAX_ENGINES}"
+    assert len(view._slots) <= MAX_ENGINES and len(view._members) <= MAX_ENGINES
+    assert _refused_hellos() - refused >= 300
+    assert view.coordinator("g0") == "real"
+    await asyncio.sleep(0.2)  # the flood's ids go stale (3 hello intervals of 50 ms); "real" stays live
+    await bus.publish(subjects.hello("n0"), hello("n0", "gn", ["gpun"]))
+    await until(lambda: "n0" in view.engines)
+    assert "real" in view.engines and len(view.engines) <= MAX_ENGINES
+
+
+async def test_an_engine_moving_from_place_to_place_leaves_no_trail(
+    secured: SecuredNats,  # noqa: F811
+) -> None:
+    """`engine-e0`'s own credentials: 300 hellos, each naming a new (group, rank), each after the last went
+    stale (a hello interval of 1 ms). The fleet view keeps one slot and one group for it (old code: every place
+    it ever named stayed in the slot and group indexes, for as long as e0 kept talking)."""
+    api = await Bus.connect(secured.settings(), name="api-ingest", role="api")
+    engine = await secured.raw("engine-e0")
+    view = FleetView()
+    try:
+        await view.subscribe(api)
+        subjects = secured.subjects
+        for i in range(300):
+            message = hello("e0", f"hop{i}", ["gpu0"], dp_rank=i % 7)
+            message = message.model_copy(update={"hello_interval_s": 0.001, "telemetry_interval_s": 0.001})
+            await engine.publish(subjects.hello("e0"), encode(message))
+            await engine.flush()
+            await asyncio.sleep(0.005)
+        await until(lambda: view.engines.get("e0") and view.engines["e0"].hello.ep_group == "hop299")
+        assert len(view._slots) <= 1, f"{len(view._slots)} slots held for one engine"
+        assert len(view._members) <= 1, f"{len(view._members)} groups indexed for one engine"
+    finally:
+        await engine.close()
+        await api.close()
+
+
+async def until(condition: Callable[[], object], within: float = 20.0) -> None:
+    """`eventually` for a plain read."""
+
+    async def probe() -> bool:
+        return bool(condition())
+
+    await eventually(probe, timeout=within)
