@@ -15,9 +15,10 @@ been live for one hello interval, keeps the migrate steps while it stays live, s
 with a lower rank cannot take them over.
 
 Every value it keeps is keyed by what engines say (ids, groups, ranks), so each is bounded: at most
-`max_engines` engines (a new id beyond that takes the place of the least recently heard engine only if that one
-is stale, else it is refused and counted), an engine that moves leaves its old place and group behind, and
-engines silent for `forget_after_s` are dropped.
+`max_engines` engines, whose stored hellos weigh at most `max_hello_bytes` (a hello lists up to 1,024 GPU names
+of any length: 4,096 of those would be over a GiB); a newcomer, or a heavier hello, takes the place of the least
+recently heard engines only if they are stale, else it is refused and counted. An engine that moves leaves its
+old place and group behind, and engines silent for `forget_after_s` are dropped.
 """
 
 from __future__ import annotations
@@ -44,13 +45,20 @@ UNBOUND_HELLOS = Counter(
 )
 ENGINES_REFUSED = Counter(
     "switchyard_fleet_engines_refused_total",
-    "Hellos and telemetry from a new engine id refused because the view already holds max_engines engines, "
-    "none of them stale, by message kind.",
-    ["kind"],
+    "Hellos and telemetry refused because the view is full of live engines: a new id beyond max_engines, or a "
+    "hello beyond max_hello_bytes of stored hellos, by reason (max_engines|max_hello_bytes).",
+    ["reason"],
 )
 #: Engines a fleet view holds at most (each keeps its last hello, up to 256 KiB): ids are the senders' word,
 #: and on a bus without credentials anyone can name new ones.
 MAX_ENGINES = 4096
+#: What the stored hellos may weigh together (`hello_weight`, about their size in memory).
+MAX_HELLO_BYTES = 64 * 1024 * 1024
+
+
+def hello_weight(hello: Hello) -> int:
+    """About what a hello costs held in memory: a fixed part and each GPU name (a str object and a list slot)."""
+    return 2048 + sum(64 + len(gpu) for gpu in hello.gpus)
 
 
 @dataclass
@@ -64,6 +72,8 @@ class EngineState:
     restarts: int = 0
     #: When the engine took its current (group, rank): a coordinator is pinned only once it has held it a while.
     joined_at: float = 0.0
+    #: `hello_weight` of the stored hello (0 without one).
+    weight: int = 0
 
     @property
     def last_seen(self) -> float:
@@ -80,6 +90,7 @@ class FleetView:
         forget_after_s: float = 3600.0,
         bindings: dict[str, tuple[str, int]] | None = None,
         max_engines: int = MAX_ENGINES,
+        max_hello_bytes: int = MAX_HELLO_BYTES,
     ) -> None:
         self.clock = clock
         #: engine id -> (ep_group, dp_rank) from the engine manifest: a hello claiming anything else is refused
@@ -90,6 +101,8 @@ class FleetView:
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
         self.max_engines = max_engines
+        self.max_hello_bytes = max_hello_bytes
+        self.hello_bytes = 0  # the stored hellos' weight
         #: Least recently heard first (each message moves its engine to the end): the one a newcomer may evict.
         self.engines: OrderedDict[str, EngineState] = OrderedDict()
         self._changed = asyncio.Event()
@@ -110,7 +123,7 @@ class FleetView:
         await bus.publish(bus.subjects.announce, Announce(requester=requester))
         return subscriptions
 
-    def _state(self, engine_id: str, kind: str) -> EngineState | None:
+    def _state(self, engine_id: str) -> EngineState | None:
         """The engine's record, moved to the most recently heard end; a new one if there is room (None and
         counted if not)."""
         now = self.clock()
@@ -122,20 +135,42 @@ class FleetView:
         if state is not None:
             self.engines.move_to_end(engine_id)
             return state
-        if len(self.engines) >= self.max_engines:
-            oldest = next(iter(self.engines.values()))
-            if not self.is_stale(oldest):  # never evict a live engine for a newcomer
-                ENGINES_REFUSED.labels(kind).inc()
-                return None
-            self._drop(oldest.engine_id)
+        room = lambda: len(self.engines) < self.max_engines  # noqa: E731
+        if not room() and not self._evict_stale(room):
+            ENGINES_REFUSED.labels("max_engines").inc()
+            return None
         state = self.engines[engine_id] = EngineState(engine_id)
         return state
+
+    def _evict_stale(self, enough: Callable[[], bool], keep: str | None = None) -> bool:
+        """Drop the least recently heard engines while they are stale, until `enough()`; whether it is. A live
+        engine is never dropped to make room, nor `keep` (the one making it)."""
+        while not enough():
+            oldest = next(iter(self.engines.values()), None)
+            if oldest is None or oldest.engine_id == keep or not self.is_stale(oldest):
+                return False
+            self._drop(oldest.engine_id)
+        return True
+
+    def _store_hello(self, state: EngineState, hello: Hello) -> bool:
+        """Keep `hello` as the engine's, within `max_hello_bytes` (making room from stale engines); False and
+        counted if it does not fit."""
+        weight = hello_weight(hello)
+        extra = weight - state.weight
+        fits = lambda: self.hello_bytes + extra <= self.max_hello_bytes  # noqa: E731
+        if extra > 0 and not self._evict_stale(fits, keep=state.engine_id):
+            ENGINES_REFUSED.labels("max_hello_bytes").inc()
+            return False
+        self.hello_bytes += extra
+        state.hello, state.weight = hello, weight
+        return True
 
     def _drop(self, engine_id: str) -> None:
         """Forget an engine and every index entry that names it."""
         state = self.engines.pop(engine_id, None)
         if state is not None and state.hello is not None:
             self._leave(engine_id, state.hello)
+            self.hello_bytes -= state.weight
 
     def _leave(self, engine_id: str, hello: Hello) -> None:
         """The engine no longer holds the place its `hello` named: drop that slot, membership and pin."""
@@ -160,18 +195,24 @@ class FleetView:
         if refusal is not None:
             UNBOUND_HELLOS.labels(refusal).inc()
             return
-        state = self._state(hello.engine_id, "hello")
+        state = self._state(hello.engine_id)
         if state is None:
             return
         now = self.clock()
-        if self._live_slot(hello.engine_id) == slot:  # the periodic hello of a live member: nothing moves
-            state.hello, state.hello_at = hello, now
+        previous = state.hello  # liveness and the coordinator are judged on it, before the new hello is stored
+        periodic = previous is not None and self._live_slot(hello.engine_id) == slot  # a live member: nothing moves
+        before = None if periodic else self.coordinator(hello.ep_group)
+        if not self._store_hello(state, hello):
+            if previous is None and state.telemetry is None:
+                del self.engines[hello.engine_id]  # created for this hello only
+            return
+        if periodic:
+            state.hello_at = now
             self._changed.set()
             return
-        before = self.coordinator(hello.ep_group)
-        if state.hello is not None:
-            self._leave(hello.engine_id, state.hello)
-        state.hello, state.hello_at, state.joined_at = hello, now, now
+        if previous is not None:
+            self._leave(hello.engine_id, previous)
+        state.hello_at, state.joined_at = now, now
         self._slots[slot] = hello.engine_id
         self._members.setdefault(hello.ep_group, set()).add(hello.engine_id)
         if before is not None and before != hello.engine_id and self.coordinator(hello.ep_group) != before:
@@ -197,7 +238,7 @@ class FleetView:
         return None
 
     def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
-        state = self._state(telemetry.engine_id, "telemetry")
+        state = self._state(telemetry.engine_id)
         if state is None:
             return
         event, missed = classify(state.telemetry.seq if state.telemetry else None, telemetry.seq)

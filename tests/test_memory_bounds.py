@@ -26,12 +26,13 @@ from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import eventually, hello
 from tests.test_nats_permissions import SecuredNats, secured  # noqa: F401  (the module-scoped fixture)
 
-#: The fleet view's default bound (`services.fleet_view.MAX_ENGINES`), as the API, placement and migration build it.
+#: The fleet view's default bounds (`services.fleet_view`), as the API, placement and migration build it.
 MAX_ENGINES = 4096
+MAX_HELLO_BYTES = 64 * 1024 * 1024
 
 
-def _refused_hellos() -> float:
-    return REGISTRY.get_sample_value("switchyard_fleet_engines_refused_total", {"kind": "hello"}) or 0.0
+def _refused_hellos(reason: str = "max_engines") -> float:
+    return REGISTRY.get_sample_value("switchyard_fleet_engines_refused_total", {"reason": reason}) or 0.0
 
 
 def _telemetry(engine_id: str, seq: int = 1) -> s.Telemetry:
@@ -166,6 +167,30 @@ async def test_the_fleet_view_holds_at_most_max_engines(bus: Bus) -> None:
     await bus.publish(subjects.hello("n0"), hello("n0", "gn", ["gpun"]))
     await until(lambda: "n0" in view.engines)
     assert "real" in view.engines and len(view.engines) <= MAX_ENGINES
+
+
+async def test_the_fleet_view_holds_at_most_max_hello_bytes_of_hellos(bus: Bus) -> None:
+    """A bus without credentials: 300 hellos from distinct ids, each listing 1,024 GPU names of 200 characters
+    (~210 KB on the wire, ~270 KB held). The fleet view as the API builds it keeps at most `MAX_HELLO_BYTES`
+    (64 MiB) of them (old code: all 300, ~80 MiB, and 4,096 would be over a GiB), and refuses the rest while
+    they are live."""
+    view = FleetView()
+    await view.subscribe(bus)
+    subjects = bus.subjects
+    refused = _refused_hellos("max_hello_bytes")
+    for i in range(300):
+        heavy = hello(f"h{i}", f"g{i}", [f"{i:04d}-{g:04d}-" + "x" * 190 for g in range(1024)])
+        heavy = heavy.model_copy(update={"hello_interval_s": 60.0})  # live throughout: none can be evicted
+        await bus.publish(subjects.hello(heavy.engine_id), heavy)
+        await bus.nc.flush()
+        await asyncio.sleep(0.002)  # paced: a subscriber cut off as a slow consumer would make this pass on its own
+    await bus.publish(subjects.hello("marker"), hello("marker", "gm", ["gpum"]))
+    await until(lambda: "marker" in view.engines or len(view.engines) > 300, within=60)
+    held = sum(2048 + sum(64 + len(g) for g in s.hello.gpus) for s in view.engines.values() if s.hello is not None)
+    assert held <= MAX_HELLO_BYTES, f"{held / 2**20:.1f} MiB of hellos held for a limit of 64 MiB"
+    heavy_held = sum(engine_id.startswith("h") for engine_id in view.engines)
+    assert _refused_hellos("max_hello_bytes") - refused == 300 - heavy_held
+    assert "marker" in view.engines  # a small hello still fits
 
 
 async def test_an_engine_moving_from_place_to_place_leaves_no_trail(
