@@ -12,16 +12,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import httpx
 import nats
 import pytest
 from prometheus_client import REGISTRY
+from sqlalchemy import event
 
+from switchyard.services.api.app import create_app
+from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode_reply, encode
+from switchyard.shared.db import Engine, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import eventually, hello
 from tests.test_nats_permissions import SecuredNats, secured  # noqa: F401  (the module-scoped fixture)
@@ -226,3 +231,56 @@ async def until(condition: Callable[[], object], within: float = 20.0) -> None:
         return bool(condition())
 
     await eventually(probe, timeout=within)
+
+
+@pytest.fixture
+def db_settings(settings: SwitchyardSettings, database_url: str) -> SwitchyardSettings:
+    upgrade(database_url)
+    return settings.model_copy(update={"database_url": database_url})
+
+
+async def test_a_page_of_engines_loads_only_that_page(bus: Bus, db_settings: SwitchyardSettings) -> None:
+    """3,000 engines known only from the database (the rows placement writes for every id that ever said hello,
+    kept 7 days) and 20 live ones. A page of 10 loads at most those 10 rows (old code: all 3,000 as ORM objects
+    and all 3,020 as response models, per request, ~90 MB at once for 20,000 rows), in the same order and with
+    the same total as before."""
+    engine, sessions = create_async_db(db_settings.resolved_database_url())
+    async with sessions() as session, session.begin():
+        session.add_all(
+            Engine(
+                engine_id=f"old{i:04d}",
+                role="decode",
+                ep_group=f"g{i % 7}",
+                agent="sim",
+                model_name="m",
+                num_layers=2,
+                num_experts=8,
+                top_k=2,
+                hello={"dp_rank": i % 5, "gpus": [f"gpu{i}-{g}" for g in range(8)]},
+            )
+            for i in range(3000)
+        )
+    await engine.dispose()
+    loaded: list[str] = []
+
+    def on_load(target: Engine, _context: object) -> None:
+        loaded.append(target.engine_id)
+
+    app = create_app(db_settings, ApiSettings())
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+        for i in range(20):
+            live = hello(f"live{i:02d}", f"g{i % 7}", [f"a{i}"], dp_rank=i)
+            await bus.publish(bus.subjects.hello(live.engine_id), live)
+        fleet = app.state.switchyard.fleet
+        await until(lambda: len(fleet.engines) == 20)
+        event.listen(Engine, "load", on_load)
+        try:
+            page = await api.get("/v1/engines", params={"limit": 10, "offset": 1000})
+        finally:
+            event.remove(Engine, "load", on_load)
+    assert page.status_code == 200 and page.headers["X-Total-Count"] == "3020"
+    assert len(loaded) <= 10, f"{len(loaded)} engine rows loaded for a page of 10"
+    everyone = [(f"g{i % 7}", i % 5, f"old{i:04d}") for i in range(3000)]
+    everyone += [(f"g{i % 7}", i, f"live{i:02d}") for i in range(20)]
+    assert [e["engine_id"] for e in page.json()] == [key[2] for key in sorted(everyone)[1000:1010]]
