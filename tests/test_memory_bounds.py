@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 import nats
+import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import event
@@ -21,6 +22,7 @@ from sqlalchemy import event
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
+from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared import schemas as s
@@ -284,3 +286,31 @@ async def test_a_page_of_engines_loads_only_that_page(bus: Bus, db_settings: Swi
     everyone = [(f"g{i % 7}", i % 5, f"old{i:04d}") for i in range(3000)]
     everyone += [(f"g{i % 7}", i, f"live{i:02d}") for i in range(20)]
     assert [e["engine_id"] for e in page.json()] == [key[2] for key in sorted(everyone)[1000:1010]]
+
+
+async def test_early_prefill_signatures_are_bounded_in_bytes(secured: SecuredNats) -> None:  # noqa: F811
+    """`engine-p0`'s own credentials: 100 prefill signatures of 1 MiB each (a real one is tens of KB), each for a
+    new gateway request id nobody waits for. The gateway's signature box (on its ingest, as the gateway role)
+    keeps at most `KEEP_BYTES` (64 MiB) of them (old code: all 100 MiB, and up to 4,096 × 8 MiB for 30 s)."""
+    ingest = await Bus.connect(secured.settings(), name="gateway-ingest", role="gateway")
+    engine = await secured.raw("engine-p0")
+    box = SignatureBox()
+    try:
+        await ingest.subscribe(secured.subjects.all_signatures, s.PrefillSignature, box.on_signature)
+        await ingest.nc.flush()
+        counts = np.ones((256, 1024), dtype=np.int32)  # 1 MiB
+        for i in range(100):
+            message = s.PrefillSignature(
+                engine_id="p0", request_id=f"sygw-{i:032x}", ts=time.time(), prompt_tokens=10, signature=counts
+            )
+            await engine.publish(secured.subjects.signature("p0"), encode(message))
+            await engine.flush()
+            await asyncio.sleep(0.005)  # paced: a subscriber cut off as a slow consumer would make this pass
+        last = f"sygw-{99:032x}"
+        await until(lambda: last in box.early)
+        held = sum(message.signature.nbytes for _, message in box.early.values())
+        assert held <= 64 * 2**20, f"{held / 2**20:.0f} MiB of early signatures held for a limit of 64 MiB"
+        assert len(box.early) >= 60  # the newest are kept
+    finally:
+        await engine.close()
+        await ingest.close()
