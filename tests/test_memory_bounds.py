@@ -22,6 +22,7 @@ from sqlalchemy import event
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
+from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
@@ -314,3 +315,26 @@ async def test_early_prefill_signatures_are_bounded_in_bytes(secured: SecuredNat
     finally:
         await engine.close()
         await ingest.close()
+
+
+async def test_the_gateways_engine_registry_holds_at_most_max_engines(bus: Bus) -> None:
+    """A bus without credentials: hellos with an HTTP base URL from 4,396 distinct ids, into the gateway's
+    registry on its hello subscription. It holds at most 4,096 (old code: every id, for 10 minutes past its
+    liveness) and refuses the rest while they are live; a real engine heard first keeps its place."""
+    registry = EngineRegistry()
+    await bus.subscribe(bus.subjects.all_hello, s.Hello, lambda message, _msg: registry.on_hello(message))
+    await bus.nc.flush()
+
+    def with_url(engine_id: str, interval_s: float = 60.0) -> s.Hello:
+        message = hello(engine_id, "g0", ["gpu0"])
+        return message.model_copy(update={"base_url": "http://127.0.0.1:9", "hello_interval_s": interval_s})
+
+    await bus.publish(bus.subjects.hello("real"), with_url("real"))
+    fakes = [with_url(f"x{i}") for i in range(MAX_ENGINES + 300)]
+    await _flood(bus.nc, [(bus.subjects.hello(m.engine_id), encode(m)) for m in fakes])
+    marker = with_url("real")
+    marker = marker.model_copy(update={"model": marker.model.model_copy(update={"name": "marker"})})
+    await bus.publish(bus.subjects.hello("real"), marker)  # after the flood, in its order
+    await until(lambda: "real" in registry.engines and registry.engines["real"].model == "marker", within=30)
+    assert len(registry.engines) <= MAX_ENGINES, f"{len(registry.engines)} engines for a limit of {MAX_ENGINES}"
+    assert "real" in registry.engines

@@ -47,6 +47,10 @@ RETRIES = Counter(
 CLIENT_ABORTS = Counter(
     "switchyard_gateway_client_aborts_total", "Client disconnects that aborted an upstream request.", ["kind"]
 )
+ENGINES_REFUSED = Counter(
+    "switchyard_gateway_engines_refused_total",
+    "Hellos from a new engine id ignored because the registry held max_engines engines, none dead and idle.",
+)
 SIGNATURES = Counter(
     "switchyard_gateway_signatures_total",
     "Where a handoff's prefill signature came from (response, bus) or that none came (missing).",

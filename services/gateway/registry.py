@@ -4,12 +4,17 @@ An engine is a candidate while its last hello is younger than `hello_misses` of 
 and its hello names an HTTP `base_url`; one that stops saying hello leaves by itself (nothing to clean up:
 liveness is computed on read). The registry also counts the gateway's own requests in flight per engine,
 which is what the local fallback choice and the prefill load bound read.
+
+Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so it holds at most
+`max_engines`: a new id beyond that takes the place of the least recently heard engine only if that one is
+dead and has nothing in flight, else its hello is ignored and counted (`refused`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,9 +51,12 @@ class _Live(NamedTuple):
 
 
 class EngineRegistry:
-    def __init__(self, hello_misses: float = 3.0) -> None:
+    def __init__(self, hello_misses: float = 3.0, max_engines: int = 4096) -> None:
         self.hello_misses = hello_misses
-        self.engines: dict[str, Engine] = {}
+        self.max_engines = max_engines
+        self.refused = 0  # hellos from a new id while every known engine was live or busy
+        #: Least recently heard first (each hello moves its engine to the end).
+        self.engines: OrderedDict[str, Engine] = OrderedDict()
         self.version = 0  # bumped by every hello: liveness and membership may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
 
@@ -58,7 +66,12 @@ class EngineRegistry:
         if hello.base_url is None:
             return
         engine = self.engines.get(hello.engine_id)
-        if engine is None:
+        if engine is not None:
+            self.engines.move_to_end(hello.engine_id)
+        elif not self._room(now):
+            self.refused += 1
+            return
+        else:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
         engine.role, engine.model = hello.role, hello.model.name
@@ -68,6 +81,17 @@ class EngineRegistry:
             engine._urls.clear()
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
         self.version += 1
+
+    def _room(self, now: float) -> bool:
+        """Whether a new engine fits, making room by dropping the least recently heard one if it is dead and idle."""
+        if len(self.engines) < self.max_engines:
+            return True
+        oldest = next(iter(self.engines.values()))
+        if self.alive(oldest, now) or oldest.inflight:
+            return False
+        del self.engines[oldest.engine_id]
+        self.version += 1
+        return True
 
     def alive(self, engine: Engine, now: float) -> bool:
         return now - engine.last_hello <= self.hello_misses * engine.hello_interval_s

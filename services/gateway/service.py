@@ -9,6 +9,7 @@ import socket
 
 import uvicorn
 
+from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
 from switchyard.services.gateway.registry import EngineRegistry
@@ -47,7 +48,10 @@ class GatewayService:
         return f"http://{self.gateway.host}:{self.port}"
 
     def _on_hello(self, hello: Hello, _msg: object) -> None:
+        refused = self.registry.refused
         self.registry.on_hello(hello)
+        if self.registry.refused != refused:
+            metrics.ENGINES_REFUSED.inc()
 
     async def _tidy(self) -> None:
         while True:
