@@ -24,6 +24,7 @@ from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.signatures import SignatureBox
+from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared import schemas as s
@@ -32,6 +33,7 @@ from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.db import Engine, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings
 from tests.fleet_helpers import eventually, hello
+from tests.gateway_helpers import deployment
 from tests.test_nats_permissions import SecuredNats, secured  # noqa: F401  (the module-scoped fixture)
 
 #: The fleet view's default bounds (`services.fleet_view`), as the API, placement and migration build it.
@@ -338,3 +340,45 @@ async def test_the_gateways_engine_registry_holds_at_most_max_engines(bus: Bus) 
     await until(lambda: "real" in registry.engines and registry.engines["real"].model == "marker", within=30)
     assert len(registry.engines) <= MAX_ENGINES, f"{len(registry.engines)} engines for a limit of {MAX_ENGINES}"
     assert "real" in registry.engines
+
+
+async def test_the_gateway_forgets_the_metric_labels_of_engines_it_forgets(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """Engines served through a real gateway (HTTP in, stub engines out) get per-engine latency label sets; once
+    they stop saying hello and the gateway's housekeeping forgets them, their label sets go too (old code: kept
+    for every engine id that ever served, for the process's life)."""
+    stubs = [StubConfig(f"gone{i}", hello_interval_s=0.1) for i in range(3)]
+    async with deployment(settings, bus, stubs, router=False) as (gateway, engines):
+        async with httpx.AsyncClient(base_url=gateway.url) as client:
+            for _ in range(9):
+                answer = await client.post("/v1/completions", json={"model": "stub-model", "prompt": "hi"})
+                assert answer.status_code == 200, answer.text
+        served = {e for e, stub in engines.items() if stub.received}
+        assert served and all(_ttft_count(e) > 0 for e in served)
+        for stub in engines.values():
+            await stub.stop()  # no more hellos: dead after 3 intervals (0.3 s)
+        await until(lambda: not gateway.registry.live())
+        gateway.registry.forget_dead(keep_s=0.0)  # its housekeeping, without the 10 minutes' grace
+        assert not gateway.registry.engines
+        left = [e for e in served if _ttft_count(e) or _label_sets(e)]
+        assert not left, f"label sets kept for forgotten engines {left}"
+
+
+def _ttft_count(engine_id: str) -> float:
+    for kind in ("dp", "disagg"):
+        value = REGISTRY.get_sample_value("switchyard_gateway_ttft_seconds_count", {"engine": engine_id, "kind": kind})
+        if value:
+            return value
+    return 0.0
+
+
+def _label_sets(engine_id: str) -> int:
+    """Samples of any gateway metric labelled with this engine."""
+    return sum(
+        1
+        for family in REGISTRY.collect()
+        if family.name.startswith("switchyard_gateway")
+        for sample in family.samples
+        if sample.labels.get("engine") == engine_id
+    )

@@ -56,3 +56,12 @@ SIGNATURES = Counter(
     "Where a handoff's prefill signature came from (response, bus) or that none came (missing).",
     ["source"],
 )
+
+
+def forget_engine(engine_id: str) -> None:
+    """Drop an engine's children of the per-engine metrics once the registry forgets it: engine ids come and go
+    (and on a bus without credentials anyone names new ones), so label sets kept for every id ever served grow
+    without end."""
+    for metric in (TTFT, ITL, E2E, UPSTREAM_ERRORS):
+        for labels in [key for key in list(metric._metrics) if key[0] == engine_id]:  # prometheus_client's children
+            metric.remove(*labels)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -55,6 +56,8 @@ class EngineRegistry:
         self.hello_misses = hello_misses
         self.max_engines = max_engines
         self.refused = 0  # hellos from a new id while every known engine was live or busy
+        #: Called with each engine id the registry drops (the service removes its metric label sets).
+        self.on_forget: Callable[[str], None] | None = None
         #: Least recently heard first (each hello moves its engine to the end).
         self.engines: OrderedDict[str, Engine] = OrderedDict()
         self.version = 0  # bumped by every hello: liveness and membership may have changed
@@ -89,9 +92,14 @@ class EngineRegistry:
         oldest = next(iter(self.engines.values()))
         if self.alive(oldest, now) or oldest.inflight:
             return False
-        del self.engines[oldest.engine_id]
-        self.version += 1
+        self._forget(oldest.engine_id)
         return True
+
+    def _forget(self, engine_id: str) -> None:
+        del self.engines[engine_id]
+        self.version += 1
+        if self.on_forget is not None:
+            self.on_forget(engine_id)
 
     def alive(self, engine: Engine, now: float) -> bool:
         return now - engine.last_hello <= self.hello_misses * engine.hello_interval_s
@@ -134,5 +142,4 @@ class EngineRegistry:
         now = time.monotonic() if now is None else now
         for engine_id, e in list(self.engines.items()):
             if e.inflight == 0 and now - e.last_hello > self.hello_misses * e.hello_interval_s + keep_s:
-                del self.engines[engine_id]
-                self.version += 1
+                self._forget(engine_id)

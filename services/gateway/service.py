@@ -34,6 +34,7 @@ class GatewayService:
         self.settings = settings
         self.gateway = gateway or GatewaySettings()
         self.registry = EngineRegistry(self.gateway.hello_misses)
+        self.registry.on_forget = metrics.forget_engine  # its latency and error label sets go with it
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos and prefill signatures, on a connection of their own
