@@ -13,6 +13,12 @@ holds (see docs/security.md, "Group claims"): a hello naming a (group, rank) tha
 moving a live engine to another group or rank, is refused and counted; and a group's coordinator, once it has
 been live for one hello interval, keeps the migrate steps while it stays live, so an engine that joins later
 with a lower rank cannot take them over.
+
+Every value it keeps is keyed by what engines say (ids, groups, ranks), so each is bounded: at most
+`max_engines` engines, whose stored hellos weigh at most `max_hello_bytes` (a hello lists up to 1,024 GPU names
+of any length: 4,096 of those would be over a GiB); a newcomer, or a heavier hello, takes the place of the least
+recently heard engines only if they are stale, else it is refused and counted. An engine that moves leaves its
+old place and group behind, and engines silent for `forget_after_s` are dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,6 +45,22 @@ UNBOUND_HELLOS = Counter(
     "claiming a place a live engine holds (slot_taken) or moving a live engine (rebind_while_live).",
     ["reason"],
 )
+ENGINES_REFUSED = Counter(
+    "switchyard_fleet_engines_refused_total",
+    "Hellos and telemetry refused because the view is full of live engines: a new id beyond max_engines, or a "
+    "hello beyond max_hello_bytes of stored hellos, by reason (max_engines|max_hello_bytes).",
+    ["reason"],
+)
+#: Engines a fleet view holds at most (each keeps its last hello, up to 256 KiB): ids are the senders' word,
+#: and on a bus without credentials anyone can name new ones.
+MAX_ENGINES = 4096
+#: What the stored hellos may weigh together (`hello_weight`, about their size in memory).
+MAX_HELLO_BYTES = 64 * 1024 * 1024
+
+
+def hello_weight(hello: Hello) -> int:
+    """About what a hello costs held in memory: a fixed part and each GPU name (a str object and a list slot)."""
+    return 2048 + sum(64 + len(gpu) for gpu in hello.gpus)
 
 
 @dataclass
@@ -51,6 +74,8 @@ class EngineState:
     restarts: int = 0
     #: When the engine took its current (group, rank): a coordinator is pinned only once it has held it a while.
     joined_at: float = 0.0
+    #: `hello_weight` of the stored hello (0 without one).
+    weight: int = 0
 
     @property
     def last_seen(self) -> float:
@@ -66,6 +91,8 @@ class FleetView:
         stale_intervals: float = 3.0,
         forget_after_s: float = 3600.0,
         manifest: EngineManifest | None = None,
+        max_engines: int = MAX_ENGINES,
+        max_hello_bytes: int = MAX_HELLO_BYTES,
     ) -> None:
         self.clock = clock
         #: The engine manifest: a hello claiming another group, rank, role, model or URL than its engine's entry
@@ -75,7 +102,11 @@ class FleetView:
         self.stale_intervals = stale_intervals
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
-        self.engines: dict[str, EngineState] = {}
+        self.max_engines = max_engines
+        self.max_hello_bytes = max_hello_bytes
+        self.hello_bytes = 0  # the stored hellos' weight
+        #: Least recently heard first (each message moves its engine to the end): the one a newcomer may evict.
+        self.engines: OrderedDict[str, EngineState] = OrderedDict()
         self._changed = asyncio.Event()
         self._next_prune = 0.0
         #: (group, rank) -> the engine last accepted there; a live holder keeps it (see the module docstring).
@@ -112,19 +143,67 @@ class FleetView:
         await bus.publish(bus.subjects.announce, Announce(requester=requester))
         return subscriptions
 
-    def _state(self, engine_id: str) -> EngineState:
+    def _state(self, engine_id: str) -> EngineState | None:
+        """The engine's record, moved to the most recently heard end; a new one if there is room (None and
+        counted if not)."""
         now = self.clock()
         if now >= self._next_prune:  # at most once a minute: an O(engines) pass
             self._next_prune = now + 60.0
             for gone in [e for e, s in self.engines.items() if now - s.last_seen > self.forget_after_s]:
-                del self.engines[gone]
-            self._slots = {slot: e for slot, e in self._slots.items() if e in self.engines}
-            self._pinned = {group: e for group, e in self._pinned.items() if e in self.engines}
-            for group, members in list(self._members.items()):
-                members.intersection_update(self.engines)
-                if not members:
-                    del self._members[group]
-        return self.engines.setdefault(engine_id, EngineState(engine_id))
+                self._drop(gone)
+        state = self.engines.get(engine_id)
+        if state is not None:
+            self.engines.move_to_end(engine_id)
+            return state
+        room = lambda: len(self.engines) < self.max_engines  # noqa: E731
+        if not room() and not self._evict_stale(room):
+            ENGINES_REFUSED.labels("max_engines").inc()
+            return None
+        state = self.engines[engine_id] = EngineState(engine_id)
+        return state
+
+    def _evict_stale(self, enough: Callable[[], bool], keep: str | None = None) -> bool:
+        """Drop the least recently heard engines while they are stale, until `enough()`; whether it is. A live
+        engine is never dropped to make room, nor `keep` (the one making it)."""
+        while not enough():
+            oldest = next(iter(self.engines.values()), None)
+            if oldest is None or oldest.engine_id == keep or not self.is_stale(oldest):
+                return False
+            self._drop(oldest.engine_id)
+        return True
+
+    def _store_hello(self, state: EngineState, hello: Hello) -> bool:
+        """Keep `hello` as the engine's, within `max_hello_bytes` (making room from stale engines); False and
+        counted if it does not fit."""
+        weight = hello_weight(hello)
+        extra = weight - state.weight
+        fits = lambda: self.hello_bytes + extra <= self.max_hello_bytes  # noqa: E731
+        if extra > 0 and not self._evict_stale(fits, keep=state.engine_id):
+            ENGINES_REFUSED.labels("max_hello_bytes").inc()
+            return False
+        self.hello_bytes += extra
+        state.hello, state.weight = hello, weight
+        return True
+
+    def _drop(self, engine_id: str) -> None:
+        """Forget an engine and every index entry that names it."""
+        state = self.engines.pop(engine_id, None)
+        if state is not None and state.hello is not None:
+            self._leave(engine_id, state.hello)
+            self.hello_bytes -= state.weight
+
+    def _leave(self, engine_id: str, hello: Hello) -> None:
+        """The engine no longer holds the place its `hello` named: drop that slot, membership and pin."""
+        slot = (hello.ep_group, hello.dp_rank)
+        if self._slots.get(slot) == engine_id:
+            del self._slots[slot]
+        members = self._members.get(hello.ep_group)
+        if members is not None:
+            members.discard(engine_id)
+            if not members:
+                del self._members[hello.ep_group]
+        if self._pinned.get(hello.ep_group) == engine_id:
+            del self._pinned[hello.ep_group]
 
     def on_hello(self, hello: Hello, _msg: object = None) -> None:
         refused = self.manifest.refusal(hello) if self.manifest is not None else None
@@ -137,15 +216,23 @@ class FleetView:
             UNBOUND_HELLOS.labels(refusal).inc()
             return
         state = self._state(hello.engine_id)
+        if state is None:
+            return
         now = self.clock()
-        if self._live_slot(hello.engine_id) == slot:  # the periodic hello of a live member: nothing moves
-            state.hello, state.hello_at = hello, now
+        previous = state.hello  # liveness and the coordinator are judged on it, before the new hello is stored
+        periodic = previous is not None and self._live_slot(hello.engine_id) == slot  # a live member: nothing moves
+        before = None if periodic else self.coordinator(hello.ep_group)
+        if not self._store_hello(state, hello):
+            if previous is None and state.telemetry is None:
+                del self.engines[hello.engine_id]  # created for this hello only
+            return
+        if periodic:
+            state.hello_at = now
             self._changed.set()
             return
-        before = self.coordinator(hello.ep_group)
-        if state.hello is not None:
-            self._members.get(state.hello.ep_group, set()).discard(hello.engine_id)
-        state.hello, state.hello_at, state.joined_at = hello, now, now
+        if previous is not None:
+            self._leave(hello.engine_id, previous)
+        state.hello_at, state.joined_at = now, now
         self._slots[slot] = hello.engine_id
         self._members.setdefault(hello.ep_group, set()).add(hello.engine_id)
         if before is not None and before != hello.engine_id and self.coordinator(hello.ep_group) != before:
@@ -172,6 +259,8 @@ class FleetView:
 
     def on_telemetry(self, telemetry: Telemetry, _msg: object = None) -> None:
         state = self._state(telemetry.engine_id)
+        if state is None:
+            return
         event, missed = classify(state.telemetry.seq if state.telemetry else None, telemetry.seq)
         if event is Seq.LATE:
             return  # newer data is already in

@@ -47,6 +47,10 @@ RETRIES = Counter(
 CLIENT_ABORTS = Counter(
     "switchyard_gateway_client_aborts_total", "Client disconnects that aborted an upstream request.", ["kind"]
 )
+ENGINES_REFUSED = Counter(
+    "switchyard_gateway_engines_refused_total",
+    "Hellos from a new engine id ignored because the registry held max_engines engines, none dead and idle.",
+)
 SIGNATURES = Counter(
     "switchyard_gateway_signatures_total",
     "Where a handoff's prefill signature came from (response, bus) or that none came (missing).",
@@ -69,3 +73,12 @@ MODE_SWITCHES = Counter(
     "A model's fleet mode changed (to dp or disagg) because its current mode had no live engines left.",
     ["to"],
 )
+
+
+def forget_engine(engine_id: str) -> None:
+    """Drop an engine's children of the per-engine metrics once the registry forgets it: engine ids come and go
+    (and on a bus without credentials anyone names new ones), so label sets kept for every id ever served grow
+    without end."""
+    for metric in (TTFT, ITL, E2E, UPSTREAM_ERRORS):
+        for labels in [key for key in list(metric._metrics) if key[0] == engine_id]:  # prometheus_client's children
+            metric.remove(*labels)

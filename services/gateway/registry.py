@@ -8,6 +8,9 @@ its engine's entry (role, model, base URL): an engine's credentials prove its id
 may go. An engine whose hops keep failing is ejected until its own `/health` answers (the gateway's prober),
 whatever hellos it sends. The registry also counts the gateway's own requests in flight per engine, which is
 what the local fallback choice and the prefill load bound read, and keeps each model's fleet mode (`mode`).
+Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so it holds at most
+`max_engines`: a new id beyond that takes the place of the least recently heard engine only if that one is
+dead and has nothing in flight, else its hello is ignored and counted (`refused`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -69,12 +74,18 @@ class EngineRegistry:
         stale_after_s: float = 15.0,
         manifest: EngineManifest | None = None,
         eject_after_failures: int = 2,
+        max_engines: int = 4096,
     ) -> None:
         self.hello_misses = hello_misses
         self.stale_after_s = stale_after_s
         self.manifest = manifest
         self.eject_after_failures = eject_after_failures
-        self.engines: dict[str, Engine] = {}
+        self.max_engines = max_engines
+        self.refused = 0  # hellos from a new id while every known engine was live or busy
+        #: Called with each engine id the registry drops (the service removes its metric label sets).
+        self.on_forget: Callable[[str], None] | None = None
+        #: Least recently heard first (each hello moves its engine to the end).
+        self.engines: OrderedDict[str, Engine] = OrderedDict()
         self.version = 0  # bumped by every hello, ejection and restoration: liveness may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
         self._modes: dict[str | None, str] = {}
@@ -89,7 +100,12 @@ class EngineRegistry:
             metrics.HELLOS_REFUSED.labels(refused).inc()
             return
         engine = self.engines.get(hello.engine_id)
-        if engine is None:
+        if engine is not None:
+            self.engines.move_to_end(hello.engine_id)
+        elif not self._room(now):
+            self.refused += 1
+            return
+        else:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
         if engine.joined == 0.0 or not self._fresh(engine, now):
@@ -107,6 +123,22 @@ class EngineRegistry:
 
     def _fresh(self, engine: Engine, now: float) -> bool:
         return now <= self._expiry(engine)
+
+    def _room(self, now: float) -> bool:
+        """Whether a new engine fits, making room by dropping the least recently heard one if it is dead and idle."""
+        if len(self.engines) < self.max_engines:
+            return True
+        oldest = next(iter(self.engines.values()))
+        if self._fresh(oldest, now) or oldest.inflight:
+            return False
+        self._forget(oldest.engine_id)
+        return True
+
+    def _forget(self, engine_id: str) -> None:
+        del self.engines[engine_id]
+        self.version += 1
+        if self.on_forget is not None:
+            self.on_forget(engine_id)
 
     def alive(self, engine: Engine, now: float) -> bool:
         return not engine.ejected and self._fresh(engine, now)
@@ -206,5 +238,4 @@ class EngineRegistry:
         now = time.monotonic() if now is None else now
         for engine_id, e in list(self.engines.items()):
             if e.inflight == 0 and now - self._expiry(e) > keep_s:
-                del self.engines[engine_id]
-                self.version += 1
+                self._forget(engine_id)

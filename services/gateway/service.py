@@ -9,6 +9,7 @@ import socket
 
 import uvicorn
 
+from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
 from switchyard.services.gateway.registry import EngineRegistry
@@ -37,6 +38,7 @@ class GatewayService:
         self.registry = EngineRegistry(
             g.hello_misses, g.stale_after_s, settings.engine_manifest_entries(), g.eject_after_failures
         )
+        self.registry.on_forget = metrics.forget_engine  # its latency and error label sets go with it
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos and prefill signatures, on a connection of their own
@@ -52,7 +54,10 @@ class GatewayService:
         return f"http://{self.gateway.host}:{self.port}"
 
     def _on_hello(self, hello: Hello, _msg: object) -> None:
+        refused = self.registry.refused
         self.registry.on_hello(hello)
+        if self.registry.refused != refused:
+            metrics.ENGINES_REFUSED.inc()
 
     async def _tidy(self) -> None:
         while True:

@@ -40,15 +40,20 @@ def new_request_id() -> str:
 #: for that engine's signatures (an engine without the signature capture would otherwise cost every request
 #: the whole wait); the next signature it publishes makes the gateway wait again.
 MISSES_BEFORE_NO_WAIT = 3
+#: What the early signatures' arrays may weigh together: one may be up to the 8 MiB payload limit (a real one,
+#: [layers, experts] counts, is tens of KB), so 4,096 of them could be 32 GiB.
+KEEP_BYTES = 64 * 1024 * 1024
 
 
 class SignatureBox:
-    """Waiters keyed by gateway request id, plus early arrivals (bounded, oldest dropped first)."""
+    """Waiters keyed by gateway request id, plus early arrivals (at most `keep` of them, `keep_bytes` of arrays,
+    `keep_s` old; the oldest dropped first)."""
 
-    def __init__(self, keep: int = 4096, keep_s: float = 30.0) -> None:
+    def __init__(self, keep: int = 4096, keep_s: float = 30.0, keep_bytes: int = KEEP_BYTES) -> None:
         self.waiting: dict[str, asyncio.Future[PrefillSignature]] = {}
         self.early: OrderedDict[str, tuple[float, PrefillSignature]] = OrderedDict()
-        self.keep, self.keep_s = keep, keep_s
+        self.keep, self.keep_s, self.keep_bytes = keep, keep_s, keep_bytes
+        self.early_bytes = 0  # the early signatures' array bytes
         self.misses: dict[str, int] = {}  # prefill engine id -> handoffs in a row without its bus signature
 
     def wait_for(self, engine_id: str, wait_s: float) -> float:
@@ -66,9 +71,21 @@ class SignatureBox:
             future.set_result(message)
             return
         now = time.monotonic()
+        self._pop_early(key)
         self.early[key] = (now, message)
-        while self.early and (len(self.early) > self.keep or now - next(iter(self.early.values()))[0] > self.keep_s):
-            self.early.popitem(last=False)
+        self.early_bytes += message.signature.nbytes
+        while self.early and (
+            len(self.early) > self.keep
+            or self.early_bytes > self.keep_bytes
+            or now - next(iter(self.early.values()))[0] > self.keep_s
+        ):
+            self._pop_early(next(iter(self.early)))
+
+    def _pop_early(self, request_id: str) -> tuple[float, PrefillSignature] | None:
+        early = self.early.pop(request_id, None)
+        if early is not None:
+            self.early_bytes -= early[1].signature.nbytes
+        return early
 
     def expect(self, request_id: str) -> None:
         """Start listening for `request_id` (before the prefill is sent, so no message is missed)."""
@@ -80,7 +97,7 @@ class SignatureBox:
         With `engine_id`, a miss counts towards that engine's streak (see `MISSES_BEFORE_NO_WAIT`).
         """
         try:
-            early = self.early.pop(request_id, None)
+            early = self._pop_early(request_id)
             if early is not None:
                 return early[1].signature
             future = self.waiting.get(request_id)
@@ -99,4 +116,4 @@ class SignatureBox:
         future = self.waiting.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
-        self.early.pop(request_id, None)
+        self._pop_early(request_id)

@@ -251,7 +251,12 @@ class RouterCore:
         #: With an engine manifest, a hello is believed only as its engine's entry lists it (role, model, ...):
         #: an engine's credentials must not make it a decoder or DP engine the operator did not list.
         self.manifest = manifest
-        self.fleet = TelemetryView(stale_after_s=settings.stale_after_s, inflight_grace_s=settings.inflight_grace_s)
+        self.fleet = TelemetryView(
+            stale_after_s=settings.stale_after_s,
+            inflight_grace_s=settings.inflight_grace_s,
+            max_engines=settings.max_engines,
+            max_inflight_per_engine=settings.max_inflight_per_engine,
+        )
         #: The decode profile (`policy` in the replies and metrics is its name).
         self.policy: Profile = settings.build_decode_profile()
         self.state = RouterState.seeded(settings.seed)
@@ -272,6 +277,7 @@ class RouterCore:
         self._seconds = {kind: metrics.Batched(metrics.DECISION_SECONDS.labels(kind)) for kind in ("decode", "dp")}
         self._band = metrics.Batched(metrics.BAND_SIZE)
         self._counted: dict[tuple[str, str], metrics.BatchedCount] = {}
+        self._refused_seen = self._dropped_seen = 0  # the fleet's counts already exported
 
     def refresh_views(self, now: float) -> None:
         """Bring both role views up to date with the fleet, with the columns their profiles read: what a
@@ -297,12 +303,14 @@ class RouterCore:
         self.fleet.on_hello(hello, now)
 
     def on_telemetry(self, telemetry: Telemetry, now: float) -> bool:
-        """Returns False when the engine never said hello (the service then asks it to announce itself)."""
+        """Returns False when the engine never said hello (the service then asks it to announce itself); True
+        too for one refused because the view is full of live engines (asking it would only bring a refused hello)."""
         gaps = self.fleet.counters.telemetry_gaps
         self.fleet.on_telemetry(telemetry, now)
         if self.fleet.counters.telemetry_gaps != gaps:
             metrics.TELEMETRY_GAPS.inc()
-        return self.fleet.role[self.fleet.index[telemetry.engine_id]] >= 0
+        row = self.fleet.index.get(telemetry.engine_id)
+        return row is None or self.fleet.role[row] >= 0
 
     def on_decisions(self, decisions: RouteDecisions, now: float) -> None:
         """Another replica's decisions: count them in flight here too (our own are counted when made)."""
@@ -331,6 +339,10 @@ class RouterCore:
     def housekeeping(self, now: float) -> None:
         """Periodic: forget long-silent engines, export liveness gauges and the batched observations."""
         self.flush_metrics()
+        counters, ledger = self.fleet.counters, self.fleet.ledger
+        metrics.ENGINES_REFUSED.inc(counters.engines_refused - self._refused_seen)
+        metrics.INFLIGHT_DROPPED.inc(ledger.dropped - self._dropped_seen)
+        self._refused_seen, self._dropped_seen = counters.engines_refused, ledger.dropped
         self.fleet.forget(now, self.settings.forget_after_s)
         metrics.STALE_ENGINES.set(self.fleet.stale_count(now))
         for role in ("prefill", "decode", "dp"):

@@ -40,6 +40,15 @@ ARTIFACTS_REFUSED = Counter(
     "Revisions of the routing-artifact key that could not be used (undecodable, wrong hash), by reason code.",
     ["code"],
 )
+ENGINES_REFUSED = Counter(
+    "switchyard_router_engines_refused_total",
+    "Hellos and telemetry from a new engine id refused because the router held max_engines engines, all live.",
+)
+INFLIGHT_DROPPED = Counter(
+    "switchyard_router_inflight_dropped_total",
+    "Decisions dropped from an engine's in-flight count unsettled, because it held max_inflight_per_engine "
+    "(an engine routed to that often without reporting).",
+)
 TELEMETRY_GAPS = Counter("switchyard_router_telemetry_gaps_total", "Telemetry sequence gaps detected.")
 
 

@@ -52,6 +52,12 @@ class RouterSettings(BaseSettings):
     stale_after_s: float = Field(default=1.0, gt=0)
     #: An engine silent for this long is forgotten entirely (a new hello brings it back).
     forget_after_s: float = Field(default=300.0, gt=0)
+    #: Engines the router keeps at most (ids are the senders' word): a new one beyond this is refused while
+    #: every known engine is live, and forgets the stale ones otherwise.
+    max_engines: int = Field(default=4096, ge=1)
+    #: Decisions counted in flight per engine at most, until its telemetry settles them (the oldest beyond it
+    #: is dropped): an engine that says hello but never reports cannot hold every request routed to it.
+    max_inflight_per_engine: int = Field(default=1024, ge=1)
     #: A decision stops counting as in flight once a telemetry received this long after it arrives.
     inflight_grace_s: float = Field(default=DEFAULT_INFLIGHT_GRACE_S, ge=0)
     #: Label -> traffic share, required by the oracle `domain` policy (a JSON object in the environment).

@@ -11,6 +11,12 @@ older than the last one is dropped, and a sequence that restarts from a low numb
 restarted, so its in-flight compensation is cleared. An engine not heard from within `stale_after_s`
 drops out of the candidate set until it reports again.
 
+Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so the view holds at
+most `max_engines` rows: a new id beyond that first makes room by forgetting every engine silent for
+`stale_after_s`, and is refused (counted in `counters.engines_refused`) when every row is live. Each row's
+in-flight FIFO holds at most `max_inflight_per_engine` decisions (an engine that says hello but never reports
+would otherwise keep every request routed to it).
+
 Two counters let readers cache what they derive: `version` changes when membership or a role changes,
 `data_version` whenever any column changes (every input below bumps it, a decision by exactly one).
 """
@@ -48,6 +54,7 @@ class FleetCounters:
     telemetry_gaps: int = 0
     telemetry_out_of_order: int = 0
     engine_restarts: int = 0
+    engines_refused: int = 0  # messages from a new engine id while every row was live
 
 
 @dataclass
@@ -60,6 +67,8 @@ class TelemetryView:
     stale_after_s: float = 1.0
     inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S
     capacity: int = 64
+    max_engines: int = 4096
+    max_inflight_per_engine: int | None = None
     engine_ids: list[str] = field(default_factory=list)
     counters: FleetCounters = field(default_factory=FleetCounters)
 
@@ -75,7 +84,7 @@ class TelemetryView:
         self.model: list[str] = []
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(n, fill, dtype=dtype))
-        self.ledger = InflightLedger(n)
+        self.ledger = InflightLedger(n, self.max_inflight_per_engine)
 
     @property
     def inflight(self) -> np.ndarray:
@@ -100,10 +109,17 @@ class TelemetryView:
             setattr(self, name, grown)
         self.ledger.resize(len(self.role))
 
-    def row(self, engine_id: str) -> int:
-        """The engine's row, registering it on first sight."""
+    def row(self, engine_id: str, now: float) -> int:
+        """The engine's row, registering it on first sight; -1 (counted) for a new engine when every one of
+        `max_engines` rows is live."""
         row = self.index.get(engine_id)
         if row is None:
+            n = len(self.engine_ids)
+            if n >= self.max_engines:
+                if n == 0 or now - float(self.last_seen[:n].min()) <= self.stale_after_s:
+                    self.counters.engines_refused += 1
+                    return -1
+                self.forget(now, self.stale_after_s)  # every stale row at once, not one per newcomer
             row = len(self.engine_ids)
             if row == len(self.role):
                 self._grow()
@@ -118,7 +134,9 @@ class TelemetryView:
     # ----- inputs -----
 
     def on_hello(self, hello: Hello, now: float) -> None:
-        row = self.row(hello.engine_id)
+        row = self.row(hello.engine_id, now)
+        if row < 0:
+            return
         role = ROLES.index(hello.role)
         if self.role[row] != role or self.model[row] != hello.model.name:
             self.role[row] = role
@@ -129,7 +147,9 @@ class TelemetryView:
         self.data_version += 1
 
     def on_telemetry(self, t: Telemetry, now: float) -> None:
-        row = self.row(t.engine_id)
+        row = self.row(t.engine_id, now)
+        if row < 0:
+            return
         event, _missed = classify(int(self.last_seq[row]), t.seq)
         if event is Seq.LATE:
             self.counters.telemetry_out_of_order += 1

@@ -6,6 +6,10 @@ its engine (`count`, `tokens`) until a report received at least `grace_s` after 
 then includes it. The router's telemetry view (`services.router.telemetry_view`) and the DP simulator's
 dispatcher (`simulator.offline.dp`) both keep one; Gimbal's `comp` term is `tokens`.
 
+A row's FIFO holds at most `max_per_row` decisions when given (the router gives it: an engine that says hello
+but never reports would otherwise keep every request routed to it); beyond it the oldest is dropped, counted
+in `dropped`. An engine that many requests behind its reports is the most loaded either way.
+
 No clock and no I/O: the caller passes times in. Columns are float64 so a caller may add them to others
 without a cast; they are exact for integer token counts.
 """
@@ -23,7 +27,9 @@ __all__ = ["InflightLedger"]
 class InflightLedger:
     """Per-engine FIFO of (sent at, prompt tokens) with running totals, indexed by row 0..n-1."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, max_per_row: int | None = None) -> None:
+        self.max_per_row = max_per_row
+        self.dropped = 0  # decisions dropped unsettled because their row held max_per_row
         self.count = np.zeros(rows)  # decisions in flight per row
         self.tokens = np.zeros(rows)  # their prompt tokens
         self._sent: list[deque[tuple[float, float]]] = [deque() for _ in range(rows)]
@@ -33,7 +39,13 @@ class InflightLedger:
 
     def add(self, row: int, now: float, tokens: float) -> None:
         """One more request sent to `row` at `now`."""
-        self._sent[row].append((now, tokens))
+        sent = self._sent[row]
+        if self.max_per_row is not None and len(sent) >= self.max_per_row:
+            _, oldest = sent.popleft()
+            self.count[row] -= 1
+            self.tokens[row] -= oldest
+            self.dropped += 1
+        sent.append((now, tokens))
         self.count[row] += 1
         self.tokens[row] += tokens
 
