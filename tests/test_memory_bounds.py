@@ -19,12 +19,12 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import event
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.signatures import SignatureBox
-from switchyard.services.gateway.stub import StubConfig
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared import schemas as s
