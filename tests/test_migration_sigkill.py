@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,23 +16,11 @@ from switchyard.shared.db import Migration, MigrationMove, create_async_db, upgr
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.migration_processes import HeldStep, start_migration
 
 LAYERS, EXPERTS, GPUS = 6, 8, 2
 HELD_STEP = 2  # the step in flight when the service is killed
 FINAL = ("succeeded", "failed", "rolled_back", "refused")
-
-
-def _start_service(settings: SwitchyardSettings, database_url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    env.update(
-        SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix,
-        SWITCHYARD_MIGRATION_RETRY_BACKOFF_S="0.05",
-        SWITCHYARD_MIGRATION_STEP_TIMEOUT_S="30",  # never retried while the service is alive: one send per life
-    )
-    command = [sys.executable, "-m", "switchyard.services.cli", "migration"]
-    command += ["--nats-url", settings.nats_servers[0], "--database-url", database_url]
-    with log.open("ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 @pytest.mark.slow
@@ -44,19 +29,9 @@ async def test_sigkill_mid_plan_resumes_exactly_once(
 ) -> None:
     upgrade(database_url)
     base = default_layout(LAYERS, EXPERTS, GPUS)
-    entered, release = asyncio.Event(), asyncio.Event()
-    calls = 0
+    held = HeldStep(HELD_STEP)
 
-    async def engine_sleep(seconds: float) -> None:
-        """Steps take a little real time; the held step waits until the service has been killed."""
-        nonlocal calls
-        calls += 1
-        if calls == HELD_STEP + 1:
-            entered.set()
-            await release.wait()
-        await asyncio.sleep(seconds)
-
-    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.1), sleep=engine_sleep)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.1), sleep=held.sleep)
     await serve_migrate(bus, "e0", group)
     await bus.ensure_streams()
     target = plan("g0", 1, shuffled(base, 11))
@@ -72,19 +47,19 @@ async def test_sigkill_mid_plan_resumes_exactly_once(
         async with sessions() as session:
             return list((await session.scalars(select(MigrationMove).order_by(MigrationMove.seq))).all())
 
-    service = _start_service(settings, database_url, log)
+    service = start_migration(settings, database_url, log)
     try:
         async with announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])):
             await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
-            await asyncio.wait_for(entered.wait(), 60)  # the engine is applying HELD_STEP right now
+            await asyncio.wait_for(held.entered.wait(), 60)  # the engine is applying HELD_STEP right now
             states = {(m.step, m.state) for m in await moves()}
             assert {s for s, state in states if state == "applied"} == set(range(HELD_STEP))
             assert (HELD_STEP, "sent") in states
             service.send_signal(signal.SIGKILL)
             await asyncio.to_thread(service.wait, 30)
-            release.set()  # the engine finishes the step; its acknowledgement goes to a dead inbox
+            held.release.set()  # the engine finishes the step; its acknowledgement goes to a dead inbox
 
-            service = _start_service(settings, database_url, log)
+            service = start_migration(settings, database_url, log)
             done = await eventually(finished, timeout=60)
     finally:
         if service.poll() is None:

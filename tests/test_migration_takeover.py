@@ -10,10 +10,8 @@ migration within TTL + a third of it (stated bound; asserted here with slack), a
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from switchyard.shared.db import Migration, MigrationMove, Placement, create_asy
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.migration_processes import HeldStep, start_migration
 
 LAYERS, EXPERTS, GPUS = 6, 8, 2
 HELD_STEP = 2  # the step in flight when the owner is killed
@@ -41,18 +40,13 @@ FINAL = ("succeeded", "failed", "rolled_back", "refused")
 def _start_replica(
     settings: SwitchyardSettings, database_url: str, replica_id: str, log: Path
 ) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    env.update(
-        SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix,
-        SWITCHYARD_MIGRATION_RETRY_BACKOFF_S="0.05",
-        SWITCHYARD_MIGRATION_STEP_TIMEOUT_S="30",  # never resent while the owner lives: one send per owner
+    return start_migration(
+        settings,
+        database_url,
+        log,
         SWITCHYARD_MIGRATION_LEASE_TTL_S=str(TTL_S),
         SWITCHYARD_MIGRATION_REPLICA_ID=replica_id,
     )
-    command = [sys.executable, "-m", "switchyard.services.cli", "migration"]
-    command += ["--nats-url", settings.nats_servers[0], "--database-url", database_url]
-    with log.open("ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 async def _lease_holder(bus: Bus, group: str) -> str | None:
@@ -70,19 +64,9 @@ async def test_a_standby_replica_takes_over_after_the_owner_is_killed(
 ) -> None:
     upgrade(database_url)
     base = default_layout(LAYERS, EXPERTS, GPUS)
-    entered, release = asyncio.Event(), asyncio.Event()
-    calls = 0
+    held = HeldStep(HELD_STEP)
 
-    async def engine_sleep(seconds: float) -> None:
-        """Steps take a little real time; the held step waits until its sender has been killed."""
-        nonlocal calls
-        calls += 1
-        if calls == HELD_STEP + 1:
-            entered.set()
-            await release.wait()
-        await asyncio.sleep(seconds)
-
-    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.1), sleep=engine_sleep)
+    group = SimExpertGroup("g0", base.copy(), MigrationCost(time_scale=0.1), sleep=held.sleep)
     await serve_migrate(bus, "e0", group)
     await bus.ensure_streams()
     target = plan("g0", 1, shuffled(base, 11))
@@ -107,7 +91,7 @@ async def test_a_standby_replica_takes_over_after_the_owner_is_killed(
         async with announcing(bus, hello("e0", "g0", ["g0-gpu0", "g0-gpu1"])):
             await eventually(ready, timeout=90)  # both replicas run before the plan: one takes it, one stands by
             await bus.js_publish(bus.subjects.placement_plan, target, msg_id=target.plan_id)
-            await asyncio.wait_for(entered.wait(), 60)  # the engine is applying HELD_STEP right now
+            await asyncio.wait_for(held.entered.wait(), 60)  # the engine is applying HELD_STEP right now
             states = {(m.step, m.state) for m in await moves()}
             assert {s for s, state in states if state == "applied"} == set(range(HELD_STEP))
             assert (HELD_STEP, "sent") in states
@@ -118,7 +102,7 @@ async def test_a_standby_replica_takes_over_after_the_owner_is_killed(
             replicas[owner].send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             await asyncio.to_thread(replicas[owner].wait, 30)
-            release.set()  # the engine finishes the step; its acknowledgement goes to a dead inbox
+            held.release.set()  # the engine finishes the step; its acknowledgement goes to a dead inbox
 
             async def resent() -> bool:
                 return group.requests > requests_at_kill
