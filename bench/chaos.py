@@ -221,7 +221,7 @@ class Chaos:
         `authorization` block."""
         import secrets
 
-        from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
+        from switchyard.engine_agents.sim.live.fleet_types import LiveFleetConfig
         from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
         from switchyard.shared.subjects import Subjects
 

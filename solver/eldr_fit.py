@@ -102,6 +102,64 @@ def _check(options: FitOptions, decoders: int, counts: RequestCounts) -> None:
         raise FitError(f"need at least one decoder, got {decoders}")
 
 
+def _usable_counts(
+    data: RoutingTrace | RequestCounts, decoders: int, options: FitOptions, decoder_ids: list[str] | None
+) -> tuple[RequestCounts, int]:
+    """The calibration requests with both prefill and decode tokens (checked against the options), and how
+    many were dropped for lacking either."""
+    counts = request_counts(data) if isinstance(data, RoutingTrace) else data
+    _check(options, decoders, counts)
+    usable = (counts.prefill_tokens > 0) & (counts.decode_tokens > 0)
+    dropped = int((~usable).sum())
+    counts = counts.subset(usable) if dropped else counts
+    if counts.num_requests < max(3, decoders):
+        raise FitError(
+            f"{counts.num_requests} usable calibration requests (with prefill and decode tokens) "
+            f"for {decoders} decoders: need at least max(3, decoders)"
+        )
+    if decoder_ids is not None and len(decoder_ids) != decoders:
+        raise FitError(f"{len(decoder_ids)} decoder ids for {decoders} decoders")
+    return counts, dropped
+
+
+def _choose_representation(options: FitOptions, rho_all: dict[Representation, float]) -> Representation:
+    """The forced representation, or (auto) the online-servable one with the highest ρ; ρ must be defined."""
+    online = [r for r in ONLINE_REPRESENTATIONS if np.isfinite(rho_all[r])]
+    if not online:
+        raise FitError("ρ is undefined for every representation: all signatures or decode patterns are identical")
+    chosen: Representation = (
+        max(online, key=lambda r: rho_all[r]) if options.representation == "auto" else options.representation
+    )
+    if not np.isfinite(rho_all[chosen]):
+        raise FitError(f"ρ is undefined for {chosen}: its signatures are all identical (or all zero)")
+    return chosen
+
+
+def _model_shape(counts: RequestCounts) -> ModelShape:
+    return ModelShape(
+        name=counts.model_name[:128] or "unknown",
+        num_layers=counts.num_layers,
+        num_experts=counts.num_experts,
+        top_k=counts.top_k,
+    )
+
+
+def _label_mix(counts: RequestCounts, labels: np.ndarray, decoders: int) -> dict[str, Any] | None:
+    """Per cluster, how many calibration requests of each domain label (the trace's, for reports) it holds."""
+    if counts.label is None:
+        return None
+    width = int(counts.label.max()) + 1 if counts.label_names is None else len(counts.label_names)
+    mix = np.zeros((decoders, width), dtype=np.int64)
+    np.add.at(mix, (labels, counts.label), 1)
+    return {"label_names": list(counts.label_names or map(str, range(width))), "per_cluster": mix.tolist()}
+
+
+def _band_sizes(signatures: np.ndarray, centroids: np.ndarray, tau: float) -> np.ndarray:
+    """How selective τ is: decoders within τ of each calibration request's best similarity."""
+    similarity = signatures @ centroids.T
+    return (similarity >= similarity.max(axis=1, keepdims=True) - tau).sum(axis=1)
+
+
 def fit_routing_artifact(
     data: RoutingTrace | RequestCounts,
     decoders: int,
@@ -131,18 +189,7 @@ def fit_routing_artifact(
     start = clock()
     timings: dict[str, float] = {}
 
-    counts = request_counts(data) if isinstance(data, RoutingTrace) else data
-    _check(options, decoders, counts)
-    usable = (counts.prefill_tokens > 0) & (counts.decode_tokens > 0)
-    dropped = int((~usable).sum())
-    counts = counts.subset(usable) if dropped else counts
-    if counts.num_requests < max(3, decoders):
-        raise FitError(
-            f"{counts.num_requests} usable calibration requests (with prefill and decode tokens) "
-            f"for {decoders} decoders: need at least max(3, decoders)"
-        )
-    if decoder_ids is not None and len(decoder_ids) != decoders:
-        raise FitError(f"{len(decoder_ids)} decoder ids for {decoders} decoders")
+    counts, dropped = _usable_counts(data, decoders, options, decoder_ids)
     timings["counts"] = clock() - start
 
     # --- ρ of every representation, all layers ---
@@ -160,14 +207,7 @@ def fit_routing_artifact(
     rho_all = {r: rho_of_distances(d, target) for r, d in distances.items()}
     rho_error = {r: _finite(rho_sampling_error(d, target, seed=options.seed)) for r, d in distances.items()}
     rho_held = {r: rho(f[held], held_target) for r, f in feats.items()} if held_target else None
-    online = [r for r in ONLINE_REPRESENTATIONS if np.isfinite(rho_all[r])]
-    if not online:
-        raise FitError("ρ is undefined for every representation: all signatures or decode patterns are identical")
-    chosen: Representation = (
-        max(online, key=lambda r: rho_all[r]) if options.representation == "auto" else options.representation
-    )
-    if not np.isfinite(rho_all[chosen]):
-        raise FitError(f"ρ is undefined for {chosen}: its signatures are all identical (or all zero)")
+    chosen = _choose_representation(options, rho_all)
     timings["rho_representations"] = clock() - t
 
     # --- layer mask ---
@@ -202,12 +242,7 @@ def fit_routing_artifact(
         vanilla_sizes = vanilla.sizes.tolist()
 
     # --- artifact ---
-    model = ModelShape(
-        name=counts.model_name[:128] or "unknown",
-        num_layers=counts.num_layers,
-        num_experts=counts.num_experts,
-        top_k=counts.top_k,
-    )
+    model = _model_shape(counts)
     weights = cell_weights(chosen, idf)[mask].astype(np.float32)
     centroids = clustering.centroids.astype(np.float32)
     layer_mask = [int(layer) for layer in mask]
@@ -227,16 +262,9 @@ def fit_routing_artifact(
     )
     timings["total"] = clock() - start
 
-    # How selective τ is: decoders within τ of each calibration request's best similarity.
-    similarity = signatures @ clustering.centroids.T
-    band_sizes = (similarity >= similarity.max(axis=1, keepdims=True) - options.tau).sum(axis=1)
+    band_sizes = _band_sizes(signatures, clustering.centroids, options.tau)
 
-    label_mix = None
-    if counts.label is not None:
-        width = int(counts.label.max()) + 1 if counts.label_names is None else len(counts.label_names)
-        mix = np.zeros((decoders, width), dtype=np.int64)
-        np.add.at(mix, (clustering.labels, counts.label), 1)
-        label_mix = {"label_names": list(counts.label_names or map(str, range(width))), "per_cluster": mix.tolist()}
+    label_mix = _label_mix(counts, clustering.labels, decoders)
 
     report: dict[str, Any] = {
         "model": model.model_dump(),

@@ -24,6 +24,7 @@ from nats.js.errors import BadRequestError
 
 from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpertGroup, serve_migrate
 from switchyard.services.migration.service import run_migration
+from switchyard.services.placement import ingest as placement_ingest
 from switchyard.services.placement import service as placement_service
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.services.refit import read_samples
@@ -246,9 +247,9 @@ async def test_hostile_input_on_every_subject(bus: Bus, settings: SwitchyardSett
         await bus.nc.flush()
         reply = await eventually(lambda: _route(bus), timeout=10)
         assert reply.engine_id == "d0"
-        windows = _counter(placement_service.WINDOWS)
+        windows = _counter(placement_ingest.WINDOWS)
         await bus.js_publish(subjects.expert_load("e0"), valid["expert_load"])  # type: ignore[arg-type]
-        await _until(lambda: _counter(placement_service.WINDOWS) > windows, 10)
+        await _until(lambda: _counter(placement_ingest.WINDOWS) > windows, 10)
         consumer = await bus.js.consumer_info(subjects.placement_stream, "migration")
         assert consumer.num_ack_pending == 0  # nothing stuck in redelivery
     finally:

@@ -17,7 +17,8 @@ from switchyard.services.history import add_placement, load_layout
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.services.placement.engine_registry import EngineRegistry
-from switchyard.services.placement.service import FUTURE_WINDOWS, PlacementService
+from switchyard.services.placement.ingest import FUTURE_WINDOWS
+from switchyard.services.placement.service import PlacementService
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.codec import decode
@@ -178,7 +179,7 @@ async def test_windows_must_fit_the_announced_model_and_orphan_groups_are_droppe
     bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     """Finding 2: windows of invented groups and shapes took placement from 249 to 963 MB, kept forever."""
-    from switchyard.services.placement.service import WINDOWS_REFUSED
+    from switchyard.services.placement.ingest import WINDOWS_REFUSED
 
     await bus.ensure_streams()
     await publish_load(bus, "old", "g-invented", 0, range(4))  # in the stream from before the start

@@ -21,7 +21,7 @@ from switchyard.simulator.core.defaults import (
 )
 
 if TYPE_CHECKING:
-    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.fleet_types import LiveFleetConfig
 
 
 def sim(
@@ -243,7 +243,7 @@ TracePath = Annotated[Path | None, typer.Option(help="Routing trace (default: th
 def _fleet_config(
     name: str, prefill: int, decode: int, gpus_per_decoder: int, gpu: str, speed: float, **http: object
 ) -> LiveFleetConfig:
-    from switchyard.engine_agents.sim.live.engines import LiveFleetConfig
+    from switchyard.engine_agents.sim.live.fleet_types import LiveFleetConfig
 
     return LiveFleetConfig(
         prefill=prefill, decode=decode, gpus_per_decoder=gpus_per_decoder, gpu=gpu, speed=speed, name=name, **http

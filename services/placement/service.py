@@ -2,7 +2,7 @@
 
 - **Load**: an ordered JetStream consumer on `sy.engine.*.expert_load`, started `warmup_s` back in the stream,
   so a restart rebuilds the same decayed window per engine group (`window.DecayedLoad`) instead of starting
-  cold. Planning waits until that replay has caught up.
+  cold (`ingest.ExpertLoadIngest`). Planning waits until that replay has caught up.
 - **Groups**: the unit of placement is the EP group (`ExpertLoad.ep_group`). In an xPyD fleet each decoder is
   its own EP group, so each decoder gets a placement from its own load alone (ELDR §7).
 - **Triggers**: a group is planned when it has never been planned by this process, every `period_s`, or
@@ -23,12 +23,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Histogram
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
@@ -51,29 +49,21 @@ from switchyard.services.layout_now import GroupShape, layout_now, recorded
 from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.decide import Decision, Policy, decide
 from switchyard.services.placement.engine_registry import EngineRegistry
+from switchyard.services.placement.ingest import ExpertLoadIngest
 from switchyard.services.placement.recalibrate import CalibrationContext, serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.services.placement.window import DecayedLoad, drift
-from switchyard.services.runtime import decode_stream_message, ensure_schema, metrics_endpoint, supervised
+from switchyard.services.runtime import ensure_schema, metrics_endpoint, supervised
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.types import utcnow
-from switchyard.shared.schemas import ExpertLoad, ObjectiveTerms, PlacementParams, PlacementPlan
+from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
 
 log = logging.getLogger(__name__)
 
 PLANS = Counter("switchyard_placement_plans_total", "Placement decisions, by outcome.", ["outcome"])
-WINDOWS = Counter("switchyard_placement_windows_total", "Expert-load windows folded into the decayed state.")
-FUTURE_WINDOWS = Counter(
-    "switchyard_placement_windows_refused_total", "Expert-load windows refused: they end too far in the future."
-)
-WINDOWS_REFUSED = Counter(
-    "switchyard_placement_windows_mismatched_total",
-    "Expert-load windows refused: from an engine that never said hello, or for another group or model shape.",
-    ["reason"],
-)
 RUN_SECONDS = Histogram("switchyard_placement_run_seconds", "Time to plan one group (greedy + decision).")
 PRUNE_EVERY_S = 3600.0
 NO_MOVES = np.zeros((0, 6), np.int32)
@@ -96,16 +86,21 @@ class PlacementService:
         self.registry: EngineRegistry | None = None  # set once connected
         self.leases: GroupLeases | None = None  # set once connected; None (tests driving plan_group): no lease
         self.ingest: Bus | None = None  # hellos and expert load, on a connection of their own (set once connected)
-        self.windows: dict[str, DecayedLoad] = {}
-        self.caught_up = asyncio.Event()
+        #: The decayed expert load of every group, and whether its replay has caught up.
+        self.expert_load = ExpertLoadIngest(self.config, self.fleet)
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
-        self._processed_seq = 0
-        self._future_engines: set[str] = set()
-        self._window_warnings: set[str] = set()
-        self._orphan_since: dict[str, float] = {}
         self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
-        self._catch_up_to = 2**63  # known once the replay consumer exists
+
+    @property
+    def windows(self) -> dict[str, DecayedLoad]:
+        """Each group's decayed expert load (`ExpertLoadIngest.windows`)."""
+        return self.expert_load.windows
+
+    @property
+    def caught_up(self) -> asyncio.Event:
+        """Set once the expert-load replay has been processed (`ExpertLoadIngest.caught_up`)."""
+        return self.expert_load.caught_up
 
     # ----- lifecycle -----
 
@@ -127,7 +122,7 @@ class PlacementService:
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
-                await self._follow_expert_load()
+                await self.expert_load.follow(bus, ingest)
                 context = CalibrationContext(
                     bus, self.sessions, self.fleet, self.windows, self.policy, self.config.calibration_budget_s
                 )
@@ -154,101 +149,6 @@ class PlacementService:
             await bus.close()
             await engine.dispose()
 
-    async def _follow_expert_load(self) -> None:
-        subjects = self.bus.subjects
-        since = datetime.now(UTC) - timedelta(seconds=self.config.warmup_s)
-        # By start sequence, not by start time: nats-py recreates an ordered consumer (after a NATS restart)
-        # by sequence but keeps the start time, a config the server refuses (err 10094), so a consumer made
-        # by time would stop delivering for good after the first restart.
-        first = await first_sequence_since(self.bus, subjects.expert_load_stream, since)
-        assert self.ingest is not None
-        subscription = await self.ingest.js.subscribe(
-            subjects.all_expert_load,
-            stream=subjects.expert_load_stream,
-            cb=self._on_expert_load,
-            ordered_consumer=True,
-            idle_heartbeat=1.0,  # two missed (a NATS restart) and the consumer is recreated: a 2-3 s gap, not 10
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            config=ConsumerConfig(opt_start_seq=first),
-        )
-        info = await subscription.consumer_info()
-        if info.num_pending == 0:  # everything in range is on its way: caught up once we processed the last one
-            self._catch_up_to = info.delivered.stream_seq
-            if self._processed_seq >= self._catch_up_to:
-                self.caught_up.set()
-
-    async def _on_expert_load(self, msg: Msg) -> None:
-        subject = self.bus.subjects.all_expert_load
-        window = await decode_stream_message(
-            msg, ExpertLoad, subject, self.bus.max_payload, acked=False, subjects=self.bus.subjects
-        )
-        refusal = self._window_refusal(window) if window is not None else None
-        if refusal is not None:
-            WINDOWS_REFUSED.labels(refusal).inc()
-            self._warn_window(window.engine_id, refusal)  # type: ignore[union-attr]
-        elif window is not None:
-            ahead = window.window_end - msg.metadata.timestamp.timestamp()
-            if ahead > self.config.max_clock_skew_s:  # it would outweigh every honest window until time caught up
-                FUTURE_WINDOWS.inc()
-                self._warn_future(window.engine_id, ahead)
-            else:
-                self.windows.setdefault(window.ep_group, DecayedLoad(self.config.half_life_s)).add(window)
-                WINDOWS.inc()
-        self._processed_seq = msg.metadata.sequence.stream
-        if msg.metadata.num_pending == 0 or self._processed_seq >= self._catch_up_to:
-            self.caught_up.set()
-
-    def _window_refusal(self, window: ExpertLoad) -> str | None:
-        """Why a window cannot be kept, or None: it must come from an engine that said hello, for the group and
-        model shape that hello announced. While replaying the stream after a start the hellos may not be in yet:
-        windows are kept then, and `_drop_orphans` removes the groups that turn out to have no live engine."""
-        state = self.fleet.engines.get(window.engine_id)
-        hello = state.hello if state is not None else None
-        if hello is None:
-            return "unknown_engine" if self.caught_up.is_set() else None
-        if hello.ep_group != window.ep_group:
-            return "wrong_group"
-        if window.expert_counts.shape != (hello.model.num_layers, hello.model.num_experts):
-            return "wrong_shape"
-        return None
-
-    def _warn_window(self, engine_id: str, reason: str) -> None:
-        key = f"{engine_id}:{reason}"
-        if key not in self._window_warnings and len(self._window_warnings) < 1000:
-            self._window_warnings.add(key)
-            log.warning(
-                "expert-load window from %s refused (%s); switchyard_placement_windows_mismatched_total counts them",
-                engine_id,
-                reason,
-            )
-
-    def _drop_orphans(self, now: float) -> list[str]:
-        """Forget the windows of groups with no live engine for `orphan_window_s`; returns their names."""
-        dropped = []
-        for group in list(self.windows):
-            if self.fleet.group(group):
-                self._orphan_since.pop(group, None)
-                continue
-            since = self._orphan_since.setdefault(group, now)
-            if now - since >= self.config.orphan_window_s:
-                del self.windows[group]
-                self._orphan_since.pop(group, None)
-                self._last_run.pop(group, None)
-                dropped.append(group)
-        if dropped:
-            log.info("dropped the expert-load windows of %d group(s) with no live engine", len(dropped))
-        return dropped
-
-    def _warn_future(self, engine_id: str, ahead: float) -> None:
-        if engine_id not in self._future_engines:
-            self._future_engines.add(engine_id)
-            log.warning(
-                "engine %s sends expert-load windows ending %.0f s after the stream received them; its clock is "
-                "skewed: refused (switchyard_placement_windows_refused_total counts them)",
-                engine_id,
-                ahead,
-            )
-
     # ----- triggers -----
 
     async def tick(self) -> None:
@@ -262,7 +162,8 @@ class PlacementService:
         await self.prune_rejected()
         if not self.caught_up.is_set():
             return
-        self._drop_orphans(time.monotonic())
+        for group in self.expert_load.drop_orphans(time.monotonic()):
+            self._last_run.pop(group, None)
         for group in list(self.windows):
             trigger = self._trigger(group)
             if trigger is not None and self.leases is not None and not await self.leases.acquire(group):
@@ -488,22 +389,6 @@ class PlacementService:
                 plans.append((row.id, plan_message(row, layout, NO_MOVES if moves is None else moves)))
         for placement_id, plan in plans:
             await publish_plan(self.bus, self.sessions, plan, placement_id)
-
-
-async def first_sequence_since(bus: Bus, stream: str, since: datetime) -> int:
-    """The stream sequence of the first message stored at or after `since` (one past the last if none)."""
-    info = await bus.js.add_consumer(
-        stream,
-        ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=since.isoformat(),
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=10.0,
-        ),
-    )
-    with contextlib.suppress(Exception):  # it expires by itself anyway
-        await bus.js.delete_consumer(stream, info.name)
-    return info.delivered.stream_seq + 1
 
 
 async def run_placement(

@@ -17,6 +17,16 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    _create_calibrations()
+    _create_engines()
+    _create_placements()
+    _create_routing_artifacts()
+    _create_migrations()
+    _create_placement_assignments()
+    _create_migration_moves()
+
+
+def _create_calibrations() -> None:
     op.create_table(
         "calibrations",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
@@ -34,6 +44,9 @@ def upgrade() -> None:
         sa.CheckConstraint("status IN ('running', 'succeeded', 'failed')", name="ck_calibrations_status"),
         sa.PrimaryKeyConstraint("id"),
     )
+
+
+def _create_engines() -> None:
     op.create_table(
         "engines",
         sa.Column("engine_id", sa.String(length=64), nullable=False),
@@ -53,6 +66,8 @@ def upgrade() -> None:
     with op.batch_alter_table("engines", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_engines_ep_group"), ["ep_group"], unique=False)
 
+
+def _create_placements() -> None:
     op.create_table(
         "placements",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
@@ -92,6 +107,8 @@ def upgrade() -> None:
     with op.batch_alter_table("placements", schema=None) as batch_op:
         batch_op.create_index("ix_placements_group_created", ["engine_group", "created_at"], unique=False)
 
+
+def _create_routing_artifacts() -> None:
     op.create_table(
         "routing_artifacts",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
@@ -112,6 +129,8 @@ def upgrade() -> None:
     with op.batch_alter_table("routing_artifacts", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_routing_artifacts_content_hash"), ["content_hash"], unique=False)
 
+
+def _create_migrations() -> None:
     op.create_table(
         "migrations",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
@@ -134,6 +153,8 @@ def upgrade() -> None:
     with op.batch_alter_table("migrations", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_migrations_engine_group"), ["engine_group"], unique=False)
 
+
+def _create_placement_assignments() -> None:
     op.create_table(
         "placement_assignments",
         sa.Column("placement_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
@@ -144,6 +165,9 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["placement_id"], ["placements.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("placement_id", "layer", "gpu", "slot"),
     )
+
+
+def _create_migration_moves() -> None:
     op.create_table(
         "migration_moves",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
