@@ -13,10 +13,11 @@ One decision, for decode routing (`sy.route.decode`) and data-parallel dispatch 
 3. A **picker** chooses one admitted engine from the summed cost (least cost with a tie rule, power of two
    choices, round robin, random).
 
-Every part declares what it reads (`needs`): engine columns (``load``, ``kv_usage``, ``alive``, or any
-other column of the `FleetSnapshot`, e.g. ``remaining_prefill``) and request inputs (``similarity``,
-``label``, ``prompt_tokens``). A profile's `needs` is their union, so a caller computes only what is used:
-no signature scoring for JSQ, no prefill columns for vLLM's rule.
+Every part declares what it reads (`needs`) by registry name (`shared.signals`): engine signals (``load``,
+``kv_usage``, ``alive``, or any other column of the `FleetSnapshot`, e.g. ``remaining_prefill``) and request
+inputs (``similarity``, ``label``, ``prompt_tokens``), written ``needs = need("kv_usage")`` so that an unknown
+name fails at import; a profile checks its parts' needs again when it is built. A profile's `needs` is their
+union, so a caller computes only what is used: no signature scoring for JSQ, no prefill columns for vLLM's rule.
 
 Parts are small frozen objects with pure methods over numpy columns; the mutable state a picker needs (the
 round-robin cursor, the random generator) is the caller's `RouterState`. A profile may carry a *kernel*: a
@@ -34,14 +35,25 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from switchyard.shared.signals import REQUEST_INPUTS as _REQUEST_INPUTS
+from switchyard.shared.signals import SIGNALS, UnknownSignal
 from switchyard.solver.routing.decode import Decision, RouteQuery, RouterState
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 
-__all__ = ["Admission", "Filter", "Kernel", "Picker", "Profile", "Scorer", "Weighted", "no_engine"]
+__all__ = [
+    "Admission",
+    "Filter",
+    "Kernel",
+    "Picker",
+    "Profile",
+    "Scorer",
+    "Weighted",
+    "no_engine",
+]
 
-#: Request inputs a part may need (anything else in `needs` is an engine column of the snapshot).
-REQUEST_INPUTS = frozenset({"similarity", "label", "prompt_tokens"})
+#: Request inputs a part may need (`shared.signals.REQUEST_INPUTS`; anything else in `needs` is a signal).
+REQUEST_INPUTS = frozenset(_REQUEST_INPUTS)
 
 
 class Admission(NamedTuple):
@@ -102,6 +114,16 @@ class Profile:
     picker: Picker
     kernel: Kernel | None = field(default=None, compare=False)
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        """Every part's needs are registry names (`shared.signals`): checked once, when the profile is built."""
+        for part in (*self.filters, *(w.scorer for w in self.scorers), self.picker):
+            unknown = sorted(n for n in part.needs if n not in SIGNALS and n not in REQUEST_INPUTS)
+            if unknown:
+                raise UnknownSignal(
+                    f"profile {self.name!r}: part {part.name!r} needs {', '.join(map(repr, unknown))}, not in the "
+                    "signal registry (shared/signals.py); declare needs with shared.signals.need(...)"
+                )
 
     @cached_property
     def needs(self) -> frozenset[str]:

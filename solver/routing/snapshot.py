@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.signals import need
+
 __all__ = ["FleetSnapshot"]
 
+#: The signals (`shared.signals`) the snapshot holds as attributes; any other is one of its `columns`.
 _BASE = ("load", "kv_usage", "alive")
+need(*_BASE)
 
 
 @dataclass
