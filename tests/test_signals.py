@@ -1,6 +1,6 @@
 """The registry of engine signals (`shared.signals`): an unknown name fails where a part is defined (at import)
 or a profile is built; the telemetry schema, the router's telemetry view and gather, the DP simulator and the
-profiles all read the registry's names."""
+profiles all read the registry's names; and routing costs are checked finite before a picker sees them."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from switchyard.solver.routing import (
     DP_PROFILES,
     FleetSnapshot,
     RouteQuery,
+    RouterState,
     dp_profile,
     framework,
 )
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.filters import Alive
-from switchyard.solver.routing.framework import Profile, Weighted
-from switchyard.solver.routing.pickers import LeastCost
+from switchyard.solver.routing.framework import NonFiniteCost, Profile, Weighted
+from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo
 from switchyard.solver.routing.scorers import Column
 from switchyard.solver.routing.tables import RoutingTables
 
@@ -117,3 +118,40 @@ def test_the_dp_simulator_and_the_profiles_name_registered_signals() -> None:
     known = set(SIGNALS) | set(REQUEST_INPUTS)
     assert all(profile.needs <= known for profile in profiles)
     assert set(REQUEST_INPUTS) == framework.REQUEST_INPUTS
+
+
+# ----- costs are checked finite before a picker sees them -----
+
+
+def _profile(picker: object = None) -> Profile:
+    return Profile("p", (Alive(),), (Weighted(Column("load"), 1.0), Weighted(Column("step_time"), 1.0)),
+                   picker or LeastCost())  # fmt: skip
+
+
+def _snap(load: list[float], step_time: list[float], alive: list[bool] | None = None) -> FleetSnapshot:
+    ids = [f"e{i}" for i in range(len(load))]
+    snap = FleetSnapshot.build(ids, load=dict(zip(ids, load, strict=True)))
+    if alive is not None:
+        snap.alive[:] = alive
+    snap.columns["step_time"] = np.array(step_time, dtype=np.float64)
+    return snap
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_a_nan_or_minus_infinite_cost_is_an_error_naming_the_profile_scorer_and_engine(bad: float) -> None:
+    snap = _snap([1.0, 0.0, 2.0], [0.0, bad, 0.0])
+    with pytest.raises(
+        NonFiniteCost, match=r"profile 'p': cost NaN or -inf on engine\(s\) e1 from scorer\(s\) step_time"
+    ):
+        _profile()(snap, Q, RouterState(), T)
+    # on an engine no filter admits, it is never seen
+    assert _profile()(_snap([1.0, 0.0, 2.0], [0.0, bad, 0.0], [True, False, True]), Q, RouterState(), T).index == 0
+
+
+@pytest.mark.parametrize("picker", [LeastCost(), FirstMin(), PowerOfTwo()])
+def test_a_plus_infinite_cost_excludes_the_engine(picker: object) -> None:
+    snap = _snap([0.0, 5.0, 9.0], [np.inf, 0.0, np.inf])
+    state = RouterState.seeded(3)
+    assert {_profile(picker)(snap, Q, state, T).index for _ in range(20)} == {1}
+    with pytest.raises(LookupError, match="no live engine"):
+        _profile(picker)(_snap([0.0, 5.0], [np.inf, np.inf]), Q, RouterState(), T)

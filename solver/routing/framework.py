@@ -19,6 +19,10 @@ inputs (``similarity``, ``label``, ``prompt_tokens``), written ``needs = need("k
 name fails at import; a profile checks its parts' needs again when it is built. A profile's `needs` is their
 union, so a caller computes only what is used: no signature scoring for JSQ, no prefill columns for vLLM's rule.
 
+Costs are checked finite before the picker sees them, over the admitted engines: +inf means *excluded* (the
+engine leaves the admitted set; none left is `no_engine`), and NaN or -inf is a scorer's error
+(`NonFiniteCost`, naming the profile, the scorers and the engines). When all is finite this costs one sum.
+
 Parts are small frozen objects with pure methods over numpy columns; the mutable state a picker needs (the
 round-robin cursor, the random generator) is the caller's `RouterState`. A profile may carry a *kernel*: a
 fused implementation of exactly its default composition (ELDR's per-engine loop for small fleets), which it
@@ -28,6 +32,7 @@ Named profiles are in `solver.routing.profiles`; docs/architecture.md shows how 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -45,12 +50,15 @@ __all__ = [
     "Admission",
     "Filter",
     "Kernel",
+    "NonFiniteCost",
     "Picker",
     "Profile",
     "Scorer",
     "Weighted",
     "no_engine",
 ]
+
+_SUM = np.add.reduce  # finite iff every term is; the method lookup of `cost.sum()` costs more
 
 #: Request inputs a part may need (`shared.signals.REQUEST_INPUTS`; anything else in `needs` is a signal).
 REQUEST_INPUTS = frozenset(_REQUEST_INPUTS)
@@ -102,6 +110,10 @@ class Weighted(NamedTuple):
 
 def no_engine(snap: FleetSnapshot) -> LookupError:
     return LookupError(f"no live engine among {snap.size}")
+
+
+class NonFiniteCost(ValueError):
+    """A profile's summed cost is NaN or -inf on an admitted engine: a scorer's error, never a choice."""
 
 
 @dataclass(frozen=True)
@@ -202,5 +214,30 @@ class Profile:
             mask = np.ones(snap.size, dtype=bool)
             if snap.size == 0:
                 raise no_engine(snap)
-        index = self.picker.pick(self.cost(snap, query, tables), mask, prefer, state)
+        cost = self.cost(snap, query, tables)
+        if cost is not None and not math.isfinite(_SUM(cost)):  # a finite sum: every cost finite (~0.6 µs)
+            mask = self._finite(cost, mask, snap, query, tables)
+        index = self.picker.pick(cost, mask, prefer, state)
         return Decision(index, band_size=band, fallback=fallback)
+
+    def _finite(
+        self, cost: np.ndarray, mask: np.ndarray, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables
+    ) -> np.ndarray:
+        """The admitted engines less those of cost +inf (excluded); NaN or -inf on an admitted engine raises
+        `NonFiniteCost` naming the scorers that gave it. Off the fast path: only when some cost is not finite."""
+        wrong = mask & (np.isnan(cost) | (cost == -np.inf))
+        if wrong.any():
+            engines = [snap.engine_ids[i] for i in np.flatnonzero(wrong)]
+            culprits = [
+                w.scorer.name
+                for w in self.scorers
+                if not np.all(np.isfinite(np.asarray(w.scorer.cost(snap, query, tables))[wrong]))
+            ]
+            raise NonFiniteCost(
+                f"profile {self.name!r}: cost NaN or -inf on engine(s) {', '.join(engines)}"
+                f" from scorer(s) {', '.join(culprits) or '(the weighted sum)'}"
+            )
+        admitted = mask & (cost != np.inf)
+        if not admitted.any():
+            raise no_engine(snap)
+        return admitted
