@@ -14,6 +14,7 @@ from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, Ro
 from switchyard.solver.routing.decode import LOOP_MAX_ENGINES
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
+from switchyard.solver.routing.framework import NonFiniteCost
 
 # The compositions meet the odd values and PARAMS[2]'s overflow with numpy's warnings; the kernels decline them.
 pytestmark = [
@@ -59,7 +60,7 @@ def _fleet(data: st.DataObject, n: int, odd: bool) -> FleetSnapshot:
 def _composed(profile_name: str, params: GimbalParams, snap: FleetSnapshot, start: int) -> int | None:
     try:
         return dp_profile(profile_name, params).compose(snap, Q, RouterState(scan_start=start), T).index
-    except LookupError:  # no live engine
+    except (LookupError, NonFiniteCost):  # no live engine (or none of finite cost); a NaN or -inf cost
         return None
 
 

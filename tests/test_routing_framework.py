@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -361,26 +362,50 @@ def _example() -> ModuleType:
 
 def test_the_documented_example_is_the_tested_file_and_fits_the_budget() -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    section = doc.split("## How to add a decode scorer", 1)[1]
-    listing = re.search(r"```python\n(.*?)```", section, re.S)
+    section = doc.split("## How to add a decode scorer", 1)[1].split("\n## ", 1)[0]
+    listings = re.findall(r"```python\n(.*?)```", section, re.S)
     code = (ROOT / "docs" / "examples" / "decode_scorer.py").read_text()
-    assert listing is not None and listing.group(1) == code
+    assert code in listings
     assert len(code.splitlines()) <= 60
+    entry = next(listing for listing in listings if listing.startswith("Signal("))  # the registry's entry
+    assert textwrap.indent(entry.rstrip("\n") + ",\n", "    ") in (ROOT / "shared" / "signals.py").read_text()
+    producer = "self.migrating[row] = t.migrating"  # the producer code the section shows
+    assert f"`{producer}`" in section and producer in (ROOT / "services" / "router" / "telemetry_view.py").read_text()
 
 
-def test_the_example_scorer_steers_a_profile_by_kv_usage(monkeypatch: pytest.MonkeyPatch) -> None:
+def _migrating_core(router: RouterSettings, rows: list[tuple[int, bool]]) -> RouterCore:
+    """Decode engines e0, e1, ... reporting (running, migrating)."""
+    core = RouterCore(router)
+    for i, (running, migrating) in enumerate(rows):
+        core.on_hello(_hello(f"e{i}", "decode"), 0.0)
+        core.on_telemetry(
+            Telemetry(
+                engine_id=f"e{i}", seq=1, ts=0.0, kv_usage=0.0, num_running=running, num_waiting=0,
+                waiting_prefill_tokens=0, remaining_prefill_tokens=0, step_time_ema=0.01, migrating=migrating,
+            ),
+            0.0,
+        )  # fmt: skip
+    return core
+
+
+def test_the_example_scorer_needing_a_new_signal_steers_a_profile_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     example = _example()
-    profile = example.JSQ_KV
-    assert profile.needs == {"alive", "load", "kv_usage"}
-    # equal load: the freer cache wins; a lighter engine with a nearly full cache loses to one more request
-    assert profile(_snap([2, 2, 3], kv=[0.9, 0.1, 0.0]), Q, RouterState(), T).index == 1
-    assert profile(_snap([2, 3], kv=[0.9, 0.0]), Q, RouterState(), T).index == 1
-    assert decode_profile("jsq")(_snap([2, 3], kv=[0.9, 0.0]), Q, RouterState(), T).index == 0
-    # registered, it is chosen and weighted from settings alone, in the router
+    profile = example.JSQ_MIGRATION
+    assert profile.needs == {"alive", "load", "migrating"}
+    # equal load: the engine not migrating wins; a lighter engine that migrates loses to up to 4 more requests
+    assert profile(_snap([2, 2, 3], migrating=[1, 0, 0]), Q, RouterState(), T).index == 1
+    assert profile(_snap([2, 5], migrating=[1, 0]), Q, RouterState(), T).index == 1
+    assert decode_profile("jsq")(_snap([2, 5], migrating=[1, 0]), Q, RouterState(), T).index == 0
+    # registered, it is chosen and weighted from settings alone, in the router, which gathers the new signal
+    # from the engines' telemetry with no code of its own
     monkeypatch.setitem(DECODE_PROFILES, profile.name, profile)
     request = RouteDecodeRequest(request_id="r", prompt_tokens=10)
-    rows = [(2, 0, 0.9, 0), (3, 0, 0.0, 0), (4, 0, 0.0, 0)]
-    assert _core(RouterSettings(policy="jsq-kv"), "decode", rows).route_decode(request, 0.0).reply.engine_id == "e1"
-    weights = {"kv_pressure": 0.5}  # a full cache is now worth half a request: e0 (2.45) beats e1 (3)
-    reply = _core(RouterSettings(policy="jsq-kv", decode_weights=weights), "decode", rows).route_decode(request, 0.0)
-    assert (reply.reply.engine_id, reply.reply.policy) == ("e0", "jsq-kv")
+    rows = [(2, True), (3, False), (4, False)]
+    core = _migrating_core(RouterSettings(policy="jsq-migration"), rows)
+    assert core.route_decode(request, 0.0).reply.engine_id == "e1"
+    assert core.decode.snap.column("migrating").tolist() == [1.0, 0.0, 0.0]
+    weights = {"migration": 0.5}  # migrating is now worth half a request: e0 (2.5) beats e1 (3)
+    reply = _migrating_core(RouterSettings(policy="jsq-migration", decode_weights=weights), rows).route_decode(
+        request, 0.0
+    )
+    assert (reply.reply.engine_id, reply.reply.policy) == ("e0", "jsq-migration")

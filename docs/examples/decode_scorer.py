@@ -1,4 +1,4 @@
-"""How to add a decode scorer (docs/architecture.md): prefer engines with free KV cache."""
+"""How to add a decode scorer (docs/architecture.md): keep requests off engines that are moving experts."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing import FleetSnapshot, Profile, RouteQuery, RoutingTables
 from switchyard.solver.routing.filters import Alive
 from switchyard.solver.routing.framework import Weighted
@@ -14,22 +15,22 @@ from switchyard.solver.routing.scorers import Column
 
 
 @dataclass(frozen=True)
-class KvPressure:
-    """Cost: the fraction of the engine's KV cache in use, lower is better. Weighted w, a full cache costs as
-    much as w more requests on the engine."""
+class Migration:
+    """Cost: 1 while the engine's EP group moves experts (its steps are slower), else 0. Weighted w, a
+    migrating engine costs as much as w more requests on it."""
 
-    name: str = "kv_pressure"  # the key of its weight in SWITCHYARD_ROUTER_DECODE_WEIGHTS
-    needs: frozenset[str] = frozenset({"kv_usage"})  # engine columns and request inputs it reads
+    name: str = "migration"  # the key of its weight in SWITCHYARD_ROUTER_DECODE_WEIGHTS
+    needs: frozenset[str] = need("migrating")  # registry names (shared/signals.py): a misspelt one fails here
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
-        return snap.kv_usage  # float[D]; never written into, so no copy
+        return snap.column("migrating")  # float[D]; never written into, so no copy
 
 
-#: Join the shortest queue, a nearly full cache counting as 4 more requests.
-JSQ_KV = Profile(
-    "jsq-kv",
+#: Join the shortest queue, an engine moving experts counting as 4 more requests.
+JSQ_MIGRATION = Profile(
+    "jsq-migration",
     filters=(Alive(),),
-    scorers=(Weighted(Column("load"), 1.0), Weighted(KvPressure(), 4.0)),
+    scorers=(Weighted(Column("load"), 1.0), Weighted(Migration(), 4.0)),
     picker=LeastCost(),
-    doc="least load + 4 × KV usage",
+    doc="least load + 4 while migrating",
 )

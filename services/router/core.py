@@ -33,6 +33,7 @@ from switchyard.shared.schemas import (
     RoutingArtifact,
     Telemetry,
 )
+from switchyard.shared.signals import SIGNALS, need
 from switchyard.solver.routing import DEFAULT_TAU, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.framework import Profile
@@ -161,17 +162,20 @@ class RoleView:
             self._gathered = (names, version)
 
 
-#: Engine columns a routing profile may read beyond the snapshot's own (load, kv_usage, alive), from the
-#: telemetry view's rows. `waiting` counts this replica's and the others' decisions since the last report as
-#: waiting, as vLLM's client counts its own; `outstanding` is the router's best count of unfinished requests.
+#: Engine signals (`shared.signals`) a routing profile may read beyond the snapshot's own (load, kv_usage,
+#: alive), from the telemetry view's rows: a signal copied from a message field is its view column (no code
+#: here); the derived ones follow. `waiting` counts this replica's and the others' decisions since the last
+#: report as waiting, as vLLM's client counts its own; `outstanding` is the router's best count of unfinished
+#: requests.
+_SNAPSHOT_COLUMNS = need("load", "kv_usage", "alive")
 COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarray]] = {
-    "remaining_prefill": lambda f, rows, snap: f.remaining_prefill[rows],
-    "waiting_prefill": lambda f, rows, snap: f.waiting_prefill[rows],
+    **{
+        s.name: (lambda f, rows, snap, view=s.view: getattr(f, view)[rows])
+        for s in SIGNALS.values()
+        if s.field is not None and s.view is not None and s.name not in _SNAPSHOT_COLUMNS
+    },
     "inflight_tokens": lambda f, rows, snap: f.inflight_tokens[rows],
-    "expert_pressure": lambda f, rows, snap: f.expert_pressure[rows],
-    "step_time": lambda f, rows, snap: f.step_time[rows],
     "inflight": lambda f, rows, snap: f.inflight[rows],
-    "running": lambda f, rows, snap: f.num_running[rows],
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
 }
@@ -182,7 +186,9 @@ PER_DECISION: dict[str, Callable[[float], float]] = {
     "inflight_tokens": lambda tokens: tokens,
     "waiting": lambda tokens: 1.0,
 }
-_SNAPSHOT_COLUMNS = frozenset({"load", "kv_usage", "alive"})
+if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
+    raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
+need(*COLUMNS, *PER_DECISION)
 _NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
 _NO_QUERY = RouteQuery()  # ... and most read nothing of the request: no query to build per decision
 

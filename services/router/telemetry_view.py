@@ -29,21 +29,19 @@ import numpy as np
 
 from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
+from switchyard.shared.signals import telemetry_view_columns
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.ledger import InflightLedger
 
 ROLES = ("prefill", "decode", "dp")
 _UNKNOWN_ROLE = -1
-#: Every per-engine column: dtype and the value of a row no engine has filled yet.
+#: Every per-engine column: dtype and the value of a row no engine has filled yet. Between the view's own
+#: (role, last_seen, last_seq), one per engine signal stored from a message field, as the registry declares
+#: it (`shared.signals`: kv_usage, num_running, num_waiting, waiting_prefill, remaining_prefill, step_time,
+#: expert_pressure, migrating); `on_telemetry` fills them.
 _COLUMNS: dict[str, tuple[type, float]] = {
     "role": (np.int8, _UNKNOWN_ROLE),
-    "kv_usage": (np.float64, 0),
-    "num_running": (np.float64, 0),
-    "num_waiting": (np.float64, 0),
-    "waiting_prefill": (np.float64, 0),
-    "remaining_prefill": (np.float64, 0),
-    "step_time": (np.float64, 0),
-    "expert_pressure": (np.float64, 1),
+    **telemetry_view_columns(),
     "last_seen": (np.float64, -np.inf),
     "last_seq": (np.int64, -1),
 }
@@ -167,6 +165,7 @@ class TelemetryView:
         self.remaining_prefill[row] = t.remaining_prefill_tokens
         self.step_time[row] = t.step_time_ema
         self.expert_pressure[row] = max(t.expert_pressure, 1.0)
+        self.migrating[row] = t.migrating
         self.last_seen[row] = now
         self.data_version += 1
         self.ledger.settle(row, now - self.inflight_grace_s)

@@ -37,6 +37,7 @@ from functools import cached_property
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.shared.streams import stream
 from switchyard.simulator.core.defaults import (
     COORDINATOR_INTERVAL_S,
@@ -120,13 +121,12 @@ class DPFleetConfig:
 
 
 #: The engine columns the simulated dispatcher can feed a DP profile, by where a real dispatcher gets them
-#: (the module docstring): its own exact counts, the DP coordinator's snapshot, the engines' telemetry.
-EXACT_COLUMNS = frozenset({"alive", "load", "outstanding"})
-COORDINATOR_COLUMNS = frozenset({"waiting", "running"})
-TELEMETRY_COLUMNS = frozenset(
-    {"remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight"}
-)
-SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | {"kv_usage"}
+#: (the module docstring): its own exact counts, the DP coordinator's snapshot, the engines' telemetry. Each is
+#: a registry name (`shared.signals.need`: a misspelt one fails at import).
+EXACT_COLUMNS = need("alive", "load", "outstanding")
+COORDINATOR_COLUMNS = need("waiting", "running")
+TELEMETRY_COLUMNS = need("remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight")
+SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | need("kv_usage")
 
 
 class Dispatcher:

@@ -7,8 +7,9 @@ same scores with the same floating-point operations in the same order (terms sum
 of 1 applied without a multiplication) and keeps the first minimum, so its pick is the composition's bit for
 bit, ties included. It declines (None) where that would need more care than it is worth, and the composition
 decides: a fleet over `LOOP_MAX_ENGINES` (where numpy is as fast warm), a column that is not float64, a NaN
-score, no finite score, no live engine (the composition's error); for Gimbal also a scan that does not start
-at engine 0 and a KV floor of 0. Re-weighting a profile drops its kernel (`Profile.weighted`).
+or -inf score (the composition's `NonFiniteCost`), no finite score, no live engine (the composition's error);
+for Gimbal also a scan that does not start at engine 0 and a KV floor of 0. A +inf score is skipped, as the
+composition excludes it. Re-weighting a profile drops its kernel (`Profile.weighted`).
 tests/test_routing_dp_kernels.py checks kernels against compositions.
 """
 
@@ -100,7 +101,7 @@ class GimbalKernel:
                 kv_max = usage
         if kv_max > p.kv_high and kv_max - kv_min > p.kv_spread:  # `dispatch.kv_first_applies`
             best, best_score = freest, freest_score
-        return Decision(best) if best_score < math.inf else None
+        return Decision(best) if -math.inf < best_score < math.inf else None
 
 
 @dataclass(frozen=True)
@@ -139,4 +140,4 @@ class ColumnsKernel:
                     best, best_score = i, score
                 elif score != score:
                     return None
-        return Decision(best) if best_score < math.inf else None
+        return Decision(best) if -math.inf < best_score < math.inf else None

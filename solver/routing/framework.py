@@ -13,10 +13,15 @@ One decision, for decode routing (`sy.route.decode`) and data-parallel dispatch 
 3. A **picker** chooses one admitted engine from the summed cost (least cost with a tie rule, power of two
    choices, round robin, random).
 
-Every part declares what it reads (`needs`): engine columns (``load``, ``kv_usage``, ``alive``, or any
-other column of the `FleetSnapshot`, e.g. ``remaining_prefill``) and request inputs (``similarity``,
-``label``, ``prompt_tokens``). A profile's `needs` is their union, so a caller computes only what is used:
-no signature scoring for JSQ, no prefill columns for vLLM's rule.
+Every part declares what it reads (`needs`) by registry name (`shared.signals`): engine signals (``load``,
+``kv_usage``, ``alive``, or any other column of the `FleetSnapshot`, e.g. ``remaining_prefill``) and request
+inputs (``similarity``, ``label``, ``prompt_tokens``), written ``needs = need("kv_usage")`` so that an unknown
+name fails at import; a profile checks its parts' needs again when it is built. A profile's `needs` is their
+union, so a caller computes only what is used: no signature scoring for JSQ, no prefill columns for vLLM's rule.
+
+Costs are checked finite before the picker sees them, over the admitted engines: +inf means *excluded* (the
+engine leaves the admitted set; none left is `no_engine`), and NaN or -inf is a scorer's error
+(`NonFiniteCost`, naming the profile, the scorers and the engines). When all is finite this costs one sum.
 
 Parts are small frozen objects with pure methods over numpy columns; the mutable state a picker needs (the
 round-robin cursor, the random generator) is the caller's `RouterState`. A profile may carry a *kernel*: a
@@ -27,6 +32,7 @@ Named profiles are in `solver.routing.profiles`; docs/architecture.md shows how 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -34,14 +40,28 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from switchyard.shared.signals import REQUEST_INPUTS as _REQUEST_INPUTS
+from switchyard.shared.signals import SIGNALS, UnknownSignal
 from switchyard.solver.routing.decode import Decision, RouteQuery, RouterState
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 
-__all__ = ["Admission", "Filter", "Kernel", "Picker", "Profile", "Scorer", "Weighted", "no_engine"]
+__all__ = [
+    "Admission",
+    "Filter",
+    "Kernel",
+    "NonFiniteCost",
+    "Picker",
+    "Profile",
+    "Scorer",
+    "Weighted",
+    "no_engine",
+]
 
-#: Request inputs a part may need (anything else in `needs` is an engine column of the snapshot).
-REQUEST_INPUTS = frozenset({"similarity", "label", "prompt_tokens"})
+_SUM = np.add.reduce  # finite iff every term is; the method lookup of `cost.sum()` costs more
+
+#: Request inputs a part may need (`shared.signals.REQUEST_INPUTS`; anything else in `needs` is a signal).
+REQUEST_INPUTS = frozenset(_REQUEST_INPUTS)
 
 
 class Admission(NamedTuple):
@@ -92,6 +112,10 @@ def no_engine(snap: FleetSnapshot) -> LookupError:
     return LookupError(f"no live engine among {snap.size}")
 
 
+class NonFiniteCost(ValueError):
+    """A profile's summed cost is NaN or -inf on an admitted engine: a scorer's error, never a choice."""
+
+
 @dataclass(frozen=True)
 class Profile:
     """A named composition: filters in order, weighted scorers summed, one picker."""
@@ -102,6 +126,16 @@ class Profile:
     picker: Picker
     kernel: Kernel | None = field(default=None, compare=False)
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        """Every part's needs are registry names (`shared.signals`): checked once, when the profile is built."""
+        for part in (*self.filters, *(w.scorer for w in self.scorers), self.picker):
+            unknown = sorted(n for n in part.needs if n not in SIGNALS and n not in REQUEST_INPUTS)
+            if unknown:
+                raise UnknownSignal(
+                    f"profile {self.name!r}: part {part.name!r} needs {', '.join(map(repr, unknown))}, not in the "
+                    "signal registry (shared/signals.py); declare needs with shared.signals.need(...)"
+                )
 
     @cached_property
     def needs(self) -> frozenset[str]:
@@ -180,5 +214,30 @@ class Profile:
             mask = np.ones(snap.size, dtype=bool)
             if snap.size == 0:
                 raise no_engine(snap)
-        index = self.picker.pick(self.cost(snap, query, tables), mask, prefer, state)
+        cost = self.cost(snap, query, tables)
+        if cost is not None and not math.isfinite(_SUM(cost)):  # a finite sum: every cost finite (~0.6 µs)
+            mask = self._finite(cost, mask, snap, query, tables)
+        index = self.picker.pick(cost, mask, prefer, state)
         return Decision(index, band_size=band, fallback=fallback)
+
+    def _finite(
+        self, cost: np.ndarray, mask: np.ndarray, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables
+    ) -> np.ndarray:
+        """The admitted engines less those of cost +inf (excluded); NaN or -inf on an admitted engine raises
+        `NonFiniteCost` naming the scorers that gave it. Off the fast path: only when some cost is not finite."""
+        wrong = mask & (np.isnan(cost) | (cost == -np.inf))
+        if wrong.any():
+            engines = [snap.engine_ids[i] for i in np.flatnonzero(wrong)]
+            culprits = [
+                w.scorer.name
+                for w in self.scorers
+                if not np.all(np.isfinite(np.asarray(w.scorer.cost(snap, query, tables))[wrong]))
+            ]
+            raise NonFiniteCost(
+                f"profile {self.name!r}: cost NaN or -inf on engine(s) {', '.join(engines)}"
+                f" from scorer(s) {', '.join(culprits) or '(the weighted sum)'}"
+            )
+        admitted = mask & (cost != np.inf)
+        if not admitted.any():
+            raise no_engine(snap)
+        return admitted

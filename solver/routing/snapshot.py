@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.signals import need
+
 __all__ = ["FleetSnapshot"]
 
+#: The signals (`shared.signals`) the snapshot holds as attributes; any other is one of its `columns`.
 _BASE = ("load", "kv_usage", "alive")
+need(*_BASE)
 
 
 @dataclass
@@ -25,8 +29,9 @@ class FleetSnapshot:
       does not show yet). Float so a router may add fractional compensation; the simulator keeps it exact.
     - `kv_usage`: fraction of KV blocks in use.
     - `alive`: the engine may receive requests (fresh telemetry, not draining).
-    - `columns`: any further engine column a routing part reads by name (e.g. Gimbal's ``remaining_prefill``),
-      filled by the owner with only the columns its profile needs (`Profile.columns`).
+    - `columns`: any further engine signal a routing part reads by name (e.g. Gimbal's ``remaining_prefill``;
+      the names are the registry's, `shared.signals`), filled by the owner with only the columns its profile
+      needs (`Profile.columns`).
 
     The arrays are owned by the snapshot and may be updated in place by its owner (the simulator bumps
     `load[i]` on each decision); policies only read them.

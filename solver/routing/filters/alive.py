@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.framework import Admission
 from switchyard.solver.routing.snapshot import FleetSnapshot
@@ -13,7 +14,7 @@ from switchyard.solver.routing.tables import RoutingTables
 @dataclass(frozen=True)
 class Alive:
     name: str = "alive"
-    needs: frozenset[str] = frozenset({"alive"})
+    needs: frozenset[str] = need("alive")
     relaxable: bool = False
     band: bool = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.framework import Admission
 from switchyard.solver.routing.snapshot import FleetSnapshot
@@ -14,7 +15,7 @@ from switchyard.solver.routing.tables import RoutingTables
 @dataclass(frozen=True)
 class DomainPartition:
     name: str = "domain"
-    needs: frozenset[str] = frozenset({"label"})
+    needs: frozenset[str] = need("label")
     relaxable: bool = True
     band: bool = True
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
 from switchyard.solver.routing.framework import Admission
@@ -22,7 +23,7 @@ from switchyard.solver.routing.tables import RoutingTables
 class KvFirst:
     params: GimbalParams = field(default_factory=GimbalParams)
     name: str = "kv-first"
-    needs: frozenset[str] = frozenset({"alive", "kv_usage"})
+    needs: frozenset[str] = need("alive", "kv_usage")
     relaxable: bool = False
     band: bool = False
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.framework import Admission
 from switchyard.solver.routing.snapshot import FleetSnapshot
@@ -21,7 +22,7 @@ from switchyard.solver.routing.tables import RoutingTables
 @dataclass(frozen=True)
 class TauBand:
     name: str = "tau-band"
-    needs: frozenset[str] = frozenset({"similarity"})
+    needs: frozenset[str] = need("similarity")
     relaxable: bool = True
     band: bool = True
 

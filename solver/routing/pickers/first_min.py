@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouterState
 
 
@@ -14,7 +15,7 @@ from switchyard.solver.routing.decode import RouterState
 class FirstMin:
     rotate: bool = False
     name: str = "first-min"
-    needs: frozenset[str] = frozenset()
+    needs: frozenset[str] = need()
 
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int:
         n = len(mask)

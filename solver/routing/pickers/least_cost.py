@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouterState
 
 
 @dataclass(frozen=True)
 class LeastCost:
     name: str = "least-cost"
-    needs: frozenset[str] = frozenset()
+    needs: frozenset[str] = need()
 
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int:
         masked = np.where(mask, cost if cost is not None else 0.0, np.inf)

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouterState
 
 
 @dataclass(frozen=True)
 class PowerOfTwo:
     name: str = "power-of-two"
-    needs: frozenset[str] = frozenset()
+    needs: frozenset[str] = need()
 
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int:
         live = np.flatnonzero(mask)

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouterState
 
 
 @dataclass(frozen=True)
 class RandomPick:
     name: str = "random"
-    needs: frozenset[str] = frozenset()
+    needs: frozenset[str] = need()
 
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int:
         live = np.flatnonzero(mask)

@@ -1,4 +1,5 @@
-"""An engine column as a cost, unchanged: ``load`` (JSQ), Gimbal's prefill-token terms, vLLM's counts.
+"""An engine signal as a cost, unchanged: ``load`` (JSQ), Gimbal's prefill-token terms, vLLM's counts. The
+column is a registry name (`shared.signals`): ``Column("lod")`` fails where it is written.
 
 The column is returned as is (no copy): the profile never writes into a cost, and a weight other than 1
 makes a new array.
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
@@ -22,7 +24,7 @@ class Column:
     needs: frozenset[str] = field(default=frozenset(), init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "needs", frozenset({self.column}))
+        object.__setattr__(self, "needs", need(self.column))  # an unknown column fails here, at import
         if not self.name:
             object.__setattr__(self, "name", self.column)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.dispatch import GimbalParams, kv_penalty, moe_penalty
 from switchyard.solver.routing.snapshot import FleetSnapshot
@@ -21,7 +22,7 @@ from switchyard.solver.routing.tables import RoutingTables
 class KvPenalty:
     params: GimbalParams = field(default_factory=GimbalParams)
     name: str = "kv_penalty"
-    needs: frozenset[str] = frozenset({"kv_usage"})
+    needs: frozenset[str] = need("kv_usage")
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         return kv_penalty(snap.kv_usage, self.params)
@@ -31,7 +32,7 @@ class KvPenalty:
 class MoePenalty:
     params: GimbalParams = field(default_factory=GimbalParams)
     name: str = "moe_penalty"
-    needs: frozenset[str] = frozenset({"expert_pressure"})
+    needs: frozenset[str] = need("expert_pressure")
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         return moe_penalty(snap.column("expert_pressure"), self.params)

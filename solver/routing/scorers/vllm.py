@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.signals import need
 from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
@@ -22,7 +23,7 @@ from switchyard.solver.routing.tables import RoutingTables
 class VllmMainLoad:
     client_count: int = 1
     name: str = "vllm_main_load"
-    needs: frozenset[str] = frozenset({"outstanding", "waiting", "running"})
+    needs: frozenset[str] = need("outstanding", "waiting", "running")
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         waiting_running = snap.column("waiting") + snap.column("running")
@@ -32,7 +33,7 @@ class VllmMainLoad:
 @dataclass(frozen=True)
 class VllmMainKv:
     name: str = "vllm_main_kv"
-    needs: frozenset[str] = frozenset({"waiting", "kv_usage"})
+    needs: frozenset[str] = need("waiting", "kv_usage")
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         return snap.column("waiting") * 6.0 * np.maximum(0.0, snap.kv_usage - 0.5)
