@@ -1,7 +1,8 @@
 """Memory under hostile-but-valid values (issue 29, item 7): what the router and the API's fleet view hold.
 
 Runs the router service and a fleet view as the API builds it (same process, each on its own ingest connection)
-on an embedded nats-server without credentials, as `switchyard up` does by default, then, one after the other:
+on an embedded nats-server without credentials (the worst case: a bus anyone can publish on, as
+`switchyard up`'s was before its per-run credentials), then, one after the other:
 
 - hellos from N distinct engine ids (`--heavy`: each listing 1,024 GPU names of 200 characters);
 - telemetry from N distinct engine ids that never said hello;
