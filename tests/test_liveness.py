@@ -89,6 +89,7 @@ def test_the_rule_windows_each_signal_by_its_own_interval_capped() -> None:
 )
 def test_the_columns_form_gives_the_scalar_forms_floats(rows: list, misses: float, cap: float) -> None:
     rule = Liveness(misses, cap)
+
     def column(i: int) -> np.ndarray:
         return np.array([-np.inf if row[i] is None else row[i] for row in rows])
 
