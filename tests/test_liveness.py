@@ -8,18 +8,26 @@ candidates (live, with fresh load data) are among them.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.router.service import RouterService
+from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import ROLES, TelemetryView
+from switchyard.shared.bus import Bus
 from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
+from switchyard.shared.settings import SwitchyardSettings
+from tests.gateway_helpers import deployment, wait_for
 
 SHAPE = ModelShape(name="m", num_layers=2, num_experts=8, top_k=2)
 IDS = ("e0", "e1", "e2")
@@ -234,3 +242,48 @@ def test_the_router_routes_by_fresh_load_data_within_the_live_ones() -> None:
     services.now = 5.0
     services.hello(hello("e0"))
     assert services.candidates(5.5) == {"e0"}  # a hello is fresh news too (as before)
+
+
+# ----- on a real nats-server -----
+
+
+async def test_router_gateway_and_fleet_view_drop_a_silent_engine_together(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """Stub engines on a real bus, a router and a gateway service and a fleet view (the API's, placement's and
+    migration's) subscribed as those services are: while both engines talk, all three count both live; when
+    one falls silent (no hello, no telemetry) all three drop it, within delivery skew of each other, about
+    3 of its 0.5 s hello intervals after its last hello, and keep the other."""
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    await router.start()
+    view = FleetView()
+    subscriptions = await view.subscribe(bus, "liveness-test")
+    stubs = [StubConfig("a", hello_interval_s=0.5), StubConfig("b", hello_interval_s=1.0)]
+    try:
+        async with deployment(settings, bus, stubs, router=False) as (gateway, engines):
+            fleet = router.core.fleet
+
+            def live_sets() -> tuple[set[str], set[str], set[str]]:
+                router_live = {fleet.engine_ids[i] for i in np.flatnonzero(fleet.live(time.monotonic()))}
+                gateway_live = {e.engine_id for e in gateway.registry.live()}
+                fleet_live = {e for e, s in view.engines.items() if s.hello is not None and not view.is_stale(s)}
+                return router_live, gateway_live, fleet_live
+
+            await wait_for(lambda: live_sets() == ({"a", "b"},) * 3)
+            engines["a"].saying_hello = False
+            silent_at = time.monotonic()
+            dropped: dict[str, float] = {}
+            async with asyncio.timeout(20):
+                while len(dropped) < 3:
+                    for name, live in zip(("router", "gateway", "fleet view"), live_sets(), strict=True):
+                        if "a" not in live:
+                            dropped.setdefault(name, time.monotonic() - silent_at)
+                        assert "b" in live, name
+                    await asyncio.sleep(0.005)
+            assert max(dropped.values()) - min(dropped.values()) < 1.0, dropped  # the same rule, on each one's clock
+            assert min(dropped.values()) > 0.3 and max(dropped.values()) < 5.0, dropped  # ~1.5 s: 3 x 0.5 s
+            assert live_sets() == ({"b"},) * 3
+    finally:
+        for subscription in subscriptions:
+            await subscription.unsubscribe()
+        await router.stop()
