@@ -30,7 +30,7 @@ from yarl import URL
 
 from switchyard.services.gateway import metrics
 from switchyard.shared.engine_manifest import EngineManifest
-from switchyard.shared.liveness import DEFAULT_MAX_SILENCE_S, DEFAULT_MISSES, Liveness
+from switchyard.shared.liveness import DEFAULT_MAX_SILENCE_S, DEFAULT_MISSES, DEFAULT_TELEMETRY_INTERVAL_S, Liveness
 from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 
@@ -49,7 +49,7 @@ class Engine:
     hello_interval_s: float
     last_hello: float
     inflight: int = 0
-    telemetry_interval_s: float = 0.1
+    telemetry_interval_s: float = DEFAULT_TELEMETRY_INTERVAL_S
     #: When its last telemetry arrived (-inf: none yet) and that telemetry's sequence number.
     last_telemetry: float = -math.inf
     last_seq: int | None = None
