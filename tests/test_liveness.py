@@ -287,3 +287,22 @@ async def test_router_gateway_and_fleet_view_drop_a_silent_engine_together(
         for subscription in subscriptions:
             await subscription.unsubscribe()
         await router.stop()
+
+
+def test_the_gateway_service_reads_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway built from the environment judges by `SWITCHYARD_LIVENESS_*`, as the router and the fleet view
+    do; `GatewaySettings(hello_misses=..., stale_after_s=...)` in code still overrides it for that gateway."""
+    from switchyard.services.gateway.service import GatewayService
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.router.core import RouterCore
+
+    for name in ("SWITCHYARD_GATEWAY_HELLO_MISSES", "SWITCHYARD_GATEWAY_STALE_AFTER_S"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SWITCHYARD_LIVENESS_MISSES", "2")
+    monkeypatch.setenv("SWITCHYARD_LIVENESS_MAX_SILENCE_S", "6")
+    settings = SwitchyardSettings(nats_servers=["nats://127.0.0.1:1"])
+    assert GatewayService(settings, GatewaySettings()).registry.liveness == Liveness(2.0, 6.0)
+    assert RouterCore(RouterSettings(policy="jsq")).fleet.liveness == Liveness(2.0, 6.0)
+    assert FleetView().liveness == Liveness(2.0, 6.0)
+    overridden = GatewayService(settings, GatewaySettings(hello_misses=3.0, stale_after_s=1.0))
+    assert overridden.registry.liveness == Liveness(3.0, 1.0)
