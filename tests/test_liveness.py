@@ -173,8 +173,8 @@ EVENT = st.tuples(
 def test_every_service_counts_the_same_engines_live_at_every_instant(
     events: list[tuple[str, str, float, float, float]], misses: float, cap: float
 ) -> None:
-    """One sequence of hellos and telemetry (an engine says hello before its first telemetry, as engines do;
-    late and restarted sequence numbers included): router, gateway and fleet view agree at every instant."""
+    """One sequence of hellos and telemetry (telemetry before an engine's first hello, late and restarted
+    sequence numbers included): router, gateway and fleet view agree at every instant."""
     rule = Liveness(misses, cap)
     services = Services(rule)
     seq = dict.fromkeys(IDS, -1)
@@ -187,7 +187,7 @@ def test_every_service_counts_the_same_engines_live_at_every_instant(
         assert services.candidates(at) <= gateway  # the router routes only to engines the gateway counts live
 
     for engine_id, kind, hello_s, telemetry_s, step in events:
-        if kind == "hello" or engine_id not in said_hello:
+        if kind == "hello":
             services.hello(hello(engine_id, hello_s=hello_s, telemetry_s=telemetry_s))
             said_hello.add(engine_id)
         elif kind == "late" and seq[engine_id] >= 2:
@@ -306,3 +306,19 @@ def test_the_gateway_service_reads_the_same_settings(monkeypatch: pytest.MonkeyP
     assert FleetView().liveness == Liveness(2.0, 6.0)
     overridden = GatewayService(settings, GatewaySettings(hello_misses=3.0, stale_after_s=1.0))
     assert overridden.registry.liveness == Liveness(3.0, 1.0)
+
+
+def test_the_gateway_keeps_early_telemetry_bounded() -> None:
+    """Telemetry before a hello is kept for it (the router and the fleet view count it), but ids are the senders'
+    word: at most `max_engines` are kept, and none older than `max_silence_s` past housekeeping."""
+    registry = EngineRegistry(3.0, 15.0, max_engines=8)
+    for i in range(100):
+        registry.on_telemetry(telemetry(f"x{i}", 0), now=float(i) / 100)
+    assert len(registry._early) <= 8
+    registry.forget_dead(now=100.0)
+    assert registry._early == {}
+    registry.on_telemetry(telemetry("e0", 5), now=200.0)
+    registry.on_telemetry(telemetry("e0", 4), now=200.5)  # late: not newer news
+    registry.on_hello(hello("e0", hello_s=0.1, telemetry_s=1.0), now=200.6)
+    assert registry.engines["e0"].last_telemetry == 200.0 and registry.engines["e0"].last_seq == 5
+    assert registry.get_live("e0", now=203.0) is not None and registry.get_live("e0", now=203.01) is None

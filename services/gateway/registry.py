@@ -100,6 +100,8 @@ class EngineRegistry:
         self.version = 0  # bumped by every hello, ejection and restoration: liveness may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
         self._modes: dict[str | None, str] = {}
+        #: engine id -> (arrival, seq) of the last telemetry from an engine that has not said hello yet.
+        self._early: dict[str, tuple[float, int]] = {}
 
     def on_hello(self, hello: Hello, now: float | None = None) -> None:
         """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored, and one
@@ -119,6 +121,9 @@ class EngineRegistry:
         else:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
+            early = self._early.pop(hello.engine_id, None)
+            if early is not None:  # its telemetry came first (a restarted gateway): it counts, as elsewhere
+                engine.last_telemetry, engine.last_seq = early
         if engine.joined == 0.0 or not self._fresh(engine, now):
             engine.joined = now
         engine.role, engine.model = hello.role, hello.model.name
@@ -132,12 +137,13 @@ class EngineRegistry:
         self.version += 1
 
     def on_telemetry(self, telemetry: Telemetry, now: float | None = None) -> None:
-        """Telemetry from a known engine keeps it live (the rule's telemetry window); an unknown one is ignored,
-        and so is a message older than its last (as the router and the fleet view ignore it)."""
+        """Telemetry keeps an engine live (the rule's telemetry window); from an engine not known yet it is kept
+        for its hello; a message older than the engine's last is ignored (as the router and the fleet view do)."""
+        now = time.monotonic() if now is None else now
         engine = self.engines.get(telemetry.engine_id)
         if engine is None:
+            self._remember_early(telemetry, now)
             return
-        now = time.monotonic() if now is None else now
         event, _missed = classify(engine.last_seq, telemetry.seq)
         if event is Seq.LATE:
             return
@@ -147,6 +153,16 @@ class EngineRegistry:
         if revived:  # it joins the live lists (they hold until their first engine expires: a later expiry is fine)
             engine.joined = now
             self.version += 1
+
+    def _remember_early(self, telemetry: Telemetry, now: float) -> None:
+        """Telemetry from an engine not known yet: its arrival and sequence number count once its hello comes (the
+        router and the fleet view count it too). Ids are the senders' word: at most `max_engines` are kept."""
+        last = self._early.get(telemetry.engine_id)
+        if last is not None and classify(last[1], telemetry.seq)[0] is Seq.LATE:
+            return
+        if last is None and len(self._early) >= self.max_engines:
+            self._early.clear()
+        self._early[telemetry.engine_id] = (now, telemetry.seq)
 
     @property
     def hello_misses(self) -> float:
@@ -278,8 +294,11 @@ class EngineRegistry:
         return chosen
 
     def forget_dead(self, now: float | None = None, keep_s: float = 600.0) -> None:
-        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn)."""
+        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn), and telemetry
+        from engines without a hello that is too old to keep anyone live (older than `max_silence_s`)."""
         now = time.monotonic() if now is None else now
+        cap = self.liveness.max_silence_s
+        self._early = {e: early for e, early in self._early.items() if now - early[0] <= cap}
         for engine_id, e in list(self.engines.items()):
             if e.inflight == 0 and now - self._expiry(e) > keep_s:
                 self._forget(engine_id)
