@@ -4,8 +4,9 @@ An engine is a candidate while its hello names an HTTP `base_url` and it is live
 (`shared/liveness.py`, the router's and the fleet view's too): heard from, by hello or telemetry, within
 `misses` of its own intervals, but never more than `max_silence_s` ago (a sender that announces a long interval
 cannot keep itself in rotation after it died); one that falls silent leaves by itself (nothing to clean up:
-liveness is computed on read). Telemetry only extends a known engine's liveness (its hello says where it
-serves); as for the router and the fleet view, a message older than the engine's last one does not count. With
+liveness is computed on read). Telemetry never makes an engine known (its hello says where it serves), but
+telemetry that came before the hello counts once it comes; as for the router and the fleet view, a message
+older than the engine's last one does not count. With
 an engine manifest, a hello is believed only when it matches its engine's entry (role, model, base URL): an
 engine's credentials prove its id, not where clients' prompts may go. An engine whose hops keep failing is
 ejected until its own `/health` answers (the gateway's prober), whatever hellos it sends. The registry also
