@@ -1,11 +1,12 @@
 """A live view of the engines, built from their hellos and telemetry (core NATS, latest value wins).
 
-The migration service asks it who coordinates an EP group, the placement service (and its calibrations)
-which GPUs and DP ranks a group has (`topology`), and the API shows it as `/v1/engines`. An engine is
-*stale* when neither a hello nor telemetry arrived within `stale_intervals` of its own announced intervals,
-so a dead engine drops out by itself. Telemetry sequence numbers are checked per engine: a jump forward is
-a gap (lost messages), a jump back a restart. (Not the router's `services/router` fleet columns: this view
-is for the control plane, which needs who and where, not per-request load.)
+The migration service asks it who coordinates an EP group, the placement service (and its calibrations) which
+GPUs and DP ranks a group has (`topology`), and the API shows it as `/v1/engines`. An engine is *stale* when it
+is not live by the one liveness rule (`shared/liveness.py`, the router's and the gateway's too): neither a hello
+nor telemetry arrived within `misses` (here `stale_intervals`) of its own announced intervals, each window at
+most `max_silence_s`, so a dead engine drops out by itself. Telemetry sequence numbers are checked per engine: a
+jump forward is a gap (lost messages), a jump back a restart. (Not the router's `services/router` fleet columns:
+this view is for the control plane, which needs who and where, not per-request load.)
 
 A hello's `ep_group` and `dp_rank` are the engine's own word; bus permissions prove only its id. With an
 engine manifest every claim is checked against it. Without one, no engine may take a place a *live* engine
@@ -35,6 +36,7 @@ from prometheus_client import Counter
 
 from switchyard.shared.bus import Bus
 from switchyard.shared.engine_manifest import EngineManifest
+from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import Announce, Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 
@@ -88,18 +90,24 @@ class FleetView:
     def __init__(
         self,
         clock: Callable[[], float] = time.time,
-        stale_intervals: float = 3.0,
+        stale_intervals: float | None = None,
         forget_after_s: float = 3600.0,
         manifest: EngineManifest | None = None,
         max_engines: int = MAX_ENGINES,
         max_hello_bytes: int = MAX_HELLO_BYTES,
+        liveness: Liveness | None = None,
     ) -> None:
         self.clock = clock
+        #: The liveness rule (default: `LivenessSettings`, as the router and the gateway read it);
+        #: `stale_intervals`, when given, is its `misses`.
+        liveness = liveness or LivenessSettings().rule()
+        if stale_intervals is not None:
+            liveness = Liveness(stale_intervals, liveness.max_silence_s)
+        self.liveness = liveness
         #: The engine manifest: a hello claiming another group, rank, role, model or URL than its engine's entry
         #: is refused (an engine's credentials prove its id; without this it could name any group and become
         #: its migrate coordinator). None: every hello is believed.
         self.manifest = manifest
-        self.stale_intervals = stale_intervals
         #: Engines silent this long are dropped (pods come and go; the view must not grow forever).
         self.forget_after_s = forget_after_s
         self.max_engines = max_engines
@@ -268,16 +276,23 @@ class FleetView:
         state.restarts += event is Seq.RESTART
         state.telemetry, state.telemetry_at = telemetry, self.clock()
 
-    def is_stale(self, state: EngineState) -> bool:
-        """No hello within `stale_intervals` hello intervals and no telemetry within as many telemetry intervals."""
-        now = self.clock()
-        hello_interval = state.hello.hello_interval_s if state.hello else 5.0
-        telemetry_interval = state.hello.telemetry_interval_s if state.hello else 0.1
-        fresh_hello = state.hello_at is not None and now - state.hello_at <= self.stale_intervals * hello_interval
-        fresh_telemetry = (
-            state.telemetry_at is not None and now - state.telemetry_at <= self.stale_intervals * telemetry_interval
+    @property
+    def stale_intervals(self) -> float:
+        return self.liveness.misses
+
+    def live_until(self, state: EngineState) -> float:
+        """The liveness rule's answer for the engine's last hello and telemetry (intervals from its hello)."""
+        hello = state.hello
+        if hello is None:
+            return self.liveness.live_until(state.hello_at, last_telemetry=state.telemetry_at)
+        return self.liveness.live_until(
+            state.hello_at, hello.hello_interval_s, state.telemetry_at, hello.telemetry_interval_s
         )
-        return not (fresh_hello or fresh_telemetry)
+
+    def is_stale(self, state: EngineState) -> bool:
+        """Not live by the liveness rule: no hello within `misses` hello intervals and no telemetry within as
+        many telemetry intervals (each window at most `max_silence_s`)."""
+        return not Liveness.is_live(self.live_until(state), self.clock())
 
     def group(self, ep_group: str, live_only: bool = True) -> list[EngineState]:
         """The group's engines that said hello, in (dp_rank, engine_id) order."""

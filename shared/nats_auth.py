@@ -10,8 +10,8 @@ whoever can publish as an engine shapes routing and placement. So every party ge
 - only `placement` (and the token-guarded API's reapply) publishes plans; only `migration` sends migrate
   requests; `readonly` (dashboards) only reads;
 - the `gateway` (in the request path, so the most exposed service) only asks the router (`route.dp`,
-  `route.decode`) and listens to engine hellos and prefill signatures: it writes nothing anyone acts on
-  except the announce broadcast, and has no JetStream access at all.
+  `route.decode`) and listens to engine hellos, telemetry (liveness) and prefill signatures: it writes
+  nothing anyone acts on except the announce broadcast, and has no JetStream access at all.
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
 services may create and update the contract's streams (every replica sets them up idempotently on start);
@@ -211,7 +211,7 @@ class Roles:
             # No `_service`: it uses no stream and answers no request, so it gets neither right.
             return Permissions(
                 publish=[s.route_dp, s.route_decode, s.announce],
-                subscribe=[s.all_hello, s.all_signatures, f"{inbox_prefix(name)}.>"],
+                subscribe=[s.all_hello, s.all_telemetry, s.all_signatures, f"{inbox_prefix(name)}.>"],
             )
         if name == "loadgen":
             return self._service(name, [f"{s.prefix}.sim.submit.*"], [s.sim_completed], admin=False)

@@ -1,16 +1,20 @@
 """The engines the gateway can send requests to, learnt from their hellos on the bus.
 
-An engine is a candidate while its hello names an HTTP `base_url` and is younger than `hello_misses` of its
-own hello intervals, but never older than the gateway's own `stale_after_s` (a sender that announces a long
-interval cannot keep itself in rotation after it died); one that stops saying hello leaves by itself (nothing
-to clean up: liveness is computed on read). With an engine manifest, a hello is believed only when it matches
-its engine's entry (role, model, base URL): an engine's credentials prove its id, not where clients' prompts
-may go. An engine whose hops keep failing is ejected until its own `/health` answers (the gateway's prober),
-whatever hellos it sends. The registry also counts the gateway's own requests in flight per engine, which is
-what the local fallback choice and the prefill load bound read, and keeps each model's fleet mode (`mode`).
-Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so it holds at most
-`max_engines`: a new id beyond that takes the place of the least recently heard engine only if that one is
-dead and has nothing in flight, else its hello is ignored and counted (`refused`).
+An engine is a candidate while its hello names an HTTP `base_url` and it is live by the one liveness rule
+(`shared/liveness.py`, the router's and the fleet view's too): heard from, by hello or telemetry, within
+`misses` of its own intervals, but never more than `max_silence_s` ago (a sender that announces a long interval
+cannot keep itself in rotation after it died); one that falls silent leaves by itself (nothing to clean up:
+liveness is computed on read). Telemetry never makes an engine known (its hello says where it serves), but
+telemetry that came before the hello counts once it comes; as for the router and the fleet view, a message
+older than the engine's last one does not count. With
+an engine manifest, a hello is believed only when it matches its engine's entry (role, model, base URL): an
+engine's credentials prove its id, not where clients' prompts may go. An engine whose hops keep failing is
+ejected until its own `/health` answers (the gateway's prober), whatever hellos it sends. The registry also
+counts the gateway's own requests in flight per engine, which is what the local fallback choice and the prefill
+load bound read, and keeps each model's fleet mode (`mode`). Engine ids are the senders' word (on a bus without
+credentials anyone can name new ones), so it holds at most `max_engines`: a new id beyond that takes the place
+of the least recently heard engine only if that one is dead and has nothing in flight, else its hello is ignored
+and counted (`refused`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from yarl import URL
 
 from switchyard.services.gateway import metrics
 from switchyard.shared.engine_manifest import EngineManifest
-from switchyard.shared.schemas import Hello
+from switchyard.shared.liveness import DEFAULT_MAX_SILENCE_S, DEFAULT_MISSES, DEFAULT_TELEMETRY_INTERVAL_S, Liveness
+from switchyard.shared.schemas import Hello, Telemetry
+from switchyard.shared.sequence import Seq, classify
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,12 @@ class Engine:
     hello_interval_s: float
     last_hello: float
     inflight: int = 0
+    telemetry_interval_s: float = DEFAULT_TELEMETRY_INTERVAL_S
+    #: When its last telemetry arrived (-inf: none yet) and that telemetry's sequence number.
+    last_telemetry: float = -math.inf
+    last_seq: int | None = None
+    #: The liveness rule's answer for its last hello and telemetry (`_expiry`).
+    live_until: float = -math.inf
     #: When its current stretch of liveness began (its first hello after being unknown or stale).
     joined: float = 0.0
     #: Hops failed in a row; at `eject_after_failures` the engine is ejected until its health check passes.
@@ -70,14 +82,14 @@ class _Live(NamedTuple):
 class EngineRegistry:
     def __init__(
         self,
-        hello_misses: float = 3.0,
-        stale_after_s: float = 15.0,
+        hello_misses: float = DEFAULT_MISSES,
+        stale_after_s: float = DEFAULT_MAX_SILENCE_S,
         manifest: EngineManifest | None = None,
         eject_after_failures: int = 2,
         max_engines: int = 4096,
     ) -> None:
-        self.hello_misses = hello_misses
-        self.stale_after_s = stale_after_s
+        #: The liveness rule: `hello_misses` and `stale_after_s` are its `misses` and `max_silence_s`.
+        self.liveness = Liveness(hello_misses, stale_after_s)
         self.manifest = manifest
         self.eject_after_failures = eject_after_failures
         self.max_engines = max_engines
@@ -89,6 +101,8 @@ class EngineRegistry:
         self.version = 0  # bumped by every hello, ejection and restoration: liveness may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
         self._modes: dict[str | None, str] = {}
+        #: engine id -> (arrival, seq) of the last telemetry from an engine that has not said hello yet.
+        self._early: dict[str, tuple[float, int]] = {}
 
     def on_hello(self, hello: Hello, now: float | None = None) -> None:
         """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored, and one
@@ -108,6 +122,9 @@ class EngineRegistry:
         else:
             engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
             self.engines[hello.engine_id] = engine
+            early = self._early.pop(hello.engine_id, None)
+            if early is not None:  # its telemetry came first (a restarted gateway): it counts, as elsewhere
+                engine.last_telemetry, engine.last_seq = early
         if engine.joined == 0.0 or not self._fresh(engine, now):
             engine.joined = now
         engine.role, engine.model = hello.role, hello.model.name
@@ -116,13 +133,56 @@ class EngineRegistry:
             engine.base_url = base_url
             engine._urls.clear()
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
+        engine.telemetry_interval_s = hello.telemetry_interval_s
+        self._relive(engine)
         self.version += 1
 
+    def on_telemetry(self, telemetry: Telemetry, now: float | None = None) -> None:
+        """Telemetry keeps an engine live (the rule's telemetry window); from an engine not known yet it is kept
+        for its hello; a message older than the engine's last is ignored (as the router and the fleet view do)."""
+        now = time.monotonic() if now is None else now
+        engine = self.engines.get(telemetry.engine_id)
+        if engine is None:
+            self._remember_early(telemetry, now)
+            return
+        event, _missed = classify(engine.last_seq, telemetry.seq)
+        if event is Seq.LATE:
+            return
+        revived = not self._fresh(engine, now)
+        engine.last_seq, engine.last_telemetry = telemetry.seq, now
+        self._relive(engine)
+        if revived:  # it joins the live lists (they hold until their first engine expires: a later expiry is fine)
+            engine.joined = now
+            self.version += 1
+
+    def _remember_early(self, telemetry: Telemetry, now: float) -> None:
+        """Telemetry from an engine not known yet: its arrival and sequence number count once its hello comes (the
+        router and the fleet view count it too). Ids are the senders' word: at most `max_engines` are kept."""
+        last = self._early.get(telemetry.engine_id)
+        if last is not None and classify(last[1], telemetry.seq)[0] is Seq.LATE:
+            return
+        if last is None and len(self._early) >= self.max_engines:
+            self._early.clear()
+        self._early[telemetry.engine_id] = (now, telemetry.seq)
+
+    @property
+    def hello_misses(self) -> float:
+        return self.liveness.misses
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.liveness.max_silence_s
+
+    def _relive(self, engine: Engine) -> None:
+        engine.live_until = self.liveness.live_until(
+            engine.last_hello, engine.hello_interval_s, engine.last_telemetry, engine.telemetry_interval_s
+        )
+
     def _expiry(self, engine: Engine) -> float:
-        return engine.last_hello + min(self.hello_misses * engine.hello_interval_s, self.stale_after_s)
+        return engine.live_until
 
     def _fresh(self, engine: Engine, now: float) -> bool:
-        return now <= self._expiry(engine)
+        return Liveness.is_live(engine.live_until, now)
 
     def _room(self, now: float) -> bool:
         """Whether a new engine fits, making room by dropping the least recently heard one if it is dead and idle."""
@@ -173,7 +233,8 @@ class EngineRegistry:
         """Live engines, optionally of one role and serving one model, in engine-id order (deterministic).
 
         The same list is returned until a hello arrives or one of its engines expires (callers must not change
-        it), so a request costs no scan, sort or allocation of the fleet. Only an engine's hello can revive it.
+        it), so a request costs no scan, sort or allocation of the fleet. Telemetry that only extends a listed
+        engine's liveness leaves the list as it is; a hello, or telemetry reviving an expired engine, renews it.
         """
         now = time.monotonic() if now is None else now
         key = (role, model)
@@ -234,8 +295,11 @@ class EngineRegistry:
         return chosen
 
     def forget_dead(self, now: float | None = None, keep_s: float = 600.0) -> None:
-        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn)."""
+        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn), and telemetry
+        from engines without a hello that is too old to keep anyone live (older than `max_silence_s`)."""
         now = time.monotonic() if now is None else now
+        cap = self.liveness.max_silence_s
+        self._early = {e: early for e, early in self._early.items() if now - early[0] <= cap}
         for engine_id, e in list(self.engines.items()):
             if e.inflight == 0 and now - self._expiry(e) > keep_s:
                 self._forget(engine_id)

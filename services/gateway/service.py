@@ -22,7 +22,8 @@ from switchyard.services.http_limits import HttpLimits
 from switchyard.services.http_server import front_protocol
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
-from switchyard.shared.schemas import Announce, Hello, PrefillSignature
+from switchyard.shared.liveness import LivenessSettings
+from switchyard.shared.schemas import Announce, Hello, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,17 @@ class GatewayService:
         self.settings = settings
         self.gateway = gateway or GatewaySettings()
         g = self.gateway
+        liveness = LivenessSettings()  # the one rule's parameters, as the router and the fleet view read them
         self.registry = EngineRegistry(
-            g.hello_misses, g.stale_after_s, settings.engine_manifest_entries(), g.eject_after_failures
+            liveness.misses if g.hello_misses is None else g.hello_misses,
+            liveness.max_silence_s if g.stale_after_s is None else g.stale_after_s,
+            settings.engine_manifest_entries(),
+            g.eject_after_failures,
         )
         self.registry.on_forget = metrics.forget_engine  # its latency and error label sets go with it
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
-        self.ingest: Bus | None = None  # hellos and prefill signatures, on a connection of their own
+        self.ingest: Bus | None = None  # hellos, telemetry and prefill signatures, on a connection of their own
         self.ctx: Context | None = None
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
@@ -58,6 +63,9 @@ class GatewayService:
         self.registry.on_hello(hello)
         if self.registry.refused != refused:
             metrics.ENGINES_REFUSED.inc()
+
+    def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
+        self.registry.on_telemetry(telemetry)
 
     async def _tidy(self) -> None:
         while True:
@@ -97,9 +105,9 @@ class GatewayService:
         sock = self._listen()
         try:
             self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers, role="gateway")
-            # Engine ingest (hellos, prefill signatures: wildcard subjects any engine publishes on) has a connection
-            # of its own: a flood there can make the server cut it off as a slow consumer, never the one that
-            # asks the router where each request goes.
+            # Engine ingest (hellos, telemetry, prefill signatures: wildcard subjects any engine publishes on) has a
+            # connection of its own: a flood there can make the server cut it off as a slow consumer, never the one
+            # that asks the router where each request goes.
             self.ingest = ingest = await Bus.connect(
                 self.settings, name=f"{g.gateway_id}-ingest", servers=servers, role="gateway"
             )
@@ -110,6 +118,8 @@ class GatewayService:
             raise
         s = bus.subjects
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
+        # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
+        await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         await bus.publish(s.announce, Announce(requester=g.gateway_id))

@@ -23,6 +23,7 @@ from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply, encode_unchecked
 from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.errors import SchemaMismatch
+from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import (
     Hello,
     RouteDecisions,
@@ -77,6 +78,8 @@ class RoleView:
         self._synced = -1  # fleet.data_version the snapshot reflects
         self._gathered: tuple[tuple[str, ...], int] = ((), -1)  # the gathered columns, and the data_version
         self._last_seen = np.zeros(d)
+        self._live_until = np.zeros(d)  # the liveness rule's column (`shared/liveness.py`)
+        self._live_now = np.zeros(d, dtype=bool)
         self._checked_at = np.inf  # when liveness was last evaluated
         self._alive_until = -np.inf  # liveness holds while now < this
         self._stale_after_s = np.nan  # ... for this staleness limit
@@ -91,6 +94,7 @@ class RoleView:
             snap.load += f.inflight[rows]
             np.take(f.kv_usage, rows, out=snap.kv_usage)
             np.take(f.last_seen, rows, out=self._last_seen)
+            np.take(f.live_until, rows, out=self._live_until)
             self._synced = f.data_version
             self._check_alive(now, stale_after_s)
         elif not self._checked_at <= now < self._alive_until or stale_after_s != self._stale_after_s:
@@ -98,13 +102,19 @@ class RoleView:
         return snap
 
     def _check_alive(self, now: float, stale_after_s: float) -> None:
+        # A candidate is live by the liveness rule and heard from within stale_after_s (fresh load data).
         alive = np.less_equal(now - self._last_seen, stale_after_s, out=self.snap.alive)
+        alive &= np.less_equal(now, self._live_until, out=self._live_now)
         self.any_alive = bool(alive.any())
         self._checked_at, self._stale_after_s = now, stale_after_s
-        # A live engine turns stale at last_seen + stale_after_s; a stale one only revives by reporting
-        # (a data change). Without a live engine nothing can expire.
-        earliest = float(np.minimum.reduce(self._last_seen[alive])) if self.any_alive else np.inf
-        self._alive_until = earliest + stale_after_s - self._MARGIN_S
+        # A candidate drops out at min(last_seen + stale_after_s, live_until); a dropped one only comes back
+        # by reporting (a data change). Without a candidate nothing can expire.
+        if self.any_alive:
+            fresh_until = float(np.minimum.reduce(self._last_seen[alive])) + stale_after_s
+            earliest = min(fresh_until, float(np.minimum.reduce(self._live_until[alive])))
+        else:
+            earliest = np.inf
+        self._alive_until = earliest - self._MARGIN_S
 
     def gather(self, names: tuple[str, ...]) -> None:
         """Fill the snapshot's extra `columns` a profile reads (`COLUMNS`) from the fleet's, unless they already
@@ -251,7 +261,11 @@ def _unavailable(kind: str, role: str, known: int, model: str | None = None) -> 
 
 class RouterCore:
     def __init__(
-        self, settings: RouterSettings, dispatch: GimbalParams | None = None, manifest: EngineManifest | None = None
+        self,
+        settings: RouterSettings,
+        dispatch: GimbalParams | None = None,
+        manifest: EngineManifest | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.settings = settings
         #: With an engine manifest, a hello is believed only as its engine's entry lists it (role, model, ...):
@@ -259,6 +273,7 @@ class RouterCore:
         self.manifest = manifest
         self.fleet = TelemetryView(
             stale_after_s=settings.stale_after_s,
+            liveness=liveness or LivenessSettings().rule(),
             inflight_grace_s=settings.inflight_grace_s,
             max_engines=settings.max_engines,
             max_inflight_per_engine=settings.max_inflight_per_engine,

@@ -8,8 +8,11 @@ interval and every replica routing on the same stale numbers would herd onto one
 
 Sequence numbers are checked per engine (the lesson from Dynamo's router): a gap is counted, a message
 older than the last one is dropped, and a sequence that restarts from a low number means the engine
-restarted, so its in-flight compensation is cleared. An engine not heard from within `stale_after_s`
-drops out of the candidate set until it reports again.
+restarted, so its in-flight compensation is cleared. An engine is a candidate while it is *live* by the one
+liveness rule (`shared/liveness.py`, the gateway's and the fleet view's too: a hello or telemetry within
+`misses` of its own intervals, capped at `max_silence_s`; the `live_until` column) and its load data is
+*fresh*: heard from within `stale_after_s`. One not heard from within `stale_after_s` drops out of the
+candidate set until it reports again; one the rule counts dead is dead for every service at once.
 
 Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so the view holds at
 most `max_engines` rows: a new id beyond that first makes room by forgetting every engine silent for
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchyard.shared.liveness import DEFAULT_HELLO_INTERVAL_S, DEFAULT_TELEMETRY_INTERVAL_S, Liveness
 from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 from switchyard.shared.signals import telemetry_view_columns
@@ -44,6 +48,12 @@ _COLUMNS: dict[str, tuple[type, float]] = {
     **telemetry_view_columns(),
     "last_seen": (np.float64, -np.inf),
     "last_seq": (np.int64, -1),
+    # liveness (`shared/liveness.py`): when each signal last came, at what announced interval, and the rule's answer
+    "last_hello": (np.float64, -np.inf),
+    "last_telemetry": (np.float64, -np.inf),
+    "hello_interval": (np.float64, DEFAULT_HELLO_INTERVAL_S),
+    "telemetry_interval": (np.float64, DEFAULT_TELEMETRY_INTERVAL_S),
+    "live_until": (np.float64, -np.inf),
 }
 
 
@@ -67,6 +77,8 @@ class TelemetryView:
     capacity: int = 64
     max_engines: int = 4096
     max_inflight_per_engine: int | None = None
+    #: The liveness rule (`shared/liveness.py`); `stale_after_s` is the router's own freshness of load data.
+    liveness: Liveness = field(default_factory=Liveness)
     engine_ids: list[str] = field(default_factory=list)
     counters: FleetCounters = field(default_factory=FleetCounters)
 
@@ -142,6 +154,10 @@ class TelemetryView:
             self.version += 1
         self.ep_group[row] = hello.ep_group
         self.last_seen[row] = max(self.last_seen[row], now)
+        self.last_hello[row] = now
+        self.hello_interval[row] = hello.hello_interval_s
+        self.telemetry_interval[row] = hello.telemetry_interval_s
+        self._relive(row)
         self.data_version += 1
 
     def on_telemetry(self, t: Telemetry, now: float) -> None:
@@ -167,8 +183,19 @@ class TelemetryView:
         self.expert_pressure[row] = max(t.expert_pressure, 1.0)
         self.migrating[row] = t.migrating
         self.last_seen[row] = now
+        self.last_telemetry[row] = now
+        self._relive(row)
         self.data_version += 1
         self.ledger.settle(row, now - self.inflight_grace_s)
+
+    def _relive(self, row: int) -> None:
+        """The row's `live_until` after a hello or telemetry: the rule's scalar form, per message."""
+        self.live_until[row] = self.liveness.live_until(
+            float(self.last_hello[row]),
+            float(self.hello_interval[row]),
+            float(self.last_telemetry[row]),
+            float(self.telemetry_interval[row]),
+        )
 
     def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> int:
         """A request was sent to this engine (by this or another replica) and is not yet in its telemetry.
@@ -215,15 +242,26 @@ class TelemetryView:
 
     # ----- outputs -----
 
-    def alive(self, role: str, now: float) -> np.ndarray:
-        """Boolean mask over rows: engines of this role heard from within `stale_after_s`."""
+    def live(self, now: float) -> np.ndarray:
+        """Boolean mask over rows: live by the liveness rule (the notion every service shares), any role."""
         n = len(self.engine_ids)
-        return (self.role[:n] == ROLES.index(role)) & (now - self.last_seen[:n] <= self.stale_after_s)
+        return (self.role[:n] != _UNKNOWN_ROLE) & (now <= self.live_until[:n])
+
+    def routable(self, now: float, stale_after_s: float) -> np.ndarray:
+        """Boolean mask over rows: live, and heard from within `stale_after_s` (fresh load data)."""
+        n = len(self.engine_ids)
+        return (now - self.last_seen[:n] <= stale_after_s) & (now <= self.live_until[:n])
+
+    def alive(self, role: str, now: float) -> np.ndarray:
+        """Boolean mask over rows: engines of this role that are live and heard from within `stale_after_s`."""
+        n = len(self.engine_ids)
+        return (self.role[:n] == ROLES.index(role)) & self.routable(now, self.stale_after_s)
 
     def stale_count(self, now: float) -> int:
+        """Known engines that are not candidates: dead, or without fresh load data."""
         n = len(self.engine_ids)
         known = self.role[:n] != _UNKNOWN_ROLE
-        return int(np.count_nonzero(known & (now - self.last_seen[:n] > self.stale_after_s)))
+        return int(np.count_nonzero(known & ~self.routable(now, self.stale_after_s)))
 
     def load(self) -> np.ndarray:
         """Requests on each engine as the router believes: running + waiting + in flight (a view, no copy)."""
