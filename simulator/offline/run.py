@@ -8,7 +8,7 @@ from pathlib import Path
 
 from switchyard.shared.trace_files import TraceFormat
 from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING
-from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.core.workload import load_requests
 from switchyard.simulator.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
 from switchyard.simulator.offline.scenario import prepare
 from switchyard.solver.routing import get_policy
@@ -62,7 +62,7 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
         kv_blocks=opts.kv_blocks,
         prefill_policy=opts.prefill_policy,
     )
-    requests = load_request_csv(opts.requests) if opts.requests is not None else None
+    requests = load_requests(opts.requests) if opts.requests is not None else None
     wl = sc.workload(
         opts.num_requests,
         seed=opts.seed,
