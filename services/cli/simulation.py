@@ -108,7 +108,8 @@ def _name_weights(value: str | None) -> tuple[tuple[str, float], ...]:
 
 def sim_dp(
     requests: Annotated[
-        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+        Path | None,
+        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
     ] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
     rate: Annotated[
@@ -151,6 +152,9 @@ def sim_dp(
         str | None,
         typer.Option(help="Scorer weights, e.g. kv_penalty=2,moe_penalty=0 (each to the profiles that have it)."),
     ] = None,
+    prefix_caching: Annotated[
+        bool, typer.Option(help="vLLM's automatic prefix caching (acts on JSONL traces with hash_ids).")
+    ] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -180,6 +184,7 @@ def sim_dp(
         inflight_grace_s=min(INFLIGHT_GRACE_S, telemetry_ms / 2e3),
         telemetry_aligned=aligned_telemetry,
         inflight_drain_tokens_per_s=inflight_drain,
+        prefix_caching=prefix_caching,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)
@@ -188,10 +193,11 @@ def sim_dp(
     ms = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")
     typer.echo(json.dumps(payload["config"]))
     head = " ".join(f"{k + ' ms':>14s}" for k in ms)
-    typer.echo(f"{'dispatch+order':20s} {head} {'tok/s':>10s} {'gap tok/s':>10s}")
+    typer.echo(f"{'dispatch+order':20s} {head} {'tok/s':>10s} {'gap tok/s':>10s} {'prefix hit':>10s}")
     for name, s in payload["runs"].items():  # type: ignore[union-attr]
         cells = " ".join(f"{s[k] * 1e3:14.2f}" for k in ms)
-        typer.echo(f"{name:20s} {cells} {s['throughput']:10.0f} {s['prompt_tput_gap']:10.0f}")
+        hit = f"{s['prefix_hit_rate']:10.3f}"
+        typer.echo(f"{name:20s} {cells} {s['throughput']:10.0f} {s['prompt_tput_gap']:10.0f} {hit}")
 
 
 def report(
