@@ -11,6 +11,7 @@ from switchyard.simulator.core.prefix_cache import PrefixCache, prefix_keys
 from switchyard.simulator.core.workload import Workload, load_requests
 from switchyard.simulator.offline.dp import DPFleetConfig, simulate_dp
 from switchyard.simulator.offline.dp_run import summarize_dp
+from switchyard.simulator.offline.metrics import summarize
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
@@ -131,3 +132,17 @@ def test_no_hash_ids_changes_nothing(esft: Scenario) -> None:
     off = summarize_dp(simulate_dp(wl, esft.bank, dataclasses.replace(fleet, prefix_caching=False), "gimbal"))
     assert on == off
     assert on["prefix_hit_rate"] == 0.0
+
+
+def test_xpyd_prefill_engines_cache_prefixes(esft: Scenario) -> None:
+    """`switchyard sim`: a repeated prefix skips its prefill on the prefill engine, and TTFT drops."""
+    wl = _shared_prefix_workload(gap_s=5.0)
+    fleet = esft.fleet(1, 1)
+    on = esft.run(wl, fleet, "rr", seed=0, check=True)
+    off = esft.run(wl, dataclasses.replace(fleet, prefix_caching=False), "rr", seed=0, check=True)
+    assert on.prefix_hit.tolist() == [0, 4096, 4096]
+    assert on.prefix_hit_rate == pytest.approx(2 * 4096 / wl.prompt.sum()) and off.prefix_hit_rate == 0.0
+    ttft_on, ttft_off = on.first_token - on.arrival, off.first_token - off.arrival
+    assert ttft_on[0] == pytest.approx(ttft_off[0])
+    assert (ttft_on[1:] < ttft_off[1:]).all()
+    assert summarize(on)["prefill_prefix_hit_rate"] == [round(2 * 4096 / wl.prompt.sum(), 4)]

@@ -31,7 +31,8 @@ def sim(
     ] = None,
     fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
     requests: Annotated[
-        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+        Path | None,
+        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
     ] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
     rate: Annotated[
@@ -51,6 +52,9 @@ def sim(
     max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = DECODE_MAX_RUNNING,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
     prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
+    prefix_caching: Annotated[
+        bool, typer.Option(help="vLLM's prefix caching on the prefill engines (JSONL traces with hash_ids).")
+    ] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for JSON, CSV and PNG plots.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -80,12 +84,13 @@ def sim(
         kv_blocks=kv_blocks,
         prefill_policy=prefill_policy,
         progress=progress,
+        prefix_caching=prefix_caching,
     )
     try:
         payload = run_sim(opts, json_path=json_out, out_dir=out)
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts")
+    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts", "prefix_hit_rate")
     typer.echo(json.dumps(payload["config"]))
     typer.echo(f"{'policy':14s} " + " ".join(f"{k:>22s}" for k in keys))
     for name, s in payload["policies"].items():  # type: ignore[union-attr]
