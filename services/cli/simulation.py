@@ -309,7 +309,9 @@ def loadgen(
     gpu: str = "H100",
     speed: Annotated[float, typer.Option(min=0.01)] = 1.0,
     num_requests: Annotated[int, typer.Option(min=1)] = 1000,
-    requests: Annotated[Path | None, typer.Option(help="Azure-format request CSV (arrivals and lengths).")] = None,
+    requests: Annotated[
+        Path | None, typer.Option(help="Request trace: Azure-format CSV or JSONL (hash_ids: prefix caching).")
+    ] = None,
     time_scale: float = 10.0,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate (req/s).")] = None,
     url: Annotated[

@@ -303,6 +303,7 @@ class Scheduler:
         else:
             self._release(slot)
         self._keys.pop(rid, None)
+        self.prefix_hits.pop(rid, None)
         self._free_slot(slot)
         return True
 
