@@ -489,7 +489,9 @@ class Scheduler:
         cache = self.prefix
         assert cache is not None
         tb = self.prefix_block
-        for slot in np.flatnonzero(self._take[:n] > 0).tolist():
+        computed, take = self._computed[:n], self._take[:n]
+        prefilling = (take > 0) & (computed - take < self._prompt[:n])  # the step computed prompt tokens
+        for slot in np.flatnonzero(prefilling).tolist():
             rid = int(self._rid[slot])
             keys = self._keys.get(rid)
             if not keys:
