@@ -406,6 +406,7 @@ class Scheduler:
         if not q.size or self._n >= self.max_running or budget <= 0:
             return [], 0
         bs, la, fast = self.block_size, self.lookahead, self.fast
+        cache = self.prefix
         admitted: list[int] = []
         taken: list[int] = []
         recompute = 0
@@ -417,18 +418,18 @@ class Scheduler:
             prefilled = bool(cols["prefilled"][qi])
             computed = prompt - 1 if prefilled else 0
             rid = int(cols["rid"][qi])
-            keys = self._keys.get(rid) if self.prefix is not None else None
+            keys = self._keys.get(rid) if cache is not None else None
             hits = free_hits = 0
-            if keys:
-                hits, free_hits = self.prefix.lookup(keys, (prompt + gen - 1) // self.prefix_block)
+            if keys and cache is not None:
+                hits, free_hits = cache.lookup(keys, (prompt + gen - 1) // self.prefix_block)
                 computed = hits * self.prefix_block
             take = min(prompt + gen - computed, budget)
             blocks = int(ceil_div(computed + take + la, bs))
-            span = self.prefix.span if self.prefix is not None else 0
+            span = cache.span if cache is not None else 0
             shared = hits * span  # hit blocks: shared, not allocated; those on the free queue leave it
             if blocks - shared + free_hits * span > self.kv_blocks - self._used:
                 break
-            if self.prefix is not None:
+            if cache is not None:
                 self._admit_prefix(rid, prompt, keys, hits, free_hits)
                 self._allocate(blocks - shared)
             else:
