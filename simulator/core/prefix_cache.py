@@ -21,6 +21,9 @@ Shapes and semantics:
 - A request registers its prompt's keys as its prefill computes those blocks (vLLM caches full blocks once
   computed). A key already cached by another request stays that request's; the duplicate stays private.
 
+Source: vLLM's design note "Automatic Prefix Caching" (docs.vllm.ai/en/latest/design/prefix_caching/) and
+`vllm/v1/core/block_pool.py` (the free queue "in eviction order").
+
 The free queue's total always equals the engine's free blocks (capacity − blocks held by running requests);
 `free_blocks` lets tests check it against the scheduler.
 """
