@@ -16,6 +16,8 @@ ESFT = "routing/esft_deepseek_v2_lite"
 #: Azure LLM inference trace 2023: request arrivals and token lengths.
 AZURE_CONV = "requests/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = "requests/azure_llm_2023/AzureLLMInferenceTrace_code.csv"
+#: Mooncake's FAST'25 synthetic trace (JSONL with 512-token prefix block hashes): prefix caching.
+MOONCAKE_SYNTHETIC = "requests/mooncake_fast25/synthetic_trace.jsonl"
 #: SGLang's DeepSeek-V3 per-expert load statistics (expert-load windows for calibration).
 SGLANG_EXPERT_LOAD = "expert_load/sglang_deepseek_v3"
 

@@ -58,7 +58,7 @@ from switchyard.shared.embedded import EmbeddedNats, free_port
 from switchyard.shared.local_nats import secured_embedded
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.core.workload import load_requests
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 
@@ -550,7 +550,7 @@ async def _run_fleet(
         await fleet.start(buses["fleet"])
         view = FleetView()
         await view.subscribe(buses["readonly"], requester="switchyard-up")
-        requests = await asyncio.to_thread(load_request_csv, csv_path)
+        requests = await asyncio.to_thread(load_requests, csv_path)
         # Without a duration the workload (10 minutes of it) repeats until Ctrl-C.
         duration = options.duration_s if options.duration_s is not None else 600.0
         time_scale = options.time_scale or (GATEWAY_TIME_SCALE if through_gateway else BUS_TIME_SCALE)

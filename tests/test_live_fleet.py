@@ -264,3 +264,30 @@ async def test_a_killed_router_answers_again_within_two_seconds_of_restarting(
         if first.poll() is None:
             first.kill()
         await fleet.stop()
+
+
+async def test_prefill_engines_cache_prefixes_and_report_the_hit_rate(bus: Bus, scenario: Scenario) -> None:
+    """Submits with a JSONL trace's hash ids: a repeated prefix hits the prefill engine's cache, reported back."""
+    from switchyard.simulator.core.workload import Workload
+
+    fleet = LiveFleet(scenario, _config(route_timeout_s=0.05))
+    prompt = np.array([4096 + 100, 4096 + 300, 4096 + 50])
+    workload = Workload(
+        arrival=np.arange(3) * 1.0,
+        prompt=prompt,
+        output=np.array([3, 3, 3]),
+        replay=np.arange(3),
+        description="shared prefix",
+        hash_ids=tuple(np.r_[np.arange(8), 100 + i] for i in range(3)),
+        hash_block=512,
+    )
+    await fleet.start(bus)
+    try:
+        loadgen = LoadGenerator(bus, workload, fleet.config.prefill_ids(), speed=fleet.config.speed)
+        await loadgen.listen()
+        await loadgen.run()
+        assert await loadgen.drain(timeout_s=30)
+        summary = loadgen.completions.summary()
+        assert summary["prefix_hit_rate"] == pytest.approx(2 * 4096 / prompt.sum())
+    finally:
+        await fleet.stop()

@@ -31,7 +31,8 @@ def sim(
     ] = None,
     fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
     requests: Annotated[
-        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+        Path | None,
+        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
     ] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
     rate: Annotated[
@@ -51,6 +52,9 @@ def sim(
     max_running: Annotated[int, typer.Option(help="Max running requests per decode engine.")] = DECODE_MAX_RUNNING,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks per decode engine (default: what fits).")] = None,
     prefill_policy: Annotated[str, typer.Option(help="rr | hash")] = "rr",
+    prefix_caching: Annotated[
+        bool, typer.Option(help="vLLM's prefix caching on the prefill engines (JSONL traces with hash_ids).")
+    ] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for JSON, CSV and PNG plots.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -80,12 +84,13 @@ def sim(
         kv_blocks=kv_blocks,
         prefill_policy=prefill_policy,
         progress=progress,
+        prefix_caching=prefix_caching,
     )
     try:
         payload = run_sim(opts, json_path=json_out, out_dir=out)
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts")
+    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts", "prefix_hit_rate")
     typer.echo(json.dumps(payload["config"]))
     typer.echo(f"{'policy':14s} " + " ".join(f"{k:>22s}" for k in keys))
     for name, s in payload["policies"].items():  # type: ignore[union-attr]
@@ -108,7 +113,8 @@ def _name_weights(value: str | None) -> tuple[tuple[str, float], ...]:
 
 def sim_dp(
     requests: Annotated[
-        Path | None, typer.Option("--requests", help="Azure-style request CSV for arrivals and lengths.")
+        Path | None,
+        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
     ] = None,
     time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
     rate: Annotated[
@@ -151,6 +157,9 @@ def sim_dp(
         str | None,
         typer.Option(help="Scorer weights, e.g. kv_penalty=2,moe_penalty=0 (each to the profiles that have it)."),
     ] = None,
+    prefix_caching: Annotated[
+        bool, typer.Option(help="vLLM's automatic prefix caching (acts on JSONL traces with hash_ids).")
+    ] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -180,6 +189,7 @@ def sim_dp(
         inflight_grace_s=min(INFLIGHT_GRACE_S, telemetry_ms / 2e3),
         telemetry_aligned=aligned_telemetry,
         inflight_drain_tokens_per_s=inflight_drain,
+        prefix_caching=prefix_caching,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)
@@ -188,10 +198,11 @@ def sim_dp(
     ms = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")
     typer.echo(json.dumps(payload["config"]))
     head = " ".join(f"{k + ' ms':>14s}" for k in ms)
-    typer.echo(f"{'dispatch+order':20s} {head} {'tok/s':>10s} {'gap tok/s':>10s}")
+    typer.echo(f"{'dispatch+order':20s} {head} {'tok/s':>10s} {'gap tok/s':>10s} {'prefix hit':>10s}")
     for name, s in payload["runs"].items():  # type: ignore[union-attr]
         cells = " ".join(f"{s[k] * 1e3:14.2f}" for k in ms)
-        typer.echo(f"{name:20s} {cells} {s['throughput']:10.0f} {s['prompt_tput_gap']:10.0f}")
+        hit = f"{s['prefix_hit_rate']:10.3f}"
+        typer.echo(f"{name:20s} {cells} {s['throughput']:10.0f} {s['prompt_tput_gap']:10.0f} {hit}")
 
 
 def report(
@@ -298,7 +309,9 @@ def loadgen(
     gpu: str = "H100",
     speed: Annotated[float, typer.Option(min=0.01)] = 1.0,
     num_requests: Annotated[int, typer.Option(min=1)] = 1000,
-    requests: Annotated[Path | None, typer.Option(help="Azure-format request CSV (arrivals and lengths).")] = None,
+    requests: Annotated[
+        Path | None, typer.Option(help="Request trace: Azure-format CSV or JSONL (hash_ids: prefix caching).")
+    ] = None,
     time_scale: float = 10.0,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this rate (req/s).")] = None,
     url: Annotated[

@@ -179,6 +179,7 @@ class MixedEngine(Scheduler):
         order: QueueOrder = "fcfs",
         params: GimbalParams | None = None,
         load_tables: ExpertLoadTables | None = None,
+        prefix_block: int | None = None,
     ) -> None:
         super().__init__(
             bank,
@@ -189,6 +190,7 @@ class MixedEngine(Scheduler):
             lookahead=0,
             order=order,
             params=params,
+            prefix_block=prefix_block,
         )
         self.cost = cost
         self.load_tables = load_tables
@@ -238,9 +240,26 @@ class MixedEngine(Scheduler):
 
     # -- requests in -------------------------------------------------------------------------------------
 
-    def add(self, rid: int, replay: int, prompt_tokens: int, output_tokens: int, arrival: float) -> None:
-        """Queue a new request (its prompt must be prefilled here); it generates `output_tokens` (≥ 1) tokens."""
-        self._enqueue(rid, replay, prompt_tokens, output_tokens, arrival, prefilled=False)
+    def add(
+        self,
+        rid: int,
+        replay: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        arrival: float,
+        keys: tuple[int, ...] | None = None,
+    ) -> None:
+        """Queue a new request (its prompt must be prefilled here); it generates `output_tokens` (≥ 1) tokens.
+
+        `keys`: its prompt's prefix-cache keys (`prefix_cache.prefix_keys`), used when the engine caches prefixes.
+        """
+        self._enqueue(rid, replay, prompt_tokens, output_tokens, arrival, prefilled=False, keys=keys)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over prompt tokens looked up (0 without caching)."""
+        q = self.prefix_query_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
 
     # -- one step ----------------------------------------------------------------------------------------
 

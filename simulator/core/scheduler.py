@@ -14,6 +14,14 @@ computes a request's last missing token samples its next one.
 Two ways in: a new request (prefilled here, from token 0), or one whose prompt's KV a prefill engine sent
 (`prefilled`): it computes only its last prompt token, as vLLM's KV connectors leave it, and samples.
 
+**Prefix caching** (`prefix_block`, general path only): a request may bring the chained keys of its prompt's
+full trace blocks (`prefix_cache.prefix_keys`). At admission its longest cached prefix is a hit: its
+`computed` starts there (at most prompt + generated − 1 tokens, as vLLM recomputes the last token), those
+blocks are shared rather than allocated, and only the rest is prefilled. Computed prompt blocks are cached as
+the prefill goes; freed blocks stay cached until vLLM's LRU free queue hands them out again
+(`prefix_cache.PrefixCache`). Every allocation and release then goes through that queue. A request without
+keys, or an engine without `prefix_block`, behaves exactly as before.
+
 **Fast path.** With no token budget (`token_budget=None`: a disaggregated decoder, which recomputes a
 readmitted request's context in one step) every running request computes exactly one token per step after
 the step that admits it. Its KV then grows by one token a step, so request i needs a new block exactly at
@@ -33,6 +41,7 @@ from typing import Literal
 import numpy as np
 
 from switchyard.simulator.core.experts import ReplayBank
+from switchyard.simulator.core.prefix_cache import PrefixCache
 from switchyard.solver.routing.dispatch import GimbalParams, queue_order
 
 __all__ = ["ORDERS", "UNBOUNDED", "QueueOrder", "Scheduler", "WaitingQueue", "ceil_div"]
@@ -165,6 +174,7 @@ class Scheduler:
         lookahead: int = 0,
         order: QueueOrder = "fcfs",
         params: GimbalParams | None = None,
+        prefix_block: int | None = None,
     ) -> None:
         if max_running <= 0 or (token_budget is not None and token_budget <= 0):
             raise ValueError("max_running and token_budget must be positive")
@@ -202,6 +212,20 @@ class Scheduler:
         self._emitted = 0  # tokens the last step sampled
         self.preemptions = 0
         self.aged_admissions = 0  # admitted after waiting longer than the aging threshold
+        # prefix caching (see the module docstring); None: off
+        self.prefix: PrefixCache | None = None
+        self.prefix_block = 0
+        if prefix_block is not None and not self.fast:
+            if prefix_block % block_size:
+                raise ValueError(f"the trace block ({prefix_block}) must be a multiple of the KV block ({block_size})")
+            self.prefix_block = prefix_block
+            self.prefix = PrefixCache(self.kv_blocks, prefix_block // block_size)
+        self._keys: dict[int, tuple[int, ...]] = {}  # rid -> its prompt's chained keys
+        self._held_keys: dict[int, list[int]] = {}  # running rid -> keys it references
+        self._registered: dict[int, int] = {}  # running rid -> keys considered for registration so far
+        self.prefix_hits: dict[int, int] = {}  # rid -> tokens hit at its first admission
+        self.prefix_query_tokens = 0  # Σ prompt tokens looked up at admissions (vLLM's queries)
+        self.prefix_hit_tokens = 0  # Σ of those found cached (vLLM's hits)
 
     # -- state ---------------------------------------------------------------------------------------------
 
@@ -243,7 +267,16 @@ class Scheduler:
 
     # -- requests in ---------------------------------------------------------------------------------------
 
-    def _enqueue(self, rid: int, replay: int, prompt: int, output: int, arrival: float, prefilled: bool) -> None:
+    def _enqueue(
+        self,
+        rid: int,
+        replay: int,
+        prompt: int,
+        output: int,
+        arrival: float,
+        prefilled: bool,
+        keys: tuple[int, ...] | None = None,
+    ) -> None:
         if output < 1 or prompt < 1:
             raise ValueError("a request has at least one prompt token and generates at least one token")
         if ceil_div(prompt + output, self.block_size) > self.kv_blocks:
@@ -251,6 +284,8 @@ class Scheduler:
                 f"request {rid} needs {prompt + output} KV tokens; the engine holds {self.kv_blocks * self.block_size}"
             )
         self.queue.push(rid, replay, prompt, output, 0, arrival, front=False, prefilled=prefilled)
+        if keys and self.prefix is not None and not prefilled:
+            self._keys[rid] = keys
 
     def _drop(self, rid: int) -> bool:
         """Remove a request (waiting or running) and free its KV; only between steps."""
@@ -258,6 +293,7 @@ class Scheduler:
         hit = np.flatnonzero(q.cols["rid"][: q.size] == rid)
         if len(hit):
             q.remove([int(hit[0])])
+            self._keys.pop(rid, None)
             return True
         slot = self._slot_of.get(rid)
         if slot is None:
@@ -265,9 +301,28 @@ class Scheduler:
         if self.fast:
             self._release_fast(slot)
         else:
-            self._used -= int(self._blocks[slot])
+            self._release(slot)
+        self._keys.pop(rid, None)
+        self.prefix_hits.pop(rid, None)
         self._free_slot(slot)
         return True
+
+    def _release(self, slot: int) -> None:
+        """A running request's KV blocks go back (general path); with prefix caching, to the LRU free queue."""
+        blocks = int(self._blocks[slot])
+        if self.prefix is None:
+            self._used -= blocks
+            return
+        rid = int(self._rid[slot])
+        held = self._held_keys.pop(rid, [])
+        self._registered.pop(rid, None)
+        self._used -= self.prefix.release(blocks - self.prefix.span * len(held), held)
+
+    def _allocate(self, blocks: int) -> None:
+        """`blocks` new KV blocks for running requests (general path)."""
+        self._used += blocks
+        if self.prefix is not None and blocks:
+            self.prefix.allocate(blocks)
 
     # -- one step: form the batch --------------------------------------------------------------------------
 
@@ -317,10 +372,10 @@ class Scheduler:
             if more <= self.kv_blocks - self._used:
                 self._take[:n] = take
                 self._blocks[:n] += grow
-                self._used += more
+                self._allocate(more)
                 return preempted
             victim = int(by_age[-1])
-            self._used -= int(self._blocks[victim])
+            self._release(victim)
             preempted.append(self._requeue(victim))
         return preempted
 
@@ -351,6 +406,7 @@ class Scheduler:
         if not q.size or self._n >= self.max_running or budget <= 0:
             return [], 0
         bs, la, fast = self.block_size, self.lookahead, self.fast
+        cache = self.prefix
         admitted: list[int] = []
         taken: list[int] = []
         recompute = 0
@@ -361,12 +417,24 @@ class Scheduler:
             prompt, gen = int(cols["prompt"][qi]), int(cols["gen"][qi])
             prefilled = bool(cols["prefilled"][qi])
             computed = prompt - 1 if prefilled else 0
+            rid = int(cols["rid"][qi])
+            keys = self._keys.get(rid) if cache is not None else None
+            hits = free_hits = 0
+            if keys and cache is not None:
+                hits, free_hits = cache.lookup(keys, (prompt + gen - 1) // self.prefix_block)
+                computed = hits * self.prefix_block
             take = min(prompt + gen - computed, budget)
             blocks = int(ceil_div(computed + take + la, bs))
-            if blocks > self.kv_blocks - self._used:
+            span = cache.span if cache is not None else 0
+            shared = hits * span  # hit blocks: shared, not allocated; those on the free queue leave it
+            if blocks - shared + free_hits * span > self.kv_blocks - self._used:
                 break
+            if cache is not None:
+                self._admit_prefix(rid, prompt, keys, hits, free_hits)
+                self._allocate(blocks - shared)
+            else:
+                self._used += blocks
             i = self._n
-            rid = int(cols["rid"][qi])
             replay = int(cols["replay"][qi])
             self._rid[i] = rid
             self._replay[i] = replay
@@ -392,7 +460,6 @@ class Scheduler:
                 if gen == 0:
                     self._step_first.append(rid)
             self._admit_counter += 1
-            self._used += blocks
             self._n += 1
             budget -= take
             if not prefilled:
@@ -404,6 +471,41 @@ class Scheduler:
         if taken:
             q.remove(taken)
         return admitted, recompute
+
+    def _admit_prefix(self, rid: int, prompt: int, keys: tuple[int, ...] | None, hits: int, free_hits: int) -> None:
+        """Prefix-cache bookkeeping of an admission: take the hit keys, count the query and the hit."""
+        cache = self.prefix
+        assert cache is not None
+        if keys:
+            cache.acquire(keys[:hits])
+            self._used += free_hits * cache.span  # hit blocks that were free are held again
+            self._held_keys[rid] = list(keys[:hits])
+            self._registered[rid] = hits
+        self.prefix_query_tokens += prompt
+        self.prefix_hit_tokens += hits * self.prefix_block
+        self.prefix_hits.setdefault(rid, hits * self.prefix_block)
+
+    def _register_computed(self, n: int) -> None:
+        """Cache the prompt blocks the step just computed (before `take` is cleared)."""
+        cache = self.prefix
+        assert cache is not None
+        tb = self.prefix_block
+        computed, take = self._computed[:n], self._take[:n]
+        prefilling = (take > 0) & (computed - take < self._prompt[:n])  # the step computed prompt tokens
+        for slot in np.flatnonzero(prefilling).tolist():
+            rid = int(self._rid[slot])
+            keys = self._keys.get(rid)
+            if not keys:
+                continue
+            start = self._registered[rid]
+            full = min(int(self._computed[slot]), int(self._prompt[slot])) // tb
+            if full <= start:
+                continue
+            held = self._held_keys[rid]
+            for key in keys[start:full]:
+                if cache.register(key):
+                    held.append(key)
+            self._registered[rid] = max(start, min(full, len(keys)))
 
     # -- one step: its tokens ------------------------------------------------------------------------------
 
@@ -418,6 +520,8 @@ class Scheduler:
         n = self._n
         computed, take, gen = self._computed[:n], self._take[:n], self._gen[:n]
         computed += take
+        if self.prefix is not None and self._keys:
+            self._register_computed(n)
         emit = (take > 0) & (computed == self._prompt[:n] + gen)
         take[:] = 0
         gen += emit
@@ -429,7 +533,9 @@ class Scheduler:
         finished = self._rid[done_slots].tolist()
         tokens = self._gen[done_slots].tolist()
         for slot in sorted(done_slots.tolist(), reverse=True):  # high slots first: moves never touch a done one
-            self._used -= int(self._blocks[slot])
+            self._release(slot)
+            if self._keys:
+                self._keys.pop(int(self._rid[slot]), None)
             self._free_slot(slot)
         return first, finished, tokens
 

@@ -1,8 +1,9 @@
 """Request workloads for the simulator: when requests arrive, how long they are, which trace request they replay.
 
-Arrivals and token lengths come from a real request trace (the Azure LLM inference CSVs shipped in
-`switchyard.data`, with a time-compression factor) or, for rate sweeps without a CSV, from a Poisson process
-at a given rate with each replayed trace request's own prompt/output lengths. Which
+Arrivals and token lengths come from a real request trace (the Azure LLM inference CSVs or Mooncake's JSONL
+trace with prefix hashes, shipped in `switchyard.data`, with a time-compression factor) or, for rate sweeps
+without a trace, from a Poisson process at a given rate with each replayed trace request's own prompt/output
+lengths. Which
 routing-trace request each simulated request replays is drawn with replacement from the replay pool,
 deterministically from the seed. Replay choices and arrivals draw from their own named streams
 (`shared.streams`), never from the router's.
@@ -20,8 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.request_jsonl import MOONCAKE_BLOCK_TOKENS, read_request_jsonl
 
-__all__ = ["RequestTrace", "Workload", "build_workload", "load_request_csv"]
+__all__ = ["RequestTrace", "Workload", "build_workload", "load_request_csv", "load_request_jsonl", "load_requests"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class RequestTrace:
     prompt: np.ndarray
     output: np.ndarray
     source: str
+    #: Per request, its prompt's prefix block hash ids (JSONL traces that carry them), and their block (tokens).
+    hash_ids: tuple[np.ndarray, ...] | None = None
+    hash_block: int = 0
 
     @property
     def duration(self) -> float:
@@ -60,6 +65,32 @@ def load_request_csv(path: str | Path) -> RequestTrace:
     return RequestTrace(arrival=t, prompt=prompt, output=output, source=str(path))
 
 
+def load_request_jsonl(path: str | Path, hash_block: int = MOONCAKE_BLOCK_TOKENS) -> RequestTrace:
+    """A JSONL request trace (`request_jsonl`), sorted by time; `hash_block`: tokens per hash id."""
+    cols = read_request_jsonl(path)
+    order = np.argsort(cols.timestamp_ms, kind="stable")
+    t = (cols.timestamp_ms[order] - cols.timestamp_ms[order][0]) / 1e3
+    ids = None if cols.hash_ids is None else tuple(cols.hash_ids[i] for i in order.tolist())
+    return RequestTrace(
+        arrival=t,
+        prompt=cols.prompt[order],
+        output=cols.output[order],
+        source=str(path),
+        hash_ids=ids,
+        hash_block=hash_block if ids is not None else 0,
+    )
+
+
+def load_requests(path: str | Path) -> RequestTrace:
+    """A request trace by its shape: JSONL (`.jsonl`, or a first non-blank character ``{``) or the Azure CSV."""
+    path = Path(path)
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        return load_request_jsonl(path)
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+    return load_request_jsonl(path) if head.startswith("{") else load_request_csv(path)
+
+
 @dataclass(frozen=True)
 class Workload:
     """N simulated requests, sorted by arrival: times (s), prompt/output tokens, replayed bank row."""
@@ -69,6 +100,9 @@ class Workload:
     output: np.ndarray
     replay: np.ndarray
     description: str
+    #: Per request, the hash ids of its prompt's prefix blocks (None: the trace has none) and their block.
+    hash_ids: tuple[np.ndarray, ...] | None = None
+    hash_block: int = 0
 
     @property
     def size(self) -> int:
@@ -138,7 +172,18 @@ def build_workload(
     if max_tokens is not None:
         output = np.minimum(output, max_tokens - 1)
         prompt = np.minimum(prompt, max_tokens - output)
-    return Workload(arrival=arrival, prompt=prompt, output=output, replay=replay, description=desc)
+    hash_ids = None
+    if requests is not None and requests.hash_ids is not None:
+        hash_ids = tuple(requests.hash_ids[i % len(requests.arrival)] for i in range(num_requests))
+    return Workload(
+        arrival=arrival,
+        prompt=prompt,
+        output=output,
+        replay=replay,
+        description=desc,
+        hash_ids=hash_ids,
+        hash_block=requests.hash_block if hash_ids is not None and requests is not None else 0,
+    )
 
 
 async def paced_arrivals(

@@ -184,6 +184,10 @@ class PrefillEngine(Scheduler):
     prompts load nearly every expert in any case). Its KV is held until the transfer to the decoder;
     prefill-side KV capacity is not modelled (no KV limit, so no preemption). At most one request is partly
     prefilled at a time, so `token_budget` slots never bind.
+
+    With `prefix_block` (a trace with prefix hashes) the engine keeps vLLM's prefix cache, and then its KV is
+    what the weights leave (`cost.kv_capacity_blocks`): the cache holds what the prefills left behind until
+    that capacity evicts it (`prefix_cache`).
     """
 
     def __init__(
@@ -192,8 +196,17 @@ class PrefillEngine(Scheduler):
         bank: ReplayBank,
         token_budget: int = TOKEN_BUDGET,
         rank_masks: np.ndarray | None = None,
+        prefix_block: int | None = None,
     ) -> None:
-        super().__init__(bank, cost.block_size, UNBOUNDED, max_running=token_budget, token_budget=token_budget)
+        kv_blocks = UNBOUNDED if prefix_block is None else cost.kv_capacity_blocks
+        super().__init__(
+            bank,
+            cost.block_size,
+            kv_blocks,
+            max_running=token_budget,
+            token_budget=token_budget,
+            prefix_block=prefix_block,
+        )
         self.cost = cost
         self.rank_masks = rank_masks
         self._busy = False
@@ -215,10 +228,11 @@ class PrefillEngine(Scheduler):
         """Prompts not yet fully prefilled."""
         return self._n + self.queue.size
 
-    def add(self, rid: int, replay: int, prompt_tokens: int) -> None:
+    def add(self, rid: int, replay: int, prompt_tokens: int, keys: tuple[int, ...] | None = None) -> None:
+        """Queue a prompt; `keys`: its prefix-cache keys (`prefix_cache.prefix_keys`), used when caching."""
         if prompt_tokens < 1:
             raise ValueError("a prompt has at least one token")
-        self._enqueue(rid, replay, prompt_tokens, 1, 0.0, prefilled=False)
+        self._enqueue(rid, replay, prompt_tokens, 1, 0.0, prefilled=False, keys=keys)
 
     def begin_step(self) -> PrefillStep | None:
         if self._busy:

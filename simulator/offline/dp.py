@@ -57,6 +57,7 @@ from switchyard.simulator.core.dp_engine import (
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.prefix_cache import prefix_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
@@ -94,6 +95,8 @@ class DPFleetConfig:
     #: Scorer weights by name (the router's `SWITCHYARD_ROUTER_DP_WEIGHTS`), each applied to the dispatch
     #: profiles that have that scorer (`weights_for`).
     dispatch_weights: tuple[tuple[str, float], ...] = ()
+    #: vLLM's automatic prefix caching (on by default in V1); it acts only on traces that carry `hash_ids`.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -273,8 +276,19 @@ class DPSimResult:
     engine_preemptions: np.ndarray
     engine_max_kv_blocks: np.ndarray
     engine_aged_admissions: np.ndarray
+    engine_prefix_query_tokens: np.ndarray
+    engine_prefix_hit_tokens: np.ndarray
+    engine_prefix_evictions: np.ndarray
     kv_first_decisions: int
     makespan: float
+    #: Per request, prompt tokens found in the prefix cache at its first admission (0 without caching).
+    prefix_hit: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fleet prompt tokens found cached over prompt tokens looked up (vLLM's hits / queries; 0 if none)."""
+        q = int(self.engine_prefix_query_tokens.sum())
+        return int(self.engine_prefix_hit_tokens.sum()) / q if q else 0.0
 
     @property
     def label(self) -> str:
@@ -299,7 +313,13 @@ def simulate_dp(
     n_req = workload.size
     n = fleet.engines
     dc = fleet.dp_cost
-    engines = _engines(fleet, bank, dispatch, order, prefill_counts)
+    prefix_block = workload.hash_block if fleet.prefix_caching and workload.hash_ids is not None else None
+    engines = _engines(fleet, bank, dispatch, order, prefill_counts, prefix_block)
+    keys = (
+        [prefix_keys(h, int(p), prefix_block) for h, p in zip(workload.hash_ids, workload.prompt, strict=True)]
+        if prefix_block and workload.hash_ids is not None
+        else None
+    )
     disp = Dispatcher(
         dispatch,
         n,
@@ -381,7 +401,7 @@ def simulate_dp(
             rid = idx
             i = disp.choose(now, int(prompt[rid]))
             eng_of[rid] = i
-            engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now)
+            engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now, keys[rid] if keys else None)
             if fleet.coupled:
                 if not global_busy:
                     start_global(now)
@@ -429,7 +449,17 @@ def simulate_dp(
         **_engine_totals(engines),
         kv_first_decisions=disp.kv_first,
         makespan=now - t0,
+        prefix_hit=_prefix_hits(engines, n_req),
     )
+
+
+def _prefix_hits(engines: list[MixedEngine], n_req: int) -> np.ndarray:
+    """Per request, the prompt tokens its engine's prefix cache held at its first admission."""
+    hit = np.zeros(n_req, dtype=np.int64)
+    for e in engines:
+        for rid, tokens in e.prefix_hits.items():
+            hit[rid] = tokens
+    return hit
 
 
 def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
@@ -442,7 +472,12 @@ def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
 
 
 def _engines(
-    fleet: DPFleetConfig, bank: ReplayBank, dispatch: str, order: QueueOrder, prefill_counts: np.ndarray | None
+    fleet: DPFleetConfig,
+    bank: ReplayBank,
+    dispatch: str,
+    order: QueueOrder,
+    prefill_counts: np.ndarray | None,
+    prefix_block: int | None = None,
 ) -> list[MixedEngine]:
     """The fleet's DP engines, fresh (with expert-load tables when Gimbal's pressure needs them)."""
     if order not in ORDERS:
@@ -459,6 +494,7 @@ def _engines(
             order=order,
             params=fleet.params,
             load_tables=tables,
+            prefix_block=prefix_block,
         )
         for _ in range(fleet.engines)
     ]
@@ -488,6 +524,9 @@ def _engine_totals(engines: list[MixedEngine]) -> dict[str, np.ndarray]:
         "engine_preemptions": np.array([e.preemptions for e in engines], dtype=np.int64),
         "engine_max_kv_blocks": np.array([e.max_used_blocks for e in engines], dtype=np.int64),
         "engine_aged_admissions": np.array([e.aged_admissions for e in engines], dtype=np.int64),
+        "engine_prefix_query_tokens": np.array([e.prefix_query_tokens for e in engines], dtype=np.int64),
+        "engine_prefix_hit_tokens": np.array([e.prefix_hit_tokens for e in engines], dtype=np.int64),
+        "engine_prefix_evictions": np.array([e.prefix.evicted if e.prefix else 0 for e in engines], dtype=np.int64),
     }
 
 
@@ -502,5 +541,8 @@ def _check_invariants(engines: list[MixedEngine], eng_of: np.ndarray, finish: np
         assert all(eng_of[r] == i for r in ids), f"engine {i} holds a request dispatched elsewhere"
         assert not (np.isfinite(finish[ids]).any() if ids else False), "a finished request is still on an engine"
         assert 0 <= e.used_blocks <= e.kv_blocks, f"engine {i} KV {e.used_blocks}/{e.kv_blocks}"
-        assert e.used_blocks == e.blocks_held(), f"engine {i} KV accounting drifted"
+        if e.prefix is None:
+            assert e.used_blocks == e.blocks_held(), f"engine {i} KV accounting drifted"
+        else:  # shared prefix blocks count once; the free queue holds the rest
+            assert e.prefix.free_blocks == e.kv_blocks - e.used_blocks, f"engine {i} free queue drifted"
         assert e.waiting_prefill_tokens == int(e.queue.work().sum()), f"engine {i} queue token count drifted"

@@ -11,6 +11,9 @@ Metrics (seconds, tokens/s):
   logging interval) over the arrival span, each engine's prefill tokens per second; the gap is max − min
   over engines, averaged over windows. `prompt_tput_cov`: the same windows' coefficient of variation.
 - `mean_running`: running requests per engine, time-weighted over the run, averaged over engines.
+- `prefix_hit_rate`: prompt tokens found in the engines' prefix caches over prompt tokens looked up at
+  admissions (vLLM's hits / queries, readmissions after preemption included); `prefix_hit_request_mean`: the
+  mean over requests of the hit at its first admission over its prompt. Both 0 on traces without `hash_ids`.
 - `dispatch_run_mean`: mean length of the runs of consecutive arrivals sent to the same engine (1 = strict
   alternation between engines). In lock-step DP+EP, runs put several new prompts on one engine in the same
   step, and that engine's dense and attention time sets the step for everyone.
@@ -31,7 +34,7 @@ from switchyard.simulator.core.defaults import (
     TOKEN_BUDGET,
 )
 from switchyard.simulator.core.dp_engine import ORDERS
-from switchyard.simulator.core.workload import RequestTrace, Workload, load_request_csv
+from switchyard.simulator.core.workload import RequestTrace, Workload, load_requests
 from switchyard.simulator.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
 from switchyard.simulator.offline.metrics import percentile, write_json
 from switchyard.simulator.offline.scenario import Scenario, prepare
@@ -59,6 +62,7 @@ DP_SUMMARY_KEYS = (
     "aged_admissions",
     "requests",
     "offered_rate",
+    "prefix_hit_rate",
 )
 
 
@@ -116,6 +120,8 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
         "preemptions": int(res.engine_preemptions.sum()),
         "max_kv_usage": float(res.engine_max_kv_blocks.max() / kv_blocks),
         "kv_first_decisions": int(res.kv_first_decisions),
+        "prefix_hit_rate": res.prefix_hit_rate,
+        "prefix_hit_request_mean": float((res.prefix_hit / res.workload.prompt).mean()) if len(res.prefix_hit) else 0.0,
         "aged_admissions": int(res.engine_aged_admissions.sum()),
         "dispatch_run_mean": float(runs.mean()),
         "makespan_s": span,
@@ -125,6 +131,10 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
             "output_tokens": res.engine_tokens.tolist(),
             "busy_fraction": [round(float(b / span), 4) for b in res.engine_busy] if span > 0 else [],
             "preemptions": res.engine_preemptions.tolist(),
+            "prefix_hit_rate": [
+                round(float(h / q), 4) if q else 0.0
+                for h, q in zip(res.engine_prefix_hit_tokens, res.engine_prefix_query_tokens, strict=True)
+            ],
         },
     }
 
@@ -134,7 +144,10 @@ def trace_window(trace: RequestTrace, start: int) -> RequestTrace:
     if not 0 <= start < len(trace.arrival):
         raise ValueError(f"start {start} outside the trace's {len(trace.arrival)} requests")
     a = trace.arrival[start:]
-    return RequestTrace(a - a[0], trace.prompt[start:], trace.output[start:], f"{trace.source}[{start}:]")
+    ids = trace.hash_ids[start:] if trace.hash_ids is not None else None
+    return RequestTrace(
+        a - a[0], trace.prompt[start:], trace.output[start:], f"{trace.source}[{start}:]", ids, trace.hash_block
+    )
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,7 @@ class DPSimOptions:
     telemetry_aligned: bool = False
     inflight_drain_tokens_per_s: float = 0.0
     dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -178,11 +192,12 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         telemetry_aligned=opts.telemetry_aligned,
         inflight_drain_tokens_per_s=opts.inflight_drain_tokens_per_s,
         dispatch_weights=opts.dispatch_weights,
+        prefix_caching=opts.prefix_caching,
     )
 
 
 def workload_for(sc: Scenario, opts: DPSimOptions, fleet: DPFleetConfig) -> Workload:
-    requests = load_request_csv(opts.requests) if opts.requests is not None else None
+    requests = load_requests(opts.requests) if opts.requests is not None else None
     if requests is not None and opts.start:
         requests = trace_window(requests, opts.start)
     return sc.workload(
@@ -200,7 +215,7 @@ def run_sim_dp(
 ) -> dict[str, object]:
     """Every (dispatch, order) pair on one workload; returns (and writes) {config, runs: {"d+o": summary}}."""
     if opts.requests is None and opts.rate is None:
-        raise ValueError("give either --requests CSV (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
+        raise ValueError("give either --requests TRACE (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
     for d in opts.dispatch:
         if d not in DP_PROFILES:
             raise ValueError(f"unknown dispatch {d!r}; choose a DP profile: {', '.join(DP_PROFILES)}")
@@ -255,6 +270,8 @@ def run_sim_dp(
         "inflight_drain_tokens_per_s": fleet.inflight_drain_tokens_per_s,
         "age_threshold_s": fleet.params.age_threshold_s,
         "window_s": opts.window_s,
+        "prefix_caching": fleet.prefix_caching,
+        "prefix_block_tokens": wl.hash_block or None,
     }
     if opts.dispatch_weights:
         config["dispatch_weights"] = dict(opts.dispatch_weights)

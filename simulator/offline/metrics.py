@@ -7,6 +7,8 @@ Definitions (as the ELDR seed and vLLM's benchmark use them):
 - throughput: output tokens per second over the run (first arrival → last finish).
 - mean distinct experts: per decode step, the mean over MoE layers of the distinct experts its batch loads,
   averaged over steps; also per token (steps weighted by batch), the figure a request experiences.
+- prefix hit rate: prompt tokens the prefill engines found in their prefix caches over prompt tokens looked
+  up (0 on traces without `hash_ids`); `prefix_hit_request_mean`: the mean of each request's own ratio.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def summarize(res: SimResult) -> dict[str, object]:
         "makespan_s": span,
         "fallbacks": dict(res.fallbacks),
         "mean_band_size": float(res.band_size.mean()),
+        "prefix_hit_rate": res.prefix_hit_rate,
+        "prefix_hit_request_mean": float((res.prefix_hit / res.workload.prompt).mean()) if len(res.prefix_hit) else 0.0,
+        "prefill_prefix_hit_rate": [
+            round(float(h / q), 4) if q else 0.0
+            for h, q in zip(res.prefill_prefix_hit_tokens, res.prefill_prefix_query_tokens, strict=True)
+        ],
         "per_engine": {
             "tokens": res.engine_tokens.tolist(),
             "busy_fraction": [round(float(b), 4) for b in busy],

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from switchyard.shared.trace_files import TraceFormat
 from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING
-from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.core.workload import load_requests
 from switchyard.simulator.offline.metrics import SUMMARY_KEYS, summarize, write_csv, write_json
 from switchyard.simulator.offline.scenario import prepare
 from switchyard.solver.routing import get_policy
@@ -37,12 +38,13 @@ class SimOptions:
     kv_blocks: int | None = None
     prefill_policy: str = "rr"
     progress: bool = True
+    prefix_caching: bool = True  # on the prefill engines; acts on traces with hash_ids
 
 
 def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | None = None) -> dict[str, object]:
     """Run every policy on the same workload; returns (and writes) {config, policies: {name: summary}}."""
     if opts.requests is None and opts.rate is None:
-        raise ValueError("give either --requests CSV (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
+        raise ValueError("give either --requests TRACE (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
     for name in opts.policies:
         get_policy(name)  # fail before any work on a typo
     sc = prepare(
@@ -62,7 +64,8 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
         kv_blocks=opts.kv_blocks,
         prefill_policy=opts.prefill_policy,
     )
-    requests = load_request_csv(opts.requests) if opts.requests is not None else None
+    fleet = dataclasses.replace(fleet, prefix_caching=opts.prefix_caching)
+    requests = load_requests(opts.requests) if opts.requests is not None else None
     wl = sc.workload(
         opts.num_requests,
         seed=opts.seed,
@@ -95,6 +98,8 @@ def run_sim(opts: SimOptions, json_path: Path | None = None, out_dir: Path | Non
         "kv_blocks_per_decoder": fleet.decode_kv_blocks,
         "max_running": fleet.max_running,
         "prefill_policy": fleet.prefill_policy,
+        "prefix_caching": fleet.prefix_caching,
+        "prefix_block_tokens": wl.hash_block or None,
         "moe_overhead_us": sc.cost.moe_overhead_s * 1e6,
         "expert_stream_us": sc.cost.b * 1e6,
     }

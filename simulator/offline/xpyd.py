@@ -23,6 +23,7 @@ from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.simulator.core.experts import ReplayBank, rank_masks
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.prefix_cache import prefix_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
@@ -43,6 +44,8 @@ class FleetConfig:
     kv_blocks: int | None = None  # per decode engine; default: what fits beside the weights
     prefill_token_budget: int = TOKEN_BUDGET
     prefill_policy: str = "rr"  # "rr" | "hash" (prefix hash of the replayed trace request)
+    #: vLLM's automatic prefix caching on the prefill engines; it acts only on traces that carry `hash_ids`.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -89,6 +92,17 @@ class SimResult:
     max_kv_blocks_used: np.ndarray  # [D] high-water mark
     makespan: float
     extra: dict[str, object] = field(default_factory=dict)
+    #: [P] prompt tokens each prefill engine looked up in its prefix cache, and found there (0 without caching)
+    prefill_prefix_query_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prefill_prefix_hit_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: [N] prompt tokens each request found cached at its first admission
+    prefix_hit: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefill engines' prefix caches over those looked up (0 if none)."""
+        q = int(self.prefill_prefix_query_tokens.sum())
+        return int(self.prefill_prefix_hit_tokens.sum()) / q if q else 0.0
 
 
 def simulate(
@@ -111,7 +125,13 @@ def simulate(
     n = workload.size
     cost = fleet.cost
     tables = tables or RoutingTables()
-    decoders, prefills = _engines(fleet, bank)
+    prefix_block = workload.hash_block if fleet.prefix_caching and workload.hash_ids is not None else None
+    decoders, prefills = _engines(fleet, bank, prefix_block)
+    keys = (
+        [prefix_keys(h, int(p), prefix_block) for h, p in zip(workload.hash_ids, workload.prompt, strict=True)]
+        if prefix_block and workload.hash_ids is not None
+        else None
+    )
     snap = FleetSnapshot.build([f"d{i:03d}" for i in range(fleet.decode)])
     state = RouterState(rng=stream(seed, "router"))  # never the workload's stream (shared.streams)
     label_names = bank.label_names
@@ -167,7 +187,7 @@ def simulate(
             else:
                 p = (int(bank.request_ids[replay[rid]]) * 2654435761 % 2**32) % fleet.prefill
             pre_eng[rid] = p
-            prefills[p].add(rid, int(replay[rid]), int(prompt[rid]))
+            prefills[p].add(rid, int(replay[rid]), int(prompt[rid]), keys[rid] if keys else None)
             if not prefills[p].busy:
                 start_prefill(p, now)
         elif kind == _DECODE_END:
@@ -212,6 +232,8 @@ def simulate(
                 start_decode(d, now)
         if check:
             _check_invariants(decoders, snap, dec_eng, finish)
+            for i, pe in enumerate(prefills):
+                assert pe.prefix is None or pe.prefix.free_blocks == pe.kv_blocks - pe.used_blocks, f"prefill {i}"
         if finished >= n:
             break
     if bar is not None:
@@ -235,10 +257,24 @@ def simulate(
         **_engine_totals(decoders, prefills),
         max_kv_blocks_used=max_used,
         makespan=now - float(arrival[0]),
+        prefill_prefix_query_tokens=np.array([p.prefix_query_tokens for p in prefills], dtype=np.int64),
+        prefill_prefix_hit_tokens=np.array([p.prefix_hit_tokens for p in prefills], dtype=np.int64),
+        prefix_hit=_prefix_hits(prefills, n),
     )
 
 
-def _engines(fleet: FleetConfig, bank: ReplayBank) -> tuple[list[DecodeEngine], list[PrefillEngine]]:
+def _prefix_hits(prefills: list[PrefillEngine], n: int) -> np.ndarray:
+    """Per request, the prompt tokens its prefill engine's cache held at its first admission."""
+    hit = np.zeros(n, dtype=np.int64)
+    for p in prefills:
+        for rid, tokens in p.prefix_hits.items():
+            hit[rid] = tokens
+    return hit
+
+
+def _engines(
+    fleet: FleetConfig, bank: ReplayBank, prefix_block: int | None = None
+) -> tuple[list[DecodeEngine], list[PrefillEngine]]:
     """The fleet's decode and prefill engines, fresh."""
     cost = fleet.cost
     # Expert parallelism inside an engine: each MoE layer waits for the rank that loads the most experts.
@@ -248,7 +284,7 @@ def _engines(fleet: FleetConfig, bank: ReplayBank) -> tuple[list[DecodeEngine], 
         for _ in range(fleet.decode)
     ]
     prefills = [
-        PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget, rank_masks=masks)
+        PrefillEngine(cost, bank, token_budget=fleet.prefill_token_budget, rank_masks=masks, prefix_block=prefix_block)
         for _ in range(fleet.prefill)
     ]
     return decoders, prefills

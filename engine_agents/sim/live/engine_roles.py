@@ -238,7 +238,12 @@ class LivePrefill(LiveEngine):
     def __init__(self, fleet: Fleet, hello: Hello) -> None:
         super().__init__(fleet, hello)
         scenario, config = fleet.scenario, fleet.config
-        self.engine = PrefillEngine(scenario.cost, scenario.bank, token_budget=config.prefill_token_budget)
+        self.engine = PrefillEngine(
+            scenario.cost,
+            scenario.bank,
+            token_budget=config.prefill_token_budget,
+            prefix_block=config.prefix_block if config.prefix_caching else None,
+        )
         self.rids: dict[int, LiveRequest] = {}
         self._handoffs: set[asyncio.Task[None]] = set()
 
@@ -255,7 +260,7 @@ class LivePrefill(LiveEngine):
 
     def submit(self, rid: int, request: LiveRequest) -> None:
         self.rids[rid] = request
-        self.engine.add(rid, request.replay, request.prompt)
+        self.engine.add(rid, request.replay, request.prompt, request.keys)
         self.wake.set()
 
     def open(self, request: ParsedRequest) -> TokenStream:
@@ -302,6 +307,7 @@ class LivePrefill(LiveEngine):
             await self._run_for(plan.duration)
             for rid in self.engine.end_step():
                 request = self.rids.pop(int(rid))
+                request.prefix_hit = self.engine.prefix_hits.pop(int(rid), 0)  # popped: a live engine runs for long
                 if request.prefill_only:
                     self._prefilled(request)
                     continue

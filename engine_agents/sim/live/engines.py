@@ -59,6 +59,7 @@ from switchyard.shared.errors import ConfigError
 from switchyard.shared.schemas import Capacity, Hello, ModelShape
 from switchyard.shared.streams import stream
 from switchyard.simulator.core.physics import cost_model
+from switchyard.simulator.core.prefix_cache import prefix_keys
 from switchyard.simulator.offline.scenario import Scenario
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class LiveFleet:
             return
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         self.counters.submitted += 1
+        caching = self.config.prefix_caching and submit.hash_ids and submit.hash_block == self.config.prefix_block
         prefill.submit(
             rid,
             LiveRequest(
@@ -152,6 +154,7 @@ class LiveFleet:
                 submit.sent_at,
                 min(self.to_v(submit.sent_at), self.now_v()),  # never in the future (clock skew)
                 prefill.engine_id,
+                keys=prefix_keys(submit.hash_ids, submit.prompt_tokens, submit.hash_block) if caching else None,
             ),
         )
 
@@ -231,6 +234,7 @@ class LiveFleet:
             route_fallback=request.fallback,
             band_size=request.band_size,
             sent_at=request.sent_at,
+            prefix_hit_tokens=request.prefix_hit,
         )
         self.counters.completed += 1
         self._spawn(self.bus.publish(self.bus.subjects.sim_completed, message))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from switchyard.engine_agents.sim.live.migration import MigrationCost
 from switchyard.engine_agents.sim.live.token_stream import TokenStream
 from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TELEMETRY_INTERVAL_S, TOKEN_BUDGET
+from switchyard.simulator.core.request_jsonl import MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class LiveFleetConfig:
     http_port: int = 0
     #: Tokens per streamed chunk after the first, as vLLM's `--stream-interval`.
     stream_interval: int = 1
+    #: vLLM's prefix caching on the prefill engines (their KV then what the weights leave), for submits that
+    #: carry hash ids of `prefix_block` tokens (Mooncake's 512); others are prefilled whole.
+    prefix_caching: bool = True
+    prefix_block: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.gpus_per_decoder < 1:
@@ -60,6 +65,9 @@ class LiveRequest:
     sent_at: float  # unix time the load generator sent it
     sent_v: float  # the same instant on the fleet's virtual clock
     prefill_engine: str
+    #: Its prompt's prefix-cache keys (`prefix_cache.prefix_keys`), and the tokens its prefill found cached.
+    keys: tuple[int, ...] | None = None
+    prefix_hit: int = 0
     decode_engine: str = ""
     routed_by: str = ""
     fallback: str | None = None

@@ -31,6 +31,8 @@ class Completions:
     by_engine: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     band_sizes: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
     first_at: float = 0.0
     last_at: float = 0.0
 
@@ -42,6 +44,8 @@ class Completions:
         if done.output_tokens > 1:
             self.tpot.append(done.tpot_s)
         self.tokens += done.output_tokens
+        self.prompt_tokens += done.prompt_tokens
+        self.prefix_hit_tokens += done.prefix_hit_tokens
         self.by_engine[done.decode_engine] += 1
         if done.route_fallback:
             self.fallbacks[done.route_fallback.split(":")[0]] += 1
@@ -52,7 +56,7 @@ class Completions:
         return len(self.ttft)
 
     def summary(self, recent: int | None = None) -> dict[str, float]:
-        """TTFT / TPOT percentiles in milliseconds (over the last `recent` completions if given)."""
+        """TTFT / TPOT percentiles in ms (over the last `recent` completions if given); prefix hit rate over all."""
         ttft = np.asarray(self.ttft[-recent:] if recent else self.ttft)
         tpot = np.asarray(self.tpot[-recent:] if recent else self.tpot)
 
@@ -66,6 +70,7 @@ class Completions:
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
             "mean_band_size": float(np.mean(self.band_sizes)) if self.band_sizes else 0.0,
+            "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
 
 
@@ -113,6 +118,8 @@ class LoadGenerator:
                 prompt_tokens=int(w.prompt[i]),
                 output_tokens=int(w.output[i]),
                 sent_at=time.time(),
+                hash_ids=w.hash_ids[i].tolist() if w.hash_ids is not None else None,
+                hash_block=w.hash_block,
             )
             await self.bus.publish(self.bus.subjects.sim_submit(self._prefill_for(i)), submit)
             self.sent += 1

@@ -17,7 +17,7 @@ from switchyard.engine_agents.sim.live.http_loadgen import HttpLoadGenerator
 from switchyard.engine_agents.sim.live.loadgen import LoadGenerator
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.core.workload import load_requests
 from switchyard.simulator.offline.scenario import prepare
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ async def run_loadgen(
 ) -> dict[str, float]:
     """Send `num_requests` to a fleet configured as `config`, wait for them, return TTFT/TPOT percentiles."""
     scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
-    requests = await asyncio.to_thread(load_request_csv, requests_csv) if requests_csv else None
+    requests = await asyncio.to_thread(load_requests, requests_csv) if requests_csv else None
     fleet_limit = LiveFleet(scenario, config).max_tokens
     workload = scenario.workload(
         num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit
@@ -84,7 +84,7 @@ async def run_http_loadgen(
 ) -> dict[str, float]:
     """Send `num_requests` as HTTP clients to `url` (a gateway or an engine); client-measured percentiles."""
     scenario = await asyncio.to_thread(prepare, trace, gpu=config.gpu, seed=seed)
-    requests = await asyncio.to_thread(load_request_csv, requests_csv) if requests_csv else None
+    requests = await asyncio.to_thread(load_requests, requests_csv) if requests_csv else None
     fleet_limit = LiveFleet(scenario, config).max_tokens
     workload = scenario.workload(
         num_requests, seed=seed + 1, rate=rate, requests=requests, time_scale=time_scale, max_tokens=fleet_limit

@@ -24,6 +24,10 @@ class SimSubmit(WireModel):
     prompt_tokens: Annotated[int, Field(gt=0)]
     output_tokens: Annotated[int, Field(gt=0)]
     sent_at: Timestamp
+    #: The prompt's prefix block hash ids (a JSONL trace's `hash_ids`) and their block in tokens; with them
+    #: the prefill engine's prefix cache can hit (`simulator.core.prefix_cache`).
+    hash_ids: Annotated[list[Count], Field(max_length=1 << 16)] | None = None
+    hash_block: Count = 0
 
 
 class SimCompleted(WireModel):
@@ -40,3 +44,5 @@ class SimCompleted(WireModel):
     route_fallback: str | None = None
     band_size: Count = 0
     sent_at: Timestamp
+    #: Prompt tokens its prefill engine found in its prefix cache.
+    prefix_hit_tokens: Count = 0

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from switchyard.simulator.core.workload import load_request_csv
+from switchyard.simulator.core.workload import load_requests
 from switchyard.simulator.offline.metrics import SUMMARY_KEYS
 from switchyard.simulator.offline.report.options import SECTIONS, ReportOptions
 from switchyard.simulator.offline.report.runner import ReportContext, Runner
@@ -59,7 +59,7 @@ def build_report(out_dir: Path, opts: ReportOptions) -> Path:
             print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
 
     sc = prepare(opts.trace, gpu=opts.gpu, seed=opts.seed)
-    ctx = ReportContext(opts, sc, Runner(sc, load_request_csv(opts.requests), opts), out_dir, log)
+    ctx = ReportContext(opts, sc, Runner(sc, load_requests(opts.requests), opts), out_dir, log)
     results: dict[str, object] = {}
     md = _header(ctx)
     for name in SECTIONS:  # in the report's order, whatever the order asked

@@ -1,0 +1,157 @@
+"""vLLM V1's automatic prefix cache as the simulator's KV block accounting sees it.
+
+Why: on multi-turn chat, agents and shared system prompts a prompt's leading KV blocks are often already in an
+engine's cache; vLLM then skips their prefill. The scheduler (`scheduler.Scheduler`) counts blocks as numbers;
+this module keeps *which* blocks are cached and in which order they are evicted, as vLLM's `BlockPool` does.
+
+Shapes and semantics:
+
+- A prompt is a chain of **keys**, one per full *trace block* (`trace_block` tokens: 512 for Mooncake). A key
+  is the hash of (parent key, the trace's hash id), so equal keys mean equal prefixes up to that block, as vLLM
+  chains its block hashes. `prefix_keys` builds the chain; only full blocks of the prompt get a key.
+- A key covers `span = trace_block // engine block size` engine KV blocks (32 for 512 over vLLM's 16); hits are
+  on whole keys. Every count here is in engine blocks.
+- **Held** keys are referenced by running requests (a reference count; a key shared by two requests occupies
+  its blocks once). **Free** blocks form vLLM's free queue, least recently freed at the head: anonymous runs
+  of uncached blocks and cached keys. Allocation pops from the head, evicting cached keys it reaches (a key is
+  evicted whole; what it leaves over goes back to the head as an anonymous run). A request that leaves
+  appends its blocks to the tail in *reverse* order, as vLLM frees them: its uncached tail blocks first, then
+  its keys deepest first, so a prompt's tail is evicted before its root. A hit on a free key takes it off the
+  queue (``touch``); a hit on a held key only adds a reference.
+- A request registers its prompt's keys as its prefill computes those blocks (vLLM caches full blocks once
+  computed). A key already cached by another request stays that request's; the duplicate stays private.
+
+Source: vLLM's design note "Automatic Prefix Caching" (docs.vllm.ai/en/latest/design/prefix_caching/) and
+`vllm/v1/core/block_pool.py` (the free queue "in eviction order").
+
+The free queue's total always equals the engine's free blocks (capacity − blocks held by running requests);
+`free_blocks` lets tests check it against the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["PrefixCache", "prefix_keys"]
+
+#: The root of every key chain (vLLM's NONE_HASH plays the same part).
+_ROOT = 0x5EED
+
+
+def prefix_keys(hash_ids: Sequence[int] | np.ndarray, prompt_tokens: int, trace_block: int) -> tuple[int, ...]:
+    """Chained keys of the prompt's full trace blocks: key_i = hash((key_{i-1}, hash_ids[i])).
+
+    Python's hash of a tuple of ints does not depend on PYTHONHASHSEED, so keys are reproducible.
+    """
+    full = min(len(hash_ids), prompt_tokens // trace_block)
+    keys: list[int] = []
+    parent = _ROOT
+    for hid in list(hash_ids[:full]):
+        parent = hash((parent, int(hid)))
+        keys.append(parent)
+    return tuple(keys)
+
+
+class PrefixCache:
+    """Cached keys, their references, and vLLM's LRU free queue over `capacity` engine blocks."""
+
+    def __init__(self, capacity: int, span: int) -> None:
+        if capacity <= 0 or span <= 0:
+            raise ValueError("capacity and span must be positive")
+        self.span = span
+        self.capacity = capacity
+        self._ref: dict[int, int] = {}  # held key -> references
+        # free queue: entry id -> (blocks, key or None for an anonymous run), head first
+        self._free: OrderedDict[int, tuple[int, int | None]] = OrderedDict()
+        self._entry_of: dict[int, int] = {}  # free cached key -> its entry id
+        self._next = 0
+        self.free_blocks = 0
+        self.evicted = 0  # keys evicted (counter)
+        self._append(capacity, None)
+
+    # -- queries ----------------------------------------------------------------------------------------
+
+    def cached(self, key: int) -> bool:
+        return key in self._ref or key in self._entry_of
+
+    @property
+    def cached_keys(self) -> int:
+        return len(self._ref) + len(self._entry_of)
+
+    def lookup(self, keys: Sequence[int], limit: int) -> tuple[int, int]:
+        """(hit keys, of which free): the longest cached prefix of `keys[:limit]`; changes nothing."""
+        hits = free = 0
+        for key in keys[:limit]:
+            if key in self._ref:
+                hits += 1
+            elif key in self._entry_of:
+                hits += 1
+                free += 1
+            else:
+                break
+        return hits, free
+
+    def free_order(self) -> list[tuple[int, int | None]]:
+        """The free queue, head (next evicted) first: (blocks, key), key None for an anonymous run (tests)."""
+        return list(self._free.values())
+
+    # -- changes ----------------------------------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[int]) -> None:
+        """A request hit `keys` (all cached): free ones leave the queue, every one gains a reference."""
+        for key in keys:
+            if key in self._ref:
+                self._ref[key] += 1
+            else:
+                del self._free[self._entry_of.pop(key)]
+                self.free_blocks -= self.span
+                self._ref[key] = 1
+
+    def allocate(self, blocks: int) -> None:
+        """Take `blocks` free blocks from the head of the queue, evicting the cached keys it reaches."""
+        if blocks > self.free_blocks:
+            raise ValueError(f"allocating {blocks} blocks, {self.free_blocks} free")
+        self.free_blocks -= blocks
+        while blocks > 0:
+            entry, (size, key) = next(iter(self._free.items()))
+            if key is not None:
+                del self._entry_of[key]
+                self.evicted += 1
+            if size > blocks:
+                self._free[entry] = (size - blocks, None)  # same place: the head
+                return
+            del self._free[entry]
+            blocks -= size
+
+    def register(self, key: int) -> bool:
+        """A running request computed the block `key` covers: cache it (one reference) unless already cached."""
+        if self.cached(key):
+            return False
+        self._ref[key] = 1
+        return True
+
+    def release(self, private: int, keys: Sequence[int]) -> int:
+        """A request leaves: its `private` blocks, then its held `keys` deepest first, to the tail; blocks freed."""
+        freed = 0
+        if private:
+            self._append(private, None)
+            freed += private
+        for key in reversed(keys):
+            left = self._ref[key] - 1
+            if left:
+                self._ref[key] = left
+                continue
+            del self._ref[key]
+            self._entry_of[key] = self._append(self.span, key)
+            freed += self.span
+        return freed
+
+    def _append(self, blocks: int, key: int | None) -> int:
+        entry = self._next
+        self._next += 1
+        self._free[entry] = (blocks, key)
+        self.free_blocks += blocks
+        return entry
