@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from docs.examples.toy_engine import SHAPE, ToyEngine
 from switchyard.services.engine_layout import LayoutProbe
@@ -56,6 +57,8 @@ async def test_a_toy_engine_kind_is_routed_to_and_planned_for(bus: Bus, settings
                     bus.subjects.route_dp, RouteDpRequest(request_id="r1", prompt_tokens=10), RouteDpReply, timeout=2
                 )
             except RemoteError:  # `unavailable` until its first telemetry arrives
+                return None
+            except NoRespondersError:  # seen once in CI on a loaded machine right after the router started
                 return None
 
         assert (await eventually(routed)).engine_id == "toy-0"
