@@ -25,6 +25,15 @@ DatabaseUrl = Annotated[
     typer.Option("--database-url", help="postgresql://... or sqlite:///path; default: SQLite under --data-dir."),
 ]
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="State folder (default .switchyard).")]
+#: The request trace of `sim` and `sim-dp`.
+RequestsOption = Annotated[
+    Path | None,
+    typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
+]
+TimeScaleOption = Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")]
+RateOption = Annotated[
+    float | None, typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths.")
+]
 
 
 def load_settings(

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from switchyard import data as shipped
-from switchyard.services.cli.options import DataDir, NatsUrl, load_settings, split_csv
+from switchyard.services.cli.options import (
+    DataDir,
+    NatsUrl,
+    RateOption,
+    RequestsOption,
+    TimeScaleOption,
+    load_settings,
+    split_csv,
+)
 from switchyard.simulator.core.defaults import (
     DECODE_MAX_RUNNING,
     DP_MAX_RUNNING,
@@ -30,15 +38,9 @@ def sim(
         typer.Option("--trace", help="Routing trace: the ESFT folder/npz or a Switchyard npz (default: shipped ESFT)."),
     ] = None,
     fmt: Annotated[str, typer.Option("--format", help="auto | esft | npz")] = "auto",
-    requests: Annotated[
-        Path | None,
-        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
-    ] = None,
-    time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
-    rate: Annotated[
-        float | None,
-        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
-    ] = None,
+    requests: RequestsOption = None,
+    time_scale: TimeScaleOption = 1.0,
+    rate: RateOption = None,
     prefill: Annotated[int, typer.Option("--prefill", help="Prefill engines (P).")] = 8,
     decode: Annotated[int, typer.Option("--decode", help="Decode engines (D).")] = 16,
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated decode policies.")] = "rr,jsq,eldr",
@@ -112,15 +114,9 @@ def _name_weights(value: str | None) -> tuple[tuple[str, float], ...]:
 
 
 def sim_dp(
-    requests: Annotated[
-        Path | None,
-        typer.Option("--requests", help="Request trace: Azure-style CSV, or JSONL (with hash_ids: prefix caching)."),
-    ] = None,
-    time_scale: Annotated[float, typer.Option("--time-scale", help="Divide the CSV's arrival times by this.")] = 1.0,
-    rate: Annotated[
-        float | None,
-        typer.Option("--rate", help="Poisson arrivals at this rate (req/s); with --requests: its lengths."),
-    ] = None,
+    requests: RequestsOption = None,
+    time_scale: TimeScaleOption = 1.0,
+    rate: RateOption = None,
     start: Annotated[int, typer.Option("--start", help="First CSV request to replay (another stretch).")] = 0,
     engines: Annotated[int, typer.Option("--engines", min=1, help="DP engines.")] = 2,
     tp: Annotated[int, typer.Option("--tp", min=1, help="GPUs per DP engine (tensor parallel).")] = 2,

@@ -31,7 +31,7 @@ The free queue's total always equals the engine's free blocks (capacity − bloc
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -53,6 +53,16 @@ def prefix_keys(hash_ids: Sequence[int] | np.ndarray, prompt_tokens: int, trace_
         parent = hash((parent, int(hid)))
         keys.append(parent)
     return tuple(keys)
+
+
+def hits_per_request(per_engine: Iterable[Mapping[int, int]], n_requests: int) -> np.ndarray:
+    """`[n_requests]` int64: the prompt tokens each request found cached at its first admission, gathered from
+    every engine's `prefix_hits` (request id -> tokens); 0 for a request no engine recorded."""
+    hit = np.zeros(n_requests, dtype=np.int64)
+    for hits in per_engine:
+        for rid, tokens in hits.items():
+            hit[rid] = tokens
+    return hit
 
 
 class PrefixCache:

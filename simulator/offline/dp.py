@@ -57,7 +57,7 @@ from switchyard.simulator.core.dp_engine import (
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
-from switchyard.simulator.core.prefix_cache import prefix_keys
+from switchyard.simulator.core.prefix_cache import hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
@@ -449,17 +449,9 @@ def simulate_dp(
         **_engine_totals(engines),
         kv_first_decisions=disp.kv_first,
         makespan=now - t0,
-        prefix_hit=_prefix_hits(engines, n_req),
+        prefix_hit=hits_per_request((e.prefix_hits for e in engines), n_req),
     )
 
-
-def _prefix_hits(engines: list[MixedEngine], n_req: int) -> np.ndarray:
-    """Per request, the prompt tokens its engine's prefix cache held at its first admission."""
-    hit = np.zeros(n_req, dtype=np.int64)
-    for e in engines:
-        for rid, tokens in e.prefix_hits.items():
-            hit[rid] = tokens
-    return hit
 
 
 def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:

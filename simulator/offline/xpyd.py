@@ -23,7 +23,7 @@ from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.simulator.core.experts import ReplayBank, rank_masks
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
-from switchyard.simulator.core.prefix_cache import prefix_keys
+from switchyard.simulator.core.prefix_cache import hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
@@ -259,17 +259,9 @@ def simulate(
         makespan=now - float(arrival[0]),
         prefill_prefix_query_tokens=np.array([p.prefix_query_tokens for p in prefills], dtype=np.int64),
         prefill_prefix_hit_tokens=np.array([p.prefix_hit_tokens for p in prefills], dtype=np.int64),
-        prefix_hit=_prefix_hits(prefills, n),
+        prefix_hit=hits_per_request((e.prefix_hits for e in prefills), n),
     )
 
-
-def _prefix_hits(prefills: list[PrefillEngine], n: int) -> np.ndarray:
-    """Per request, the prompt tokens its prefill engine's cache held at its first admission."""
-    hit = np.zeros(n, dtype=np.int64)
-    for p in prefills:
-        for rid, tokens in p.prefix_hits.items():
-            hit[rid] = tokens
-    return hit
 
 
 def _engines(
