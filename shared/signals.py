@@ -101,6 +101,8 @@ _SIGNALS = (
            view="expert_pressure", fill=1.0),
     Signal("inflight", "router ledger", "requests", PER_DECISION, doc="decisions since the engine's last report"),
     Signal("inflight_tokens", "router ledger", "prompt tokens", PER_DECISION, doc="their prompt tokens"),
+    Signal("indexed_blocks", "router: prefix index (solver.routing.prefix)", "blocks", PER_DECISION,
+           doc="blocks the prefix index holds for the engine (SGLang's tree size: a small one has room to cache)"),
     Signal(
         "migrating",
         producer="Telemetry.migrating",
@@ -122,6 +124,11 @@ REQUEST_INPUTS: Mapping[str, RequestInput] = MappingProxyType(
             RequestInput("similarity", "RouteDecodeRequest.signature against the artifact", "cosine per centroid"),
             RequestInput("label", "RouteDecodeRequest.label", "domain label"),
             RequestInput("prompt_tokens", "RouteDecodeRequest/RouteDpRequest.prompt_tokens", "tokens"),
+            RequestInput(
+                "cached_tokens",
+                "the prefix index (solver.routing.prefix): the request's block keys against each engine's blocks",
+                "prompt tokens per engine, in snapshot order",
+            ),
         )
     }
 )

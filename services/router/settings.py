@@ -18,7 +18,8 @@ from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.framework import Profile
 
-DpProfileName = Literal["gimbal", "vllm", "vllm-main", "jsq", "rr"]
+#: Every DP profile name (`solver.routing.profiles.DP_PROFILES`), checked when the settings load.
+DpProfileName = Literal[profiles.DP_PROFILES]  # type: ignore[valid-type]
 _G = GimbalParams()  # the defaults' one owner is GimbalParams
 
 

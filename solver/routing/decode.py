@@ -43,6 +43,9 @@ class RouteQuery:
     sims: np.ndarray | None = None  # [K] similarity of the request's signature to each centroid
     label: str | None = None  # domain label (oracle; only the Domain baseline reads it)
     prompt_tokens: int = 0
+    #: [D] prompt tokens each engine holds cached (the prefix index's longest match, snapshot order); None when
+    #: no index answered (no keys, no index): prefix scorers then see nothing cached anywhere.
+    cached: np.ndarray | None = None
 
 
 class Decision(NamedTuple):

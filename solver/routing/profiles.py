@@ -17,6 +17,7 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 |-------------|-----------------|-----------------------------------------------------------|---------------------|
 | `gimbal`    | alive, KV first | remaining_prefill, waiting_prefill, inflight_tokens,      | first min           |
 |             |                 | kv_penalty, moe_penalty (1 each)                          |                     |
+| `switchyard`| alive, KV first | gimbal's five, uncached_prompt (`PREFIX_WEIGHT`)          | first min           |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
@@ -38,7 +39,14 @@ from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
 from switchyard.solver.routing.filters import Alive, DomainPartition, KvFirst, TauBand
 from switchyard.solver.routing.framework import Profile, Weighted
 from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin
-from switchyard.solver.routing.scorers import Column, KvPenalty, MoePenalty, VllmMainKv, VllmMainLoad
+from switchyard.solver.routing.scorers import (
+    Column,
+    KvPenalty,
+    MoePenalty,
+    UncachedPrompt,
+    VllmMainKv,
+    VllmMainLoad,
+)
 
 __all__ = [
     "DECODE_PROFILES",
@@ -94,6 +102,21 @@ def decode_profile(name: str, weights: Mapping[str, float] | None = None) -> Pro
     return profile.weighted(weights) if weights else profile
 
 
+#: The `switchyard` profile's default weight of ``uncached_prompt`` (docs/prefix-routing.md: the sweep).
+PREFIX_WEIGHT = 1.0
+
+
+def _gimbal_terms(params: GimbalParams) -> tuple[Weighted, ...]:
+    """Gimbal's pressure score as weighted terms, in the kernel's order (`dp_kernels.GimbalKernel`)."""
+    return (
+        Weighted(Column("remaining_prefill"), 1.0),
+        Weighted(Column("waiting_prefill"), 1.0),
+        Weighted(Column("inflight_tokens"), 1.0),
+        Weighted(KvPenalty(params), 1.0),
+        Weighted(MoePenalty(params), 1.0),
+    )
+
+
 def dp_profile(
     name: str,
     params: GimbalParams | None = None,
@@ -106,16 +129,18 @@ def dp_profile(
         profile = Profile(
             "gimbal",
             (_ALIVE, KvFirst(params)),
-            (
-                Weighted(Column("remaining_prefill"), 1.0),
-                Weighted(Column("waiting_prefill"), 1.0),
-                Weighted(Column("inflight_tokens"), 1.0),
-                Weighted(KvPenalty(params), 1.0),
-                Weighted(MoePenalty(params), 1.0),
-            ),
+            _gimbal_terms(params),
             FirstMin(),
             kernel=GimbalKernel(params),
             doc="Gimbal's pressure score (prefill-token units), KV-first when caches are nearly full and uneven",
+        )
+    elif name == "switchyard":
+        profile = Profile(
+            "switchyard",
+            (_ALIVE, KvFirst(params)),
+            (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+            FirstMin(),
+            doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
         )
     elif name == "vllm":
         scorers = (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0))

@@ -2,6 +2,7 @@
 
 from switchyard.solver.routing.scorers.column import Column
 from switchyard.solver.routing.scorers.gimbal import KvPenalty, MoePenalty
+from switchyard.solver.routing.scorers.prefix import UncachedPrompt
 from switchyard.solver.routing.scorers.vllm import VllmMainKv, VllmMainLoad
 
-__all__ = ["Column", "KvPenalty", "MoePenalty", "VllmMainKv", "VllmMainLoad"]
+__all__ = ["Column", "KvPenalty", "MoePenalty", "UncachedPrompt", "VllmMainKv", "VllmMainLoad"]
