@@ -37,6 +37,8 @@ from switchyard.shared.placement_terms import (
 )
 
 __all__ = [
+    "MAX_KV_EVENT_KEYS",
+    "MAX_PROMPT_BLOCKS",
     "MAX_SHARED_DECISIONS",
     "MOVE_COLUMNS",
     "AgentKind",
@@ -46,6 +48,8 @@ __all__ = [
     "ErrorReply",
     "ExpertLoad",
     "Hello",
+    "KvEvents",
+    "KvOp",
     "LayoutReply",
     "LayoutRequest",
     "MigrateReply",
@@ -98,6 +102,12 @@ IntCube = Annotated[np.ndarray, Array("iu", ndim=3)]
 FloatMatrix = Annotated[np.ndarray, Array("f", ndim=2)]
 SignedMatrix = Annotated[np.ndarray, Array("i", ndim=2)]
 SignedCube = Annotated[np.ndarray, Array("i", ndim=3)]
+
+#: Most block keys one prompt may carry (`RouteDpRequest.block_keys`): 256K tokens at vLLM's 16-token blocks.
+MAX_PROMPT_BLOCKS = 16384
+#: Most operations, and keys in all, one `KvEvents` message may carry (a sender splits larger batches).
+MAX_KV_EVENT_KEYS = 8192
+BlockKeys = Annotated[np.ndarray, Array("u", ndim=1)]
 
 #: Most decisions one `RouteDecisions` message may carry (a sender splits larger batches).
 MAX_SHARED_DECISIONS = 4096
@@ -305,9 +315,17 @@ class RouteDpRequest(WireModel):
     (a message from before the field existed).
     """
 
+    MAX_WIRE_BYTES: ClassVar[int | None] = 8 * MAX_PROMPT_BLOCKS + 4 * 1024
+
     request_id: RequestId
     prompt_tokens: Count
     model: ModelName | None = None
+    #: The prompt's chained block keys (`shared.prefix_keys`), uint64[n] with n ≤ MAX_PROMPT_BLOCKS: over the
+    #: model's tokens at the engines' block size (`key_kind` "tokens", matched against the engines' KV events)
+    #: or over its text in fixed byte blocks ("text": no tokenizer at the sender; matched against what was
+    #: routed). None: the sender computed none (the prefix scorers see nothing cached).
+    block_keys: BlockKeys | None = None
+    key_kind: Literal["tokens", "text"] = "tokens"
 
 
 class RouteDpReply(WireModel):
@@ -559,4 +577,47 @@ class RoutingArtifact(WireModel):
             raise ValueError(f"{len(self.decoder_ids)} decoder ids for {self.centroids.shape[0]} centroids")
         _finite(self.idf, "idf")
         _finite(self.centroids, "centroids")
+        return self
+
+
+class KvOp(_Part):
+    """One KV-cache change: blocks `stored` or `removed` (their keys), or every block `cleared` (no keys)."""
+
+    MAX_WIRE_BYTES: ClassVar[int | None] = None
+
+    kind: Literal["stored", "removed", "cleared"]
+    keys: BlockKeys
+
+    @model_validator(mode="after")
+    def _keys_fit(self) -> KvOp:
+        if len(self.keys) > MAX_KV_EVENT_KEYS:
+            raise ValueError(f"{len(self.keys)} keys in one op, at most {MAX_KV_EVENT_KEYS}")
+        if self.kind == "cleared" and len(self.keys):
+            raise ValueError("a 'cleared' op carries no keys")
+        return self
+
+
+class KvEvents(WireModel):
+    """`sy.engine.<id>.kv`: what an engine's prefix cache stored, evicted or cleared, in order.
+
+    Keys are Switchyard's chained block keys (`shared.prefix_keys.block_keys` over the block's tokens and its
+    parents', at `block_size`), not the engine's own hashes: the relay beside a vLLM engine translates vLLM's
+    `BlockStored`/`BlockRemoved`/`AllBlocksCleared` (`--kv-events-config`), so a router can name a request's
+    blocks the same way from its tokens. `seq` increases by one per message from one engine process: a gap
+    means events were lost, and the receiver should treat the engine's blocks as unknown until it clears.
+    """
+
+    MAX_WIRE_BYTES: ClassVar[int | None] = 8 * MAX_KV_EVENT_KEYS + 16 * 1024
+
+    engine_id: EngineId
+    seq: Count
+    ts: Timestamp
+    block_size: Positive
+    ops: Annotated[list[KvOp], Field(max_length=1024)]
+
+    @model_validator(mode="after")
+    def _bounded(self) -> KvEvents:
+        total = sum(len(op.keys) for op in self.ops)
+        if total > MAX_KV_EVENT_KEYS:
+            raise ValueError(f"{total} keys in one message, at most {MAX_KV_EVENT_KEYS}")
         return self

@@ -66,6 +66,14 @@ class Subjects:
         """A prefill engine's `PrefillSignature` for one request (the gateway's handoff waits for it)."""
         return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.signature"
 
+    def kv_events(self, engine_id: str) -> str:
+        """An engine's `KvEvents`: blocks its prefix cache stored, evicted or cleared (the precise prefix index)."""
+        return f"{self.prefix}.engine.{check_token(engine_id, 'engine id')}.kv"
+
+    @property
+    def all_kv_events(self) -> str:
+        return f"{self.prefix}.engine.*.kv"
+
     @property
     def all_signatures(self) -> str:
         return f"{self.prefix}.engine.*.signature"
