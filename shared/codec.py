@@ -199,6 +199,13 @@ def _flat_annotation(annotation: Any) -> bool:
     return False
 
 
+def _optional_array(field: Any) -> bool:
+    """An `Array` field defaulting to None: `encode_unchecked` takes it in wire form."""
+    return field.default is None and any(isinstance(m, Array) for m in field.metadata) or any(
+        isinstance(m, Array) for a in get_args(field.annotation) for m in getattr(a, "__metadata__", ())
+    )
+
+
 def _is_flat(cls: type[BaseModel]) -> bool:
     """True when `model_dump(mode="python")` is exactly the instance's `__dict__`: every field a scalar or a list
     of scalars, no aliases, no custom serializers, no computed fields (decided once per class)."""
@@ -238,7 +245,8 @@ def encode(message: WireModel) -> bytes:
 def encode_unchecked(schema: type[WireModel], fields: dict[str, Any]) -> bytes:
     """`encode(schema(**fields))` without validating: for flat messages built from values that were validated
     where they came in (ids of known engines, ids and counts of decoded requests). Fields in declaration order,
-    unset ones at their defaults, so the bytes are exactly `encode`'s."""
+    unset ones at their defaults, so the bytes are exactly `encode`'s. An array field (`Array`) is passed in its
+    wire form (`array_to_wire(a)`), or left at its default None."""
     message: dict[str, Any] = {"v": schema.VERSION}
     for name, required, default, factory in _unchecked_fields(schema):
         if name in fields:
@@ -258,7 +266,10 @@ def _unchecked_fields(schema: type[WireModel]) -> tuple[tuple[str, bool, Any, An
     worked out once per class (asking pydantic per call cost a cold request ~50 µs)."""
     plan = _field_plans.get(schema)
     if plan is None:
-        if not _is_flat(schema):
+        if not all(
+            _flat_annotation(f.annotation) or _optional_array(f)
+            for f in schema.model_fields.values()
+        ) or schema.__pydantic_decorators__.model_serializers:
             raise TypeError(f"{schema.__name__} is not flat: build it and use encode()")
         plan = _field_plans[schema] = tuple(
             (name, f.is_required(), f.default, f.default_factory)

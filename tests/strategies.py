@@ -122,7 +122,21 @@ route_decode_replies = st.builds(
     artifact_version=st.none() | small_counts,
     fallback=st.none() | st.text(max_size=10),
 )
-route_dp_requests = st.builds(s.RouteDpRequest, request_id=request_ids, prompt_tokens=counts)
+block_keys = st.lists(st.integers(0, 2**64 - 1), max_size=40).map(lambda k: np.array(k, dtype=np.uint64))
+route_dp_requests = st.builds(
+    s.RouteDpRequest,
+    request_id=request_ids,
+    prompt_tokens=counts,
+    block_keys=st.none() | block_keys,
+    key_kind=st.sampled_from(["tokens", "text"]),
+)
+kv_ops = st.one_of(
+    st.builds(s.KvOp, kind=st.sampled_from(["stored", "removed"]), keys=block_keys),
+    st.builds(s.KvOp, kind=st.just("cleared"), keys=st.just(np.zeros(0, dtype=np.uint64))),
+)
+kv_events = st.builds(
+    s.KvEvents, engine_id=ids, seq=counts, ts=times, block_size=st.integers(1, 4096), ops=st.lists(kv_ops, max_size=6)
+)
 route_dp_replies = st.builds(
     s.RouteDpReply, request_id=request_ids, engine_id=ids, priority=st.integers(-(2**40), 2**40), decision_us=nonneg
 )
@@ -273,6 +287,7 @@ ALL_MESSAGES = {
     s.RouteDecodeReply: route_decode_replies,
     s.RouteDpRequest: route_dp_requests,
     s.RouteDpReply: route_dp_replies,
+    s.KvEvents: kv_events,
     s.PlacementPlan: placement_plans(),
     s.MigrateRequest: migrate_requests,
     s.MigrateReply: migrate_replies,

@@ -95,8 +95,16 @@ def test_unchecked_encoding_of_flat_messages_is_encode(schema: type) -> None:
     check()
     with pytest.raises(KeyError):
         encode_unchecked(schema, {})
-    with pytest.raises(TypeError):
-        encode_unchecked(s.RouteDecodeRequest, {"request_id": "r", "prompt_tokens": 1})
+    with pytest.raises(TypeError):  # nested models are not packed unchecked
+        encode_unchecked(s.Hello, {"engine_id": "e"})
+
+
+def test_unchecked_encoding_takes_an_optional_array_in_wire_form() -> None:
+    keys = np.array([1, 2**64 - 1, 7], dtype=np.uint64)
+    wire = encode_unchecked(s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 48, "block_keys": array_to_wire(keys)})
+    assert wire == encode(s.RouteDpRequest(request_id="r", prompt_tokens=48, block_keys=keys))
+    assert decode(wire, s.RouteDpRequest).block_keys.tolist() == keys.tolist()
+    assert decode(encode_unchecked(s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 1}), s.RouteDpRequest).block_keys is None
 
 
 def test_flat_messages_take_the_fast_path() -> None:
