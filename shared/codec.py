@@ -201,7 +201,7 @@ def _flat_annotation(annotation: Any) -> bool:
 
 def _optional_array(field: Any) -> bool:
     """An `Array` field defaulting to None: `encode_unchecked` takes it in wire form."""
-    return field.default is None and any(isinstance(m, Array) for m in field.metadata) or any(
+    return (field.default is None and any(isinstance(m, Array) for m in field.metadata)) or any(
         isinstance(m, Array) for a in get_args(field.annotation) for m in getattr(a, "__metadata__", ())
     )
 
@@ -266,10 +266,10 @@ def _unchecked_fields(schema: type[WireModel]) -> tuple[tuple[str, bool, Any, An
     worked out once per class (asking pydantic per call cost a cold request ~50 µs)."""
     plan = _field_plans.get(schema)
     if plan is None:
-        if not all(
-            _flat_annotation(f.annotation) or _optional_array(f)
-            for f in schema.model_fields.values()
-        ) or schema.__pydantic_decorators__.model_serializers:
+        if (
+            not all(_flat_annotation(f.annotation) or _optional_array(f) for f in schema.model_fields.values())
+            or schema.__pydantic_decorators__.model_serializers
+        ):
             raise TypeError(f"{schema.__name__} is not flat: build it and use encode()")
         plan = _field_plans[schema] = tuple(
             (name, f.is_required(), f.default, f.default_factory)

@@ -101,10 +101,15 @@ def test_unchecked_encoding_of_flat_messages_is_encode(schema: type) -> None:
 
 def test_unchecked_encoding_takes_an_optional_array_in_wire_form() -> None:
     keys = np.array([1, 2**64 - 1, 7], dtype=np.uint64)
-    wire = encode_unchecked(s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 48, "block_keys": array_to_wire(keys)})
+    wire = encode_unchecked(
+        s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 48, "block_keys": array_to_wire(keys)}
+    )
     assert wire == encode(s.RouteDpRequest(request_id="r", prompt_tokens=48, block_keys=keys))
     assert decode(wire, s.RouteDpRequest).block_keys.tolist() == keys.tolist()
-    assert decode(encode_unchecked(s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 1}), s.RouteDpRequest).block_keys is None
+    assert (
+        decode(encode_unchecked(s.RouteDpRequest, {"request_id": "r", "prompt_tokens": 1}), s.RouteDpRequest).block_keys
+        is None
+    )
 
 
 def test_flat_messages_take_the_fast_path() -> None:
