@@ -35,11 +35,33 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def block_keys(tokens: Sequence[int] | np.ndarray, block: int, salt: int = 0) -> np.ndarray:
+def _unmix(x: np.ndarray) -> np.ndarray:
+    """The inverse of `_mix` (each step is a bijection on 64 bits): a key back to its chain state."""
+    x = _unshift(x, 31)
+    x = x * np.uint64(pow(0x94D049BB133111EB, -1, 2**64))
+    x = _unshift(x, 27)
+    x = x * np.uint64(pow(0xBF58476D1CE4E5B9, -1, 2**64))
+    return _unshift(x, 30)
+
+
+def _unshift(y: np.ndarray, s: int) -> np.ndarray:
+    """Inverse of x ^ (x >> s)."""
+    x = y.copy()
+    shift = s
+    while shift < 64:
+        x = x ^ (y >> np.uint64(shift))
+        shift += s
+    return x
+
+
+def block_keys(tokens: Sequence[int] | np.ndarray, block: int, salt: int = 0, parent: int | None = None) -> np.ndarray:
     """uint64[len(tokens) // block]: the chained key of each full block (a partial last block has none).
 
     `salt` separates namespaces that share token ids (a model, a LoRA adapter): keys under different salts
-    differ. Deterministic across processes and machines.
+    differ. `parent`: the key of the block before `tokens[0]` (the chain continues from it, as vLLM's
+    `BlockStored` names its parent); then `salt` is not used. Deterministic across processes and machines:
+    ``block_keys(a + b, k)[len(a) // k:] == block_keys(b, k, parent=block_keys(a, k)[-1])`` when
+    ``len(a) % k == 0``.
     """
     if not 0 < block <= _MAX_BLOCK:
         raise ValueError(f"block size must be in 1..{_MAX_BLOCK}, got {block}")
@@ -51,7 +73,10 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block: int, salt: int = 0) ->
         content = ids[: n * block].reshape(n, block).astype(np.uint64) @ _MULT[:block]
         content = _mix(content ^ np.uint64(block))
         terms = np.empty(n + 1, dtype=np.uint64)
-        terms[0] = _mix(np.array([salt & (2**64 - 1)], dtype=np.uint64))[0]
+        if parent is None:
+            terms[0] = _mix(np.array([salt & (2**64 - 1)], dtype=np.uint64))[0]
+        else:
+            terms[0] = _unmix(np.array([parent], dtype=np.uint64))[0]
         terms[1:] = content
         # S_i = Σ_{j ≤ i} t_j · P^(i−j) = P^i · Σ_{j ≤ i} t_j · P^(−j)  (mod 2**64)
         inv_pow = np.cumprod(np.full(n + 1, _P_INV, dtype=np.uint64)) * _P  # P^-j for j = 0..n
