@@ -3,14 +3,16 @@
 Whoever can write the routing artifact steers all traffic; whoever can send migrate requests moves experts;
 whoever can publish as an engine shapes routing and placement. So every party gets its own user:
 
-- an engine (`engine-<id>`) publishes only under its own `<prefix>.engine.<id>.` (plus routing samples),
+- an engine (`engine-<id>`) publishes only under its own `<prefix>.engine.<id>.` (plus routing samples; its
+  KV-cache events, `<prefix>.engine.<id>.kv`, included),
   listens only to its own migrate/layout requests and the announce broadcast, and may answer what it is asked
   (`allow_responses`); it has no JetStream administration at all;
 - only `fit` may write the routing artifact (`$KV.<prefix>-router.>`);
 - only `placement` (and the token-guarded API's reapply) publishes plans; only `migration` sends migrate
   requests; `readonly` (dashboards) only reads;
 - the `gateway` (in the request path, so the most exposed service) only asks the router (`route.dp`,
-  `route.decode`) and listens to engine hellos, telemetry (liveness) and prefill signatures: it writes
+  `route.decode`) and listens to engine hellos, telemetry (liveness), prefill signatures and KV-cache events
+  (the prefill choice's prefix index; the router reads them too): it writes
   nothing anyone acts on except the announce broadcast, and has no JetStream access at all.
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
@@ -188,7 +190,7 @@ class Roles:
             return self._service(
                 name,
                 [s.route_decided, s.announce],
-                [*engines, s.route_decode, s.route_dp, s.route_decided],
+                [*engines, s.all_kv_events, s.route_decode, s.route_dp, s.route_decided],
             )
         if name == "placement":
             layout = f"{s.prefix}.engine.*.layout"
@@ -211,7 +213,7 @@ class Roles:
             # No `_service`: it uses no stream and answers no request, so it gets neither right.
             return Permissions(
                 publish=[s.route_dp, s.route_decode, s.announce],
-                subscribe=[s.all_hello, s.all_telemetry, s.all_signatures, f"{inbox_prefix(name)}.>"],
+                subscribe=[s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events, f"{inbox_prefix(name)}.>"],
             )
         if name == "loadgen":
             return self._service(name, [f"{s.prefix}.sim.submit.*"], [s.sim_completed], admin=False)

@@ -11,13 +11,14 @@ bus messages and sends back what it returns; tests drive it directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from switchyard.services.router import metrics
+from switchyard.services.router.prefix import PrefixState
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply, encode_unchecked
@@ -26,6 +27,7 @@ from switchyard.shared.errors import SchemaMismatch
 from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import (
     Hello,
+    KvEvents,
     RouteDecisions,
     RouteDecodeReply,
     RouteDecodeRequest,
@@ -55,9 +57,10 @@ class RoleView:
     #: Re-check liveness this long before the earliest live engine's deadline (guards float rounding).
     _MARGIN_S = 1e-6
 
-    def __init__(self, fleet: TelemetryView, role: str) -> None:
+    def __init__(self, fleet: TelemetryView, role: str, columns: Mapping[str, Column] | None = None) -> None:
         self.fleet = fleet
         self.role = role
+        self.columns = {**COLUMNS, **columns} if columns else COLUMNS  # the gathers, some the router's own
         self.version = -1
         self.any_alive = False
         self.rebuild()
@@ -123,7 +126,7 @@ class RoleView:
         if self._gathered == (names, f.data_version):
             return
         for name in names:
-            columns[name] = COLUMNS[name](f, rows, self.snap)
+            columns[name] = self.columns[name](f, rows, self.snap)
         self._gathered = (names, f.data_version)
 
     def prepare(self, now: float, stale_after_s: float, columns: tuple[str, ...]) -> FleetSnapshot:
@@ -178,7 +181,8 @@ class RoleView:
 #: report as waiting, as vLLM's client counts its own; `outstanding` is the router's best count of unfinished
 #: requests.
 _SNAPSHOT_COLUMNS = need("load", "kv_usage", "alive")
-COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarray]] = {
+Column = Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarray]
+COLUMNS: dict[str, Column] = {
     **{
         s.name: (lambda f, rows, snap, view=s.view: getattr(f, view)[rows])
         for s in SIGNALS.values()
@@ -188,7 +192,7 @@ COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarr
     "inflight": lambda f, rows, snap: f.inflight[rows],
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
-    "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # the prefix index is not wired here yet
+    "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
 #: requests in flight, given its prompt tokens; the others only change with a report.
@@ -288,8 +292,20 @@ class RouterCore:
         self._decode_columns = _extra_columns(self.policy)
         self._dp_columns = _extra_columns(self.dp_profile)
         self._dp_reads_tokens = "prompt_tokens" in self.dp_profile.needs
-        self.decode = RoleView(self.fleet, "decode")
-        self.dp = RoleView(self.fleet, "dp")
+        #: The prefix index (`services.router.prefix`), consulted only for a DP profile reading `cached_tokens`
+        #: (or a profile reading `indexed_blocks`), and fed by engine KV events only then (`ingests_kv`).
+        self.prefix = PrefixState(
+            settings.prefix_index,
+            settings.prefix_max_blocks,
+            settings.prefix_routed_max_blocks,
+            settings.prefix_routed_ttl_s,
+        )
+        self._dp_reads_cached = "cached_tokens" in self.dp_profile.needs
+        self._reads_blocks = "indexed_blocks" in (*self._dp_columns, *self._decode_columns)
+        self.ingests_kv = settings.prefix_index == "precise" and (self._dp_reads_cached or self._reads_blocks)
+        blocks: dict[str, Column] = {"indexed_blocks": lambda f, rows, snap: self.prefix.blocks_of(snap.engine_ids)}
+        self.decode = RoleView(self.fleet, "decode", blocks)
+        self.dp = RoleView(self.fleet, "dp", blocks)
         self.artifact: RoutingArtifact | None = None
         self.scorer: Scorer | None = None
         self.tables = RoutingTables()
@@ -322,17 +338,48 @@ class RouterCore:
         if self.manifest is not None and (refused := self.manifest.refusal(hello)) is not None:
             metrics.HELLOS_REFUSED.labels(refused).inc()
             return
+        row = self.fleet.index.get(hello.engine_id)
+        before = int(self.fleet.block_size[row]) if row is not None else 0
         self.fleet.on_hello(hello, now)
+        if before and before != hello.capacity.block_size:  # its blocks were named at the old size
+            self._forget_prefix(hello.engine_id, "block_size")
 
     def on_telemetry(self, telemetry: Telemetry, now: float) -> bool:
         """Returns False when the engine never said hello (the service then asks it to announce itself); True
         too for one refused because the view is full of live engines (asking it would only bring a refused hello)."""
-        gaps = self.fleet.counters.telemetry_gaps
+        counters = self.fleet.counters
+        gaps, restarts = counters.telemetry_gaps, counters.engine_restarts
         self.fleet.on_telemetry(telemetry, now)
-        if self.fleet.counters.telemetry_gaps != gaps:
+        if counters.telemetry_gaps != gaps:
             metrics.TELEMETRY_GAPS.inc()
+        if counters.engine_restarts != restarts:  # a new process: an empty cache, whatever was indexed
+            self._forget_prefix(telemetry.engine_id, "restart")
         row = self.fleet.index.get(telemetry.engine_id)
         return row is None or self.fleet.role[row] >= 0
+
+    def on_kv(self, events: KvEvents, now: float) -> str | None:
+        """An engine's KV-cache events (its subject's engine, checked by the bus): applied to the precise index,
+        or refused with the reason returned (and counted): an engine without an accepted hello (with a
+        manifest: one it binds) or not live by the liveness rule (`unknown_engine`), a block size not its
+        hello's (`block_size`)."""
+        f = self.fleet
+        row = f.index.get(events.engine_id)
+        if row is None or f.role[row] < 0 or not now <= f.live_until[row]:
+            reason = "unknown_engine"
+        elif events.block_size != f.block_size[row]:
+            reason = "block_size"
+        else:
+            self.prefix.apply(events)
+            if self._reads_blocks:
+                f.touch()
+            return None
+        metrics.KV_REJECTED.labels(reason).inc()
+        return reason
+
+    def _forget_prefix(self, engine_id: str, reason: str) -> None:
+        self.prefix.forget(engine_id, reason)
+        if self._reads_blocks:
+            self.fleet.touch()
 
     def on_decisions(self, decisions: RouteDecisions, now: float) -> None:
         """Another replica's decisions: count them in flight here too (our own are counted when made)."""
@@ -366,6 +413,12 @@ class RouterCore:
         metrics.INFLIGHT_DROPPED.inc(ledger.dropped - self._dropped_seen)
         self._refused_seen, self._dropped_seen = counters.engines_refused, ledger.dropped
         self.fleet.forget(now, self.settings.forget_after_s)
+        index, live_until = self.fleet.index, self.fleet.live_until
+        for engine_id in self.prefix.engines():  # dead by the liveness rule, or forgotten: its blocks go
+            row = index.get(engine_id)
+            if row is None or not now <= live_until[row]:
+                self._forget_prefix(engine_id, "forgotten" if row is None else "dead")
+        self.prefix.export()
         metrics.STALE_ENGINES.set(self.fleet.stale_count(now))
         for role in ("prefill", "decode", "dp"):
             metrics.LIVE_ENGINES.labels(role).set(int(self.fleet.alive(role, now).sum()))
@@ -443,12 +496,21 @@ class RouterCore:
         snap = _for_model(view, snap, request.model)
         if snap is None:
             return _unavailable("dp", "dp", view.snap.size, request.model)
-        query = RouteQuery(prompt_tokens=request.prompt_tokens) if self._dp_reads_tokens else _NO_QUERY
+        keyed = self._dp_reads_cached and request.block_keys is not None
+        if keyed:
+            cached = self.prefix.cached(request, snap.engine_ids, self.fleet.block_size[view.rows], now)
+            query = RouteQuery(prompt_tokens=request.prompt_tokens, cached=cached)
+        elif self._dp_reads_tokens:
+            query = RouteQuery(prompt_tokens=request.prompt_tokens)
+        else:
+            query = _NO_QUERY
         index = profile(snap, query, self.dp_state, _NO_TABLES).index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
         self.fleet.on_decision_row(row, request.prompt_tokens, now)
         self._record(row, request.prompt_tokens)
+        if keyed and self.prefix.record(engine_id, request, now) and self._reads_blocks:
+            self.fleet.touch()
         elapsed = time.perf_counter() - start
         self._count("dp", profile.name, "")
         self._seconds["dp"].observe(elapsed)

@@ -50,6 +50,34 @@ INFLIGHT_DROPPED = Counter(
     "(an engine routed to that often without reporting).",
 )
 TELEMETRY_GAPS = Counter("switchyard_router_telemetry_gaps_total", "Telemetry sequence gaps detected.")
+KV_EVENTS = Counter(
+    "switchyard_router_kv_events_total",
+    "Engine KV-cache events applied to the precise prefix index, by op (stored/removed: blocks; cleared: ops).",
+    ["op"],
+)
+KV_REJECTED = Counter(
+    "switchyard_router_kv_rejected_total",
+    "KV-event messages refused after decoding, by reason: unknown_engine (no accepted hello, or not live), "
+    "block_size (not the hello's capacity.block_size). Undecodable ones and those naming another engine than "
+    "their subject are in switchyard_bus_rejected_total.",
+    ["reason"],
+)
+KV_RESETS = Counter(
+    "switchyard_router_kv_resets_total",
+    "Times an engine's indexed blocks were dropped as unknown, by reason: seq_gap, seq_back (events lost or the "
+    "engine restarted), restart (its telemetry restarted), block_size (a hello changed it), dead (the liveness "
+    "rule), forgotten.",
+    ["reason"],
+)
+PREFIX_BLOCKS = Gauge(
+    "switchyard_router_prefix_blocks",
+    "Blocks the prefix index holds, all engines, by index (precise, routed).",
+    ["index"],
+)
+PREFIX_DROPPED = Counter(
+    "switchyard_router_prefix_dropped_total",
+    "Blocks dropped from the precise index because their engine held prefix_max_blocks (oldest out first).",
+)
 
 
 class Batched:

@@ -1,6 +1,7 @@
 """The router service: a thin NATS shell around `RouterCore`.
 
-It subscribes to every engine's hello and telemetry and to the other replicas' decisions, watches the
+It subscribes to every engine's hello and telemetry (and KV-cache events, when the DP profile routes by
+the precise prefix index: `services.router.prefix`) and to the other replicas' decisions, watches the
 routing artifact in the KV bucket (hot reload, no restart), and answers `sy.route.decode` / `sy.route.dp`
 in the queue group `<prefix>-router`, so replicas can be added and removed freely. On start it asks every
 engine to announce itself, so a restarted replica routes again as soon as the first telemetry arrives
@@ -34,6 +35,7 @@ from switchyard.shared.schemas import (
     MAX_SHARED_DECISIONS,
     Announce,
     Hello,
+    KvEvents,
     RouteDecisions,
     RouteDecodeRequest,
     RouteDpRequest,
@@ -175,6 +177,9 @@ class RouterService:
                 self.bus.subjects.announce, Announce(requester=self.router.replica_id, engine_id=telemetry.engine_id)
             )
 
+    def _on_kv(self, events: KvEvents, _msg: Msg) -> None:
+        self.core.on_kv(events, time.monotonic())
+
     def _on_decisions(self, decisions: RouteDecisions, _msg: Msg) -> None:
         self.core.on_decisions(decisions, time.monotonic())
 
@@ -258,6 +263,8 @@ class RouterService:
         t1 = time.monotonic()
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
+        if self.core.ingests_kv:  # the precise prefix index, only when a profile reads it
+            await ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)  # no_echo: not our own
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact watcher", self._watch_artifact)),

@@ -17,6 +17,13 @@ from switchyard.solver.routing import profiles
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.framework import Profile
+from switchyard.solver.routing.prefix.blocks import DEFAULT_MAX_BLOCKS
+
+#: Which prefix index the router matches a request's block keys against (`services.router.prefix`): `precise`
+#: (the engines' KV events), `approximate` (this replica's own decisions) or `off`. One constant, so the
+#: default can follow the measurements (docs/prefix-routing.md).
+PrefixIndexMode = Literal["precise", "approximate", "off"]
+DEFAULT_PREFIX_INDEX: PrefixIndexMode = "precise"
 
 #: Every DP profile name (`solver.routing.profiles.DP_PROFILES`), checked when the settings load.
 DpProfileName = Literal[profiles.DP_PROFILES]  # type: ignore[valid-type]
@@ -67,6 +74,15 @@ class RouterSettings(BaseSettings):
     #: the replies' socket write, at most one message per this interval; none waits more than twice it
     #: (0: at the end of every burst).
     share_interval_s: float = Field(default=0.002, ge=0, le=0.1)
+    #: The prefix index DP profiles reading `cached_tokens` see: precise, approximate or off (see above). Keys of
+    #: kind "text" (no tokenizer at the gateway) are matched approximately whatever this says.
+    prefix_index: PrefixIndexMode = DEFAULT_PREFIX_INDEX
+    #: The precise index holds at most this many blocks per engine (oldest out first): one engine's events
+    #: cannot grow it past its own share.
+    prefix_max_blocks: int = Field(default=DEFAULT_MAX_BLOCKS, ge=1)
+    #: The approximate index: blocks per engine at most, and how long a routed block counts as cached.
+    prefix_routed_max_blocks: int = Field(default=200_000, ge=1)
+    prefix_routed_ttl_s: float = Field(default=600.0, gt=0)
     #: Whether decoders the routing artifact does not name (added after the fit) serve every ELDR band. Off by
     #: default: they take a request only when its band has no live engine, so a phantom decoder announced on
     #: the bus cannot draw the traffic (finding 1 of issue 15). Turn on to give new capacity traffic at once.

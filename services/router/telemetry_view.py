@@ -54,6 +54,8 @@ _COLUMNS: dict[str, tuple[type, float]] = {
     "hello_interval": (np.float64, DEFAULT_HELLO_INTERVAL_S),
     "telemetry_interval": (np.float64, DEFAULT_TELEMETRY_INTERVAL_S),
     "live_until": (np.float64, -np.inf),
+    # the hello's `capacity.block_size` (tokens per KV block; 0 before a hello): names a prompt's prefix blocks
+    "block_size": (np.int64, 0),
 }
 
 
@@ -153,6 +155,7 @@ class TelemetryView:
             self.model[row] = hello.model.name
             self.version += 1
         self.ep_group[row] = hello.ep_group
+        self.block_size[row] = hello.capacity.block_size
         self.last_seen[row] = max(self.last_seen[row], now)
         self.last_hello[row] = now
         self.hello_interval[row] = hello.hello_interval_s
@@ -210,6 +213,11 @@ class TelemetryView:
     def on_decision_row(self, row: int, prompt_tokens: float, now: float) -> None:
         """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly)."""
         self.ledger.add(row, now, prompt_tokens)
+        self.data_version += 1
+
+    def touch(self) -> None:
+        """Something a routing column is derived from changed outside these columns (the prefix index): readers
+        re-read (`data_version` + 1)."""
         self.data_version += 1
 
     def forget(self, now: float, silent_for_s: float) -> list[str]:

@@ -141,6 +141,14 @@ class BlockIndex:
         slot = self._slot.get(engine_id)
         return 0 if slot is None else self._engines[slot].held
 
+    def engines(self) -> list[str]:
+        """The engines the index has a slot for (heard from and not forgotten)."""
+        return list(self._slot)
+
+    def held(self) -> int:
+        """Blocks held, summed over engines (a key two engines hold counts twice)."""
+        return sum(blocks.held for blocks in self._engines.values())
+
     def __len__(self) -> int:
         """Distinct keys held by any engine."""
         return len(self.holders)

@@ -86,6 +86,14 @@ class RoutedIndex:
         slot = self._slot.get(engine_id)
         return 0 if slot is None else len(self._lru[slot])
 
+    def engines(self) -> list[str]:
+        """The engines anything was routed to (and not forgotten)."""
+        return list(self._slot)
+
+    def held(self) -> int:
+        """Blocks held, summed over engines."""
+        return sum(len(lru) for lru in self._lru.values())
+
     def __len__(self) -> int:
         return len(self.holders)
 

@@ -1,0 +1,131 @@
+"""The router's prefix-cache state: which engine holds a request's leading blocks, as `cached_tokens`.
+
+Two indexes (`solver.routing.prefix`), one in use per `SWITCHYARD_ROUTER_PREFIX_INDEX`:
+
+- `precise`: a `BlockIndex` fed by the engines' KV events (`sy.engine.<id>.kv`, `KvEvents`), applied in order;
+- `approximate`: a `RoutedIndex` of this replica's own DP decisions (a request's keys recorded on the engine it
+  was sent to, expiring);
+- `off`: no index; prefix scorers see nothing cached.
+
+Keys of kind "text" (the gateway had no tokenizer) name byte blocks no engine reports, so they are matched
+against the `RoutedIndex` whatever the mode (except `off`), and a matched text block counts as the prompt's
+tokens per key (`prompt_tokens / len(keys)`: the router does not know the text's block size in tokens).
+
+Nothing an engine sends is trusted beyond its own blocks (the caller, `RouterCore.on_kv`, checks that the engine
+is known and live and that the events' block size is its hello's; the bus has checked that the subject's engine
+is the message's): a sequence gap or step back clears the engine's blocks (events were lost, or a new process
+numbers from 0 with an empty cache), and each engine holds at most `max_blocks` blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from switchyard.services.router import metrics
+from switchyard.shared.schemas import KvEvents, RouteDpRequest
+from switchyard.solver.routing.prefix import BlockIndex, RoutedIndex
+
+__all__ = ["PrefixState"]
+
+
+class PrefixState:
+    """The index in use, the engines' KV-event sequence numbers, and what was counted (see the module doc)."""
+
+    def __init__(self, mode: str, max_blocks: int, routed_max_blocks: int, routed_ttl_s: float) -> None:
+        if mode not in ("precise", "approximate", "off"):
+            raise ValueError(f"prefix index {mode!r}: choose precise, approximate or off")
+        self.mode = mode
+        self.blocks = BlockIndex(max_blocks)
+        self.routed = RoutedIndex(routed_max_blocks, routed_ttl_s)
+        self._seq: dict[str, int] = {}  # engine -> last KV-event seq applied
+        self._events = {op: metrics.KV_EVENTS.labels(op) for op in ("stored", "removed", "cleared")}
+        self._dropped_seen = 0
+
+    # ----- the precise index: engine events -----
+
+    def apply(self, events: KvEvents) -> None:
+        """Apply one engine's message, whose sender the caller has checked; a seq gap or step back first
+        clears the engine (its blocks are unknown: events were lost, or it restarted)."""
+        engine_id, seq = events.engine_id, events.seq
+        last = self._seq.get(engine_id)
+        if last is not None and seq != last + 1:
+            self.reset(engine_id, "seq_gap" if seq > last else "seq_back")
+        self._seq[engine_id] = seq
+        blocks = self.blocks
+        for op in events.ops:
+            if op.kind == "stored":
+                blocks.stored(engine_id, op.keys.tolist())
+                self._events["stored"].inc(len(op.keys))
+            elif op.kind == "removed":
+                blocks.removed(engine_id, op.keys.tolist())
+                self._events["removed"].inc(len(op.keys))
+            else:
+                blocks.cleared(engine_id)
+                self._events["cleared"].inc()
+
+    def reset(self, engine_id: str, reason: str) -> None:
+        """The engine's blocks are unknown from here on (its next events start afresh)."""
+        self.blocks.cleared(engine_id)
+        metrics.KV_RESETS.labels(reason).inc()
+
+    def forget(self, engine_id: str, reason: str) -> None:
+        """The engine is gone (dead, forgotten, or a new process): drop it from both indexes."""
+        if engine_id in self._seq or self.blocks.blocks(engine_id) or self.routed.blocks(engine_id):
+            metrics.KV_RESETS.labels(reason).inc()
+        self._seq.pop(engine_id, None)
+        self.blocks.forget(engine_id)
+        self.routed.forget(engine_id)
+
+    def engines(self) -> set[str]:
+        """Every engine either index (or the sequence check) holds anything for."""
+        return {*self._seq, *self.blocks.engines(), *self.routed.engines()}
+
+    # ----- deciding -----
+
+    def cached(self, request: RouteDpRequest, engine_ids: Sequence[str], block_size: np.ndarray, now: float):
+        """float64[D]: the request's prompt tokens each engine holds cached (snapshot order), capped at the
+        prompt; None without keys or index."""
+        keys = request.block_keys
+        if keys is None or not len(keys) or self.mode == "off":
+            return None
+        listed = keys.tolist()
+        prompt = float(request.prompt_tokens)
+        if request.key_kind == "text":
+            matched = self.routed.match(listed, engine_ids, now)
+            cached = matched * (prompt / len(listed))
+        elif self.mode == "precise":
+            cached = self.blocks.match(listed, engine_ids) * block_size
+        else:
+            cached = self.routed.match(listed, engine_ids, now) * block_size
+        return np.minimum(cached, prompt, dtype=np.float64)
+
+    def record(self, engine_id: str, request: RouteDpRequest, now: float) -> bool:
+        """The request went to `engine_id`: the approximate index learns its keys (text keys in every mode but
+        off). True when an index changed."""
+        keys = request.block_keys
+        if keys is None or not len(keys) or self.mode == "off":
+            return False
+        if self.mode == "approximate" or request.key_kind == "text":
+            self.routed.routed(engine_id, keys.tolist(), now)
+            return True
+        return False
+
+    def blocks_of(self, engine_ids: Sequence[str]) -> np.ndarray:
+        """Blocks the index in use holds per engine (the `indexed_blocks` signal)."""
+        if self.mode == "precise":
+            count = self.blocks.blocks
+        elif self.mode == "approximate":
+            count = self.routed.blocks
+        else:
+            return np.zeros(len(engine_ids))
+        return np.array([count(e) for e in engine_ids], dtype=np.float64)
+
+    def export(self) -> None:
+        """Gauges and the over-cap counter (housekeeping)."""
+        metrics.PREFIX_BLOCKS.labels("precise").set(self.blocks.held())
+        metrics.PREFIX_BLOCKS.labels("routed").set(self.routed.held())
+        dropped = self.blocks.dropped_over_cap
+        metrics.PREFIX_DROPPED.inc(dropped - self._dropped_seen)
+        self._dropped_seen = dropped
