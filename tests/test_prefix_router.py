@@ -16,10 +16,12 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
+import httpx
 import nats
 import numpy as np
 import pytest
 
+from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import DEFAULT_PREFIX_INDEX, RouterSettings
@@ -29,7 +31,7 @@ from switchyard.shared.codec import encode
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
-from tests.gateway_helpers import metric, wait_for
+from tests.gateway_helpers import deployment, metric, wait_for
 
 BLOCK = 16
 PROMPT = np.arange(1024) % 5000 + 7  # a 1024-token prompt: 64 blocks of 16
@@ -349,3 +351,24 @@ def test_indexed_blocks_is_gathered_from_the_index_in_use() -> None:
         core.fleet.touch()
         core.dp.gather(("indexed_blocks",))
         assert core.dp.snap.columns["indexed_blocks"].tolist() == [0.0, 5.0], mode
+
+
+async def test_the_switchyard_profile_serves_end_to_end(
+    bus: Bus, settings: SwitchyardSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`SWITCHYARD_ROUTER_DP_PROFILE=switchyard`: a gateway, the router and two stub DP engines (which send no KV
+    events) serve client requests, by pressure, and the router counts its decisions under that profile."""
+    monkeypatch.setenv("SWITCHYARD_ROUTER_DP_PROFILE", "switchyard")
+    router = RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0)
+    assert router.dp_rule == "switchyard"
+    before = metric("switchyard_router_decisions_total", kind="dp", policy="switchyard", fallback="")
+    stubs = [StubConfig("a", waiting_prefill_tokens=50_000), StubConfig("b")]
+    body = {"model": "stub-model", "prompt": "hi", "max_tokens": 2}
+    async with deployment(settings, bus, stubs, router_settings=router) as (gateway, engines):
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            for _ in range(4):
+                answer = await client.post("/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+        assert len(engines["b"].received) == 4 and not engines["a"].received
+        counted = lambda: metric("switchyard_router_decisions_total", kind="dp", policy="switchyard", fallback="")  # noqa: E731
+        await wait_for(lambda: counted() == before + 4)  # folded in by the router's housekeeping (1 s)
