@@ -133,6 +133,7 @@ class RouterService:
         self.core = RouterCore(self.router, manifest=settings.engine_manifest_entries())
         self.bus: Bus | None = None
         self.ingest: Bus | None = None  # hello and telemetry, on a connection of their own
+        self.kv_ingest: Bus | None = None  # engines' KV events (when read), on another
         self.sharer: DecisionSharer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: list[Subscription] = []
@@ -264,7 +265,12 @@ class RouterService:
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         if self.core.ingests_kv:  # the precise prefix index, only when a profile reads it
-            await ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
+            # KV events come in bursts of thousands of blocks: a flood cut off as a slow consumer must not take
+            # the hellos and telemetry with it.
+            self.kv_ingest = await Bus.connect(
+                self.settings, name=f"{self.router.replica_id}-kv", servers=servers, role="router"
+            )
+            await self.kv_ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)  # no_echo: not our own
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact watcher", self._watch_artifact)),
@@ -308,8 +314,9 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await self.sharer.close()
             await self.bus.close()
-        if self.ingest is not None:
-            await self.ingest.close()
+        for connection in (self.ingest, self.kv_ingest):
+            if connection is not None:
+                await connection.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         with metrics_endpoint(self.router.metrics_port, self.router.metrics_host):
