@@ -28,6 +28,7 @@ from switchyard.services.router.settings import DEFAULT_PREFIX_INDEX, RouterSett
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import encode
+from switchyard.shared.engine_manifest import EngineEntry, EngineManifest
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
@@ -372,3 +373,17 @@ async def test_the_switchyard_profile_serves_end_to_end(
         assert len(engines["b"].received) == 4 and not engines["a"].received
         counted = lambda: metric("switchyard_router_decisions_total", kind="dp", policy="switchyard", fallback="")  # noqa: E731
         await wait_for(lambda: counted() == before + 4)  # folded in by the router's housekeeping (1 s)
+
+
+def test_with_a_manifest_only_the_engines_it_binds_are_indexed() -> None:
+    """e1's hello claims a role its manifest entry does not list, e2 is not listed: neither is known, so their
+    events are refused as from an unknown engine; e0, listed as it announces, is indexed."""
+    manifest = EngineManifest({"e0": EngineEntry(role="dp"), "e1": EngineEntry(role="prefill")})
+    core = RouterCore(router_settings(), manifest=manifest)
+    for engine_id in ("e0", "e1", "e2"):
+        core.on_hello(_hello(engine_id), 0.0)
+        core.on_telemetry(_telemetry(engine_id, 0), 0.0)
+    assert core.on_kv(_events("e0", 0), 0.0) is None
+    assert core.on_kv(_events("e1", 0), 0.0) == "unknown_engine"
+    assert core.on_kv(_events("e2", 0), 0.0) == "unknown_engine"
+    assert core.prefix.engines() == {"e0"}
