@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import msgpack
 import nats
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from switchyard.services.router.core import RouterCore
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import DEFAULT_PREFIX_INDEX, RouterSettings
 from switchyard.shared import schemas as s
-from switchyard.shared.bus import Bus
+from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.codec import encode
 from switchyard.shared.engine_manifest import EngineEntry, EngineManifest
 from switchyard.shared.prefix_keys import block_keys, text_keys
@@ -387,3 +388,20 @@ def test_with_a_manifest_only_the_engines_it_binds_are_indexed() -> None:
     assert core.on_kv(_events("e1", 0), 0.0) == "unknown_engine"
     assert core.on_kv(_events("e2", 0), 0.0) == "unknown_engine"
     assert core.prefix.engines() == {"e0"}
+
+
+async def test_malformed_kv_events_are_rejected_and_counted(fleet: Fleet, bus: Bus) -> None:
+    """Not msgpack, a schema violation (a 'cleared' op with keys), too many keys: each dropped with its reason,
+    counted by the subscription like every other; e1's next well-formed message is applied."""
+    e1, subscription = fleet.engines["e1"], bus.subjects.all_kv_events
+    codes = ("not_msgpack", "schema", "too_large")
+    before = {code: rejected_count(subscription, code) for code in codes}
+    subject = bus.subjects.kv_events("e1")
+    bad_op = msgpack.unpackb(encode(e1.events(stored(KEYS[:2]), seq=0)))
+    bad_op["ops"][0]["kind"] = "cleared"  # a 'cleared' op carrying keys
+    await bus.nc.publish(subject, b"\xc1 not msgpack")
+    await bus.nc.publish(subject, msgpack.packb(bad_op))
+    await bus.nc.publish(subject, b"\x00" * (s.KvEvents.MAX_WIRE_BYTES + 1))
+    await e1.kv(stored(KEYS[:4]))
+    await fleet.until(lambda: fleet.blocks("e1") == 4)
+    assert {code: rejected_count(subscription, code) - before[code] for code in codes} == dict.fromkeys(codes, 1)
