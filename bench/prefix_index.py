@@ -50,7 +50,7 @@ def timed(call, n: int) -> tuple[float, float]:
 
 def lookup(args: argparse.Namespace) -> dict[str, object]:
     rng = np.random.default_rng(1)
-    engines = [f"engine-{i:03d}" for i in range(args.engines)]
+    engines = tuple(f"engine-{i:03d}" for i in range(args.engines))  # a snapshot's engine_ids
     prompt = rng.integers(0, 150_000, 8192)
     keys = block_keys(prompt, BLOCK)
     system = block_keys(prompt[:2048], BLOCK)
