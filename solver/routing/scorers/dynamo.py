@@ -7,7 +7,11 @@ are the tokens still to prefill over the block size, decode blocks the worker's 
 wins, softmax sampling over the range-normalised costs when ``router_temperature`` > 0) and the default
 selector (`lib/kv-router/src/scheduling/selector/default.rs`). Defaults taken: ``--router-kv-overlap-score-weight``
 1 (the weight of `DynamoPrefill`), ``--router-temperature`` 0 (profile ``dynamo``'s picker:
-`pickers.SoftmaxSample`), vLLM's block size 16 (``block_tokens``).
+`pickers.SoftmaxSample`), vLLM's block size 16 (``block_tokens``). Newer releases
+(`lib/kv-router/src/scheduling/config.rs`) split the deprecated weight into ``overlap_score_credit`` and
+``prefill_load_scale``: ``prefill_load_scale · max(0, prefill blocks − credit · cached blocks) + decode blocks``,
+the same cost at their defaults (1 and 1); their host/disk cache tiers, overlap-credit decay and per-request
+term in the decode cost are not modelled here (their defaults not checked).
 
 Switchyard's columns for Dynamo's own bookkeeping (its router counts the prefill tokens and blocks of the
 sequences it routed; ours reads the engines' reports plus its in-flight ledger):

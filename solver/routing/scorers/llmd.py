@@ -15,7 +15,10 @@ Read from:
 Switchyard's columns: the queue is ``waiting`` (vLLM's num_requests_waiting, as llm-d scrapes it, plus the
 router's own decisions since the report), normalised over the live engines (llm-d normalises over the
 candidates its filters left; liveness is ours); the prefix match is ``cached_tokens / prompt_tokens`` from
-whichever index answered (llm-d counts whole blocks: the same ratio but for a partial last block).
+whichever index answered (llm-d counts whole blocks: the same ratio but for a partial last block; its
+approximate scorer hashes at most ``maxPrefixBlocksToMatch`` blocks of a prompt, 256 by default, a cap we do not
+apply). The scorers' code read: GIE `queue` scorer (``WaitingQueueSize``, min-max, 1 when all equal),
+`kv-cache-utilization` scorer (``1 − KVCacheUsagePercent``), `prefix` scorer (``matchLen / len(hashes)``).
 """
 
 from __future__ import annotations
