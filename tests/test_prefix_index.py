@@ -329,3 +329,13 @@ def test_block_keys_edges() -> None:
         block_keys([1], 0)
     assert np.array_equal(text_keys("héllo wörld", 4), text_keys("héllo wörld", 4))
     assert len(text_keys("abcdefgh", 4)) == 2
+
+
+def test_full_hit_paths_of_the_walk() -> None:
+    """The last key held: every key looked up at once; one holder set, or several (the running AND)."""
+    keys = list(range(1, 11))
+    same = {k: 0b101 for k in keys}
+    assert leading_matches(same, keys, [0, 1, 2]).tolist() == [10, 0, 10]
+    mixed = {k: 0b001 | (0b010 if k <= 4 else 0) | (0b100 if k != 6 else 0) for k in keys}
+    assert leading_matches(mixed, keys, [0, 1, 2, -1]).tolist() == [10, 4, 5, 0]
+    assert leading_matches(mixed, np.asarray(keys, dtype=np.uint64), [2, 1]).tolist() == [5, 4]
