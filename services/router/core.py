@@ -192,6 +192,7 @@ COLUMNS: dict[str, Column] = {
     "inflight": lambda f, rows, snap: f.inflight[rows],
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
+    "kv_blocks": lambda f, rows, snap: f.kv_blocks[rows],  # from the engine's hello (`Hello.capacity`)
     "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count

@@ -42,7 +42,7 @@ _UNKNOWN_ROLE = -1
 #: Every per-engine column: dtype and the value of a row no engine has filled yet. Between the view's own
 #: (role, last_seen, last_seq), one per engine signal stored from a message field, as the registry declares
 #: it (`shared.signals`: kv_usage, num_running, num_waiting, waiting_prefill, remaining_prefill, step_time,
-#: expert_pressure, migrating); `on_telemetry` fills them.
+#: expert_pressure, migrating); `on_telemetry` fills them, and `on_hello` the hello's kv_blocks.
 _COLUMNS: dict[str, tuple[type, float]] = {
     "role": (np.int8, _UNKNOWN_ROLE),
     **telemetry_view_columns(),
@@ -156,6 +156,7 @@ class TelemetryView:
             self.version += 1
         self.ep_group[row] = hello.ep_group
         self.block_size[row] = hello.capacity.block_size
+        self.kv_blocks[row] = hello.capacity.kv_blocks
         self.last_seen[row] = max(self.last_seen[row], now)
         self.last_hello[row] = now
         self.hello_interval[row] = hello.hello_interval_s

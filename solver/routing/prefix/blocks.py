@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from switchyard.solver.routing.prefix.matching import leading_matches
+from switchyard.solver.routing.prefix.matching import MatchPlan, leading_matches
 
 __all__ = ["BlockIndex"]
 
@@ -67,6 +67,7 @@ class BlockIndex:
         self.holders: dict[int, int] = {}
         self._slot: dict[str, int] = {}
         self._free_slots: list[int] = []
+        self._plan_for: tuple[object, MatchPlan | None] = (None, None)  # (engine_ids, its plan), until slots change
         self._engines: dict[int, _EngineBlocks] = {}
         self.dropped_over_cap = 0  # keys dropped because an engine passed max_blocks (counter)
 
@@ -78,8 +79,7 @@ class BlockIndex:
         bit = 1 << slot
         blocks = self._engines[slot]
         holders = self.holders
-        for key in keys:
-            key = int(key)
+        for key in _ints(keys):
             mask = holders.get(key, 0)
             if mask & bit:
                 continue
@@ -100,8 +100,7 @@ class BlockIndex:
         bit = 1 << slot
         blocks = self._engines[slot]
         holders = self.holders
-        for key in keys:
-            key = int(key)
+        for key in _ints(keys):
             mask = holders.get(key, 0)
             if mask & bit:
                 self._unset(key, mask, bit)
@@ -128,13 +127,13 @@ class BlockIndex:
             slot = self._slot.pop(engine_id)
             del self._engines[slot]
             self._free_slots.append(slot)
+        self._plan_for = (None, None)
 
     # -- queries --------------------------------------------------------------------------------------------
 
     def match(self, keys: Sequence[int], engine_ids: Sequence[str]) -> np.ndarray:
         """int64[len(engine_ids)]: how many leading `keys` each engine holds (0 for an engine never heard)."""
-        slot = self._slot.get
-        return leading_matches(self.holders, keys, [slot(e, -1) for e in engine_ids])
+        return leading_matches(self.holders, keys, self._plan(engine_ids))
 
     def blocks(self, engine_id: str) -> int:
         """Keys the index holds for the engine."""
@@ -155,11 +154,22 @@ class BlockIndex:
 
     # -- internals ------------------------------------------------------------------------------------------
 
+    def _plan(self, engine_ids: Sequence[str]) -> MatchPlan:
+        """The engines' slots prepared for matching, kept while the same `engine_ids` object is asked (a
+        snapshot's tuple) and no engine gained or lost a slot."""
+        asked, plan = self._plan_for
+        if asked is not engine_ids or plan is None or type(engine_ids) is not tuple:
+            slot = self._slot.get
+            plan = MatchPlan([slot(e, -1) for e in engine_ids])
+            self._plan_for = (engine_ids, plan)
+        return plan
+
     def _slot_of(self, engine_id: str) -> int:
         slot = self._slot.get(engine_id)
         if slot is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[engine_id] = slot
+            self._plan_for = (None, None)
             self._engines[slot] = _EngineBlocks(min(self.max_blocks, 1024))
         return slot
 
@@ -198,3 +208,8 @@ class BlockIndex:
         if len(live) * 2 > capacity:
             capacity = min(2 * capacity, 2 * self.max_blocks + 16)
         blocks.reset(live, capacity)
+
+
+def _ints(keys: Iterable[int] | np.ndarray) -> list[int]:
+    """The keys as Python ints: one `tolist` for an array (a numpy scalar per key is slow to hash and convert)."""
+    return keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]

@@ -10,11 +10,11 @@ routed out first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from switchyard.solver.routing.prefix.matching import leading_matches
+from switchyard.solver.routing.prefix.matching import MatchPlan, leading_matches
 
 __all__ = ["RoutedIndex"]
 
@@ -30,6 +30,7 @@ class RoutedIndex:
         self.holders: dict[int, int] = {}
         self._slot: dict[str, int] = {}
         self._free_slots: list[int] = []
+        self._plan_for: tuple[object, MatchPlan | None] = (None, None)  # (engine_ids, its plan), until slots change
         self._lru: dict[int, OrderedDict[int, float]] = {}
 
     def routed(self, engine_id: str, keys: Sequence[int], now: float) -> None:
@@ -38,8 +39,7 @@ class RoutedIndex:
         bit = 1 << slot
         lru = self._lru[slot]
         holders = self.holders
-        for key in keys:
-            key = int(key)
+        for key in _ints(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -73,14 +73,14 @@ class RoutedIndex:
         for key in self._lru.pop(slot):
             self._drop(key, bit)
         self._free_slots.append(slot)
+        self._plan_for = (None, None)
 
     def match(self, keys: Sequence[int], engine_ids: Sequence[str], now: float | None = None) -> np.ndarray:
         """int64[len(engine_ids)]: leading `keys` routed to each engine (expired ones first dropped if `now`)."""
         if now is not None:
             for engine_id in engine_ids:
                 self.expire(engine_id, now)
-        slot = self._slot.get
-        return leading_matches(self.holders, keys, [slot(e, -1) for e in engine_ids])
+        return leading_matches(self.holders, keys, self._plan(engine_ids))
 
     def blocks(self, engine_id: str) -> int:
         slot = self._slot.get(engine_id)
@@ -97,11 +97,22 @@ class RoutedIndex:
     def __len__(self) -> int:
         return len(self.holders)
 
+    def _plan(self, engine_ids: Sequence[str]) -> MatchPlan:
+        """The engines' slots prepared for matching, kept while the same `engine_ids` object is asked (a
+        snapshot's tuple) and no engine gained or lost a slot."""
+        asked, plan = self._plan_for
+        if asked is not engine_ids or plan is None or type(engine_ids) is not tuple:
+            slot = self._slot.get
+            plan = MatchPlan([slot(e, -1) for e in engine_ids])
+            self._plan_for = (engine_ids, plan)
+        return plan
+
     def _slot_of(self, engine_id: str) -> int:
         slot = self._slot.get(engine_id)
         if slot is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[engine_id] = slot
+            self._plan_for = (None, None)
             self._lru[slot] = OrderedDict()
         return slot
 
@@ -111,3 +122,8 @@ class RoutedIndex:
             self.holders[key] = rest
         else:
             self.holders.pop(key, None)
+
+
+def _ints(keys: Iterable[int] | np.ndarray) -> list[int]:
+    """The keys as Python ints: one `tolist` for an array (a numpy scalar per key is slow to hash and convert)."""
+    return keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
