@@ -1,0 +1,266 @@
+"""A request's prompt as prefix-cache block keys (`shared.prefix_keys`), at the gateway, before routing.
+
+*Token keys* (`key_kind` "tokens") name the prompt's blocks as the engines' KV events name theirs: over the model's
+token ids at the engines' block size (their hellos' `capacity.block_size`). The token ids are vLLM's own for the
+request when a tokenizer for the model is configured (`SWITCHYARD_GATEWAY_TOKENIZERS`):
+
+- `/v1/completions`, a string prompt: the tokenizer's encoding with special tokens added, as vLLM's
+  `add_special_tokens` defaults to for completions (the request's own `add_special_tokens` is honoured);
+  a token-id prompt: the ids as given (vLLM adds nothing to them; no tokenizer needed);
+- `/v1/chat/completions`: the messages rendered with the model's chat template (HF's `apply_chat_template`
+  environment: sandboxed jinja2, `trim_blocks`, `lstrip_blocks`, `tojson`, `raise_exception`, the special tokens,
+  `add_generation_prompt` true unless the request says otherwise), then encoded without special tokens (vLLM's
+  chat default). A content list of text parts is joined with newlines (vLLM's "string" content format).
+
+*Text keys* ("text") otherwise: blocks of `block_size * CHARS_PER_TOKEN` bytes of the prompt text (a chat's
+messages as compact JSON). They only approximate the engines' blocks, so the router and the gateway match them
+against what they routed, never against KV events. So are a chat request that names its own template or tools,
+content with non-text parts, and a template that fails to render.
+
+Where tokenization runs: a prompt of at most `tokenize_inline_chars` characters on the event loop (here ~0.07 ms
+per 100 word tokens); a longer one in a worker thread with `encode_batch`, which releases the GIL (`encode` does
+not: a thread running it would stall the loop as much). The thread hop costs ~0.1 ms, so the cutoff sits where
+encoding inline costs about that. What it costs per request is in `docs/fragments/gateway-prefix.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from switchyard.shared.errors import ConfigError
+from switchyard.shared.prefix_keys import block_keys, text_keys
+from switchyard.shared.schemas import MAX_PROMPT_BLOCKS
+
+__all__ = ["ModelTokenizer", "PromptKeyer", "PromptKeys", "parse_tokenizers"]
+
+#: A rough characters-per-token ratio (as `body.CHARS_PER_TOKEN`): text blocks cover about one token block.
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """The prompt's block keys (uint64, at most `MAX_PROMPT_BLOCKS`), how they were named, and the exact prompt
+    token count when the prompt was tokenized (None: only estimated)."""
+
+    keys: np.ndarray
+    kind: str  # "tokens" | "text"
+    tokens: int | None
+
+
+def parse_tokenizers(spec: str) -> dict[str, str]:
+    """`"model=path,model2=path2"` → {model: path}; a malformed entry is a `ConfigError` naming it."""
+    out: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        model, sep, path = entry.partition("=")
+        if not sep or not model.strip() or not path.strip():
+            raise ConfigError(f"SWITCHYARD_GATEWAY_TOKENIZERS: {entry!r} is not model=path")
+        out[model.strip()] = path.strip()
+    return out
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json: a string, or an AddedToken dict with its `content`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(template: str) -> Any:
+    """The template in the environment HF's `apply_chat_template` renders in."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+class ModelTokenizer:
+    """One model's tokenizer (HF `tokenizers`), chat template and special tokens, loaded from `path`."""
+
+    def __init__(self, model: str, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.model = model
+        where = Path(path).expanduser()
+        file = where / "tokenizer.json" if where.is_dir() else where
+        if not file.is_file():
+            raise ConfigError(f"SWITCHYARD_GATEWAY_TOKENIZERS: no tokenizer for model {model!r} at {path!r}")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust library raises a bare Exception for a malformed file
+            raise ConfigError(f"SWITCHYARD_GATEWAY_TOKENIZERS: {str(file)!r} is not a tokenizer: {exc}") from None
+        config: dict[str, Any] = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                loaded = json.loads(config_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"SWITCHYARD_GATEWAY_TOKENIZERS: cannot read {str(config_file)!r}: {exc}") from None
+            config = loaded if isinstance(loaded, dict) else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next(
+                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+            )
+        jinja_file = file.parent / "chat_template.jinja"
+        if jinja_file.is_file():  # newer HF checkpoints keep it beside the config
+            template = jinja_file.read_text()
+        self.chat_template: Any = None
+        if isinstance(template, str) and template:
+            try:
+                self.chat_template = _compile(template)
+            except Exception as exc:  # a template jinja2 cannot parse: said at startup, not per request
+                raise ConfigError(f"SWITCHYARD_GATEWAY_TOKENIZERS: model {model!r}'s chat template: {exc}") from None
+        self.special = {
+            name: text
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+            if (text := _token_text(config.get(name))) is not None
+        }
+
+    def encode(self, texts: Sequence[str], add_special_tokens: bool, off_loop: bool) -> list[list[int]]:
+        """Token ids of each text. `off_loop`: through `encode_batch`, which releases the GIL (in a thread)."""
+        if off_loop or len(texts) > 1:
+            return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
+
+    def render_chat(self, body: dict[str, Any]) -> str | None:
+        """The chat prompt as vLLM renders it, or None where this gateway cannot be sure of it."""
+        if self.chat_template is None or body.get("chat_template") is not None or body.get("tools"):
+            return None
+        messages = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = [p.get("text") for p in content if isinstance(p, dict)]
+                if len(texts) != len(content) or not all(
+                    isinstance(t, str) and p.get("type") == "text" for t, p in zip(texts, content, strict=True)
+                ):
+                    return None  # images, audio: the engine inserts placeholders this gateway does not know
+                message = {**message, "content": "\n".join(texts)}
+            messages.append(message)
+        kwargs = body.get("chat_template_kwargs")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        try:
+            return self.chat_template.render(
+                **(kwargs if isinstance(kwargs, dict) else {}),
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt is not False,
+                **self.special,
+            )
+        except Exception:  # the template refused the conversation (raise_exception); the engine will say why
+            return None
+
+
+class PromptKeyer:
+    """Block keys for each request, per model: tokenizers loaded once, long prompts tokenized in threads."""
+
+    def __init__(self, tokenizers: str = "", inline_chars: int = 2048, threads: int = 2) -> None:
+        self.tokenizers = {m: ModelTokenizer(m, p) for m, p in parse_tokenizers(tokenizers).items()}
+        self.inline_chars = inline_chars
+        self._pool: ThreadPoolExecutor | None = None
+        self._threads = threads
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def keys(self, body: dict[str, Any], chat: bool, model: str | None, block_size: int) -> PromptKeys:
+        """The request's keys; tokenized off the event loop when the prompt is long (see the module)."""
+        work = self._plan(body, chat, model, block_size)
+        if work.size <= self.inline_chars:
+            return work.run(False)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sy-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work.run, True)
+
+    def keys_now(self, body: dict[str, Any], chat: bool, model: str | None, block_size: int) -> PromptKeys:
+        """`keys` on the calling thread (tests, benches)."""
+        return self._plan(body, chat, model, block_size).run(False)
+
+    def _plan(self, body: dict[str, Any], chat: bool, model: str | None, block: int) -> _Work:
+        tokenizer = self.tokenizers.get(model) if model is not None else None
+        if chat:
+            messages = body["messages"]
+            if tokenizer is not None and tokenizer.chat_template is not None:
+                size = sum(len(m["content"]) if isinstance(m.get("content"), str) else 256 for m in messages)
+                return _Work(size, lambda off: _chat(tokenizer, body, block, off))
+            text = json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
+            return _Work(0, lambda _off: _text(text, block))
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt[0], int):  # token ids: keys without a tokenizer, exact
+            return _Work(0, lambda _off: _tokens(prompt, block, len(prompt)))
+        if isinstance(prompt[0], list):
+            return _Work(0, lambda _off: _tokens(prompt[0], block, sum(len(p) for p in prompt)))
+        if tokenizer is None:
+            return _Work(0, lambda _off: _text(prompt[0], block))
+        special = body.get("add_special_tokens", True) is not False
+        return _Work(sum(len(p) for p in prompt), lambda off: _completion(tokenizer, prompt, special, block, off))
+
+
+@dataclass(slots=True)
+class _Work:
+    size: int  # characters to tokenize (0: nothing to tokenize)
+    run: Callable[[bool], PromptKeys]
+
+
+def _capped(keys: np.ndarray) -> np.ndarray:
+    return keys[:MAX_PROMPT_BLOCKS]
+
+
+def _tokens(ids: Sequence[int], block: int, count: int) -> PromptKeys:
+    ids = ids[: MAX_PROMPT_BLOCKS * block]
+    return PromptKeys(_capped(block_keys(np.asarray(ids, dtype=np.int64), block)), "tokens", count)
+
+
+def _text(text: str, block: int) -> PromptKeys:
+    chars = block * CHARS_PER_TOKEN
+    return PromptKeys(_capped(text_keys(text[: MAX_PROMPT_BLOCKS * chars], chars)), "text", None)
+
+
+def _completion(tokenizer: ModelTokenizer, prompts: list[str], special: bool, block: int, off: bool) -> PromptKeys:
+    ids = tokenizer.encode(prompts, special, off)
+    return _tokens(ids[0], block, sum(len(i) for i in ids))
+
+
+def _chat(tokenizer: ModelTokenizer, body: dict[str, Any], block: int, off: bool) -> PromptKeys:
+    rendered = tokenizer.render_chat(body)
+    if rendered is None:
+        text = json.dumps(body["messages"], separators=(",", ":"), ensure_ascii=False)
+        return _text(text, block)
+    special = body.get("add_special_tokens", False) is True
+    ids = tokenizer.encode([rendered], special, off)[0]
+    return _tokens(ids, block, len(ids))
