@@ -137,6 +137,26 @@ def test_completion_keys_are_the_tokens_vllm_sees(tokenizer_dir: Path) -> None:
     assert np.array_equal(off.keys, got.keys) and off.tokens == 101
 
 
+def test_a_long_prompt_in_pieces_is_tokenized_exactly_and_its_pieces_cached(tokenizer_dir: Path) -> None:
+    keyer = PromptKeyer(f"m={tokenizer_dir}", inline_chars=0, piece_chars=64)
+    model = keyer.tokenizers["m"]
+    assert model.pieces  # the check at load: cut texts tokenize as the whole
+    tok = _tok(tokenizer_dir)
+    shared = _words(300, 1)
+    for tail in (_words(50, 2), _words(70, 3)):
+        prompt = f"{shared} {tail}"
+        got = asyncio.run(keyer.keys({"prompt": prompt}, False, "m", BLOCK))
+        assert np.array_equal(got.keys, block_keys(tok.encode(prompt).ids, BLOCK))
+    # the second prompt's pieces up to where it departs from the first came from the cache
+    assert model.cache_hits >= len(shared) // 64 - 2 and model.cache_misses > 0
+    # a tokenizer that tokenizes a cut text otherwise (no pre-tokenizer: the whole text is one word) is never cut
+    from tokenizers import Tokenizer, models
+
+    whole = Tokenizer(models.WordLevel(vocab={"t0": 0, "t1 t2": 1}, unk_token="t0"))
+    whole.save(str(tokenizer_dir / "whole.json"))
+    assert not PromptKeyer(f"w={tokenizer_dir / 'whole.json'}").tokenizers["w"].pieces
+
+
 def test_token_id_prompts_need_no_tokenizer() -> None:
     keyer = PromptKeyer()
     ids = list(range(40))

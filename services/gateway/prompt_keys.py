@@ -27,6 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +45,22 @@ from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.schemas import MAX_PROMPT_BLOCKS
 
 __all__ = ["ModelTokenizer", "PromptKeyer", "PromptKeys", "parse_tokenizers"]
+
+log = logging.getLogger(__name__)
+
+#: Where a long text may be cut for tokenizing in pieces: a space between a non-space and a letter, which every
+#: common pre-tokenizer (GPT-2/Llama-3 byte-level regexes, SentencePiece's metaspace, whitespace) also splits at.
+#: Each tokenizer is checked at load (`ModelTokenizer._check_pieces`); one that disagrees is never cut.
+_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+#: The check's texts: words, punctuation, digits, contractions, runs of spaces and newlines, non-Latin scripts.
+_CHECK_TEXTS = (
+    "The quick brown fox, it's said, jumped 12345 times over the lazy dog's back.  Twice!\n\nThen it "
+    "rested: naïve café owners served crème brûlée at 3.14 pm; 東京 and Zürich   agreed. Don't we'll they've "
+    "x=1+2 (ok) [yes] {no} <tag> #hash @user https://example.com/a?b=c  \t tab\tend "
+    "Über Ärger öffnet ñandú, ελληνικά κείμενα και русский текст тоже. " * 3,
+    "user\nWrite a function that returns the sum of a list.\nassistant\ndef total(xs):\n    return sum(xs)\n"
+    "Numbers 1 22 333 4444 55555 and words again and again " * 4,
+)
 
 #: A rough characters-per-token ratio (as `body.CHARS_PER_TOKEN`): text blocks cover about one token block.
 CHARS_PER_TOKEN = 4
@@ -107,10 +127,15 @@ def _compile(template: str) -> Any:
 class ModelTokenizer:
     """One model's tokenizer (HF `tokenizers`), chat template and special tokens, loaded from `path`."""
 
-    def __init__(self, model: str, path: str) -> None:
+    def __init__(self, model: str, path: str, piece_chars: int = 2048, cache_pieces: int = 4096) -> None:
         from tokenizers import Tokenizer
 
         self.model = model
+        self.piece_chars = piece_chars
+        self.cache_pieces = cache_pieces
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()  # piece text -> its token ids, LRU
+        self._lock = threading.Lock()
+        self.cache_hits = self.cache_misses = 0
         where = Path(path).expanduser()
         file = where / "tokenizer.json" if where.is_dir() else where
         if not file.is_file():
@@ -146,12 +171,63 @@ class ModelTokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
             if (text := _token_text(config.get(name))) is not None
         }
+        self._prefix = self._suffix = np.zeros(0, dtype=np.int64)
+        self.pieces = piece_chars > 0 and self._check_pieces()
+        if piece_chars > 0 and not self.pieces:
+            log.info("model %s: its tokenizer is not cut into pieces (it tokenizes a cut text differently)", model)
 
-    def encode(self, texts: Sequence[str], add_special_tokens: bool, off_loop: bool) -> list[list[int]]:
-        """Token ids of each text. `off_loop`: through `encode_batch`, which releases the GIL (in a thread)."""
+    def _check_pieces(self) -> bool:
+        """Whether this tokenizer gives a text cut at `_CUT` the tokens of the whole text, and adds its special
+        tokens as one fixed prefix and suffix (which are then added to the pieces' tokens)."""
+        affixes = set()
+        for text in (*_CHECK_TEXTS, " ".join(self.special.values()) + " " + _CHECK_TEXTS[0]):
+            bare = self.tokenizer.encode(text, add_special_tokens=False).ids
+            full = self.tokenizer.encode(text, add_special_tokens=True).ids
+            found = _affixes(bare, full)
+            cut = [i for e in self.tokenizer.encode_batch(_cut(text, 24), add_special_tokens=False) for i in e.ids]
+            if found is None or cut != bare:
+                return False
+            affixes.add(found)
+        if len(affixes) != 1:
+            return False
+        prefix, suffix = affixes.pop()
+        self._prefix, self._suffix = np.array(prefix, dtype=np.int64), np.array(suffix, dtype=np.int64)
+        return True
+
+    def encode(self, texts: Sequence[str], add_special_tokens: bool, off_loop: bool) -> list[Sequence[int]]:
+        """Token ids of each text. `off_loop` (in a worker thread): through `encode_batch`, which releases the GIL,
+        and a long text in pieces (`encode_long`)."""
+        if off_loop and self.pieces:
+            return [self.encode_long(t, add_special_tokens) for t in texts]
         if off_loop or len(texts) > 1:
             return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
         return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
+
+    def encode_long(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        """A long text's token ids, tokenized in pieces of about `piece_chars` cut at `_CUT`: the pieces no
+        earlier prompt had are encoded at once (`encode_batch`: in parallel, without the GIL); those one had (a
+        shared system prompt, the earlier turns of a conversation) come from an LRU cache of `cache_pieces`."""
+        pieces = _cut(text, self.piece_chars)
+        cache = self._cache
+        with self._lock:
+            found = [cache.get(p) for p in pieces]
+            for piece, ids in zip(pieces, found, strict=True):
+                if ids is not None:
+                    cache.move_to_end(piece)
+        missing = [p for p, ids in zip(pieces, found, strict=True) if ids is None]
+        self.cache_hits += len(pieces) - len(missing)
+        self.cache_misses += len(missing)
+        if missing:
+            encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
+            new = {p: np.array(e.ids, dtype=np.int64) for p, e in zip(missing, encoded, strict=True)}
+            with self._lock:
+                for piece, ids in new.items():
+                    cache[piece] = ids
+                while len(cache) > self.cache_pieces:
+                    cache.popitem(last=False)
+            found = [new[p] if ids is None else ids for p, ids in zip(pieces, found, strict=True)]
+        parts = [self._prefix, *found, self._suffix] if add_special_tokens else found
+        return np.concatenate(parts)
 
     def render_chat(self, body: dict[str, Any]) -> str | None:
         """The chat prompt as vLLM renders it, or None where this gateway cannot be sure of it."""
@@ -186,8 +262,17 @@ class ModelTokenizer:
 class PromptKeyer:
     """Block keys for each request, per model: tokenizers loaded once, long prompts tokenized in threads."""
 
-    def __init__(self, tokenizers: str = "", inline_chars: int = 2048, threads: int = 2) -> None:
-        self.tokenizers = {m: ModelTokenizer(m, p) for m, p in parse_tokenizers(tokenizers).items()}
+    def __init__(
+        self,
+        tokenizers: str = "",
+        inline_chars: int = 2048,
+        threads: int = 2,
+        piece_chars: int = 2048,
+        cache_pieces: int = 4096,
+    ) -> None:
+        self.tokenizers = {
+            m: ModelTokenizer(m, p, piece_chars, cache_pieces) for m, p in parse_tokenizers(tokenizers).items()
+        }
         self.inline_chars = inline_chars
         self._pool: ThreadPoolExecutor | None = None
         self._threads = threads
@@ -229,6 +314,28 @@ class PromptKeyer:
             return _Work(0, lambda _off: _text(prompt[0], block))
         special = body.get("add_special_tokens", True) is not False
         return _Work(sum(len(p) for p in prompt), lambda off: _completion(tokenizer, prompt, special, block, off))
+
+
+def _cut(text: str, size: int) -> list[str]:
+    """`text` in pieces, each cut at the first `_CUT` at least `size` characters past the previous cut."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = _CUT.search(text, start + size)
+        if cut is None:
+            break
+        pieces.append(text[start : cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def _affixes(bare: list[int], full: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(prefix, suffix) with `full == prefix + bare + suffix`, or None."""
+    n = len(bare)
+    for k in range(len(full) - n + 1):
+        if full[k : k + n] == bare:
+            return tuple(full[:k]), tuple(full[k + n :])
+    return None
 
 
 @dataclass(slots=True)

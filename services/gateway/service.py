@@ -46,7 +46,17 @@ class GatewayService:
             g.eject_after_failures,
         )
         # Tokenizers load here, before anything connects: a bad path is one line at startup (ConfigError).
-        self.keyer = PromptKeyer(g.tokenizers, g.tokenize_inline_chars, g.tokenize_threads) if g.prefix_keys else None
+        self.keyer = (
+            PromptKeyer(
+                g.tokenizers,
+                g.tokenize_inline_chars,
+                g.tokenize_threads,
+                g.tokenize_piece_chars,
+                g.tokenize_cache_pieces,
+            )
+            if g.prefix_keys
+            else None
+        )
         self.prefix = (
             PrefillPrefix(self.registry, g.prefix_index_blocks, g.prefix_routed_blocks, g.prefix_routed_ttl_s)
             if g.prefix_keys

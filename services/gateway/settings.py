@@ -68,6 +68,11 @@ class GatewaySettings(BaseSettings):
     tokenize_inline_chars: int = Field(default=2048, ge=0)
     #: Worker threads for long prompts' tokenization.
     tokenize_threads: int = Field(default=2, ge=1)
+    #: A long prompt is tokenized in pieces of about this many characters, cut where the tokenizer splits anyway
+    #: (checked per tokenizer at startup; one that disagrees is never cut; 0: never cut): new pieces are encoded in
+    #: parallel, pieces an earlier prompt had come from a cache of this many ...
+    tokenize_piece_chars: int = Field(default=2048, ge=0)
+    tokenize_cache_pieces: int = Field(default=4096, ge=1)
     #: The prefill prefix index: blocks kept per prefill engine from its KV events (oldest out first) ...
     prefix_index_blocks: int = Field(default=500_000, ge=1)
     #: ... and, for engines that send none (or text keys), blocks of what the gateway routed there, kept this long.
