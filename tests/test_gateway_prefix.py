@@ -119,7 +119,7 @@ def test_prefill_choice_spills_a_hot_prefix_past_the_load_bound() -> None:
 
 
 def test_completion_keys_are_the_tokens_vllm_sees(tokenizer_dir: Path) -> None:
-    keyer = PromptKeyer(f"m={tokenizer_dir}")
+    keyer = PromptKeyer(f"m={tokenizer_dir}", tokenize_all=True)
     tok = _tok(tokenizer_dir)
     prompt = _words(100)
     ids = tok.encode(prompt).ids
@@ -133,12 +133,14 @@ def test_completion_keys_are_the_tokens_vllm_sees(tokenizer_dir: Path) -> None:
     both = keyer.keys_now({"prompt": [prompt, "t1 t2"]}, False, "m", BLOCK)
     assert both.tokens == 101 + 3 and np.array_equal(both.keys, got.keys)
     # the same prompt tokenized off the loop (encode_batch) names the same blocks
-    off = asyncio.run(PromptKeyer(f"m={tokenizer_dir}", inline_chars=0).keys({"prompt": prompt}, False, "m", BLOCK))
+    off = asyncio.run(
+        PromptKeyer(f"m={tokenizer_dir}", inline_chars=0, tokenize_all=True).keys({"prompt": prompt}, False, "m", BLOCK)
+    )
     assert np.array_equal(off.keys, got.keys) and off.tokens == 101
 
 
 def test_a_long_prompt_in_pieces_is_tokenized_exactly_and_its_pieces_cached(tokenizer_dir: Path) -> None:
-    keyer = PromptKeyer(f"m={tokenizer_dir}", inline_chars=0, piece_chars=64)
+    keyer = PromptKeyer(f"m={tokenizer_dir}", inline_chars=0, piece_chars=64, tokenize_all=True)
     model = keyer.tokenizers["m"]
     assert model.pieces  # the check at load: cut texts tokenize as the whole
     tok = _tok(tokenizer_dir)
@@ -157,6 +159,30 @@ def test_a_long_prompt_in_pieces_is_tokenized_exactly_and_its_pieces_cached(toke
     assert not PromptKeyer(f"w={tokenizer_dir / 'whole.json'}").tokenizers["w"].pieces
 
 
+def test_only_the_text_seen_before_is_tokenized(tokenizer_dir: Path) -> None:
+    """By default a prompt is tokenized only as far as prompts this gateway was sent began the same way: its keys
+    are then the leading keys of the whole prompt's; a prompt like none before gets none (nothing can match)."""
+    keyer = PromptKeyer(f"m={tokenizer_dir}", piece_chars=64)
+    tok = _tok(tokenizer_dir)
+    shared = _words(400, 1)
+    first = f"{shared} {_words(100, 2)}"
+    assert len(keyer.keys_now({"prompt": first}, False, "m", BLOCK).keys) == 0  # never seen: not tokenized
+    again = keyer.keys_now({"prompt": first}, False, "m", BLOCK)  # all seen: all tokenized, the exact count
+    ids = tok.encode(first).ids
+    assert again.tokens == len(ids) and np.array_equal(again.keys, block_keys(ids, BLOCK))
+    other = f"{shared} {_words(100, 3)}"  # the shared part seen: its leading keys, no exact count
+    got = keyer.keys_now({"prompt": other}, False, "m", BLOCK)
+    whole = block_keys(tok.encode(other).ids, BLOCK)
+    assert got.tokens is None and 0 < len(got.keys) < len(whole)
+    assert np.array_equal(got.keys, whole[: len(got.keys)])
+    assert len(got.keys) * BLOCK * 5 >= len(shared) - 3 * 256  # up to a cut within the last seen blocks
+    # chat: the rendered text is what is seen
+    chat = {"messages": [{"role": "user", "content": shared}]}
+    assert len(keyer.keys_now(chat, True, "m", BLOCK).keys) == 0
+    rendered = tok.encode(f"<s><|user|> {shared} <|assistant|>", add_special_tokens=False).ids
+    assert np.array_equal(keyer.keys_now(chat, True, "m", BLOCK).keys, block_keys(rendered, BLOCK))
+
+
 def test_token_id_prompts_need_no_tokenizer() -> None:
     keyer = PromptKeyer()
     ids = list(range(40))
@@ -167,7 +193,7 @@ def test_token_id_prompts_need_no_tokenizer() -> None:
 
 
 def test_chat_keys_render_the_template(tokenizer_dir: Path) -> None:
-    keyer = PromptKeyer(f"m={tokenizer_dir}")
+    keyer = PromptKeyer(f"m={tokenizer_dir}", tokenize_all=True)
     tok = _tok(tokenizer_dir)
     messages = [{"role": "user", "content": _words(60)}]
     rendered = f"<s><|user|> {messages[0]['content']} <|assistant|>"
@@ -192,7 +218,7 @@ def test_chat_keys_render_the_template(tokenizer_dir: Path) -> None:
 
 
 def test_without_a_tokenizer_keys_are_text_and_capped(tokenizer_dir: Path) -> None:
-    keyer = PromptKeyer(f"m={tokenizer_dir}")
+    keyer = PromptKeyer(f"m={tokenizer_dir}", tokenize_all=True)
     prompt = _words(100)
     got = keyer.keys_now({"prompt": prompt}, False, "other-model", BLOCK)
     assert got.kind == "text" and got.tokens is None and np.array_equal(got.keys, text_keys(prompt, 64))
@@ -213,7 +239,7 @@ def test_tokenizer_setting_errors(tmp_path: Path, tokenizer_dir: Path) -> None:
         PromptKeyer(f"m={bad}")
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
     with pytest.raises(ConfigError, match="chat template"):
-        PromptKeyer(f"m={tokenizer_dir}")
+        PromptKeyer(f"m={tokenizer_dir}", tokenize_all=True)
 
 
 def test_a_bad_tokenizer_path_is_one_line_at_startup(tmp_path: Path) -> None:
@@ -310,7 +336,7 @@ async def test_kv_events_draw_a_repeated_prompt_and_the_load_bound_spills_it(
         StubConfig("d0", role="decode"),
     ]
     gateway = GatewaySettings(
-        port=0, route_timeout_s=0.5, signature_wait_s=0.0, tokenizers=f"stub-model={tokenizer_dir}"
+        port=0, route_timeout_s=0.5, signature_wait_s=0.0, tokenizers=f"stub-model={tokenizer_dir}", tokenize_all=True
     )
     body = {"model": "stub-model", "prompt": prompt, "max_tokens": 2}
     async with (
@@ -346,7 +372,7 @@ async def test_dp_route_requests_carry_the_prompts_token_keys(
     await bus.nc.subscribe(bus.subjects.route_dp, cb=on_route)  # a copy of every question the router gets
     tok = _tok(tokenizer_dir)
     prompt = _words(200)
-    gateway = GatewaySettings(port=0, route_timeout_s=0.5, tokenizers=f"stub-model={tokenizer_dir}")
+    gateway = GatewaySettings(port=0, route_timeout_s=0.5, tokenizers=f"stub-model={tokenizer_dir}", tokenize_all=True)
     async with (
         deployment(settings, bus, [StubConfig("a"), StubConfig("b")], gateway=gateway) as (gw, _engines),
         httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
@@ -369,7 +395,7 @@ async def test_a_long_prompt_tokenizing_does_not_stall_the_event_loop(
 ) -> None:
     """A short request is answered while a long prompt is being tokenized (in a worker thread): had the
     tokenization run on the event loop, nothing else could be read, routed or answered until it ended."""
-    gateway = GatewaySettings(port=0, route_timeout_s=0.5, tokenizers=f"stub-model={tokenizer_dir}")
+    gateway = GatewaySettings(port=0, route_timeout_s=0.5, tokenizers=f"stub-model={tokenizer_dir}", tokenize_all=True)
     long_prompt = _words(400_000)
     async with (
         deployment(settings, bus, [StubConfig("a")], gateway=gateway) as (gw, _engines),

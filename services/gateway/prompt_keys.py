@@ -17,10 +17,26 @@ messages as compact JSON). They only approximate the engines' blocks, so the rou
 against what they routed, never against KV events. So are a chat request that names its own template or tools,
 content with non-text parts, and a template that fails to render.
 
-Where tokenization runs: a prompt of at most `tokenize_inline_chars` characters on the event loop (here ~0.07 ms
-per 100 word tokens); a longer one in a worker thread with `encode_batch`, which releases the GIL (`encode` does
-not: a thread running it would stall the loop as much). The thread hop costs ~0.1 ms, so the cutoff sits where
-encoding inline costs about that. What it costs per request is in `docs/fragments/gateway-prefix.md`.
+What is tokenized: HF `tokenizers` costs ~1-3 µs a token on this machine (10-25 ms for an 8K-token prompt), far
+over the gateway's budget. Two things bring it down without changing a key:
+
+- *Only the seen text.* Per model the gateway keeps which leading text (256-character blocks, chained like block
+  keys) the prompts it was sent began with (`tokenize_seen_blocks`, LRU, `prefix_routed_ttl_s`). No engine can hold
+  the blocks of a prefix no prompt had, so only the leading text seen before is tokenized, up to a cut (below);
+  its tokens are exactly the first tokens of the whole prompt, and their keys its leading keys. A prompt that
+  begins like none before is not tokenized at all (no keys: nothing to match). The exact prompt token count goes
+  to the router only when all of the prompt was tokenized. One gateway replica sees only its own prompts: a
+  prefix another replica routed is first tokenized here the second time this replica sees it.
+  `tokenize_all` tokenizes every prompt in full instead.
+- *Pieces.* A long text is tokenized in pieces of ~`tokenize_piece_chars` cut at a space before a letter, where
+  the common pre-tokenizers split anyway; each tokenizer is checked at load on texts that cut there (words,
+  digits, punctuation, runs of spaces, other scripts) and one whose tokens differ is never cut. New pieces go to
+  `encode_batch` at once (parallel, without the GIL); pieces an earlier prompt had come from an LRU cache.
+
+Where it runs: text of at most `tokenize_inline_chars` characters to tokenize on the event loop; longer text in
+a worker thread (`encode_batch` releases the GIL; `encode` does not: a thread running it would stall the loop as
+much). The thread hop costs ~0.07 ms here, about what 250 characters cost to tokenize inline. Figures:
+`docs/fragments/gateway-prefix.md`.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +60,7 @@ import numpy as np
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.schemas import MAX_PROMPT_BLOCKS
+from switchyard.solver.routing.prefix import RoutedIndex
 
 __all__ = ["ModelTokenizer", "PromptKeyer", "PromptKeys", "parse_tokenizers"]
 
@@ -64,6 +82,11 @@ _CHECK_TEXTS = (
 
 #: A rough characters-per-token ratio (as `body.CHARS_PER_TOKEN`): text blocks cover about one token block.
 CHARS_PER_TOKEN = 4
+#: The seen-text index's block (characters): how finely the gateway knows which leading text it has seen.
+SEEN_BLOCK_CHARS = 256
+_SEEN_MAX_CHARS = MAX_PROMPT_BLOCKS * 64
+_SEEN = ["seen"]
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +226,7 @@ class ModelTokenizer:
             return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
         return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
 
-    def encode_long(self, text: str, add_special_tokens: bool) -> np.ndarray:
+    def encode_long(self, text: str, add_special_tokens: bool, suffix: bool = True) -> np.ndarray:
         """A long text's token ids, tokenized in pieces of about `piece_chars` cut at `_CUT`: the pieces no
         earlier prompt had are encoded at once (`encode_batch`: in parallel, without the GIL); those one had (a
         shared system prompt, the earlier turns of a conversation) come from an LRU cache of `cache_pieces`."""
@@ -226,7 +249,9 @@ class ModelTokenizer:
                 while len(cache) > self.cache_pieces:
                     cache.popitem(last=False)
             found = [new[p] if ids is None else ids for p, ids in zip(pieces, found, strict=True)]
-        parts = [self._prefix, *found, self._suffix] if add_special_tokens else found
+        if not add_special_tokens:
+            return np.concatenate(found)
+        parts = [self._prefix, *found, self._suffix] if suffix else [self._prefix, *found]
         return np.concatenate(parts)
 
     def render_chat(self, body: dict[str, Any]) -> str | None:
@@ -260,7 +285,8 @@ class ModelTokenizer:
 
 
 class PromptKeyer:
-    """Block keys for each request, per model: tokenizers loaded once, long prompts tokenized in threads."""
+    """Block keys for each request, per model: tokenizers loaded once, long prompts tokenized in threads, and
+    (unless `tokenize_all`) only the leading text this gateway has seen lead a prompt before (the module says why)."""
 
     def __init__(
         self,
@@ -269,11 +295,17 @@ class PromptKeyer:
         threads: int = 2,
         piece_chars: int = 2048,
         cache_pieces: int = 4096,
+        tokenize_all: bool = False,
+        seen_blocks: int = 200_000,
+        seen_ttl_s: float = 600.0,
     ) -> None:
         self.tokenizers = {
             m: ModelTokenizer(m, p, piece_chars, cache_pieces) for m, p in parse_tokenizers(tokenizers).items()
         }
         self.inline_chars = inline_chars
+        self.tokenize_all = tokenize_all
+        #: Per model, the leading text blocks (`SEEN_BLOCK_CHARS`) of the prompts this gateway was sent.
+        self.seen = {m: RoutedIndex(seen_blocks, seen_ttl_s) for m in self.tokenizers}
         self._pool: ThreadPoolExecutor | None = None
         self._threads = threads
 
@@ -282,8 +314,10 @@ class PromptKeyer:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def keys(self, body: dict[str, Any], chat: bool, model: str | None, block_size: int) -> PromptKeys:
-        """The request's keys; tokenized off the event loop when the prompt is long (see the module)."""
+        """The request's keys; tokenized off the event loop when the text to tokenize is long (see the module)."""
         work = self._plan(body, chat, model, block_size)
+        if isinstance(work, PromptKeys):
+            return work
         if work.size <= self.inline_chars:
             return work.run(False)
         if self._pool is None:
@@ -292,28 +326,66 @@ class PromptKeyer:
 
     def keys_now(self, body: dict[str, Any], chat: bool, model: str | None, block_size: int) -> PromptKeys:
         """`keys` on the calling thread (tests, benches)."""
-        return self._plan(body, chat, model, block_size).run(False)
+        work = self._plan(body, chat, model, block_size)
+        return work if isinstance(work, PromptKeys) else work.run(False)
 
-    def _plan(self, body: dict[str, Any], chat: bool, model: str | None, block: int) -> _Work:
+    def _plan(self, body: dict[str, Any], chat: bool, model: str | None, block: int) -> PromptKeys | _Work:
         tokenizer = self.tokenizers.get(model) if model is not None else None
         if chat:
-            messages = body["messages"]
-            if tokenizer is not None and tokenizer.chat_template is not None:
-                size = sum(len(m["content"]) if isinstance(m.get("content"), str) else 256 for m in messages)
-                return _Work(size, lambda off: _chat(tokenizer, body, block, off))
-            text = json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
-            return _Work(0, lambda _off: _text(text, block))
+            rendered = tokenizer.render_chat(body) if tokenizer is not None else None
+            if rendered is None:
+                return _text(json.dumps(body["messages"], separators=(",", ":"), ensure_ascii=False), block)
+            assert model is not None and tokenizer is not None
+            return self._tokenize(tokenizer, model, [rendered], body.get("add_special_tokens", False) is True, block)
         prompt = body["prompt"]
         if isinstance(prompt, str):
             prompt = [prompt]
         if isinstance(prompt[0], int):  # token ids: keys without a tokenizer, exact
-            return _Work(0, lambda _off: _tokens(prompt, block, len(prompt)))
+            return _tokens(prompt, block, len(prompt))
         if isinstance(prompt[0], list):
-            return _Work(0, lambda _off: _tokens(prompt[0], block, sum(len(p) for p in prompt)))
+            return _tokens(prompt[0], block, sum(len(p) for p in prompt))
         if tokenizer is None:
-            return _Work(0, lambda _off: _text(prompt[0], block))
-        special = body.get("add_special_tokens", True) is not False
-        return _Work(sum(len(p) for p in prompt), lambda off: _completion(tokenizer, prompt, special, block, off))
+            return _text(prompt[0], block)
+        assert model is not None
+        return self._tokenize(tokenizer, model, prompt, body.get("add_special_tokens", True) is not False, block)
+
+    def _tokenize(
+        self, tokenizer: ModelTokenizer, model: str, texts: list[str], special: bool, block: int
+    ) -> PromptKeys | _Work:
+        """All of the texts, or the first one's leading text this gateway has seen before (to a cut)."""
+        if self.tokenize_all or not tokenizer.pieces:
+            return _Work(sum(len(t) for t in texts), lambda off: _full(tokenizer, texts, special, block, off))
+        text = texts[0]
+        end = self._seen_end(model, text)
+        if end == 0:  # no prompt this gateway was sent began so: no engine can hold its blocks (one replica's view)
+            return PromptKeys(_NO_KEYS, "tokens", None)
+        if end == len(text) and len(texts) == 1:
+            return _Work(end, lambda off: _full(tokenizer, texts, special, block, off))
+        part = text[:end]
+        return _Work(end, lambda _off: _tokens(tokenizer.encode_long(part, special, suffix=False), block, None))
+
+    def _seen_end(self, model: str, text: str) -> int:
+        """How much of `text` to tokenize: through its leading blocks seen before, to the last cut in them (0:
+        none seen). The text's blocks are remembered as seen, once this request's routing has gone ahead."""
+        seen = self.seen[model]
+        keys = text_keys(text[:_SEEN_MAX_CHARS], SEEN_BLOCK_CHARS)
+        now = time.monotonic()
+        held = int(seen.match(keys, _SEEN, now)[0])
+        listed = keys.tolist()
+        try:
+            asyncio.get_running_loop().call_soon(seen.routed, _SEEN[0], listed, now)
+        except RuntimeError:  # no event loop (keys_now)
+            seen.routed(_SEEN[0], listed, now)
+        if held == 0:
+            return 0
+        if held == len(keys):  # all of it but a tail shorter than a block: tokenize it all (the exact count too)
+            return len(text)
+        limit = held * SEEN_BLOCK_CHARS
+        last = 0
+        for cut in _CUT.finditer(text, max(0, limit - 4 * SEEN_BLOCK_CHARS), min(len(text), limit + 2)):
+            if cut.start() <= limit:
+                last = cut.start()
+        return last if last else len(text)  # no cut near: the whole text (text without spaces: CJK, code)
 
 
 def _cut(text: str, size: int) -> list[str]:
@@ -348,7 +420,7 @@ def _capped(keys: np.ndarray) -> np.ndarray:
     return keys[:MAX_PROMPT_BLOCKS]
 
 
-def _tokens(ids: Sequence[int], block: int, count: int) -> PromptKeys:
+def _tokens(ids: Sequence[int] | np.ndarray, block: int, count: int | None) -> PromptKeys:
     ids = ids[: MAX_PROMPT_BLOCKS * block]
     return PromptKeys(_capped(block_keys(np.asarray(ids, dtype=np.int64), block)), "tokens", count)
 
@@ -358,16 +430,6 @@ def _text(text: str, block: int) -> PromptKeys:
     return PromptKeys(_capped(text_keys(text[: MAX_PROMPT_BLOCKS * chars], chars)), "text", None)
 
 
-def _completion(tokenizer: ModelTokenizer, prompts: list[str], special: bool, block: int, off: bool) -> PromptKeys:
-    ids = tokenizer.encode(prompts, special, off)
+def _full(tokenizer: ModelTokenizer, texts: list[str], special: bool, block: int, off: bool) -> PromptKeys:
+    ids = tokenizer.encode(texts, special, off)
     return _tokens(ids[0], block, sum(len(i) for i in ids))
-
-
-def _chat(tokenizer: ModelTokenizer, body: dict[str, Any], block: int, off: bool) -> PromptKeys:
-    rendered = tokenizer.render_chat(body)
-    if rendered is None:
-        text = json.dumps(body["messages"], separators=(",", ":"), ensure_ascii=False)
-        return _text(text, block)
-    special = body.get("add_special_tokens", False) is True
-    ids = tokenizer.encode([rendered], special, off)[0]
-    return _tokens(ids, block, len(ids))

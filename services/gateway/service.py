@@ -53,6 +53,9 @@ class GatewayService:
                 g.tokenize_threads,
                 g.tokenize_piece_chars,
                 g.tokenize_cache_pieces,
+                g.tokenize_all,
+                g.tokenize_seen_blocks,
+                g.prefix_routed_ttl_s,
             )
             if g.prefix_keys
             else None
