@@ -403,21 +403,21 @@ async def test_a_long_prompt_tokenizing_does_not_stall_the_event_loop(
     ):
         assert gw.keyer is not None
         model = gw.keyer.tokenizers["stub-model"]
-        tokenizing, encode = threading.Event(), model.encode
+        tokenizing, finish = threading.Event(), model.finish
         finished: list[float] = []
 
-        def watched(texts, special, off):  # records when the long prompt's tokenization starts and ends
-            if len(texts[0]) > 100_000:
+        def watched(looked, special, suffix=True):  # records when the long prompt's tokenization starts and ends
+            if looked.missing > 100_000:
                 tokenizing.set()
                 try:
-                    return encode(texts, special, off)
+                    return finish(looked, special, suffix)
                 finally:
                     finished.append(time.perf_counter())
-            return encode(texts, special, off)
+            return finish(looked, special, suffix)
 
-        model.encode = watched
+        model.finish = watched
         long = asyncio.create_task(client.post("/v1/completions", json={"model": "stub-model", "prompt": long_prompt}))
-        await asyncio.to_thread(tokenizing.wait, 30)
+        assert await asyncio.to_thread(tokenizing.wait, 30)
         short = await client.post("/v1/completions", json={"model": "stub-model", "prompt": "t1 t2 t3"})
         short_done = time.perf_counter()
         assert short.status_code == 200

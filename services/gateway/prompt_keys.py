@@ -42,8 +42,10 @@ much). The thread hop costs ~0.07 ms here, about what 250 characters cost to tok
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -60,7 +62,6 @@ import numpy as np
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.schemas import MAX_PROMPT_BLOCKS
-from switchyard.solver.routing.prefix import RoutedIndex
 
 __all__ = ["ModelTokenizer", "PromptKeyer", "PromptKeys", "parse_tokenizers"]
 
@@ -85,8 +86,9 @@ CHARS_PER_TOKEN = 4
 #: The seen-text index's block (characters): how finely the gateway knows which leading text it has seen.
 SEEN_BLOCK_CHARS = 256
 _SEEN_MAX_CHARS = MAX_PROMPT_BLOCKS * 64
-_SEEN = ["seen"]
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
+#: Text up to this long is cut into pieces (and they are looked up in the cache) on the event loop.
+_LOOK_UP_INLINE_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,10 @@ class ModelTokenizer:
         """A long text's token ids, tokenized in pieces of about `piece_chars` cut at `_CUT`: the pieces no
         earlier prompt had are encoded at once (`encode_batch`: in parallel, without the GIL); those one had (a
         shared system prompt, the earlier turns of a conversation) come from an LRU cache of `cache_pieces`."""
+        return self.finish(self.look_up(text), add_special_tokens, suffix)
+
+    def look_up(self, text: str) -> _Pieces:
+        """`text` cut into pieces, with the cached ids of those an earlier prompt had (cheap: the event loop's)."""
         pieces = _cut(text, self.piece_chars)
         cache = self._cache
         with self._lock:
@@ -237,6 +243,12 @@ class ModelTokenizer:
             for piece, ids in zip(pieces, found, strict=True):
                 if ids is not None:
                     cache.move_to_end(piece)
+        missing = sum(len(p) for p, ids in zip(pieces, found, strict=True) if ids is None)
+        return _Pieces(pieces, found, missing)
+
+    def finish(self, looked: _Pieces, add_special_tokens: bool, suffix: bool = True) -> np.ndarray:
+        """The ids of looked-up pieces: the missing ones encoded (`encode_batch`), all joined, special tokens added."""
+        pieces, found = looked.pieces, looked.found
         missing = [p for p, ids in zip(pieces, found, strict=True) if ids is None]
         self.cache_hits += len(pieces) - len(missing)
         self.cache_misses += len(missing)
@@ -245,9 +257,9 @@ class ModelTokenizer:
             new = {p: np.array(e.ids, dtype=np.int64) for p, e in zip(missing, encoded, strict=True)}
             with self._lock:
                 for piece, ids in new.items():
-                    cache[piece] = ids
-                while len(cache) > self.cache_pieces:
-                    cache.popitem(last=False)
+                    self._cache[piece] = ids
+                while len(self._cache) > self.cache_pieces:
+                    self._cache.popitem(last=False)
             found = [new[p] if ids is None else ids for p, ids in zip(pieces, found, strict=True)]
         if not add_special_tokens:
             return np.concatenate(found)
@@ -305,7 +317,7 @@ class PromptKeyer:
         self.inline_chars = inline_chars
         self.tokenize_all = tokenize_all
         #: Per model, the leading text blocks (`SEEN_BLOCK_CHARS`) of the prompts this gateway was sent.
-        self.seen = {m: RoutedIndex(seen_blocks, seen_ttl_s) for m in self.tokenizers}
+        self.seen = {m: _Seen(seen_blocks, seen_ttl_s) for m in self.tokenizers}
         self._pool: ThreadPoolExecutor | None = None
         self._threads = threads
 
@@ -353,39 +365,81 @@ class PromptKeyer:
         self, tokenizer: ModelTokenizer, model: str, texts: list[str], special: bool, block: int
     ) -> PromptKeys | _Work:
         """All of the texts, or the first one's leading text this gateway has seen before (to a cut)."""
-        if self.tokenize_all or not tokenizer.pieces:
-            return _Work(sum(len(t) for t in texts), lambda off: _full(tokenizer, texts, special, block, off))
         text = texts[0]
-        end = self._seen_end(model, text)
+        end = len(text) if self.tokenize_all or not tokenizer.pieces else self.seen[model].seen_end(text)
         if end == 0:  # no prompt this gateway was sent began so: no engine can hold its blocks (one replica's view)
             return PromptKeys(_NO_KEYS, "tokens", None)
-        if end == len(text) and len(texts) == 1:
-            return _Work(end, lambda off: _full(tokenizer, texts, special, block, off))
-        part = text[:end]
-        return _Work(end, lambda _off: _tokens(tokenizer.encode_long(part, special, suffix=False), block, None))
+        if not tokenizer.pieces or len(texts) > 1:
+            return _Work(sum(len(t) for t in texts), lambda off: _full(tokenizer, texts, special, block, off))
+        whole = end == len(text)
+        part = text if whole else text[:end]
+        # The pieces are looked up on the loop, so a prompt whose pieces are all cached is not sent to a thread;
+        # a huge one is cut in the thread too (cutting costs ~3 µs per 1000 characters).
+        looked = tokenizer.look_up(part) if len(part) <= _LOOK_UP_INLINE_CHARS else None
 
-    def _seen_end(self, model: str, text: str) -> int:
+        def run(_off: bool) -> PromptKeys:
+            ids = tokenizer.finish(looked if looked is not None else tokenizer.look_up(part), special, suffix=whole)
+            return _tokens(ids, block, len(ids) if whole else None)
+
+        return _Work(len(part) if looked is None else looked.missing, run)
+
+
+class _Seen:
+    """Which leading text (blocks of `SEEN_BLOCK_CHARS`, chained) the prompts of one model began with, and when.
+
+    A dict of key -> time last seen: recording a prompt is one `dict.update` (C speed, ~5 µs for 8K tokens' text);
+    past `max_blocks` the oldest-inserted half goes (a prefix seen all along may go too: it is learnt again from
+    its next prompt). Keys over 8-byte words of the UTF-8 text, so hashing 32 K characters costs ~30 µs.
+    """
+
+    def __init__(self, max_blocks: int, ttl_s: float) -> None:
+        self.max_blocks, self.ttl_s = max_blocks, ttl_s
+        self.when: dict[int, float] = {}
+
+    def seen_end(self, text: str) -> int:
         """How much of `text` to tokenize: through its leading blocks seen before, to the last cut in them (0:
-        none seen). The text's blocks are remembered as seen, once this request's routing has gone ahead."""
-        seen = self.seen[model]
-        keys = text_keys(text[:_SEEN_MAX_CHARS], SEEN_BLOCK_CHARS)
+        none seen); the text's blocks are recorded as seen now."""
+        data = text.encode()[:_SEEN_MAX_CHARS]
+        words = SEEN_BLOCK_CHARS // 8
+        n = len(data) // SEEN_BLOCK_CHARS
+        keys = block_keys(np.frombuffer(data, dtype=np.uint64, count=n * words), words).tolist()
         now = time.monotonic()
-        held = int(seen.match(keys, _SEEN, now)[0])
-        listed = keys.tolist()
-        try:
-            asyncio.get_running_loop().call_soon(seen.routed, _SEEN[0], listed, now)
-        except RuntimeError:  # no event loop (keys_now)
-            seen.routed(_SEEN[0], listed, now)
+        horizon = now - self.ttl_s
+        get = self.when.get
+        held = 0
+        for key in keys:
+            if get(key, -math.inf) < horizon:
+                break
+            held += 1
+        self.when.update(dict.fromkeys(keys, now))
+        if len(self.when) > self.max_blocks:
+            for key in list(itertools.islice(self.when, len(self.when) // 2)):
+                del self.when[key]
         if held == 0:
             return 0
         if held == len(keys):  # all of it but a tail shorter than a block: tokenize it all (the exact count too)
             return len(text)
-        limit = held * SEEN_BLOCK_CHARS
+        return _last_cut(text, len(data[: held * SEEN_BLOCK_CHARS].decode(errors="ignore")))
+
+
+def _last_cut(text: str, limit: int) -> int:
+    """The last `_CUT` at or before `limit` (searched in growing windows), else all of `text` (text without
+    spaces: CJK, some code)."""
+    for back in (128, 1024, 8 * SEEN_BLOCK_CHARS):
         last = 0
-        for cut in _CUT.finditer(text, max(0, limit - 4 * SEEN_BLOCK_CHARS), min(len(text), limit + 2)):
+        for cut in _CUT.finditer(text, max(0, limit - back), min(len(text), limit + 2)):
             if cut.start() <= limit:
                 last = cut.start()
-        return last if last else len(text)  # no cut near: the whole text (text without spaces: CJK, code)
+        if last:
+            return last
+    return len(text)
+
+
+@dataclass(slots=True)
+class _Pieces:
+    pieces: list[str]
+    found: list[np.ndarray | None]
+    missing: int  # characters in the pieces not in the cache
 
 
 def _cut(text: str, size: int) -> list[str]:
