@@ -176,6 +176,8 @@ def test_only_the_text_seen_before_is_tokenized(tokenizer_dir: Path) -> None:
     assert got.tokens is None and 0 < len(got.keys) < len(whole)
     assert np.array_equal(got.keys, whole[: len(got.keys)])
     assert len(got.keys) * BLOCK * 5 >= len(shared) - 3 * 256  # up to a cut within the last seen blocks
+    # the same seen prefix again, another tail: its keys are remembered, not tokenized again
+    assert keyer.keys_now({"prompt": f"{shared} {_words(90, 4)}"}, False, "m", BLOCK) is got
     # chat: the rendered text is what is seen
     chat = {"messages": [{"role": "user", "content": shared}]}
     assert len(keyer.keys_now(chat, True, "m", BLOCK).keys) == 0

@@ -20,14 +20,15 @@ content with non-text parts, and a template that fails to render.
 What is tokenized: HF `tokenizers` costs ~1-3 µs a token on this machine (10-25 ms for an 8K-token prompt), far
 over the gateway's budget. Two things bring it down without changing a key:
 
-- *Only the seen text.* Per model the gateway keeps which leading text (256-character blocks, chained like block
-  keys) the prompts it was sent began with (`tokenize_seen_blocks`, LRU, `prefix_routed_ttl_s`). No engine can hold
-  the blocks of a prefix no prompt had, so only the leading text seen before is tokenized, up to a cut (below);
-  its tokens are exactly the first tokens of the whole prompt, and their keys its leading keys. A prompt that
-  begins like none before is not tokenized at all (no keys: nothing to match). The exact prompt token count goes
-  to the router only when all of the prompt was tokenized. One gateway replica sees only its own prompts: a
-  prefix another replica routed is first tokenized here the second time this replica sees it.
-  `tokenize_all` tokenizes every prompt in full instead.
+- *Only the seen text.* Per model the gateway keeps which leading text (256-byte blocks, chained like block keys)
+  the prompts it was sent began with (`tokenize_seen_blocks`, oldest half out past it, `prefix_routed_ttl_s`). No
+  engine can hold the blocks of a prefix no prompt had, so only the leading text seen before is tokenized, up to
+  a cut (below); its tokens are exactly the first tokens of the whole prompt, and their keys its leading keys (a
+  tokenizer that cannot be cut: all of the prompt). A prompt that begins like none before is not tokenized at all
+  (no keys: nothing could match). The exact prompt token count goes to the router only when all of the prompt was
+  tokenized. One gateway replica knows only its own prompts: a prefix another replica (or this one before a
+  restart) routed gets keys here from the second time this replica sees it. `tokenize_all` tokenizes every
+  prompt in full instead.
 - *Pieces.* A long text is tokenized in pieces of ~`tokenize_piece_chars` cut at a space before a letter, where
   the common pre-tokenizers split anyway; each tokenizer is checked at load on texts that cut there (words,
   digits, punctuation, runs of spaces, other scripts) and one whose tokens differ is never cut. New pieces go to
@@ -87,6 +88,8 @@ CHARS_PER_TOKEN = 4
 SEEN_BLOCK_CHARS = 256
 _SEEN_MAX_CHARS = MAX_PROMPT_BLOCKS * 64
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
+#: Seen leading texts whose keys `PromptKeyer` keeps (~4 KB each for 8K tokens).
+_MEMO_ENTRIES = 4096
 #: Text up to this long is cut into pieces (and they are looked up in the cache) on the event loop.
 _LOOK_UP_INLINE_CHARS = 64 * 1024
 
@@ -318,6 +321,9 @@ class PromptKeyer:
         self.tokenize_all = tokenize_all
         #: Per model, the leading text blocks (`SEEN_BLOCK_CHARS`) of the prompts this gateway was sent.
         self.seen = {m: _Seen(seen_blocks, seen_ttl_s) for m in self.tokenizers}
+        #: The keys of seen leading text, by (model, its last seen block's key, where it ends, the text past that
+        #: block, special tokens, block size): a prefix seen again costs a dict lookup, not a tokenization.
+        self._memo: OrderedDict[tuple[Any, ...], PromptKeys] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._threads = threads
 
@@ -331,15 +337,22 @@ class PromptKeyer:
         if isinstance(work, PromptKeys):
             return work
         if work.size <= self.inline_chars:
-            return work.run(False)
+            return self._remember(work, work.run(False))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sy-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work.run, True)
+        return self._remember(work, await asyncio.get_running_loop().run_in_executor(self._pool, work.run, True))
 
     def keys_now(self, body: dict[str, Any], chat: bool, model: str | None, block_size: int) -> PromptKeys:
         """`keys` on the calling thread (tests, benches)."""
         work = self._plan(body, chat, model, block_size)
-        return work if isinstance(work, PromptKeys) else work.run(False)
+        return work if isinstance(work, PromptKeys) else self._remember(work, work.run(False))
+
+    def _remember(self, work: _Work, keys: PromptKeys) -> PromptKeys:
+        if work.memo is not None:
+            self._memo[work.memo] = keys
+            if len(self._memo) > _MEMO_ENTRIES:
+                self._memo.popitem(last=False)
+        return keys
 
     def _plan(self, body: dict[str, Any], chat: bool, model: str | None, block: int) -> PromptKeys | _Work:
         tokenizer = self.tokenizers.get(model) if model is not None else None
@@ -366,11 +379,21 @@ class PromptKeyer:
     ) -> PromptKeys | _Work:
         """All of the texts, or the first one's leading text this gateway has seen before (to a cut)."""
         text = texts[0]
-        end = len(text) if self.tokenize_all or not tokenizer.pieces else self.seen[model].seen_end(text)
-        if end == 0:  # no prompt this gateway was sent began so: no engine can hold its blocks (one replica's view)
-            return PromptKeys(_NO_KEYS, "tokens", None)
-        if not tokenizer.pieces or len(texts) > 1:
-            return _Work(sum(len(t) for t in texts), lambda off: _full(tokenizer, texts, special, block, off))
+        memo = None
+        if self.tokenize_all:
+            end = len(text)
+        else:
+            end, anchor, limit = self.seen[model].seen_end(text)
+            if end == 0:  # no prompt this gateway was sent began so: no engine holds its blocks (this replica's view)
+                return PromptKeys(_NO_KEYS, "tokens", None)
+            if len(texts) == 1:
+                memo = (model, anchor, end, text[limit:end], special, block)
+                known = self._memo.get(memo)
+                if known is not None:
+                    self._memo.move_to_end(memo)
+                    return known
+        if not tokenizer.pieces or len(texts) > 1:  # no cut is safe: the whole text (and a batch's others)
+            return _Work(sum(len(t) for t in texts), lambda off: _full(tokenizer, texts, special, block, off), memo)
         whole = end == len(text)
         part = text if whole else text[:end]
         # The pieces are looked up on the loop, so a prompt whose pieces are all cached is not sent to a thread;
@@ -381,28 +404,32 @@ class PromptKeyer:
             ids = tokenizer.finish(looked if looked is not None else tokenizer.look_up(part), special, suffix=whole)
             return _tokens(ids, block, len(ids) if whole else None)
 
-        return _Work(len(part) if looked is None else looked.missing, run)
+        return _Work(len(part) if looked is None else looked.missing, run, memo)
 
 
 class _Seen:
-    """Which leading text (blocks of `SEEN_BLOCK_CHARS`, chained) the prompts of one model began with, and when.
+    """Which leading text (blocks of `SEEN_BLOCK_CHARS` bytes, chained) the prompts of one model began with, and when.
 
-    A dict of key -> time last seen: recording a prompt is one `dict.update` (C speed, ~5 µs for 8K tokens' text);
-    past `max_blocks` the oldest-inserted half goes (a prefix seen all along may go too: it is learnt again from
-    its next prompt). Keys over 8-byte words of the UTF-8 text, so hashing 32 K characters costs ~30 µs.
+    Keys chain Python's hash over each block's bytes (`hash((previous key, block))`, ~0.4 µs a block, 1 µs for
+    1K tokens' text): equal keys mean equal leading text, within this process (the hash is seeded per process).
+    A dict of key -> time last seen: recording a prompt is one `dict.update`; past `max_blocks` the
+    oldest-inserted half goes (a prefix seen all along may go too: it is learnt again from its next prompt).
     """
 
     def __init__(self, max_blocks: int, ttl_s: float) -> None:
         self.max_blocks, self.ttl_s = max_blocks, ttl_s
         self.when: dict[int, float] = {}
 
-    def seen_end(self, text: str) -> int:
+    def seen_end(self, text: str) -> tuple[int, int, int]:
         """How much of `text` to tokenize: through its leading blocks seen before, to the last cut in them (0:
-        none seen); the text's blocks are recorded as seen now."""
+        none seen); the key of the last seen block, and the characters those blocks hold. The text's blocks are
+        recorded as seen now."""
         data = text.encode()[:_SEEN_MAX_CHARS]
-        words = SEEN_BLOCK_CHARS // 8
-        n = len(data) // SEEN_BLOCK_CHARS
-        keys = block_keys(np.frombuffer(data, dtype=np.uint64, count=n * words), words).tolist()
+        size = SEEN_BLOCK_CHARS
+        keys, key = [], 0
+        for start in range(0, len(data) - size + 1, size):
+            key = hash((key, data[start : start + size]))
+            keys.append(key)
         now = time.monotonic()
         horizon = now - self.ttl_s
         get = self.when.get
@@ -413,13 +440,14 @@ class _Seen:
             held += 1
         self.when.update(dict.fromkeys(keys, now))
         if len(self.when) > self.max_blocks:
-            for key in list(itertools.islice(self.when, len(self.when) // 2)):
-                del self.when[key]
+            for old in list(itertools.islice(self.when, len(self.when) // 2)):
+                del self.when[old]
         if held == 0:
-            return 0
+            return 0, 0, 0
+        limit = held * size if data.isascii() else len(data[: held * size].decode(errors="ignore"))
         if held == len(keys):  # all of it but a tail shorter than a block: tokenize it all (the exact count too)
-            return len(text)
-        return _last_cut(text, len(data[: held * SEEN_BLOCK_CHARS].decode(errors="ignore")))
+            return len(text), keys[-1], limit
+        return _last_cut(text, limit), keys[held - 1], limit
 
 
 def _last_cut(text: str, limit: int) -> int:
@@ -468,6 +496,7 @@ def _affixes(bare: list[int], full: list[int]) -> tuple[tuple[int, ...], tuple[i
 class _Work:
     size: int  # characters to tokenize (0: nothing to tokenize)
     run: Callable[[bool], PromptKeys]
+    memo: tuple[Any, ...] | None = None  # where `PromptKeyer` keeps the result
 
 
 def _capped(keys: np.ndarray) -> np.ndarray:
