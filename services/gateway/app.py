@@ -39,7 +39,7 @@ async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[E
     try:
         keys = await keyer.keys(parsed.body, chat, parsed.model, engines[0].block_size)
     except Exception:
-        metrics.BAD_REQUESTS.labels("keys_failed").inc()
+        metrics.PROMPT_KEYS_FAILED.inc()
         log.debug("no block keys for a request", exc_info=True)
         return
     parsed.keys = keys

@@ -90,6 +90,10 @@ KV_EVENTS = Counter(
     "first), late, unknown_engine (not a known prefill engine), block_size (not its hello's block size).",
     ["outcome"],
 )
+PROMPT_KEYS_FAILED = Counter(
+    "switchyard_gateway_prompt_keys_failed_total",
+    "Requests routed without prefix-cache block keys because computing them failed (a bug: see the debug log).",
+)
 PREFILL_CHOICES = Counter(
     "switchyard_gateway_prefill_choices_total",
     "Prefill engine choices at a handoff, by what decided: prefix (an engine held the most of the prompt's "
