@@ -296,13 +296,15 @@ def test_kv_events_are_applied_only_from_known_prefill_engines() -> None:
     for engine_id, role in (("p0", "prefill"), ("d0", "decode"), ("p1", "prefill")):
         registry.on_hello(_hello(engine_id, role))
     prefix = PrefillPrefix(registry)
-    outcome = {o: metric("switchyard_gateway_kv_events_total", outcome=o) for o in ("unknown_engine", "block_size")}
+    outcomes = ("unknown_engine", "not_prefill", "block_size")
+    outcome = {o: metric("switchyard_gateway_kv_events_total", outcome=o) for o in outcomes}
     keys = [11, 12, 13]
     prefix.on_kv(_kv("ghost", 0, ("stored", keys)))
     prefix.on_kv(_kv("d0", 0, ("stored", keys)))
     prefix.on_kv(_kv("p1", 0, ("stored", keys), block_size=32))
     assert len(prefix.blocks) == 0 and not prefix.reports("p1")
-    assert metric("switchyard_gateway_kv_events_total", outcome="unknown_engine") == outcome["unknown_engine"] + 2
+    assert metric("switchyard_gateway_kv_events_total", outcome="unknown_engine") == outcome["unknown_engine"] + 1
+    assert metric("switchyard_gateway_kv_events_total", outcome="not_prefill") == outcome["not_prefill"] + 1
     assert metric("switchyard_gateway_kv_events_total", outcome="block_size") == outcome["block_size"] + 1
     engines = [registry.engines["p0"], registry.engines["p1"]]
     prefix.on_kv(_kv("p0", 0, ("stored", keys)))

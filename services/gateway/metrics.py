@@ -87,7 +87,8 @@ def forget_engine(engine_id: str) -> None:
 KV_EVENTS = Counter(
     "switchyard_gateway_kv_events_total",
     "KvEvents messages from prefill engines, by outcome: applied, gap (events lost: the engine's blocks cleared "
-    "first), late, unknown_engine (not a known prefill engine), block_size (not its hello's block size).",
+    "first), late, unknown_engine (no hello), not_prefill (a DP or decode engine's: dropped), block_size (not its "
+    "hello's block size).",
     ["outcome"],
 )
 PROMPT_KEYS_FAILED = Counter(

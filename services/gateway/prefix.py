@@ -45,8 +45,8 @@ class PrefillPrefix:
     def on_kv(self, events: KvEvents, _msg: object = None) -> None:
         engine_id = events.engine_id
         engine = self.registry.engines.get(engine_id)
-        if engine is None or engine.role != "prefill":
-            metrics.KV_EVENTS.labels("unknown_engine").inc()
+        if engine is None or engine.role != "prefill":  # a DP engine's events are the router's
+            metrics.KV_EVENTS.labels("unknown_engine" if engine is None else "not_prefill").inc()
             return
         if events.block_size != engine.block_size:
             metrics.KV_EVENTS.labels("block_size").inc()

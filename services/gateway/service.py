@@ -148,7 +148,7 @@ class GatewayService:
         # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
-        if self.prefix is not None:  # the prefill engines' KV events: the prefill choice's prefix index
+        if self.prefix is not None and g.mode != "dp":  # prefill engines' KV events: the prefill choice's index
             await ingest.subscribe(s.all_kv_events, KvEvents, self.prefix.on_kv)
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
