@@ -427,3 +427,27 @@ async def test_a_long_prompt_tokenizing_does_not_stall_the_event_loop(
         assert short.status_code == 200
         assert (await long).status_code == 200
     assert finished and short_done < finished[0]  # answered while the long prompt was still tokenizing
+
+
+async def test_by_default_a_prompt_gets_keys_once_the_gateway_has_seen_it(
+    bus: Bus, settings: SwitchyardSettings, tokenizer_dir: Path
+) -> None:
+    asked: list[RouteDpRequest] = []
+
+    async def on_route(msg: object) -> None:
+        asked.append(decode(msg.data, RouteDpRequest))  # type: ignore[attr-defined]
+
+    await bus.nc.subscribe(bus.subjects.route_dp, cb=on_route)
+    prompt = _words(300)
+    gateway = GatewaySettings(port=0, route_timeout_s=0.5, tokenizers=f"stub-model={tokenizer_dir}")
+    async with (
+        deployment(settings, bus, [StubConfig("a")], gateway=gateway) as (gw, _engines),
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
+    ):
+        for _ in range(2):
+            answer = await client.post("/v1/completions", json={"model": "stub-model", "prompt": prompt})
+            assert answer.status_code == 200, answer.text
+        await wait_for(lambda: len(asked) == 2)
+    ids = _tok(tokenizer_dir).encode(prompt).ids
+    assert asked[0].block_keys is None and asked[0].prompt_tokens == len(prompt) // 4  # unseen: the estimate
+    assert np.array_equal(asked[1].block_keys, block_keys(ids, BLOCK)) and asked[1].prompt_tokens == len(ids)
