@@ -35,8 +35,19 @@ Handoff: the same streaming request with model `stub-pd`, through the gateway an
 alternating; the added TTFT is the whole handoff (prefill hop, signature decode, `sy.route.decode`, decode hop)
 over a direct decode.
 
+Prefix keys (issue 25): a second gateway runs with `SWITCHYARD_GATEWAY_PREFIX_KEYS=false` ("gateway-off"), the
+first with a tokenizer for the stub's model (`SWITCHYARD_GATEWAY_TOKENIZERS`; `--tokenizer PATH` for a real one,
+else a byte-level BPE trained here on synthetic words, with a BOS post-processor, which `tokenizers` encodes at
+about the speed of a real one per token). Both serve DP requests of four prompt shapes, alternating shape by
+shape and target by target in one run beside direct and the proxy: 1K and 8K tokens, each "fresh" (a new prompt
+every request: tokenized in full) and "shared" (the first 90 % the same every request, as a system prompt or
+the earlier turns of a chat: its pieces come from the gateway's piece cache). Budgets: the gateway's added TTFT
+p50 with prefix keys on, over the same run with them off, ≤ +0.3 ms at 1K tokens and ≤ +1.5 ms at 8K,
+tokenization included. Where the time goes is measured in this process too (`tokenize`: encode, pieces, cache,
+block keys, the thread hop).
+
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
-                                                [--profile PATH]
+                                                [--profile PATH] [--prefix-requests 100] [--tokenizer PATH]
 """
 
 from __future__ import annotations
@@ -64,6 +75,76 @@ HANDOFF_MODEL = "stub-pd"
 #: have by the time the gateway's own route request comes (each streamed request to a target takes ~35 ms).
 IDLE_BEFORE_RTT_S = 0.02
 BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
+#: Prompt shapes of the prefix-keys latency: (name, tokens, share of the prompt that is the same every request).
+SHAPES = (("1k-fresh", 1024, 0.0), ("8k-fresh", 8192, 0.0), ("1k-shared", 1024, 0.9), ("8k-shared", 8192, 0.9))
+#: Latency targets of the prefix-keys part.
+PREFIX_TARGETS = ("direct", "proxy", "gateway", "gateway-off")
+
+
+# ----- prompts and their tokenizer -----------------------------------------------------------------------------
+
+
+class Words:
+    """Synthetic text: words of 1-3 syllables, so a BPE learns subwords, with some punctuation and newlines."""
+
+    def __init__(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        syllables = "ka to ri men sa lo pe tri an dor el qu is ne ur ba ch st ion ing ed er th ou al in re"
+        syllables = syllables.split(" ")
+        self.words = np.array(["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(30000)])
+        self.rng = rng
+
+    def text(self, n_words: int) -> str:
+        words = self.rng.choice(self.words, size=n_words).tolist()
+        for i in range(11, n_words, 13):
+            words[i] += "," if i % 2 else ".\n"
+        return " ".join(words)
+
+
+def build_tokenizer(where: Path, words: Words) -> Path:
+    """A byte-level BPE (GPT-2's pre-tokenizer) trained on the synthetic words, with a BOS post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=32000,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|bos|>", "<|eos|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator((words.text(2000) for _ in range(200)), trainer)
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    where.mkdir(parents=True, exist_ok=True)
+    tok.save(str(where / "tokenizer.json"))
+    (where / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
+    return where
+
+
+class Prompts:
+    """Prompts of about `tokens` tokens under the tokenizer; `shared` of them the same in every prompt."""
+
+    def __init__(self, tokenizer_dir: Path, words: Words) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self.words = words
+        sample = words.text(4000)
+        self.tokens_per_word = len(self.tok.encode(sample).ids) / 4000
+        self.shared: dict[tuple[int, float], str] = {}
+
+    def prompt(self, tokens: int, shared: float) -> str:
+        n = int(tokens / self.tokens_per_word)
+        head = int(n * shared)
+        if head and (tokens, shared) not in self.shared:
+            self.shared[(tokens, shared)] = self.words.text(head)
+        parts = [self.shared[(tokens, shared)]] if head else []
+        return " ".join([*parts, self.words.text(n - head)])
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text).ids)
 
 
 # ----- helper processes ------------------------------------------------------------------------------------
@@ -311,6 +392,99 @@ async def handoff_latency(gateway_port: int, decode_port: int, requests: int) ->
     return {"gateway_ttft_p50_ms": g, "direct_decoder_ttft_p50_ms": d, "added_ttft_p50_ms": g - d}
 
 
+async def prefix_latency(ports: dict[str, int], prompts: Prompts, requests: int) -> dict[str, object]:
+    """Streaming TTFT per prompt shape and target (direct, proxy, gateway with prefix keys on, and off); shapes and
+    targets alternate request by request (drift on this shared machine hits all alike). Each shape's prompt is
+    made anew per round (a fresh one differs in full, a shared one in its last 10 %), and every target gets it."""
+    conns = {name: Conn(ports[name]) for name in PREFIX_TARGETS}
+    for conn in conns.values():
+        await conn.open()
+    ttft: dict[str, dict[str, list[float]]] = {shape[0]: {n: [] for n in PREFIX_TARGETS} for shape in SHAPES}
+    tokens: dict[str, list[int]] = {shape[0]: [] for shape in SHAPES}
+    warm = 10
+    for i in range(requests + warm):
+        for name, size, shared in SHAPES if i % 2 == 0 else SHAPES[::-1]:
+            prompt = prompts.prompt(size, shared)
+            if i < 3:
+                tokens[name].append(prompts.count(prompt))
+            body = json.dumps({**BODY, "prompt": prompt, "stream": True}).encode()
+            for target in PREFIX_TARGETS if (i // 2) % 2 == 0 else PREFIX_TARGETS[::-1]:
+                first, _gaps, done = await stream_once(conns[target], body)
+                assert done, target
+                if i >= warm:
+                    ttft[name][target].append(first)
+    out: dict[str, object] = {}
+    for name, _size, _shared in SHAPES:
+        p50 = {t: float(np.percentile(ttft[name][t], 50) * 1e3) for t in PREFIX_TARGETS}
+        out[name] = {
+            "prompt_tokens": int(np.mean(tokens[name])),
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": {t: float(np.percentile(ttft[name][t], 99) * 1e3) for t in PREFIX_TARGETS},
+            "added_by_prefix_keys_p50_ms": p50["gateway"] - p50["gateway-off"],
+            "gateway_added_vs_proxy_p50_ms": p50["gateway"] - p50["proxy"],
+            "gateway_off_added_vs_proxy_p50_ms": p50["gateway-off"] - p50["proxy"],
+        }
+    return out
+
+
+async def tokenize_figures(tokenizer_dir: Path, prompts: Prompts, n: int = 40) -> dict[str, object]:
+    """Where a request's prefix-keys time goes, in this process: the tokenizer on one text whole (`encode`, on
+    the calling thread), the gateway's keys as it computes them (`PromptKeyer.keys`: thread hop, pieces, piece
+    cache, block keys), block keys alone, and the bare thread hop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from switchyard.services.gateway.prompt_keys import PromptKeyer
+    from switchyard.shared.prefix_keys import block_keys
+
+    keyer = PromptKeyer(f"stub-model={tokenizer_dir}")
+    keyer_all = PromptKeyer(f"stub-model={tokenizer_dir}", tokenize_all=True)
+    model = keyer.tokenizers["stub-model"]
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(1)
+    hops = []
+    for _ in range(200):
+        start = time.perf_counter()
+        await loop.run_in_executor(pool, int)
+        hops.append(time.perf_counter() - start)
+    out: dict[str, object] = {
+        "pieces": model.pieces,
+        "inline_chars": keyer.inline_chars,
+        "piece_chars": model.piece_chars,
+        "thread_hop_p50_us": float(np.percentile(hops, 50) * 1e6),
+    }
+    for name, size, shared in SHAPES:
+        whole, keys, keys_all, bare = [], [], [], []
+        for _ in range(n):
+            text = prompts.prompt(size, shared)
+            body = {"prompt": text}
+            start = time.perf_counter()
+            ids = model.tokenizer.encode(text).ids
+            whole.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await keyer.keys(body, False, "stub-model", 16)
+            keys.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            got = await keyer_all.keys(body, False, "stub-model", 16)
+            keys_all.append(time.perf_counter() - start)
+            assert got.kind == "tokens" and got.tokens == len(ids)
+            start = time.perf_counter()
+            block_keys(np.asarray(ids), 16)
+            bare.append(time.perf_counter() - start)
+        out[name] = {
+            "chars": len(text),
+            "encode_whole_p50_ms": float(np.percentile(whole, 50) * 1e3),
+            "gateway_keys_p50_ms": float(np.percentile(keys, 50) * 1e3),
+            "gateway_keys_tokenize_all_p50_ms": float(np.percentile(keys_all, 50) * 1e3),
+            "block_keys_p50_us": float(np.percentile(bare, 50) * 1e6),
+        }
+    pieces = keyer_all.tokenizers["stub-model"]  # the seen-text keyer remembers keys: its pieces are rarely asked
+    out["piece_cache_tokenize_all"] = {"hits": pieces.cache_hits, "misses": pieces.cache_misses}
+    keyer.close()
+    keyer_all.close()
+    pool.shutdown()
+    return out
+
+
 async def throughput(port: int, duration: float, concurrency: int, pid: int | None) -> dict[str, float]:
     body = json.dumps(BODY).encode()
     conns = [Conn(port) for _ in range(concurrency)]
@@ -427,6 +601,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="Run the gateway under cProfile, stats to PATH.")
+    parser.add_argument("--prefix-requests", type=int, default=100, help="Rounds of the prefix-keys latency.")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="A real tokenizer (dir or tokenizer.json).")
     args = parser.parse_args()
     if args.role == "stub":
         interval = args.token_interval_ms / 1e3
@@ -453,7 +629,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         nats = EmbeddedNats(Path(tmp))
         url = nats.start()
-        ports = {"direct": free_port(), "proxy": free_port(), "proxy-httpx": free_port(), "gateway": free_port()}
+        ports = {
+            "direct": free_port(),
+            "proxy": free_port(),
+            "proxy-httpx": free_port(),
+            "gateway": free_port(),
+            "gateway-off": free_port(),
+        }
+        words = Words()
+        if args.tokenizer is not None:
+            tokenizer_dir = args.tokenizer if args.tokenizer.is_dir() else args.tokenizer.parent
+        else:
+            tokenizer_dir = build_tokenizer(Path(tmp) / "tokenizer", words)
+        prompts = Prompts(tokenizer_dir, words)
         try:
             procs["stub"] = subprocess.Popen(
                 [
@@ -487,20 +675,28 @@ def main() -> None:
             gateway = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway"])]
             if args.profile:
                 gateway = ["-m", "cProfile", "-o", str(args.profile), *gateway]
-            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=env)
+            keyed = env | {"SWITCHYARD_GATEWAY_TOKENIZERS": f"stub-model={tokenizer_dir}"}
+            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=keyed)
+            off = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway-off"])]
+            procs["gateway-off"] = subprocess.Popen(
+                [sys.executable, *off], env=keyed | {"SWITCHYARD_GATEWAY_PREFIX_KEYS": "false"}
+            )
             for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
             wait_ready(ports["gateway"])
+            wait_ready(ports["gateway-off"])
             time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
             lat = asyncio.run(latency(ports, args.requests, url))
             handoff = asyncio.run(handoff_latency(ports["gateway"], handoff_ports["d0"], args.requests))
+            prefix = asyncio.run(prefix_latency(ports, prompts, args.prefix_requests))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             tput = {
                 name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name]))
                 for name, port in ports.items()
             }
             load_after = os.getloadavg()
+            tokenize = asyncio.run(tokenize_figures(tokenizer_dir, prompts))  # the other processes idle now
         finally:
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
@@ -534,6 +730,12 @@ def main() -> None:
         "handoff": handoff,
         "throughput": tput,
         "signature_json": sigs,
+        "prefix_keys": {
+            "budgets_ms": {"1k": 0.3, "8k": 1.5},
+            "tokenizer": str(args.tokenizer) if args.tokenizer else "byte-level BPE trained on synthetic words",
+            "latency": prefix,
+            "tokenize": tokenize,
+        },
     }
     print(f"# {report['machine']}; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(
@@ -567,6 +769,32 @@ def main() -> None:
             f"  {row['shape']:7} {row['dtype']}: {row['json_bytes']:6d} B, encode {row['encode_us']:6.1f} µs, "
             f"decode {row['decode_us']:6.1f} µs | {row['bus_bytes']:6d} B, encode {row['bus_encode_us']:6.1f} µs, "
             f"decode {row['bus_decode_us']:6.1f} µs"
+        )
+    print(
+        f"prefix keys (DP, stub {args.tokens} tokens): TTFT p50 ms per target; added by prefix keys = gateway - "
+        "gateway-off (budget 1K ≤ 0.3 ms, 8K ≤ 1.5 ms)"
+    )
+    print(
+        f"  {'shape':10} {'tokens':>6} " + " ".join(f"{t:>11}" for t in PREFIX_TARGETS) + f" {'added':>7} {'p99s':>9}"
+    )
+    for name, _size, _shared in SHAPES:
+        row = prefix[name]
+        p99 = row["ttft_p99_ms"]
+        print(
+            f"  {name:10} {row['prompt_tokens']:6d} "
+            + " ".join(f"{row['ttft_p50_ms'][t]:11.3f}" for t in PREFIX_TARGETS)
+            + f" {row['added_by_prefix_keys_p50_ms']:+7.3f} {p99['gateway']:4.1f}/{p99['gateway-off']:4.1f}"
+        )
+    print(
+        f"tokenization in this process (pieces: {tokenize['pieces']}; thread hop p50 "
+        f"{tokenize['thread_hop_p50_us']:.0f} µs; piece cache with tokenize_all {tokenize['piece_cache_tokenize_all']})"
+    )
+    for name, _size, _shared in SHAPES:
+        row = tokenize[name]
+        print(
+            f"  {name:10} {row['chars']:6d} chars: encode whole {row['encode_whole_p50_ms']:7.3f} ms, the gateway's "
+            f"keys {row['gateway_keys_p50_ms']:7.3f} ms (tokenize_all {row['gateway_keys_tokenize_all_p50_ms']:7.3f}"
+            f" ms), block keys alone {row['block_keys_p50_us']:6.1f} µs"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

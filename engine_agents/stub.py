@@ -50,6 +50,8 @@ class StubConfig:
     token_interval_s: float = 0.0
     #: Delay of a non-streaming answer (None: as long as its tokens would take to stream).
     answer_delay_s: float | None = None
+    #: Delay of a prefill answer (a prefill takes a while: the gateway's load bound then sees it in flight).
+    prefill_delay_s: float = 0.0
     #: Answer this many requests with HTTP 500 before working normally.
     fail_first: int = 0
     #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
@@ -129,6 +131,8 @@ class StubEngine:
 
     async def _prefill(self, body: dict[str, Any], request_id: str) -> Response:
         cfg = self.config
+        if cfg.prefill_delay_s > 0:
+            await asyncio.sleep(cfg.prefill_delay_s)
         kv: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,

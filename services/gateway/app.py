@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -12,11 +13,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.services.gateway import metrics
-from switchyard.services.gateway.body import BadBody, error_response, parse
+from switchyard.services.gateway.body import BadBody, Parsed, error_response, parse
 from switchyard.services.gateway.disagg import serve_disagg
 from switchyard.services.gateway.dp import serve_dp
+from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.relay import Context, ToClient
 from switchyard.services.gateway.signatures import new_request_id
+
+log = logging.getLogger(__name__)
 
 
 def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
@@ -24,6 +28,23 @@ def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
     if model is not None and served and model not in served:
         return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     return error_response(503, "no live engine can serve this request", "ServiceUnavailableError")
+
+
+async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[Engine]) -> None:
+    """The prompt's block keys at the engines' block size (their hellos'), and its exact token count when it was
+    tokenized; a failure leaves the request without keys (counted), never fails it."""
+    keyer = ctx.keyer
+    if keyer is None:
+        return
+    try:
+        keys = await keyer.keys(parsed.body, chat, parsed.model, engines[0].block_size)
+    except Exception:
+        metrics.PROMPT_KEYS_FAILED.inc()
+        log.debug("no block keys for a request", exc_info=True)
+        return
+    parsed.keys = keys
+    if keys.tokens is not None:
+        parsed.prompt_tokens = max(1, keys.tokens)
 
 
 async def _body(receive: Receive) -> bytes:
@@ -55,10 +76,12 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
     if mode == "dp":
         dp = registry.live("dp", parsed.model)
         if dp:
+            await _name_blocks(ctx, parsed, chat, dp)
             return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started)
     elif mode == "disagg":
         prefills, decoders = registry.live("prefill", parsed.model), registry.live("decode", parsed.model)
         if prefills and decoders:
+            await _name_blocks(ctx, parsed, chat, prefills)
             return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)
     metrics.REQUESTS.labels("none", "unavailable").inc()
     return _fleet_unavailable(ctx, parsed.model)

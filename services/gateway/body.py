@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse
 
 from switchyard.shared import json_depth
+
+if TYPE_CHECKING:
+    from switchyard.services.gateway.prompt_keys import PromptKeys
 
 #: A rough characters-per-token ratio for a text prompt's size (the router only ranks by it).
 CHARS_PER_TOKEN = 4
@@ -45,6 +48,8 @@ class Parsed:
     stream: bool
     prompt_tokens: int
     prefix: bytes
+    #: The prompt's prefix-cache block keys, once computed for the chosen fleet (`app._name_blocks`).
+    keys: PromptKeys | None = None
 
 
 def _prompt_size_and_prefix(body: dict[str, Any], chat: bool, prefix_chars: int) -> tuple[int, bytes]:

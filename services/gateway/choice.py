@@ -1,4 +1,4 @@
-"""Local engine choices, pure functions: the router-down fallback and the prefill engine's affinity rule."""
+"""Local engine choices, pure functions: the router-down fallback and the prefill engine's prefix rule."""
 
 from __future__ import annotations
 
@@ -27,16 +27,31 @@ def rendezvous_order(key: bytes, engine_ids: Sequence[str]) -> list[int]:
     return sorted(range(len(engine_ids)), key=lambda i: _weight(key, engine_ids[i]), reverse=True)
 
 
-def pick_prefill(key: bytes, engine_ids: Sequence[str], inflight: Sequence[int], load_bound: float) -> list[int]:
-    """Prefill engines in the order to try: prefix-hash affinity with a load bound.
+def pick_prefill(
+    key: bytes,
+    engine_ids: Sequence[str],
+    inflight: Sequence[int],
+    load_bound: float,
+    cached: Sequence[int] | None = None,
+) -> list[int]:
+    """Prefill engines in the order to try: the most cached prefix under a load bound, then prefix-hash affinity.
 
-    The first choice is the highest-ranked engine (rendezvous hash of the prompt prefix `key`) whose in-flight
-    count is below `ceil(load_bound * (total + 1) / n)` (consistent hashing with bounded loads): a hot prefix
-    spills to its next-ranked engines instead of queueing on one. The rest follow in rank order (retries).
+    Engines under the bound are those whose in-flight count is below `ceil(load_bound * (total + 1) / n)`
+    (consistent hashing with bounded loads); among them the first choice holds the most of the prompt's leading
+    blocks (`cached[i]`, blocks or tokens, one unit for all), ties (and no `cached`) going to the highest-ranked by
+    the rendezvous hash of the prompt prefix `key`. A hot prefix so spills to the engines under the bound instead
+    of queueing on the one that holds it; with none under it, the top-ranked engine. The rest follow as retries,
+    most cached first, then by rank.
     """
     order = rendezvous_order(key, engine_ids)
     if not order:
         return order
     limit = math.ceil(load_bound * (sum(inflight) + 1) / len(order))
-    first = next((i for i in order if inflight[i] < limit), order[0])
-    return [first, *(i for i in order if i != first)]
+    if cached is None or not any(cached):
+        first = next((i for i in order if inflight[i] < limit), order[0])
+        return [first, *(i for i in order if i != first)]
+    rank = {i: r for r, i in enumerate(order)}
+    under = [i for i in order if inflight[i] < limit]
+    first = max(under, key=lambda i: (cached[i], -rank[i])) if under else order[0]
+    rest = sorted((i for i in order if i != first), key=lambda i: (-cached[i], rank[i]))
+    return [first, *rest]

@@ -1,8 +1,8 @@
 """The prefill->decode handoff, as vLLM's disaggregated-serving proxy does it, with ELDR's decode routing.
 
 1. Prefill: the body with `max_tokens = 1`, `stream = false` and `kv_transfer_params.do_remote_decode = true`
-   goes to a prefill engine chosen by prefix-hash affinity with a load bound (`choice.pick_prefill`); one
-   retry on the next-ranked engine if it fails.
+   goes to the prefill engine holding the most of the prompt's blocks under a load bound, ties by prefix-hash
+   affinity (`choice.pick_prefill`, `prefix.PrefillPrefix`); one retry on the next engine if it fails.
 2. Signature: `kv_transfer_params.switchyard_signature` in the prefill response, else the `PrefillSignature`
    the engine publishes on the bus for this request id, waited for at most `signature_wait_s` (not at all
    for an engine that published none for its last few handoffs); else none (the router then routes by load
@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -69,9 +71,19 @@ def signature_in(kv_params: dict[str, Any]) -> np.ndarray | None:
 async def _prefill(
     ctx: Context, request: Request, engines: list[Engine], parsed: Parsed, path: str, request_id: str
 ) -> tuple[Engine, dict[str, Any]] | Response:
+    keys, prefix = parsed.keys, ctx.prefix
+    cached = None
+    if keys is not None and prefix is not None and len(keys.keys):
+        cached = prefix.cached(keys.keys, keys.kind, engines, time.monotonic())
     order = pick_prefill(
-        parsed.prefix, [e.engine_id for e in engines], [e.inflight for e in engines], ctx.settings.affinity_load_bound
+        parsed.prefix,
+        [e.engine_id for e in engines],
+        [e.inflight for e in engines],
+        ctx.settings.affinity_load_bound,
+        cached,
     )
+    by = "off" if prefix is None else "prefix" if cached and cached[order[0]] > 0 else "hash"
+    metrics.PREFILL_CHOICES.labels(by).inc()
     content = json.dumps(prefill_body(parsed.body)).encode()
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
     for attempt, index in enumerate(order[:2]):
@@ -102,6 +114,9 @@ async def _prefill(
         usage = data.get("usage") if isinstance(data, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             parsed.prompt_tokens = usage["prompt_tokens"]
+        if keys is not None and prefix is not None and len(keys.keys):  # run once this request's next hop waits
+            now = time.monotonic()
+            asyncio.get_running_loop().call_soon(prefix.chosen, engine.engine_id, keys.keys, keys.kind, now)
         return engine, kv if isinstance(kv, dict) else {}
     metrics.REQUESTS.labels("disagg", "upstream_error").inc()
     return error_response(502, "prefill failed on every engine tried", "BadGatewayError")

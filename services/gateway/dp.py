@@ -19,7 +19,7 @@ async def serve_dp(
     request_id: str,
     started: float,
 ) -> ToClient:
-    engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model)
+    engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     return await final_hop(

@@ -82,3 +82,22 @@ def forget_engine(engine_id: str) -> None:
     for metric in (TTFT, ITL, E2E, UPSTREAM_ERRORS):
         for labels in [key for key in list(metric._metrics) if key[0] == engine_id]:  # prometheus_client's children
             metric.remove(*labels)
+
+
+KV_EVENTS = Counter(
+    "switchyard_gateway_kv_events_total",
+    "KvEvents messages from prefill engines, by outcome: applied, gap (events lost: the engine's blocks cleared "
+    "first), late, unknown_engine (no hello), not_prefill (a DP or decode engine's: dropped), block_size (not its "
+    "hello's block size).",
+    ["outcome"],
+)
+PROMPT_KEYS_FAILED = Counter(
+    "switchyard_gateway_prompt_keys_failed_total",
+    "Requests routed without prefix-cache block keys because computing them failed (a bug: see the debug log).",
+)
+PREFILL_CHOICES = Counter(
+    "switchyard_gateway_prefill_choices_total",
+    "Prefill engine choices at a handoff, by what decided: prefix (an engine held the most of the prompt's "
+    "blocks), hash (no engine under the load bound held any: rendezvous hash), off (prefix keys disabled).",
+    ["by"],
+)

@@ -61,6 +61,8 @@ class Engine:
     #: Hops failed in a row; at `eject_after_failures` the engine is ejected until its health check passes.
     failures: int = 0
     ejected: bool = False
+    #: Tokens per KV block (its hello's `capacity.block_size`): the block size of its prefix-cache keys.
+    block_size: int = 16
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def url(self, path: str) -> URL:
@@ -133,6 +135,7 @@ class EngineRegistry:
             engine.base_url = base_url
             engine._urls.clear()
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
+        engine.block_size = hello.capacity.block_size
         engine.telemetry_interval_s = hello.telemetry_interval_s
         self._relive(engine)
         self.version += 1
@@ -212,8 +215,11 @@ class EngineRegistry:
             engine.ejected = True
             self.version += 1
             metrics.EJECTIONS.inc()
-            log.warning("engine %s ejected after %d failed hops; back when its /health answers", engine.engine_id,
-                        engine.failures)
+            log.warning(
+                "engine %s ejected after %d failed hops; back when its /health answers",
+                engine.engine_id,
+                engine.failures,
+            )
 
     def hop_succeeded(self, engine: Engine) -> None:
         engine.failures = 0

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +27,10 @@ from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
 
+if TYPE_CHECKING:
+    from switchyard.services.gateway.prefix import PrefillPrefix
+    from switchyard.services.gateway.prompt_keys import PromptKeyer
+
 T = TypeVar("T")
 
 
@@ -39,6 +43,10 @@ class Context:
     router: Router
     upstream: Upstream
     signatures: SignatureBox
+    #: Names each prompt's blocks (None: prefix keys off).
+    keyer: PromptKeyer | None = None
+    #: The prefill engines' prefix index (None: prefix keys off; the prefill choice is the hash alone).
+    prefix: PrefillPrefix | None = None
 
 
 class ClientGone(Exception):

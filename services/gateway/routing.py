@@ -15,9 +15,10 @@ from nats.errors import Error as NatsError
 
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.choice import least_loaded
+from switchyard.services.gateway.prompt_keys import PromptKeys
 from switchyard.services.gateway.registry import Engine
 from switchyard.shared.bus import Bus
-from switchyard.shared.codec import WireModel, encode, encode_unchecked, reply_fields
+from switchyard.shared.codec import WireModel, array_to_wire, encode, encode_unchecked, reply_fields
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, RouteDpReply, RouteDpRequest
 
@@ -74,15 +75,23 @@ class Router:
         return self.local(candidates, kind, "unknown_engine")
 
     async def route_dp(
-        self, request_id: str, prompt_tokens: int, candidates: list[Engine], model: str | None = None
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        candidates: list[Engine],
+        model: str | None = None,
+        keys: PromptKeys | None = None,
     ) -> Engine | None:
         """The router's choice among `candidates` (the live DP engines serving `model`, which the router
-        filters to as well)."""
+        filters to as well); `keys`, the prompt's block keys, go with the request for its prefix scorers."""
         if not candidates:
             return None
         subject = self.bus.subjects.route_dp if self.bus is not None else ""
         # Unchecked: the id is ours, the count a positive int, the model one a live engine's hello named.
         fields = {"request_id": request_id, "prompt_tokens": prompt_tokens, "model": model}
+        if keys is not None and len(keys.keys):  # uint64 keys we computed, at most MAX_PROMPT_BLOCKS of them
+            fields["block_keys"] = array_to_wire(keys.keys)
+            fields["key_kind"] = keys.kind
         engine_id, reason = await self._ask(subject, encode_unchecked(RouteDpRequest, fields), RouteDpReply)
         if engine_id is None:
             return self.local(candidates, "dp", reason)

@@ -12,6 +12,8 @@ import uvicorn
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
+from switchyard.services.gateway.prefix import PrefillPrefix
+from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.relay import Context
 from switchyard.services.gateway.routing import Router
@@ -23,7 +25,7 @@ from switchyard.services.http_server import front_protocol
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
-from switchyard.shared.schemas import Announce, Hello, PrefillSignature, Telemetry
+from switchyard.shared.schemas import Announce, Hello, KvEvents, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,27 @@ class GatewayService:
             settings.engine_manifest_entries(),
             g.eject_after_failures,
         )
-        self.registry.on_forget = metrics.forget_engine  # its latency and error label sets go with it
+        # Tokenizers load here, before anything connects: a bad path is one line at startup (ConfigError).
+        self.keyer = (
+            PromptKeyer(
+                g.tokenizers,
+                g.tokenize_inline_chars,
+                g.tokenize_threads,
+                g.tokenize_piece_chars,
+                g.tokenize_cache_pieces,
+                g.tokenize_all,
+                g.tokenize_seen_blocks,
+                g.prefix_routed_ttl_s,
+            )
+            if g.prefix_keys
+            else None
+        )
+        self.prefix = (
+            PrefillPrefix(self.registry, g.prefix_index_blocks, g.prefix_routed_blocks, g.prefix_routed_ttl_s)
+            if g.prefix_keys
+            else None
+        )
+        self.registry.on_forget = self._forget  # its latency and error label sets, and its blocks, go with it
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos, telemetry and prefill signatures, on a connection of their own
@@ -63,6 +85,11 @@ class GatewayService:
         self.registry.on_hello(hello)
         if self.registry.refused != refused:
             metrics.ENGINES_REFUSED.inc()
+
+    def _forget(self, engine_id: str) -> None:
+        metrics.forget_engine(engine_id)
+        if self.prefix is not None:
+            self.prefix.forget(engine_id)
 
     def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
         self.registry.on_telemetry(telemetry)
@@ -121,10 +148,14 @@ class GatewayService:
         # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
+        if self.prefix is not None and g.mode != "dp":  # prefill engines' KV events: the prefill choice's index
+            await ingest.subscribe(s.all_kv_events, KvEvents, self.prefix.on_kv)
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
-        self.ctx = Context(g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures)
+        self.ctx = Context(
+            g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures, self.keyer, self.prefix
+        )
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
         )
@@ -165,6 +196,8 @@ class GatewayService:
             await self.bus.close()
         if self.ingest is not None:
             await self.ingest.close()
+        if self.keyer is not None:
+            self.keyer.close()
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         await self.start(servers)

@@ -54,6 +54,37 @@ class GatewaySettings(BaseSettings):
     #: ... unless that engine already holds more than this factor times the mean in-flight count (+1).
     affinity_load_bound: float = Field(default=1.25, ge=1.0)
 
+    # --- prefix-cache keys (issue 25; services/gateway/prompt_keys.py, services/gateway/prefix.py) ---
+    #: Name each prompt's blocks (`shared.prefix_keys`) and send them with `sy.route.dp`; pick the prefill engine
+    #: of a handoff by the blocks it holds (under `affinity_load_bound`). Off: no keys, the prefill choice is the
+    #: rendezvous hash alone (the bench's "prefix off" side).
+    prefix_keys: bool = True
+    #: Tokenizers per served model, "model=path,model2=path2": a `tokenizer.json` or a directory holding one (its
+    #: `tokenizer_config.json` and `chat_template.jinja`, if there, give the chat template and special tokens).
+    #: A model without one gets text keys (blocks of its prompt's bytes: matched only against what was routed).
+    tokenizers: str = ""
+    #: Prompts of at most this many characters are tokenized on the event loop (~0.07 ms per 100 tokens here);
+    #: longer ones in a worker thread (`encode_batch`, which releases the GIL), so the loop keeps serving.
+    tokenize_inline_chars: int = Field(default=2048, ge=0)
+    #: Worker threads for long prompts' tokenization.
+    tokenize_threads: int = Field(default=2, ge=1)
+    #: A long prompt is tokenized in pieces of about this many characters, cut where the tokenizer splits anyway
+    #: (checked per tokenizer at startup; one that disagrees is never cut; 0: never cut): new pieces are encoded in
+    #: parallel, pieces an earlier prompt had come from a cache of this many ...
+    tokenize_piece_chars: int = Field(default=2048, ge=0)
+    tokenize_cache_pieces: int = Field(default=4096, ge=1)
+    #: Tokenize every prompt in full (exact prompt token counts for the router; ~1-3 µs a token on this machine's
+    #: cores, on the request's path). Off: only the leading text this gateway has seen lead a prompt before is
+    #: tokenized (no engine can hold blocks of a prefix no prompt had), so a new prompt costs ~0.1 ms, not 10 ms.
+    tokenize_all: bool = False
+    #: The seen-text index: leading 256-character blocks kept per model (LRU), for `prefix_routed_ttl_s`.
+    tokenize_seen_blocks: int = Field(default=200_000, ge=1)
+    #: The prefill prefix index: blocks kept per prefill engine from its KV events (oldest out first) ...
+    prefix_index_blocks: int = Field(default=500_000, ge=1)
+    #: ... and, for engines that send none (or text keys), blocks of what the gateway routed there, kept this long.
+    prefix_routed_blocks: int = Field(default=100_000, ge=1)
+    prefix_routed_ttl_s: float = Field(default=600.0, gt=0)
+
     # --- client limits (services/http_limits.py) ---
     #: A larger request body is refused with 413 (a declared one without being read). Prompts can be long:
     #: 128k tokens of text is ~0.5 MiB of JSON, a chat with inline base64 images several MiB.
