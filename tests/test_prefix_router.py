@@ -405,3 +405,17 @@ async def test_malformed_kv_events_are_rejected_and_counted(fleet: Fleet, bus: B
     await e1.kv(stored(KEYS[:4]))
     await fleet.until(lambda: fleet.blocks("e1") == 4)
     assert {code: rejected_count(subscription, code) - before[code] for code in codes} == dict.fromkeys(codes, 1)
+
+
+def test_a_cached_prompt_counts_in_flight_only_for_what_it_leaves_to_compute() -> None:
+    core = _core()  # the switchyard profile
+    for engine_id in ("e0", "e1"):
+        core.on_hello(_hello(engine_id), 0.0)
+        core.on_telemetry(_telemetry(engine_id, 0), 0.0)
+    core.on_kv(_events("e1", 0, KEYS[:48]), 0.0)  # e1 holds the first 768 of the prompt's 1,024 tokens
+    routed = core.route_dp(s.RouteDpRequest(request_id="r", prompt_tokens=1024, block_keys=KEYS), 0.01)
+    assert routed.reply.engine_id == "e1"
+    e0, e1 = core.fleet.index["e0"], core.fleet.index["e1"]
+    assert core.fleet.inflight_tokens[e1] == 1024 - 48 * BLOCK  # what its prefill will compute
+    assert core.fleet.inflight_tokens[e0] == 0
+    assert routed.decision is not None and routed.decision.prompt_tokens == 1024 - 48 * BLOCK  # shared alike

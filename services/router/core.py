@@ -508,12 +508,14 @@ class RouterCore:
         index = profile(snap, query, self.dp_state, _NO_TABLES).index
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
-        self.fleet.on_decision_row(row, request.prompt_tokens, now)
-        self._record(row, request.prompt_tokens)
+        # In flight on that engine: the prefill it will compute, i.e. the prompt less what it holds cached
+        work = request.prompt_tokens - int(cached[index]) if keyed else request.prompt_tokens
+        self.fleet.on_decision_row(row, work, now)
+        self._record(row, work)
         if keyed and self.prefix.record(engine_id, request, now) and self._reads_blocks:
             self.fleet.touch()
         elapsed = time.perf_counter() - start
         self._count("dp", profile.name, "")
         self._seconds["dp"].observe(elapsed)
         reply = DpChoice(request.request_id, engine_id, request.prompt_tokens, elapsed * 1e6)
-        return Routed(reply, Decided("dp", request.request_id, engine_id, request.prompt_tokens))
+        return Routed(reply, Decided("dp", request.request_id, engine_id, work))
