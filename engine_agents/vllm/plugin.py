@@ -30,6 +30,7 @@ from switchyard.engine_agents.vllm.config import (
     build_hello,
     engine_identity,
     expert_parallelism,
+    kv_events_endpoint,
     model_shape,
     moe_layers,
     queue_tokens,
@@ -170,10 +171,35 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     probe = SchedulerProbe(settings.telemetry_interval_s)
     ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
     thread = AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id), kind="vllm")
-    agent = EngineCoreAgent(hello, probe.read, thread, ep_size)
+    agent = EngineCoreAgent(hello, probe.read, thread, ep_size, _kv_relay(scheduler, hello, settings))
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
+
+
+def _kv_relay(scheduler: Any, hello: Any, settings: AgentSettings) -> Any:
+    """The KV-event relay for this engine core (`kv_relay.py`), or None when vLLM publishes no events to read."""
+    if not settings.kv_events:
+        return None
+    config = getattr(scheduler.vllm_config, "kv_events_config", None)
+    publisher = getattr(scheduler, "kv_event_publisher", None)
+    resolved = None
+    try:
+        resolved = publisher.get_publisher_config().endpoint  # type: ignore[union-attr]
+    except Exception:
+        resolved = getattr(publisher, "_endpoint", None)
+    where = kv_events_endpoint(config, resolved)
+    if isinstance(where, str):
+        if config is not None and getattr(config, "enable_kv_cache_events", False):
+            log.warning("switchyard agent: no KV-event relay: %s", where)
+        return None
+    if not getattr(scheduler.cache_config, "enable_prefix_caching", False):
+        log.warning("switchyard agent: KV events are on but prefix caching is off: vLLM stores no blocks to relay")
+    from switchyard.engine_agents.vllm.kv_relay import KvRelay
+
+    endpoint, topic = where
+    bound = settings.kv_relay_max_hashes or 2 * hello.capacity.kv_blocks + 4096
+    return KvRelay(hello.engine_id, endpoint, hello.capacity.block_size, topic, max_hashes=bound)
 
 
 # ----- workers: expert load -----
