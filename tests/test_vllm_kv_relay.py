@@ -29,7 +29,6 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from switchyard.engine_agents.vllm.config import kv_events_endpoint
 from switchyard.engine_agents.vllm.kv_relay import KvRelay, local_endpoint
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
@@ -100,23 +99,6 @@ async def _connected(pub: ZmqEventPublisher, relay: KvRelay) -> None:
         while relay.batches == 0:
             pub.publish(KVEventBatch(ts=time.time(), events=[]))
             await asyncio.sleep(0.05)
-
-
-def test_the_endpoint_the_relay_connects_to() -> None:
-    assert local_endpoint("tcp://*:5557") == "tcp://127.0.0.1:5557"
-    assert local_endpoint("tcp://*:5557", "tcp://*:5559") == "tcp://127.0.0.1:5559"  # DP rank 2's offset
-    assert local_endpoint("tcp://*:0", "tcp://10.1.2.3:41000") == "tcp://10.1.2.3:41000"
-    assert local_endpoint("tcp://[::]:5557") == "tcp://[::1]:5557"
-    assert local_endpoint("ipc:///tmp/kv") == "ipc:///tmp/kv"
-    assert local_endpoint("tcp://collector:5557") is None  # vLLM connects out: nothing to subscribe to here
-
-    class Config:
-        enable_kv_cache_events, publisher, endpoint, topic = True, "zmq", "tcp://*:6000", "t"
-
-    assert kv_events_endpoint(Config(), "tcp://*:6001") == ("tcp://127.0.0.1:6001", "t")
-    Config.publisher = "null"
-    assert "null" in kv_events_endpoint(Config(), None)  # type: ignore[operator]
-    assert "no --kv-events-config" in kv_events_endpoint(None, None)  # type: ignore[operator]
 
 
 async def test_stored_removed_and_cleared_become_switchyard_keys(

@@ -6,6 +6,8 @@ vLLM loads general plugins in every process it starts. `register` does nothing u
 - `Scheduler.__init__` / `Scheduler.schedule` (engine core): the engine's hello from its config and KV blocks,
   and telemetry read from the scheduler after each `schedule()` — running and waiting requests, KV usage,
   prompt tokens not yet prefilled (waiting and running), and the step time. Published by `EngineCoreAgent`.
+  With `--kv-events-config` (publisher zmq), the engine core also relays vLLM's KV-cache events as
+  `KvEvents` on `sy.engine.<id>.kv` (`kv_relay.py`).
 - `load_model` of the model runner (workers): a capture function on every MoE router (`set_capture_fn`,
   logical expert ids, before any EPLB remapping) adds each step's top-k selections to an `[L, E]` counter on
   the device, through a custom op (`switchyard::count_experts`) so torch.compile keeps it in the graph; TP
