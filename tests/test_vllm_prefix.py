@@ -193,12 +193,10 @@ async def test_the_relay_names_a_prompt_as_the_gateway_does_and_follows_a_reset(
 
 def _prefix_routing_missing() -> str | None:
     """Why the end-to-end test cannot run on this branch, or None when the router and gateway have the parts."""
-    router = [name for name in RouterSettings.model_fields if "prefix" in name]
-    gateway = [name for name in GatewaySettings.model_fields if "tokenizer" in name]
-    if not router:
-        return "the router has no prefix index (no RouterSettings field for it): KvEvents are not consumed"
-    if not gateway:
-        return "the gateway does not tokenize prompts (no GatewaySettings tokenizer field): no block keys sent"
+    if "prefix_index" not in RouterSettings.model_fields:
+        return "the router has no prefix index (RouterSettings.prefix_index): KvEvents are not consumed"
+    if "tokenizers" not in GatewaySettings.model_fields:
+        return "the gateway does not tokenize prompts (GatewaySettings.tokenizers): no block keys are sent"
     return None
 
 
