@@ -10,7 +10,8 @@ onto ``sy.engine.<id>.kv`` as Switchyard block keys. Asserted:
 - ``POST /reset_prefix_cache`` (vLLM's dev endpoint) produces ``cleared``, and the prompt's keys drop out;
 - end to end (two engines behind the gateway and the router, DP profile ``switchyard``): requests sharing a
   long prefix land on the engine that holds it, which vLLM's own prefix-cache counters on that engine confirm,
-  and an engine that never sends KV events still gets traffic by pressure. This part needs the router's
+  and an engine that never sends KV events still gets traffic by pressure (three engines: two hold one
+  prefix each, so no tie-break explains both). This part needs the router's
   prefix index and the gateway's tokenizer; it skips, saying so, where they are absent.
 """
 
@@ -47,6 +48,7 @@ MODEL = "tiny-moe"
 BLOCK = 32
 #: A long shared prefix: several full blocks of 32 tokens.
 PREFIX = " ".join(f"t{(11 * j) % 480 + 10}" for j in range(4 * BLOCK + 5))
+OTHER_PREFIX = " ".join(f"t{(13 * j) % 470 + 20}" for j in range(4 * BLOCK + 5))
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +205,7 @@ def _prefix_routing_missing() -> str | None:
 async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_events_gets_traffic(
     bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two engines with KV events each hold one prefix (so no tie-break can explain both), a third sends none."""
     missing = _prefix_routing_missing()
     if missing is not None:
         pytest.skip(f"prefix routing end to end: {missing} (enable after merging the bus and gwkeys branches)")
@@ -214,37 +217,44 @@ async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_ev
         decided.update(zip(message.request_ids, message.engine_ids, strict=True))
 
     await bus.subscribe(bus.subjects.route_decided, RouteDecisions, on_decided)
-    index = _Index()
-    await bus.subscribe(bus.subjects.kv_events("e0"), KvEvents, index)
-    prefix_keys = set(block_keys(_tokens(tiny_moe, PREFIX), BLOCK).tolist())
-    async with _engines(tiny_moe, settings, tmp_path, {"e0": True, "e1": False}) as ports:
+    prefixes = {"e0": PREFIX, "e1": OTHER_PREFIX}
+    indexes = {eid: _Index() for eid in prefixes}
+    for eid, index in indexes.items():
+        await bus.subscribe(bus.subjects.kv_events(eid), KvEvents, index)
+    keys = {eid: set(block_keys(_tokens(tiny_moe, p), BLOCK).tolist()) for eid, p in prefixes.items()}
+    async with _engines(tiny_moe, settings, tmp_path, {"e0": True, "e1": True, "e2": False}) as ports:
         router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))
         gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0))
         await router.start()
         await gateway.start()
         try:
-            await wait_for(lambda: len(gateway.registry.live()) == 2, 30)
-            # The prefix is cached on e0 only (a request straight to it), and e0's relay says so.
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports['e0']}", timeout=120) as direct:
-                await _complete(direct, f"{PREFIX} t1")
-            await wait_for(lambda: prefix_keys <= index.held, 30)
-            hits_before, _ = await _prefix_counters(ports["e0"])
+            await wait_for(lambda: len(gateway.registry.live()) == 3, 30)
+            # Each prefix is cached on one engine only (a request straight to it), and its relay says so.
+            for eid, prefix in prefixes.items():
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[eid]}", timeout=120) as direct:
+                    await _complete(direct, f"{prefix} t1")
+                await wait_for(lambda eid=eid: keys[eid] <= indexes[eid].held, 30)
+            hits_before = {eid: (await _prefix_counters(ports[eid]))[0] for eid in prefixes}
             async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
-                shared = [await _complete(client, f"{PREFIX} t{300 + i}") for i in range(4)]
-                ids = [r.headers["x-request-id"] for r in shared]
-                await wait_for(lambda: all(i in decided for i in ids), 30)
-                assert [decided[i] for i in ids] == ["e0"] * 4, decided  # where the prefix is cached
-                hits_after, _ = await _prefix_counters(ports["e0"])
-                assert hits_after - hits_before >= 4 * len(prefix_keys) * BLOCK  # vLLM's own count agrees
+                sent: dict[str, str] = {}  # request id -> the engine holding its prefix
+                for i in range(3):
+                    for eid, prefix in prefixes.items():
+                        response = await _complete(client, f"{prefix} t{300 + i}")
+                        sent[response.headers["x-request-id"]] = eid
+                await wait_for(lambda: all(i in decided for i in sent), 30)
+                assert {i: decided[i] for i in sent} == sent  # each landed where its prefix is cached
+                for eid in prefixes:  # vLLM's own counter agrees: three prefix hits of every prefix block
+                    hits = (await _prefix_counters(ports[eid]))[0] - hits_before[eid]
+                    assert hits >= 3 * len(keys[eid]) * BLOCK, (eid, hits)
 
-                # Unrelated prompts in a burst: pressure spreads them, and e1 (no KV events) gets its share.
+                # Unrelated prompts in a burst: pressure spreads them, and e2 (no KV events) gets its share.
                 unrelated = [
-                    f"t{20 + i} " + " ".join(f"t{(i * 37 + j) % 450 + 30}" for j in range(40)) for i in range(8)
+                    f"t{20 + i} " + " ".join(f"t{(i * 37 + j) % 450 + 30}" for j in range(40)) for i in range(9)
                 ]
                 burst = await asyncio.gather(*(_complete(client, p, 16) for p in unrelated))
                 burst_ids = [r.headers["x-request-id"] for r in burst]
                 await wait_for(lambda: all(i in decided for i in burst_ids), 30)
-                assert "e1" in {decided[i] for i in burst_ids}, decided
+                assert "e2" in {decided[i] for i in burst_ids}, decided
         finally:
             await gateway.stop()
             await router.stop()
