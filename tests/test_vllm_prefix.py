@@ -7,7 +7,8 @@ onto ``sy.engine.<id>.kv`` as Switchyard block keys. Asserted:
 - the keys an engine reports for a completion's prompt are exactly `block_keys(tokens, 32)` of the prompt as
   the model's tokenizer (`tokenizer.json`, as the gateway reads it) splits it: the relay and the gateway name
   blocks the same way without vLLM's own hash;
-- ``POST /reset_prefix_cache`` (vLLM's dev endpoint) produces ``cleared``, and the prompt's keys drop out;
+- ``POST /reset_prefix_cache`` (vLLM's dev endpoint) on an idle engine produces ``cleared`` at once, and the
+  prompt's keys drop out;
 - end to end (two engines behind the gateway and the router, DP profile ``switchyard``): requests sharing a
   long prefix land on the engine that holds it, which vLLM's own prefix-cache counters on that engine confirm,
   and an engine that never sends KV events still gets traffic by pressure (three engines: two hold one
@@ -183,13 +184,14 @@ async def test_the_relay_names_a_prompt_as_the_gateway_does_and_follows_a_reset(
 
         reset = await client.post("/reset_prefix_cache")
         assert reset.status_code == 200 and reset.json().get("success") is True, reset.text
-        # vLLM publishes a step's events after the step: the clear goes out with the next request's step.
+        # The engine is idle: vLLM would publish the clear with its next step; the agent publishes it at once.
+        await wait_for(lambda: index.ops.count(("cleared", [])) == 2, 30)
+        assert not index.held  # the prompt's blocks dropped out
         other = " ".join(f"t{j % 400 + 40}" for j in range(2 * BLOCK + 3))
         other_keys = set(block_keys(_tokens(tiny_moe, other), BLOCK).tolist())
-        await _complete(client, other)
+        await _complete(client, other)  # the engine caches again, and says so
         await wait_for(lambda: other_keys <= index.held, 30)
-    assert index.ops.count(("cleared", [])) == 2
-    assert not keys & index.held  # the reset prompt's blocks dropped out
+    assert index.ops.count(("cleared", [])) == 2 and not keys & index.held
     assert index.seqs == list(range(len(index.seqs)))
 
 
