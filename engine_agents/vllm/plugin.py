@@ -188,7 +188,12 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     probe = SchedulerProbe(settings.telemetry_interval_s)
     ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
     thread = AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id), kind="vllm")
-    agent = EngineCoreAgent(hello, probe.read, thread, ep_size, _kv_relay(scheduler, hello, settings))
+    try:
+        relay = _kv_relay(scheduler, hello, settings)
+    except Exception:  # the rest of the agent attaches without it
+        log.exception("switchyard agent: no KV-event relay")
+        relay = None
+    agent = EngineCoreAgent(hello, probe.read, thread, ep_size, relay)
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
