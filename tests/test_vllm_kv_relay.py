@@ -114,7 +114,8 @@ async def test_stored_removed_and_cleared_become_switchyard_keys(
         pub.publish(KVEventBatch(ts=time.time(), events=[_stored(prompt[3 * BLOCK : 5 * BLOCK], [14, 15], 13)]))
         await wait_for(lambda: len(received.held) == 5, 10)
         assert received.held == set(keys)  # what the gateway computes from the prompt's tokens
-        assert received.ops()[1:] == [("stored", keys[:3]), ("stored", keys[3:])]
+        # In order (batches read in one round are merged into one op, so compare the keys, not the ops).
+        assert [k for kind, ks in received.ops()[1:] for k in ks if kind == "stored"] == keys
 
         # vLLM evicts the two last blocks, then a stored block under an unknown parent cannot be named.
         orphan = _stored(prompt[:BLOCK], [99], parent=12345)

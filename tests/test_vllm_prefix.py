@@ -236,6 +236,9 @@ async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_ev
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[eid]}", timeout=120) as direct:
                     await _complete(direct, f"{prefix} t1")
                 await wait_for(lambda eid=eid: keys[eid] <= indexes[eid].held, 30)
+            # Telemetry reports the peak queue since its previous message: let the direct requests' peaks pass,
+            # so the routing below starts from an idle fleet and tests locality, not a pressure trade-off.
+            await asyncio.sleep(1.5)
             hits_before = {eid: (await _prefix_counters(ports[eid]))[0] for eid in prefixes}
             async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
                 sent: dict[str, str] = {}  # request id -> the engine holding its prefix
