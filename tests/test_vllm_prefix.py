@@ -204,6 +204,11 @@ def _prefix_routing_missing() -> str | None:
     return None
 
 
+def _router_holds(router: RouterService, engine_id: str, keys: list[int]) -> bool:
+    """Whether the router's precise index (the `bus` branch's `RouterCore.prefix`) holds all these leading keys."""
+    return int(router.core.prefix.blocks.match(keys, [engine_id])[0]) == len(keys)  # type: ignore[attr-defined]
+
+
 async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_events_gets_traffic(
     bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -226,7 +231,8 @@ async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_ev
     indexes = {eid: _Index() for eid in prefixes}
     for eid, index in indexes.items():
         await bus.subscribe(bus.subjects.kv_events(eid), KvEvents, index)
-    keys = {eid: set(block_keys(_tokens(tiny_moe, p), BLOCK).tolist()) for eid, p in prefixes.items()}
+    ordered = {eid: block_keys(_tokens(tiny_moe, p), BLOCK).tolist() for eid, p in prefixes.items()}
+    keys = {eid: set(k) for eid, k in ordered.items()}
     async with _engines(tiny_moe, settings, tmp_path, {"e0": True, "e1": True, "e2": False}) as ports:
         router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))
         gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0))
@@ -234,11 +240,15 @@ async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_ev
         await gateway.start()
         try:
             await wait_for(lambda: len(gateway.registry.live()) == 3, 30)
+            fleet = router.core.fleet  # the router takes KV events only from engines it has a hello from
+            await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in ports), 30)
             # Each prefix is cached on one engine only (a request straight to it), and its relay says so.
             for eid, prefix in prefixes.items():
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[eid]}", timeout=120) as direct:
                     await _complete(direct, f"{prefix} t1")
                 await wait_for(lambda eid=eid: keys[eid] <= indexes[eid].held, 30)
+                # ... and the router's own index holds the whole prefix, as the gateway will name it.
+                await wait_for(lambda eid=eid: _router_holds(router, eid, ordered[eid]), 30)
             # Telemetry reports the peak queue since its previous message: let the direct requests' peaks pass,
             # so the routing below starts from an idle fleet and tests locality, not a pressure trade-off.
             await asyncio.sleep(1.5)
