@@ -257,6 +257,10 @@ async def test_a_shared_prefix_lands_where_it_is_cached_and_an_engine_without_ev
                 sent: dict[str, str] = {}  # request id -> the engine holding its prefix
                 for i in range(3):
                     for eid, prefix in prefixes.items():
+                        # The router counts a decision's whole prompt in flight until the engine's telemetry
+                        # settles it (cached or not): on this loaded CPU that can outlast the previous request,
+                        # and pressure then outweighs the prefix. Routing from a settled fleet tests locality.
+                        await wait_for(lambda: not router.core.fleet.inflight.any(), 10)
                         response = await _complete(client, f"{prefix} t{300 + i}")
                         sent[response.headers["x-request-id"]] = eid
                 await wait_for(lambda: all(i in decided for i in sent), 30)
