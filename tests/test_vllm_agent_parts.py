@@ -20,6 +20,7 @@ from switchyard.engine_agents.vllm.config import (
     build_hello,
     expert_parallelism,
     expert_pressure,
+    kv_events_endpoint,
     model_shape,
     moe_layers,
     queue_tokens,
@@ -27,6 +28,7 @@ from switchyard.engine_agents.vllm.config import (
     sjf_order,
     source_counts,
 )
+from switchyard.engine_agents.vllm.kv_relay import local_endpoint
 from switchyard.engine_agents.vllm.plugin import SchedulerProbe
 from switchyard.engine_agents.vllm.runtime import AgentThread, EngineCoreAgent, ExpertLoadPublisher
 from switchyard.engine_agents.vllm.signatures import prefill_ends
@@ -310,3 +312,21 @@ def test_the_tracker_samples_a_stable_fraction() -> None:
     assert 0.08 < sum(chosen) / len(chosen) < 0.12
     assert chosen == [RequestTracker(1, 2, 0.1).sampled(f"req-{i}") for i in range(5_000)]  # any process agrees
     assert tracker.plan_step(["x"], np.array([4]), np.array([0]), np.array([4])).size in (0, 4)
+
+
+def test_the_endpoint_the_kv_event_relay_connects_to() -> None:
+    """Where vLLM's KV-event publisher is reachable from the engine's own process (`kv_relay.local_endpoint`)."""
+    assert local_endpoint("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert local_endpoint("tcp://*:5557", "tcp://*:5559") == "tcp://127.0.0.1:5559"  # DP rank 2's offset
+    assert local_endpoint("tcp://*:0", "tcp://10.1.2.3:41000") == "tcp://10.1.2.3:41000"
+    assert local_endpoint("tcp://[::]:5557") == "tcp://[::1]:5557"
+    assert local_endpoint("ipc:///tmp/kv") == "ipc:///tmp/kv"
+    assert local_endpoint("tcp://collector:5557") is None  # vLLM connects out: nothing to subscribe to here
+
+    class Config:
+        enable_kv_cache_events, publisher, endpoint, topic = True, "zmq", "tcp://*:6000", "t"
+
+    assert kv_events_endpoint(Config(), "tcp://*:6001") == ("tcp://127.0.0.1:6001", "t")
+    Config.publisher = "null"
+    assert "null" in kv_events_endpoint(Config(), None)  # type: ignore[operator]
+    assert "no --kv-events-config" in kv_events_endpoint(None, None)  # type: ignore[operator]

@@ -64,6 +64,15 @@ class AgentSettings(BaseSettings):
     #: Every request's prefill signature from per-KV-block counts, published as `PrefillSignature` on
     #: `sy.engine.<id>.signature` when its prefill ends (`engine_agents/vllm/signatures.py`).
     signatures: bool = True
+    #: Relay vLLM's KV-cache events as `KvEvents` on `sy.engine.<id>.kv` (the router's precise prefix index).
+    #: It takes effect only when vLLM publishes them: the operator starts `vllm serve` with
+    #: `--enable-prefix-caching --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    #: "endpoint": "tcp://*:5557"}'` (one free port per engine on a host; a data-parallel rank adds its rank to
+    #: the port, as vLLM does). The agent reads that config and subscribes in the engine's process
+    #: (`engine_agents/vllm/kv_relay.py`); nothing else is to be set.
+    kv_events: bool = True
+    #: Bound on the relay's vLLM hash -> key map. Default: twice the engine's KV blocks (+4096).
+    kv_relay_max_hashes: int | None = Field(default=None, gt=0)
     #: θ_age of the SJF-with-aging scheduler class (`engine_agents/vllm/sjf.py`): requests waiting longer go first.
     sjf_age_threshold_s: float = Field(default=5.0, ge=0)
 
@@ -139,6 +148,23 @@ def build_hello(vllm_config: Any, num_gpu_blocks: int, settings: AgentSettings, 
         telemetry_interval_s=settings.telemetry_interval_s,
         base_url=settings.base_url,
     )
+
+
+def kv_events_endpoint(kv_events_config: Any, resolved: str | None) -> tuple[str, str] | str:
+    """`(endpoint, topic)` where the relay subscribes to vLLM's KV events, or why it cannot (a sentence).
+
+    `resolved`: the endpoint vLLM's publisher reports once bound (port offset by the DP rank, `*:0` resolved).
+    """
+    from switchyard.engine_agents.vllm.kv_relay import local_endpoint
+
+    if kv_events_config is None or not getattr(kv_events_config, "enable_kv_cache_events", False):
+        return "vLLM publishes no KV events (no --kv-events-config with enable_kv_cache_events)"
+    if getattr(kv_events_config, "publisher", None) != "zmq":
+        return f"vLLM's KV-event publisher is {kv_events_config.publisher!r}; the relay reads 'zmq'"
+    endpoint = local_endpoint(str(kv_events_config.endpoint), resolved)
+    if endpoint is None:
+        return f"vLLM connects its KV-event socket out to {kv_events_config.endpoint}; the relay needs it to bind"
+    return endpoint, str(getattr(kv_events_config, "topic", "") or "")
 
 
 def queue_tokens(requests: Iterable[Any]) -> int:

@@ -6,6 +6,9 @@ vLLM loads general plugins in every process it starts. `register` does nothing u
 - `Scheduler.__init__` / `Scheduler.schedule` (engine core): the engine's hello from its config and KV blocks,
   and telemetry read from the scheduler after each `schedule()` — running and waiting requests, KV usage,
   prompt tokens not yet prefilled (waiting and running), and the step time. Published by `EngineCoreAgent`.
+  With `--kv-events-config` (publisher zmq), the engine core also relays vLLM's KV-cache events as
+  `KvEvents` on `sy.engine.<id>.kv` (`kv_relay.py`); `reset_prefix_cache` then publishes its clear at once
+  instead of with the next step.
 - `load_model` of the model runner (workers): a capture function on every MoE router (`set_capture_fn`,
   logical expert ids, before any EPLB remapping) adds each step's top-k selections to an `[L, E]` counter on
   the device, through a custom op (`switchyard::count_experts`) so torch.compile keeps it in the graph; TP
@@ -30,6 +33,7 @@ from switchyard.engine_agents.vllm.config import (
     build_hello,
     engine_identity,
     expert_parallelism,
+    kv_events_endpoint,
     model_shape,
     moe_layers,
     queue_tokens,
@@ -158,6 +162,20 @@ def _patch_scheduler(settings: AgentSettings) -> None:
 
     Scheduler.__init__, Scheduler.schedule = __init__, schedule  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    original_reset = getattr(Scheduler, "reset_prefix_cache", None)
+    if original_reset is not None:
+
+        @functools.wraps(original_reset)
+        def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original_reset(self, *args, **kwargs)
+            if getattr(getattr(self, "_switchyard_agent", None), "kv_relay", None) is not None:
+                try:
+                    _publish_kv_events_now(self)
+                except Exception:
+                    log.exception("switchyard agent: the prefix-cache reset's KV events wait for the next step")
+            return result
+
+        Scheduler.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
     setattr(Scheduler, _PATCHED, True)
 
 
@@ -170,10 +188,51 @@ def _attach_engine_core(scheduler: Any, settings: AgentSettings) -> None:
     probe = SchedulerProbe(settings.telemetry_interval_s)
     ep_size, _, _ = expert_parallelism(scheduler.vllm_config.parallel_config)
     thread = AgentThread(f"core-{hello.engine_id}", role=engine_user(hello.engine_id), kind="vllm")
-    agent = EngineCoreAgent(hello, probe.read, thread, ep_size)
+    try:
+        relay = _kv_relay(scheduler, hello, settings)
+    except Exception:  # the rest of the agent attaches without it
+        log.exception("switchyard agent: no KV-event relay")
+        relay = None
+    agent = EngineCoreAgent(hello, probe.read, thread, ep_size, relay)
     if agent.start():
         scheduler._switchyard_probe = probe
         scheduler._switchyard_agent = agent
+
+
+def _publish_kv_events_now(scheduler: Any) -> None:
+    """Publish the KV events queued since the last step (a reset's `AllBlocksCleared`) instead of at the next
+    step's end, so an idle engine that cleared its cache leaves the router's index at once. Order is kept: the
+    events go to vLLM's one publisher queue, ahead of whatever the next step adds."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    events = scheduler.kv_cache_manager.take_events()
+    if events:
+        scheduler.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+
+def _kv_relay(scheduler: Any, hello: Any, settings: AgentSettings) -> Any:
+    """The KV-event relay for this engine core (`kv_relay.py`), or None when vLLM publishes no events to read."""
+    if not settings.kv_events:
+        return None
+    config = getattr(scheduler.vllm_config, "kv_events_config", None)
+    publisher = getattr(scheduler, "kv_event_publisher", None)
+    resolved = None
+    try:
+        resolved = publisher.get_publisher_config().endpoint  # type: ignore[union-attr]
+    except Exception:
+        resolved = getattr(publisher, "_endpoint", None)
+    where = kv_events_endpoint(config, resolved)
+    if isinstance(where, str):
+        if config is not None and getattr(config, "enable_kv_cache_events", False):
+            log.warning("switchyard agent: no KV-event relay: %s", where)
+        return None
+    if not getattr(scheduler.cache_config, "enable_prefix_caching", False):
+        log.warning("switchyard agent: KV events are on but prefix caching is off: vLLM stores no blocks to relay")
+    from switchyard.engine_agents.vllm.kv_relay import KvRelay
+
+    endpoint, topic = where
+    bound = settings.kv_relay_max_hashes or 2 * hello.capacity.kv_blocks + 4096
+    return KvRelay(hello.engine_id, endpoint, hello.capacity.block_size, topic, max_hashes=bound)
 
 
 # ----- workers: expert load -----

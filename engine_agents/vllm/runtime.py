@@ -29,6 +29,7 @@ from switchyard.engine_agents.core import (
     routing_sample,
 )
 from switchyard.engine_agents.vllm.config import expert_pressure, source_counts
+from switchyard.engine_agents.vllm.kv_relay import KvRelay
 from switchyard.engine_agents.vllm.signatures import Finished
 from switchyard.engine_agents.vllm.tracker import TrackedRequest
 from switchyard.shared.bus import Bus
@@ -50,7 +51,14 @@ class EngineCoreAgent:
     with a reason, so a placement plan fails cleanly (nothing moved) instead of timing out.
     """
 
-    def __init__(self, hello: Hello, telemetry: TelemetrySource, thread: AgentThread, ep_size: int = 1) -> None:
+    def __init__(
+        self,
+        hello: Hello,
+        telemetry: TelemetrySource,
+        thread: AgentThread,
+        ep_size: int = 1,
+        kv_relay: KvRelay | None = None,
+    ) -> None:
         self.hello = hello
         self.scheduler_reading = telemetry
         self.thread = thread
@@ -58,6 +66,9 @@ class EngineCoreAgent:
         #: Gimbal's MoE pressure from the latest expert-load window of this engine's worker (1 = balanced).
         self.expert_pressure = 1.0
         self.agent: EngineAgent | None = None
+        #: vLLM's KV-cache events, relayed as `KvEvents` on `sy.engine.<id>.kv` (`kv_relay.py`), when enabled.
+        self.kv_relay = kv_relay
+        self._relay_task: asyncio.Task[None] | None = None
 
     def telemetry(self) -> dict[str, float | int | bool]:
         """The scheduler's reading plus the expert pressure the worker's counts imply."""
@@ -75,6 +86,8 @@ class EngineCoreAgent:
         await self.agent.start()
         # The counts live in the worker process; its windows come back here over NATS (plain subscription).
         await bus.subscribe(bus.subjects.expert_load(self.hello.engine_id), ExpertLoad, self._on_window)
+        if self.kv_relay is not None:
+            self._relay_task = asyncio.create_task(self.kv_relay.run(bus))
         log.info("switchyard agent: engine %s (%s) is on the bus", self.hello.engine_id, self.hello.role)
 
 
