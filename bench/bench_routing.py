@@ -123,6 +123,8 @@ def main() -> None:
         for name in ("remaining_prefill", "waiting_prefill", "inflight_tokens", "waiting", "running")
     }
     cols["expert_pressure"] = 1.0 + rng.random(d)
+    cols["kv_blocks"] = np.full(d, 20_000.0)  # dynamo's decode blocks
+    cols["indexed_blocks"] = rng.integers(0, 100_000, d).astype(np.float64)  # sglang-cache's tree size
     dp = FleetSnapshot(snap.engine_ids, snap.load.copy(), rng.random(d) * 0.8, snap.alive.copy())
     dp.columns.update(cols, outstanding=dp.load)
     alive, kv, params, query, no_tables = dp.alive, dp.kv_usage, formulas.GimbalParams(), RouteQuery(), RoutingTables()
@@ -140,7 +142,8 @@ def main() -> None:
     for name in DP_PROFILES:
         profile, dp_state = dp_profile(name, params), RouterState.seeded(0)
         p50, p99 = percentiles(lambda i, p=profile, s=dp_state: p(dp, query, s, no_tables), args.n, gap_s)
-        f50, _ = percentiles(lambda i, f=hand_written[name]: f(), args.n, gap_s)
+        formula = hand_written.get(name)  # the prefix-aware profiles have no hand-written formula
+        f50 = percentiles(lambda i, f=formula: f(), args.n, gap_s)[0] if formula else float("nan")
         print(f"{name:14s} {p50:8.1f} {p99:8.1f}  {f50:11.1f}")
 
     print(f"\n{'router core':14s} {'p50 µs':>8s} {'p99 µs':>8s}  (RouterCore.route_dp, profile gimbal)")

@@ -101,6 +101,8 @@ _SIGNALS = (
            view="expert_pressure", fill=1.0),
     Signal("inflight", "router ledger", "requests", PER_DECISION, doc="decisions since the engine's last report"),
     Signal("inflight_tokens", "router ledger", "prompt tokens", PER_DECISION, doc="their prompt tokens"),
+    Signal("kv_blocks", "Hello.capacity.kv_blocks", "KV blocks", "per hello", view="kv_blocks",
+           doc="the engine's KV cache size in blocks (Dynamo's decode blocks are kv_usage of it)"),
     Signal("indexed_blocks", "router: prefix index (solver.routing.prefix)", "blocks", PER_DECISION,
            doc="blocks the prefix index holds for the engine (SGLang's tree size: a small one has room to cache)"),
     Signal(

@@ -188,6 +188,7 @@ COLUMNS: dict[str, Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarr
     "inflight": lambda f, rows, snap: f.inflight[rows],
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
+    "kv_blocks": lambda f, rows, snap: f.kv_blocks[rows],  # from the engine's hello (`Hello.capacity`)
     "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # the prefix index is not wired here yet
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count

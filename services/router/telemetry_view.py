@@ -153,6 +153,7 @@ class TelemetryView:
             self.model[row] = hello.model.name
             self.version += 1
         self.ep_group[row] = hello.ep_group
+        self.kv_blocks[row] = hello.capacity.kv_blocks
         self.last_seen[row] = max(self.last_seen[row], now)
         self.last_hello[row] = now
         self.hello_interval[row] = hello.hello_interval_s

@@ -129,7 +129,17 @@ def queue_order(prefill_tokens: np.ndarray, waited_s: np.ndarray, params: Gimbal
     return np.lexsort((position, within, ~aged))
 
 
-DISPATCH_POLICIES: tuple[str, ...] = ("rr", "jsq", "vllm", "vllm-main", "gimbal", "switchyard")
+DISPATCH_POLICIES: tuple[str, ...] = (
+    "rr",
+    "jsq",
+    "vllm",
+    "vllm-main",
+    "gimbal",
+    "llm-d",
+    "dynamo",
+    "sglang-cache",
+    "switchyard",
+)
 """Names of the data-parallel dispatch rules (`solver.routing.profiles.DP_PROFILES`, `sim-dp --dispatch`)."""
 
 VLLM_WAITING_WEIGHT = 4.0

@@ -17,11 +17,18 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 |-------------|-----------------|-----------------------------------------------------------|---------------------|
 | `gimbal`    | alive, KV first | remaining_prefill, waiting_prefill, inflight_tokens,      | first min           |
 |             |                 | kv_penalty, moe_penalty (1 each)                          |                     |
+| `llm-d`     | alive           | llmd_queue (2), llmd_kv_utilization (2), llmd_prefix (3)  | least cost (random) |
+| `dynamo`    | alive           | dynamo_prefill (1), dynamo_decode (1)                     | softmax, T = 0      |
+| `sglang-cache` | alive        | sglang_cache_aware (1): SGLang's three-branch rule        | first min           |
 | `switchyard`| alive, KV first | gimbal's five, uncached_prompt (`PREFIX_WEIGHT`)          | first min           |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
 | `rr`        | alive           | —                                                         | round robin         |
+
+The peers' profiles (`llm-d`, `dynamo`, `sglang-cache`) are built from each peer's published defaults; the
+sources and what each column stands for are in their scorers' modules (`scorers.llmd`, `scorers.dynamo`,
+`scorers.sglang`).
 
 Weights are changed by scorer name (`decode_profile("jsq", {"load": 2})`, or the router's settings
 `SWITCHYARD_ROUTER_DECODE_WEIGHTS` / `SWITCHYARD_ROUTER_DP_WEIGHTS`). The ELDR experiment variants
@@ -38,15 +45,23 @@ from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
 from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
 from switchyard.solver.routing.filters import Alive, DomainPartition, KvFirst, TauBand
 from switchyard.solver.routing.framework import Profile, Weighted
-from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin
+from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin, SoftmaxSample
 from switchyard.solver.routing.scorers import (
     Column,
+    DynamoDecode,
+    DynamoPrefill,
     KvPenalty,
+    LlmdKvUtilization,
+    LlmdPrefix,
+    LlmdQueue,
     MoePenalty,
+    SglangCacheAware,
     UncachedPrompt,
     VllmMainKv,
     VllmMainLoad,
 )
+from switchyard.solver.routing.scorers.dynamo import DYNAMO_OVERLAP_WEIGHT, DYNAMO_TEMPERATURE
+from switchyard.solver.routing.scorers.llmd import LLMD_WEIGHTS
 
 __all__ = [
     "DECODE_PROFILES",
@@ -141,6 +156,35 @@ def dp_profile(
             (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
             FirstMin(),
             doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
+        )
+    elif name == "llm-d":
+        profile = Profile(
+            "llm-d",
+            (_ALIVE,),
+            (
+                Weighted(LlmdQueue(), LLMD_WEIGHTS["llmd_queue"]),
+                Weighted(LlmdKvUtilization(), LLMD_WEIGHTS["llmd_kv_utilization"]),
+                Weighted(LlmdPrefix(), LLMD_WEIGHTS["llmd_prefix"]),
+            ),
+            LeastCost(),
+            doc="llm-d's default EPP: queue (2), KV utilisation (2) and prefix-cache (3) scores, max-score picker",
+        )
+    elif name == "dynamo":
+        profile = Profile(
+            "dynamo",
+            (_ALIVE,),
+            (Weighted(DynamoPrefill(), DYNAMO_OVERLAP_WEIGHT), Weighted(DynamoDecode(), 1.0)),
+            SoftmaxSample(DYNAMO_TEMPERATURE),
+            doc="Dynamo's KV router: overlap_score_weight x prefill blocks not cached + decode blocks, temperature 0",
+        )
+    elif name == "sglang-cache":
+        profile = Profile(
+            "sglang-cache",
+            (_ALIVE,),
+            (Weighted(SglangCacheAware(), 1.0),),
+            FirstMin(),
+            doc="SGLang's cache-aware policy: shortest queue if imbalanced, else longest prefix over the cache "
+            "threshold, else the smallest tree",
         )
     elif name == "vllm":
         scorers = (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0))
