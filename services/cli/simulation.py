@@ -125,7 +125,11 @@ def sim_dp(
     ] = True,
     dispatch: Annotated[
         str,
-        typer.Option("--dispatch", help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal, switchyard."),
+        typer.Option(
+            "--dispatch",
+            help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal, llm-d, dynamo, sglang-cache, "
+            "switchyard.",
+        ),
     ] = "vllm,gimbal",
     order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 2000,

@@ -27,15 +27,18 @@ What each dispatch rule sees (the delays are the real systems'):
   puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
   in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
   least `inflight_grace_s` after them (`solver.routing.ledger`, the router's rule and default).
+- `llm-d` reads the coordinator's view (waiting, KV usage), `dynamo` the telemetry view with ``kv_blocks``,
+  `sglang-cache` the exact outstanding counts, each with ``cached_tokens`` as below.
 - `switchyard` (and any profile reading the request input ``cached_tokens``): Gimbal's view plus, per arrival,
   the prompt tokens each engine holds cached, from one of two prefix indexes (`DPFleetConfig.prefix_index`):
   *precise*: what the engines' caches hold at the decision instant (what vLLM's KV events would have told the
   router: blocks stored as their prefill computed them, removed as evicted; `PrefixCache.lookup`), or
   *approximate*: a `solver.routing.prefix.RoutedIndex` fed by the dispatcher's own decisions (each request's
   keys recorded on the engine chosen, expiring after `prefix_ttl_s`, at most an engine's KV capacity of keys).
-  ``indexed_blocks`` is the chosen index's blocks per engine (engine KV blocks). When a profile needs
-  ``cached_tokens`` both indexes are kept and their predictions for the chosen engine recorded per request
-  (`DPSimResult.prefix_predicted`), to be checked against the hit the request found at admission.
+  ``indexed_blocks`` is the chosen index's blocks per engine (engine KV blocks); ``kv_blocks`` (each engine's
+  KV capacity, from its hello) is exact. When a profile needs ``cached_tokens`` both indexes are kept and
+  their predictions for the chosen engine recorded per request (`DPSimResult.prefix_predicted`), to be
+  checked against the hit the request found at admission.
 """
 
 from __future__ import annotations
@@ -149,7 +152,9 @@ EXACT_COLUMNS = need("alive", "load", "outstanding")
 COORDINATOR_COLUMNS = need("waiting", "running")
 TELEMETRY_COLUMNS = need("remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight")
 PREFIX_COLUMNS = need("indexed_blocks")
-SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | PREFIX_COLUMNS | need("kv_usage")
+HELLO_COLUMNS = need("kv_blocks")  # the engine's KV capacity, from its hello: known from the start
+SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | PREFIX_COLUMNS | HELLO_COLUMNS
+SIM_COLUMNS |= need("kv_usage")
 
 
 class Dispatcher:
@@ -176,6 +181,7 @@ class Dispatcher:
         seed: int = 0,
         prefix_index: str = "precise",
         prefix_ttl_s: float = 600.0,
+        kv_blocks: int = 0,
     ) -> None:
         self.profile = dp_profile(policy, params, weights)
         self.policy = policy
@@ -237,6 +243,8 @@ class Dispatcher:
         self.indexed = np.zeros(engines)
         if self.needs_indexed:
             self.snap.columns["indexed_blocks"] = self.indexed
+        if "kv_blocks" in cols:
+            self.snap.columns["kv_blocks"] = np.full(engines, float(kv_blocks))
         self._caches: list[PrefixCache] = []
         self._trace_block = 0
         self._span = 0
@@ -436,6 +444,7 @@ def simulate_dp(
         seed=seed,
         prefix_index=fleet.prefix_index,
         prefix_ttl_s=fleet.prefix_ttl_s,
+        kv_blocks=fleet.engine_kv_blocks,
     )
     if prefix_block:
         disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
@@ -567,7 +576,6 @@ def simulate_dp(
         prefix_hit=hits_per_request((e.prefix_hits for e in engines), n_req),
         prefix_predicted=predicted,
     )
-
 
 
 def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
