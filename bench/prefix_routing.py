@@ -15,7 +15,8 @@ Sections (`--sections`, comma-separated; rows already in `--out`/runs.json are k
   indexes' predictions against the hit found at admission, and what each index does to TTFT.
 - `sweep`: Mooncake (and Azure code at its middle load), `switchyard` with `uncached_prompt` at each weight.
 - `controls`: Mooncake with hash_ids shuffled across the window's (request, block) slots (no shared
-  prefixes: gimbal against switchyard), and switchyard at weight 0 against gimbal (decisions compared).
+  prefixes: gimbal against switchyard), and switchyard at weight 0 against gimbal (decisions compared; the
+  first seed only).
 
 Run: `.venv/bin/python bench/prefix_routing.py [--sections main,index,sweep,controls] [--jobs 1]`; the report
 goes to stdout and `--out`/report.md.
@@ -57,7 +58,7 @@ TRACES = {
 MOONCAKE_START, MOONCAKE_N, AZURE_N = 2500, 500, 2000
 #: Time scales (low, middle, saturating), set from vLLM+FCFS's TTFT before any profile was compared.
 LOADS = {"mooncake": (1.0, 2.0, 4.0), "code": (20.0, 60.0, 100.0), "conv": (20.0, 40.0, 55.0)}
-WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0)
+WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 DEFAULT_PROFILES = tuple(p for p in DP_PROFILES if p not in ("rr", "jsq", "vllm-main"))
 KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "throughput", "prefix_hit_rate", "prefix_hit_request_mean")
 INDEX_KEYS = tuple(f"prefix_{i}_{m}" for i in ("precise", "approximate") for m in ("mae", "exact", "bias"))
@@ -140,6 +141,7 @@ def tasks(sections: set[str], seeds: list[int], profiles: tuple[str, ...]) -> li
                 if "controls" in sections and trace == "mooncake":
                     runs = [_run("gimbal"), _run("switchyard")]
                     out.append(_task("controls", "shuffled", trace, ts, seed, runs))
+                if "controls" in sections and trace == "mooncake" and seed == seeds[0]:
                     runs = [_run("gimbal"), _run("switchyard", "switchyard w=0", **_weights(0.0))]
                     out.append(_task("controls", "weight0", trace, ts, seed, runs))
     return out
