@@ -240,11 +240,9 @@ class Dispatcher:
         self.prefix_ttl_s = prefix_ttl_s
         self.needs_cached = "cached_tokens" in self.profile.needs
         self.needs_indexed = "indexed_blocks" in cols
-        self.indexed = np.zeros(engines)
-        if self.needs_indexed:
-            self.snap.columns["indexed_blocks"] = self.indexed
-        if "kv_blocks" in cols:
-            self.snap.columns["kv_blocks"] = np.full(engines, float(kv_blocks))
+        self.indexed = np.zeros(engines)  # refreshed per decision only when the profile reads it
+        self.snap.columns["indexed_blocks"] = self.indexed
+        self.snap.columns["kv_blocks"] = np.full(engines, float(kv_blocks))
         self._caches: list[PrefixCache] = []
         self._trace_block = 0
         self._span = 0
