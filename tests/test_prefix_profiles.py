@@ -9,7 +9,7 @@ import pytest
 
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.pickers import SoftmaxSample
-from switchyard.solver.routing.profiles import DP_PROFILES, dp_profile
+from switchyard.solver.routing.profiles import DP_PROFILES, PREFIX_WEIGHT, dp_profile
 from switchyard.solver.routing.scorers import DynamoDecode, DynamoPrefill, SglangCacheAware
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
@@ -231,9 +231,13 @@ def test_switchyard_prefers_the_cached_engine_at_equal_pressure() -> None:
     query = RouteQuery(prompt_tokens=4096, cached=cached(0, 0, 2048, 4096))
     assert decide("switchyard", snap, query) == 3
     assert decide("gimbal", snap, query) == 0  # Gimbal is blind to it: the first minimum
-    # ... but not at any price: 3000 more tokens queued on the cached engine outweigh its 2048 cached
-    snap = fleet(2, kv=[0.4, 0.4], remaining_prefill=[0, 3000])
+    # ... but not at any price: more queued tokens on the cached engine than its 2048 cached are worth
+    # (PREFIX_WEIGHT x 2048) send the request elsewhere
+    worth = PREFIX_WEIGHT * 2048
+    snap = fleet(2, kv=[0.4, 0.4], remaining_prefill=[0, worth + 1000])
     assert decide("switchyard", snap, RouteQuery(prompt_tokens=4096, cached=cached(0, 2048))) == 0
+    snap = fleet(2, kv=[0.4, 0.4], remaining_prefill=[0, worth - 1000])
+    assert decide("switchyard", snap, RouteQuery(prompt_tokens=4096, cached=cached(0, 2048))) == 1
 
 
 @pytest.mark.parametrize("name", ["llm-d", "dynamo", "sglang-cache", "switchyard"])

@@ -124,7 +124,12 @@ def sim_dp(
         bool, typer.Option("--coupled/--independent", help="Experts over all engines, lock-step (vLLM DP+EP).")
     ] = True,
     dispatch: Annotated[
-        str, typer.Option("--dispatch", help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal.")
+        str,
+        typer.Option(
+            "--dispatch",
+            help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal, llm-d, dynamo, sglang-cache, "
+            "switchyard.",
+        ),
     ] = "vllm,gimbal",
     order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to simulate.")] = 2000,
@@ -156,6 +161,14 @@ def sim_dp(
     prefix_caching: Annotated[
         bool, typer.Option(help="vLLM's automatic prefix caching (acts on JSONL traces with hash_ids).")
     ] = True,
+    prefix_index: Annotated[
+        str,
+        typer.Option(
+            "--prefix-index",
+            help="Where prefix-aware profiles learn what each engine caches: precise (the engines' KV events) "
+            "or approximate (what was routed where, with expiry).",
+        ),
+    ] = "precise",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -186,6 +199,7 @@ def sim_dp(
         telemetry_aligned=aligned_telemetry,
         inflight_drain_tokens_per_s=inflight_drain,
         prefix_caching=prefix_caching,
+        prefix_index=prefix_index,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)

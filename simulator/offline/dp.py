@@ -27,6 +27,18 @@ What each dispatch rule sees (the delays are the real systems'):
   puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
   in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
   least `inflight_grace_s` after them (`solver.routing.ledger`, the router's rule and default).
+- `llm-d` reads the coordinator's view (waiting, KV usage), `dynamo` the telemetry view with ``kv_blocks``,
+  `sglang-cache` the exact outstanding counts, each with ``cached_tokens`` as below.
+- `switchyard` (and any profile reading the request input ``cached_tokens``): Gimbal's view plus, per arrival,
+  the prompt tokens each engine holds cached, from one of two prefix indexes (`DPFleetConfig.prefix_index`):
+  *precise*: what the engines' caches hold at the decision instant (what vLLM's KV events would have told the
+  router: blocks stored as their prefill computed them, removed as evicted; `PrefixCache.lookup`), or
+  *approximate*: a `solver.routing.prefix.RoutedIndex` fed by the dispatcher's own decisions (each request's
+  keys recorded on the engine chosen, expiring after `prefix_ttl_s`, at most an engine's KV capacity of keys).
+  ``indexed_blocks`` is the chosen index's blocks per engine (engine KV blocks); ``kv_blocks`` (each engine's
+  KV capacity, from its hello) is exact. When a profile needs ``cached_tokens`` both indexes are kept and
+  their predictions for the chosen engine recorded per request (`DPSimResult.prefix_predicted`), to be
+  checked against the hit the request found at admission.
 """
 
 from __future__ import annotations
@@ -57,17 +69,21 @@ from switchyard.simulator.core.dp_engine import (
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
-from switchyard.simulator.core.prefix_cache import hits_per_request, prefix_keys
+from switchyard.simulator.core.prefix_cache import PrefixCache, hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
 from switchyard.solver.routing.filters import KvFirst
 from switchyard.solver.routing.ledger import InflightLedger
+from switchyard.solver.routing.prefix import RoutedIndex
 from switchyard.solver.routing.profiles import dp_profile
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 
-__all__ = ["DPFleetConfig", "DPSimResult", "Dispatcher", "simulate_dp"]
+__all__ = ["PREFIX_INDEXES", "DPFleetConfig", "DPSimResult", "Dispatcher", "simulate_dp"]
+
+#: The prefix indexes a dispatcher can read ``cached_tokens`` from (the module docstring), default first.
+PREFIX_INDEXES: tuple[str, ...] = ("precise", "approximate")
 
 _STEP_END, _TELEMETRY, _COORDINATOR = 0, 1, 2
 _GLOBAL = -1
@@ -97,10 +113,16 @@ class DPFleetConfig:
     dispatch_weights: tuple[tuple[str, float], ...] = ()
     #: vLLM's automatic prefix caching (on by default in V1); it acts only on traces that carry `hash_ids`.
     prefix_caching: bool = True
+    #: Where a profile reading ``cached_tokens`` gets it: "precise" (the engines' caches, as their KV events tell)
+    #: or "approximate" (what this dispatcher routed where, `prefix_ttl_s`); `PREFIX_INDEXES`.
+    prefix_index: str = "precise"
+    prefix_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("need at least one engine")
+        if self.prefix_index not in PREFIX_INDEXES:
+            raise ValueError(f"prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {self.prefix_index!r}")
 
     def weights_for(self, dispatch: str) -> dict[str, float]:
         """`dispatch_weights` restricted to the scorers of profile `dispatch` (a fleet runs several)."""
@@ -129,7 +151,10 @@ class DPFleetConfig:
 EXACT_COLUMNS = need("alive", "load", "outstanding")
 COORDINATOR_COLUMNS = need("waiting", "running")
 TELEMETRY_COLUMNS = need("remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight")
-SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | need("kv_usage")
+PREFIX_COLUMNS = need("indexed_blocks")
+HELLO_COLUMNS = need("kv_blocks")  # the engine's KV capacity, from its hello: known from the start
+SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | PREFIX_COLUMNS | HELLO_COLUMNS
+SIM_COLUMNS |= need("kv_usage")
 
 
 class Dispatcher:
@@ -141,6 +166,8 @@ class Dispatcher:
     the in-flight ledger (``inflight_tokens``, ``inflight``) from each engine's telemetry; ``outstanding``
     (= ``load``) and ``alive`` are exact. ``kv_usage`` comes from telemetry unless the profile reads the
     coordinator's counts and no telemetry column (vLLM main's rule reads the snapshot's KV usage).
+    ``cached_tokens`` (the request input) and ``indexed_blocks`` come from the prefix index `prefix_index`
+    (`attach_prefix` gives the engines' caches; without them, or for a request without keys, nothing is cached).
     """
 
     def __init__(
@@ -152,6 +179,9 @@ class Dispatcher:
         drain_tokens_per_s: float = 0.0,
         weights: Mapping[str, float] | None = None,
         seed: int = 0,
+        prefix_index: str = "precise",
+        prefix_ttl_s: float = 600.0,
+        kv_blocks: int = 0,
     ) -> None:
         self.profile = dp_profile(policy, params, weights)
         self.policy = policy
@@ -203,19 +233,82 @@ class Dispatcher:
             },
         )
         self.state = RouterState(rng=stream(seed, "dp.dispatch"))
+        # prefix view (see the module docstring); live only once `attach_prefix` gives the engines' caches
+        if prefix_index not in PREFIX_INDEXES:
+            raise ValueError(f"prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {prefix_index!r}")
+        self.prefix_index = prefix_index
+        self.prefix_ttl_s = prefix_ttl_s
+        self.needs_cached = "cached_tokens" in self.profile.needs
+        self.needs_indexed = "indexed_blocks" in cols
+        self.indexed = np.zeros(engines)  # refreshed per decision only when the profile reads it
+        self.snap.columns["indexed_blocks"] = self.indexed
+        self.snap.columns["kv_blocks"] = np.full(engines, float(kv_blocks))
+        self._caches: list[PrefixCache] = []
+        self._trace_block = 0
+        self._span = 0
+        self.routed: RoutedIndex | None = None
+        #: The last decision's predicted cached tokens on the engine chosen: (precise, approximate); -1: none.
+        self.predicted = (-1, -1)
 
-    def choose(self, now: float, prompt_tokens: int) -> int:
+    @property
+    def prefix_live(self) -> bool:
+        """The profile reads the prefix index and the engines cache prefixes."""
+        return bool(self._caches) and (self.needs_cached or self.needs_indexed)
+
+    def attach_prefix(self, caches: list[PrefixCache], trace_block: int, capacity_blocks: int) -> None:
+        """The engines' prefix caches (precise view) and the trace block; sizes the approximate index."""
+        self._caches = caches
+        self._trace_block = trace_block
+        self._span = caches[0].span if caches else 0
+        keys_per_engine = max(capacity_blocks // max(self._span, 1), 1)
+        self.routed = RoutedIndex(max_blocks=keys_per_engine, ttl_s=self.prefix_ttl_s)
+
+    def choose(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None = None) -> int:
         snap = self.snap
         if self._kv_first is not None and kv_first_applies(snap.alive, snap.kv_usage, self._kv_first.params):
             self.kv_first += 1
         if self._drains:
             snap.columns["inflight_tokens"] = self._drained(now)
-        i = self.profile(snap, RouteQuery(prompt_tokens=prompt_tokens), self.state, _NO_TABLES).index
+        if not self.prefix_live:
+            query = RouteQuery(prompt_tokens=prompt_tokens)
+            i = self.profile(snap, query, self.state, _NO_TABLES).index
+        else:
+            i = self._choose_prefix(now, prompt_tokens, keys)
         if self.needs_coordinator:
             self.snap_waiting[i] += 1  # vLLM's local increment, until the next snapshot
         if self._ledgered:
             self.ledger.add(i, now, prompt_tokens)
         self.outstanding[i] += 1
+        return i
+
+    def _choose_prefix(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None) -> int:
+        """A decision with the prefix view: both indexes asked (one feeds the profile), the routed one fed."""
+        routed = self.routed
+        assert routed is not None
+        ids = self.snap.engine_ids
+        precise = approx = None
+        if keys:
+            tb = self._trace_block
+            limit = (prompt_tokens - 1) // tb  # the scheduler's lookup bound: vLLM recomputes the last token
+            precise = np.array([c.lookup(keys, limit)[0] for c in self._caches], dtype=np.float64) * tb
+            approx = routed.match(keys[:limit], ids, now).astype(np.float64) * tb
+        else:
+            for engine_id in ids:
+                routed.expire(engine_id, now)
+        if self.needs_indexed:
+            if self.prefix_index == "precise":
+                self.indexed[:] = [c.cached_keys * self._span for c in self._caches]
+            else:
+                self.indexed[:] = [routed.blocks(e) * self._span for e in ids]
+        cached = precise if self.prefix_index == "precise" else approx
+        query = RouteQuery(prompt_tokens=prompt_tokens, cached=cached if self.needs_cached else None)
+        i = self.profile(self.snap, query, self.state, _NO_TABLES).index
+        if keys:
+            assert precise is not None and approx is not None
+            self.predicted = (int(precise[i]), int(approx[i]))
+            routed.routed(ids[i], keys, now)
+        else:
+            self.predicted = (-1, -1)
         return i
 
     def _drained(self, now: float) -> np.ndarray:
@@ -283,12 +376,31 @@ class DPSimResult:
     makespan: float
     #: Per request, prompt tokens found in the prefix cache at its first admission (0 without caching).
     prefix_hit: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: `[n, 2]`, per request, the cached tokens the (precise, approximate) index predicted on the engine chosen,
+    #: at the decision; -1 where none was asked (a profile that reads no prefix index, a request without keys).
+    prefix_predicted: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
 
     @property
     def prefix_hit_rate(self) -> float:
         """Fleet prompt tokens found cached over prompt tokens looked up (vLLM's hits / queries; 0 if none)."""
         q = int(self.engine_prefix_query_tokens.sum())
         return int(self.engine_prefix_hit_tokens.sum()) / q if q else 0.0
+
+    def prefix_index_accuracy(self) -> dict[str, float]:
+        """Per index, how well its predictions matched the hit found at admission, over requests it predicted:
+        ``prefix_<index>_mae`` (mean |predicted − found| tokens), ``prefix_<index>_exact`` (fraction equal),
+        ``prefix_<index>_bias`` (mean predicted − found); empty when no request was predicted."""
+        out: dict[str, float] = {}
+        for col, name in enumerate(PREFIX_INDEXES):
+            pred = self.prefix_predicted[:, col] if len(self.prefix_predicted) else np.zeros(0)
+            asked = pred >= 0
+            if not asked.any():
+                continue
+            err = pred[asked] - self.prefix_hit[asked]
+            out[f"prefix_{name}_mae"] = float(np.abs(err).mean())
+            out[f"prefix_{name}_exact"] = float((err == 0).mean())
+            out[f"prefix_{name}_bias"] = float(err.mean())
+        return out
 
     @property
     def label(self) -> str:
@@ -328,7 +440,14 @@ def simulate_dp(
         fleet.inflight_drain_tokens_per_s,
         weights=fleet.weights_for(dispatch),
         seed=seed,
+        prefix_index=fleet.prefix_index,
+        prefix_ttl_s=fleet.prefix_ttl_s,
+        kv_blocks=fleet.engine_kv_blocks,
     )
+    if prefix_block:
+        disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
+    predicted = np.full((n_req, 2), -1, dtype=np.int64)  # (precise, approximate) on the chosen engine
+    track = disp.prefix_live
     phases = _telemetry_phases(fleet, seed)
 
     arrival, prompt, output, replay = workload.arrival, workload.prompt, workload.output, workload.replay
@@ -399,9 +518,12 @@ def simulate_dp(
     for now, kind, idx in loop.events(arrival) if n_req else ():  # periodic events never run out
         if kind == ARRIVAL:
             rid = idx
-            i = disp.choose(now, int(prompt[rid]))
+            rkeys = keys[rid] if keys else None
+            i = disp.choose(now, int(prompt[rid]), rkeys)
+            if track:
+                predicted[rid] = disp.predicted
             eng_of[rid] = i
-            engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now, keys[rid] if keys else None)
+            engines[i].add(rid, int(replay[rid]), int(prompt[rid]), int(output[rid]), now, rkeys)
             if fleet.coupled:
                 if not global_busy:
                     start_global(now)
@@ -450,8 +572,8 @@ def simulate_dp(
         kv_first_decisions=disp.kv_first,
         makespan=now - t0,
         prefix_hit=hits_per_request((e.prefix_hits for e in engines), n_req),
+        prefix_predicted=predicted,
     )
-
 
 
 def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
@@ -475,7 +597,8 @@ def _engines(
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     dc = fleet.dp_cost
-    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if dispatch == "gimbal" else None
+    reads_pressure = "expert_pressure" in dp_profile(dispatch, fleet.params, fleet.weights_for(dispatch)).columns
+    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if reads_pressure else None
     return [
         MixedEngine(
             dc,

@@ -14,6 +14,9 @@ Metrics (seconds, tokens/s):
 - `prefix_hit_rate`: prompt tokens found in the engines' prefix caches over prompt tokens looked up at
   admissions (vLLM's hits / queries, readmissions after preemption included); `prefix_hit_request_mean`: the
   mean over requests of the hit at its first admission over its prompt. Both 0 on traces without `hash_ids`.
+- `prefix_precise_mae`, `prefix_precise_exact`, `prefix_precise_bias` and the same for `approximate` (profiles
+  that read ``cached_tokens``, traces with `hash_ids`): how well each prefix index predicted, at the decision,
+  the cached tokens the request then found at admission on the engine chosen (`DPSimResult.prefix_index_accuracy`).
 - `dispatch_run_mean`: mean length of the runs of consecutive arrivals sent to the same engine (1 = strict
   alternation between engines). In lock-step DP+EP, runs put several new prompts on one engine in the same
   step, and that engine's dense and attention time sets the step for everyone.
@@ -122,6 +125,7 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
         "kv_first_decisions": int(res.kv_first_decisions),
         "prefix_hit_rate": res.prefix_hit_rate,
         "prefix_hit_request_mean": float((res.prefix_hit / res.workload.prompt).mean()) if len(res.prefix_hit) else 0.0,
+        **res.prefix_index_accuracy(),
         "aged_admissions": int(res.engine_aged_admissions.sum()),
         "dispatch_run_mean": float(runs.mean()),
         "makespan_s": span,
@@ -177,6 +181,7 @@ class DPSimOptions:
     inflight_drain_tokens_per_s: float = 0.0
     dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
     prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
+    prefix_index: str = "precise"  # where cached_tokens comes from (`dp.PREFIX_INDEXES`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -193,6 +198,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         inflight_drain_tokens_per_s=opts.inflight_drain_tokens_per_s,
         dispatch_weights=opts.dispatch_weights,
         prefix_caching=opts.prefix_caching,
+        prefix_index=opts.prefix_index,
     )
 
 
@@ -272,6 +278,8 @@ def run_sim_dp(
         "window_s": opts.window_s,
         "prefix_caching": fleet.prefix_caching,
         "prefix_block_tokens": wl.hash_block or None,
+        "prefix_index": fleet.prefix_index,
+        "prefix_ttl_s": fleet.prefix_ttl_s,
     }
     if opts.dispatch_weights:
         config["dispatch_weights"] = dict(opts.dispatch_weights)

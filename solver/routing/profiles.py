@@ -118,7 +118,7 @@ def decode_profile(name: str, weights: Mapping[str, float] | None = None) -> Pro
 
 
 #: The `switchyard` profile's default weight of ``uncached_prompt`` (docs/prefix-routing.md: the sweep).
-PREFIX_WEIGHT = 1.0
+PREFIX_WEIGHT = 8.0
 
 
 def _gimbal_terms(params: GimbalParams) -> tuple[Weighted, ...]:
