@@ -167,6 +167,10 @@ async def fleet(bus: Bus, settings: SwitchyardSettings, request: pytest.FixtureR
         await started.router.stop()
 
 
+def test_the_default_dp_profile_is_the_composed_one() -> None:
+    assert RouterSettings().dp_rule == "switchyard" and RouterSettings().build_dp_profile().name == "switchyard"
+
+
 def test_the_default_index_is_one_constant() -> None:
     assert RouterSettings().prefix_index == DEFAULT_PREFIX_INDEX == "precise"
 
@@ -258,8 +262,9 @@ async def test_text_keys_are_matched_against_what_was_routed(fleet: Fleet, bus: 
 
 
 async def test_a_profile_without_cached_tokens_reads_no_index(bus: Bus, settings: SwitchyardSettings) -> None:
-    """Gimbal (the default DP profile) ignores the keys: no KV subscription, no query built from them."""
-    started = await start_fleet(bus, settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    """Gimbal ignores the keys: no KV subscription, no query built from them."""
+    router = RouterSettings(dp_profile="gimbal", inflight_grace_s=0.0, stale_after_s=5.0)
+    started = await start_fleet(bus, settings, router)
     try:
         assert not started.core.ingests_kv
         await started.engines["e1"].kv(stored(KEYS))

@@ -39,9 +39,11 @@ class RouterSettings(BaseSettings):
     decode_profile: str | None = None
     #: Scorer name -> weight for the decode profile (JSON object), e.g. {"load": 1.0}; 0 removes a scorer.
     decode_weights: dict[str, float] = Field(default_factory=dict)
-    #: DP profile for `sy.route.dp`: Gimbal's pressure rule (Algorithm 1); vLLM's own DP load balancer
-    #: (4·waiting + running, this replica's decisions counted as waiting until telemetry); vllm-main; jsq; rr.
-    dp_rule: DpProfileName = "gimbal"
+    #: DP profile for `sy.route.dp`: `switchyard` (Gimbal's pressure rule, Algorithm 1, plus the request's
+    #: uncached prompt on each engine; without block keys it decides as `gimbal`); `gimbal`; the peers' llm-d,
+    #: dynamo, sglang-cache; vLLM's own DP load balancer (4·waiting + running, this replica's decisions counted
+    #: as waiting until telemetry); vllm-main; jsq; rr.
+    dp_rule: DpProfileName = "switchyard"
     #: The same, by its newer name; when set it wins over `dp_rule`.
     dp_profile: DpProfileName | None = None
     #: Scorer name -> weight for the DP profile (JSON object), e.g. {"kv_penalty": 2.0}.

@@ -269,20 +269,22 @@ class Dispatcher:
             self.kv_first += 1
         if self._drains:
             snap.columns["inflight_tokens"] = self._drained(now)
+        cached = 0
         if not self.prefix_live:
             query = RouteQuery(prompt_tokens=prompt_tokens)
             i = self.profile(snap, query, self.state, _NO_TABLES).index
         else:
-            i = self._choose_prefix(now, prompt_tokens, keys)
+            i, cached = self._choose_prefix(now, prompt_tokens, keys)
         if self.needs_coordinator:
             self.snap_waiting[i] += 1  # vLLM's local increment, until the next snapshot
-        if self._ledgered:
-            self.ledger.add(i, now, prompt_tokens)
+        if self._ledgered:  # in flight: the prefill the engine will compute (the router's rule)
+            self.ledger.add(i, now, prompt_tokens - cached)
         self.outstanding[i] += 1
         return i
 
-    def _choose_prefix(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None) -> int:
-        """A decision with the prefix view: both indexes asked (one feeds the profile), the routed one fed."""
+    def _choose_prefix(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None) -> tuple[int, int]:
+        """A decision with the prefix view: both indexes asked (one feeds the profile), the routed one fed.
+        Returns the engine and the prompt tokens the profile was told it holds cached (0 if not told)."""
         routed = self.routed
         assert routed is not None
         ids = self.snap.engine_ids
@@ -309,7 +311,8 @@ class Dispatcher:
             routed.routed(ids[i], keys, now)
         else:
             self.predicted = (-1, -1)
-        return i
+        told = query.cached
+        return i, int(told[i]) if told is not None else 0
 
     def _drained(self, now: float) -> np.ndarray:
         """In-flight tokens if each decision's prompt drains at `drain` tokens/s from the moment it was sent."""
