@@ -81,7 +81,8 @@ def test_the_decode_policy_sees_only_prefill_phase_information(
     esft: Scenario, setup: tuple[FleetConfig, Workload]
 ) -> None:
     """Every query's similarities are those of the request's prefill counts (not its decode counts)."""
-    assert {f.name for f in dataclasses.fields(RouteQuery)} == {"sims", "label", "prompt_tokens"}
+    # `cached` (prefix-cache hits per engine) is known before decode too; the decode choice is never given it
+    assert {f.name for f in dataclasses.fields(RouteQuery)} == {"sims", "label", "prompt_tokens", "cached"}
     fleet, wl = setup
     queries: list[RouteQuery] = []
     eldr = DECODE_POLICIES["eldr"]
@@ -102,6 +103,7 @@ def test_the_decode_policy_sees_only_prefill_phase_information(
     np.testing.assert_allclose(seen, from_prefill, atol=1e-5)
     assert np.abs(seen - from_decode).max() > 0.05, "prefill and decode signatures must differ for this test"
     assert [q.prompt_tokens for q in queries] == wl.prompt[order].tolist()
+    assert all(q.cached is None for q in queries)
 
 
 def test_esft_rho_per_representation_matches_the_docs() -> None:

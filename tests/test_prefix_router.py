@@ -32,6 +32,7 @@ from switchyard.shared.codec import encode
 from switchyard.shared.engine_manifest import EngineEntry, EngineManifest
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 from switchyard.shared.subjects import Subjects
 from tests.gateway_helpers import deployment, metric, wait_for
 
@@ -194,14 +195,15 @@ async def test_the_engine_holding_the_prefix_takes_it_until_it_clears(fleet: Fle
 
 
 async def test_a_partial_prefix_weighs_against_pressure(fleet: Fleet, bus: Bus) -> None:
-    """e1 holds the first half (512 tokens): it wins over an idle e0 while its queue is shorter than that, and
-    loses once its queue holds more prefill than the cache saves."""
+    """e1 holds the first half (512 tokens): it wins over an idle e0 while its queue is shorter than what the
+    cache saves (512 tokens at the prefix weight), and loses once its queue holds more."""
     e1 = fleet.engines["e1"]
     await e1.kv(stored(KEYS[:32]))
     await fleet.until(lambda: fleet.blocks("e1") == 32)
-    await fleet.settle(e1=400)
+    saved = 512 * PREFIX_WEIGHT
+    await fleet.settle(e1=int(0.8 * saved))
     assert await route(bus) == "e1"
-    await fleet.settle(e1=600)
+    await fleet.settle(e1=int(1.2 * saved))
     assert await route(bus) == "e0"
 
 
@@ -210,11 +212,12 @@ async def test_an_engine_without_events_gets_traffic_by_pressure(fleet: Fleet, b
     e1 = fleet.engines["e1"]
     await e1.kv(stored(KEYS))
     await fleet.until(lambda: fleet.blocks("e1") == len(KEYS))
-    await fleet.settle(e1=5000)
+    busy = int(2 * len(PROMPT) * PREFIX_WEIGHT)  # more queued prefill than the whole prompt's cache saves
+    await fleet.settle(e1=busy)
     assert await route(bus) == "e0"
-    await fleet.settle(e1=5000)
+    await fleet.settle(e1=busy)
     assert await route(bus, None) == "e0"
-    await fleet.settle(e0=5000)
+    await fleet.settle(e0=busy)
     assert await route(bus) == "e1"
 
 
@@ -256,7 +259,7 @@ async def test_text_keys_are_matched_against_what_was_routed(fleet: Fleet, bus: 
     assert await route(bus, keys, "text", prompt=300) == "e0"
     await fleet.settle(e0=200)
     assert await route(bus, keys, "text", prompt=300) == "e0"
-    await fleet.settle(e0=400)  # more queued than the whole prompt: pressure wins
+    await fleet.settle(e0=int(2 * 300 * PREFIX_WEIGHT))  # more queued than the whole prompt saves: pressure wins
     assert await route(bus, keys, "text", prompt=300) == "e1"
     assert fleet.blocks("e0") == 0  # the precise index holds only what engines reported
 

@@ -114,9 +114,15 @@ def test_both_indexes_predictions_are_recorded(esft: Scenario, index: str) -> No
 
 
 def test_indexed_blocks_is_fed(esft: Scenario) -> None:
-    from switchyard.simulator.offline.dp import SIM_COLUMNS
+    from switchyard.simulator.offline.dp import SIM_COLUMNS, Dispatcher
+    from switchyard.solver.routing.dispatch import GimbalParams
 
-    assert {"indexed_blocks"} <= SIM_COLUMNS
+    assert {"indexed_blocks", "kv_blocks"} <= SIM_COLUMNS
+    # without hash ids, SGLang's tree still grows by every prompt routed: misses then balance by routed tokens
+    disp = Dispatcher("sglang-cache", 2, GimbalParams(), 0.05, kv_blocks=1000)
+    picks = [disp.choose(0.0, 1600) for _ in range(4)]
+    assert picks == [0, 1, 0, 1] and disp.indexed.tolist() == [200.0, 200.0]
+    assert disp.snap.columns["kv_blocks"].tolist() == [1000.0, 1000.0]
 
 
 def test_sim_dp_json_contract(tmp_path: Path) -> None:

@@ -35,7 +35,8 @@ What each dispatch rule sees (the delays are the real systems'):
   router: blocks stored as their prefill computed them, removed as evicted; `PrefixCache.lookup`), or
   *approximate*: a `solver.routing.prefix.RoutedIndex` fed by the dispatcher's own decisions (each request's
   keys recorded on the engine chosen, expiring after `prefix_ttl_s`, at most an engine's KV capacity of keys).
-  ``indexed_blocks`` is the chosen index's blocks per engine (engine KV blocks); ``kv_blocks`` (each engine's
+  ``indexed_blocks`` is the chosen index's blocks per engine (engine KV blocks; on a trace without hash ids,
+  the 16-token blocks of every prompt routed there, as SGLang's tree grows); ``kv_blocks`` (each engine's
   KV capacity, from its hello) is exact. When a profile needs ``cached_tokens`` both indexes are kept and
   their predictions for the chosen engine recorded per request (`DPSimResult.prefix_predicted`), to be
   checked against the hit the request found at admission.
@@ -88,6 +89,9 @@ PREFIX_INDEXES: tuple[str, ...] = ("precise", "approximate")
 _STEP_END, _TELEMETRY, _COORDINATOR = 0, 1, 2
 _GLOBAL = -1
 _NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
+#: Tokens per block of ``indexed_blocks`` on a trace without hash ids (vLLM's KV block): an approximate index
+#: (SGLang's tree) still records every routed prompt, unique text included.
+_INDEX_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,8 @@ class Dispatcher:
         if not self.prefix_live:
             query = RouteQuery(prompt_tokens=prompt_tokens)
             i = self.profile(snap, query, self.state, _NO_TABLES).index
+            if self.needs_indexed:  # no keys: an index of what was routed still grows by the prompt's blocks
+                self.indexed[i] += -(-prompt_tokens // _INDEX_BLOCK_TOKENS)
         else:
             i, cached = self._choose_prefix(now, prompt_tokens, keys)
         if self.needs_coordinator:
