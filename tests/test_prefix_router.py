@@ -32,8 +32,8 @@ from switchyard.shared.codec import encode
 from switchyard.shared.engine_manifest import EngineEntry, EngineManifest
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.settings import SwitchyardSettings
-from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 from switchyard.shared.subjects import Subjects
+from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 from tests.gateway_helpers import deployment, metric, wait_for
 
 BLOCK = 16
