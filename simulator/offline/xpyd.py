@@ -263,7 +263,6 @@ def simulate(
     )
 
 
-
 def _engines(
     fleet: FleetConfig, bank: ReplayBank, prefix_block: int | None = None
 ) -> tuple[list[DecodeEngine], list[PrefillEngine]]:
