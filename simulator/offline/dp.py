@@ -303,25 +303,8 @@ def simulate_dp(
     dc = fleet.dp_cost
     prefix_block = workload.hash_block if fleet.prefix_caching and workload.hash_ids is not None else None
     engines = _engines(fleet, bank, dispatch, order, prefill_counts, prefix_block)
-    keys = (
-        [prefix_keys(h, int(p), prefix_block) for h, p in zip(workload.hash_ids, workload.prompt, strict=True)]
-        if prefix_block and workload.hash_ids is not None
-        else None
-    )
-    disp = Dispatcher(
-        dispatch,
-        n,
-        fleet.params,
-        fleet.inflight_grace_s,
-        fleet.inflight_drain_tokens_per_s,
-        weights=fleet.weights_for(dispatch),
-        seed=seed,
-        prefix_index=fleet.prefix_index,
-        prefix_ttl_s=fleet.prefix_ttl_s,
-        kv_blocks=fleet.engine_kv_blocks,
-    )
-    if prefix_block:
-        disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
+    keys = _prompt_keys(workload, prefix_block)
+    disp = _dispatcher(fleet, dispatch, seed, engines, prefix_block)
     predicted = np.full((n_req, 2), -1, dtype=np.int64)  # (precise, approximate) on the chosen engine
     track = disp.prefix_live
     phases = _telemetry_phases(fleet, seed)
@@ -450,6 +433,34 @@ def simulate_dp(
         prefix_hit=hits_per_request((e.prefix_hits for e in engines), n_req),
         prefix_predicted=predicted,
     )
+
+
+def _prompt_keys(workload: Workload, prefix_block: int | None) -> list[tuple[int, ...]] | None:
+    """Each request's chained prefix keys (None without caching or without the trace's hash ids)."""
+    if not prefix_block or workload.hash_ids is None:
+        return None
+    return [prefix_keys(h, int(p), prefix_block) for h, p in zip(workload.hash_ids, workload.prompt, strict=True)]
+
+
+def _dispatcher(
+    fleet: DPFleetConfig, dispatch: str, seed: int, engines: list[MixedEngine], prefix_block: int | None
+) -> Dispatcher:
+    """The fleet's dispatcher for one rule, given the engines' prefix caches when they keep them."""
+    disp = Dispatcher(
+        dispatch,
+        fleet.engines,
+        fleet.params,
+        fleet.inflight_grace_s,
+        fleet.inflight_drain_tokens_per_s,
+        weights=fleet.weights_for(dispatch),
+        seed=seed,
+        prefix_index=fleet.prefix_index,
+        prefix_ttl_s=fleet.prefix_ttl_s,
+        kv_blocks=fleet.engine_kv_blocks,
+    )
+    if prefix_block:
+        disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
+    return disp
 
 
 def _telemetry_phases(fleet: DPFleetConfig, seed: int) -> np.ndarray:
