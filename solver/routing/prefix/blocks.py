@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from switchyard.solver.routing.prefix.matching import MatchPlan, leading_matches
+from switchyard.solver.routing.prefix.slots import EngineSlots, ints
 
 __all__ = ["BlockIndex"]
 
@@ -57,17 +57,14 @@ class _EngineBlocks:
         self.head, self.tail = 0, len(keys)
 
 
-class BlockIndex:
+class BlockIndex(EngineSlots):
     """Which engine holds which block key, fed by stored/removed/cleared events; `match` for routing."""
 
     def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
+        super().__init__()
         self.max_blocks = max_blocks
-        self.holders: dict[int, int] = {}
-        self._slot: dict[str, int] = {}
-        self._free_slots: list[int] = []
-        self._plan_for: tuple[object, MatchPlan | None] = (None, None)  # (engine_ids, its plan), until slots change
         self._engines: dict[int, _EngineBlocks] = {}
         self.dropped_over_cap = 0  # keys dropped because an engine passed max_blocks (counter)
 
@@ -79,7 +76,7 @@ class BlockIndex:
         bit = 1 << slot
         blocks = self._engines[slot]
         holders = self.holders
-        for key in _ints(keys):
+        for key in ints(keys):
             mask = holders.get(key, 0)
             if mask & bit:
                 continue
@@ -100,7 +97,7 @@ class BlockIndex:
         bit = 1 << slot
         blocks = self._engines[slot]
         holders = self.holders
-        for key in _ints(keys):
+        for key in ints(keys):
             mask = holders.get(key, 0)
             if mask & bit:
                 self._unset(key, mask, bit)
@@ -122,63 +119,30 @@ class BlockIndex:
 
     def forget(self, engine_id: str) -> None:
         """The engine left the fleet: clear it and free its slot."""
-        if engine_id in self._slot:
-            self.cleared(engine_id)
-            slot = self._slot.pop(engine_id)
+        self.cleared(engine_id)
+        slot = self._free_slot(engine_id)
+        if slot is not None:
             del self._engines[slot]
-            self._free_slots.append(slot)
-        self._plan_for = (None, None)
 
     # -- queries --------------------------------------------------------------------------------------------
 
     def match(self, keys: Sequence[int], engine_ids: Sequence[str]) -> np.ndarray:
         """int64[len(engine_ids)]: how many leading `keys` each engine holds (0 for an engine never heard)."""
-        return leading_matches(self.holders, keys, self._plan(engine_ids))
+        return self._match(keys, engine_ids)
 
     def blocks(self, engine_id: str) -> int:
         """Keys the index holds for the engine."""
         slot = self._slot.get(engine_id)
         return 0 if slot is None else self._engines[slot].held
 
-    def engines(self) -> list[str]:
-        """The engines the index has a slot for (heard from and not forgotten)."""
-        return list(self._slot)
-
     def held(self) -> int:
         """Blocks held, summed over engines (a key two engines hold counts twice)."""
         return sum(blocks.held for blocks in self._engines.values())
 
-    def __len__(self) -> int:
-        """Distinct keys held by any engine."""
-        return len(self.holders)
-
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _plan(self, engine_ids: Sequence[str]) -> MatchPlan:
-        """The engines' slots prepared for matching, kept while the same `engine_ids` object is asked (a
-        snapshot's tuple) and no engine gained or lost a slot."""
-        asked, plan = self._plan_for
-        if asked is not engine_ids or plan is None or type(engine_ids) is not tuple:
-            slot = self._slot.get
-            plan = MatchPlan([slot(e, -1) for e in engine_ids])
-            self._plan_for = (engine_ids, plan)
-        return plan
-
-    def _slot_of(self, engine_id: str) -> int:
-        slot = self._slot.get(engine_id)
-        if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slot)
-            self._slot[engine_id] = slot
-            self._plan_for = (None, None)
-            self._engines[slot] = _EngineBlocks(min(self.max_blocks, 1024))
-        return slot
-
-    def _unset(self, key: int, mask: int, bit: int) -> None:
-        rest = mask & ~bit
-        if rest:
-            self.holders[key] = rest
-        else:
-            del self.holders[key]
+    def _new_engine(self, slot: int) -> None:
+        self._engines[slot] = _EngineBlocks(min(self.max_blocks, 1024))
 
     def _drop_oldest(self, slot: int, blocks: _EngineBlocks) -> None:
         bit = 1 << slot
@@ -208,8 +172,3 @@ class BlockIndex:
         if len(live) * 2 > capacity:
             capacity = min(2 * capacity, 2 * self.max_blocks + 16)
         blocks.reset(live, capacity)
-
-
-def _ints(keys: Iterable[int] | np.ndarray) -> list[int]:
-    """The keys as Python ints: one `tolist` for an array (a numpy scalar per key is slow to hash and convert)."""
-    return keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]

@@ -10,27 +10,24 @@ routed out first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from switchyard.solver.routing.prefix.matching import MatchPlan, leading_matches
+from switchyard.solver.routing.prefix.slots import EngineSlots, ints
 
 __all__ = ["RoutedIndex"]
 
 
-class RoutedIndex:
+class RoutedIndex(EngineSlots):
     """Per engine, the block keys routed there with the time last routed; `match` for routing."""
 
     def __init__(self, max_blocks: int = 200_000, ttl_s: float = 600.0) -> None:
         if max_blocks < 1 or ttl_s <= 0:
             raise ValueError("max_blocks must be at least 1 and ttl_s positive")
+        super().__init__()
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
-        self.holders: dict[int, int] = {}
-        self._slot: dict[str, int] = {}
-        self._free_slots: list[int] = []
-        self._plan_for: tuple[object, MatchPlan | None] = (None, None)  # (engine_ids, its plan), until slots change
         self._lru: dict[int, OrderedDict[int, float]] = {}
 
     def routed(self, engine_id: str, keys: Sequence[int], now: float) -> None:
@@ -39,7 +36,7 @@ class RoutedIndex:
         bit = 1 << slot
         lru = self._lru[slot]
         holders = self.holders
-        for key in _ints(keys):
+        for key in ints(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -66,64 +63,30 @@ class RoutedIndex:
 
     def forget(self, engine_id: str) -> None:
         """The engine left (or restarted): it holds nothing, its slot is free."""
-        slot = self._slot.pop(engine_id, None)
+        slot = self._free_slot(engine_id)
         if slot is None:
             return
         bit = 1 << slot
         for key in self._lru.pop(slot):
             self._drop(key, bit)
-        self._free_slots.append(slot)
-        self._plan_for = (None, None)
 
     def match(self, keys: Sequence[int], engine_ids: Sequence[str], now: float | None = None) -> np.ndarray:
         """int64[len(engine_ids)]: leading `keys` routed to each engine (expired ones first dropped if `now`)."""
         if now is not None:
             for engine_id in engine_ids:
                 self.expire(engine_id, now)
-        return leading_matches(self.holders, keys, self._plan(engine_ids))
+        return self._match(keys, engine_ids)
 
     def blocks(self, engine_id: str) -> int:
         slot = self._slot.get(engine_id)
         return 0 if slot is None else len(self._lru[slot])
 
-    def engines(self) -> list[str]:
-        """The engines anything was routed to (and not forgotten)."""
-        return list(self._slot)
-
     def held(self) -> int:
         """Blocks held, summed over engines."""
         return sum(len(lru) for lru in self._lru.values())
 
-    def __len__(self) -> int:
-        return len(self.holders)
-
-    def _plan(self, engine_ids: Sequence[str]) -> MatchPlan:
-        """The engines' slots prepared for matching, kept while the same `engine_ids` object is asked (a
-        snapshot's tuple) and no engine gained or lost a slot."""
-        asked, plan = self._plan_for
-        if asked is not engine_ids or plan is None or type(engine_ids) is not tuple:
-            slot = self._slot.get
-            plan = MatchPlan([slot(e, -1) for e in engine_ids])
-            self._plan_for = (engine_ids, plan)
-        return plan
-
-    def _slot_of(self, engine_id: str) -> int:
-        slot = self._slot.get(engine_id)
-        if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slot)
-            self._slot[engine_id] = slot
-            self._plan_for = (None, None)
-            self._lru[slot] = OrderedDict()
-        return slot
+    def _new_engine(self, slot: int) -> None:
+        self._lru[slot] = OrderedDict()
 
     def _drop(self, key: int, bit: int) -> None:
-        rest = self.holders.get(key, 0) & ~bit
-        if rest:
-            self.holders[key] = rest
-        else:
-            self.holders.pop(key, None)
-
-
-def _ints(keys: Iterable[int] | np.ndarray) -> list[int]:
-    """The keys as Python ints: one `tolist` for an array (a numpy scalar per key is slow to hash and convert)."""
-    return keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
+        self._unset(key, self.holders.get(key, 0), bit)
