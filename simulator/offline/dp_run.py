@@ -182,6 +182,7 @@ class DPSimOptions:
     dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
     prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
     prefix_index: str = "precise"  # where cached_tokens comes from (`dp.PREFIX_INDEXES`)
+    borrow_routing: bool = False  # `model` on the trace's routed shape (`core.borrowed_routing`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -235,7 +236,13 @@ def run_sim_dp(
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
     sc = scenario or prepare(
-        opts.trace, model=opts.model, gpu=opts.gpu, gpus=opts.tp, prefill_fraction=opts.prefill_fraction, seed=opts.seed
+        opts.trace,
+        model=opts.model,
+        gpu=opts.gpu,
+        gpus=opts.tp,
+        prefill_fraction=opts.prefill_fraction,
+        seed=opts.seed,
+        borrow_routing=opts.borrow_routing,
     )
     fleet = fleet_for(sc, opts)
     wl = workload_for(sc, opts, fleet)
