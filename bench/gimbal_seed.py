@@ -19,11 +19,12 @@ Configurations (`simulator.offline.report.gimbal_seed.VARIANTS`), each a `switch
 
 Loads: the seed's RPS 2, 3 and 4 (the simulated fleet is nearly idle there: datasheet-speed engines, no CPU
 overhead), then heavier rates chosen from vLLM's running count alone (`HEAVY_RATES`), before any other
-configuration was compared. Three seeds (routing draws, telemetry phases, Poisson arrivals).
+configuration was compared. Gimbal vs vLLM runs at every load; the ablation, the calibration and the static
+control at 100 req/s (`PLAN`: the CPU budget). Three seeds (routing draws, telemetry phases, arrivals).
 
 Writes `runs.csv` (one row per run), `results.json` (how it was run, the comparisons) and `report.md` into
 `--out` (default docs/results/gimbal_seed). `--report-only` rebuilds the report from the files; `--quick`
-runs one seed, two loads and fewer requests (about a minute). Budget: the full bench takes at most 15 CPU
+runs one seed, two loads, Gimbal vs vLLM, 150 requests (a few CPU minutes). Budget: the full bench takes at most 15 CPU
 minutes (`results.json` records the CPU time it took).
 """
 
@@ -48,23 +49,45 @@ from switchyard.simulator.offline.report.gimbal_seed import VARIANTS, compare, m
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = "data/requests/burstgpt/BurstGPT_1_first400.csv"
 SEED_RATES = (2.0, 3.0, 4.0)
-#: Heavier loads (req/s), chosen from vLLM+FCFS+EPLB's mean running requests per engine alone: about the seed's
-#: 88 running per engine at RPS 4 (its "Runtime Behavior at RPS=4"), then twice and four times the rate.
-HEAVY_RATES = (100.0, 200.0, 400.0)
-#: Requests per run: enough to reach a steady state at each rate within the CPU budget.
-REQUESTS_AT = {2.0: 300, 3.0: 300, 4.0: 400, 100.0: 3000, 200.0: 3000, 400.0: 3000}
-QUICK_REQUESTS = 300
+#: Heavier loads (req/s), chosen from vLLM+FCFS+EPLB's mean running requests per engine alone, before any other
+#: configuration was compared: 100 req/s gives about the seed's 88 running per engine at its RPS 4 ("Runtime
+#: Behavior at RPS=4"); 400 req/s is near vLLM's TTFT knee.
+HEAVY_RATES = (100.0, 400.0)
+#: Which configurations run where (the CPU budget: a DP+EP run costs ~25 ms of CPU per request plus ~1 ms per
+#: step): the headline pair everywhere, the ablation, the calibration and the control at the seed-like load.
+HEADLINE = ("vllm", "gimbal")
+PLAN: dict[float, tuple[str, ...]] = {
+    2.0: HEADLINE,
+    3.0: HEADLINE,
+    4.0: HEADLINE,
+    100.0: tuple(VARIANTS),
+    400.0: HEADLINE,
+}
+#: Requests per run: 50 s of arrivals at the seed's rates (idle fleets step every few ms, so steps, not
+#: requests, cost CPU there), 600 requests at the heavier rates (6 s and 1.5 s of arrivals).
+REQUESTS_AT = {2.0: 100, 3.0: 150, 4.0: 200, 100.0: 600, 400.0: 600}
+QUICK_REQUESTS = 150
 METRICS = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99", "throughput")
 EXTRA = ("offered_rate", "mean_running", "busy_fraction", "max_kv_usage", "preemptions", "prompt_tput_gap")
 #: Placement figures `sim-dp` may report per run (docs/ep-simulation.md); kept when present.
-EP_EXTRA = ("migrations", "a2a_bytes_per_token", "a2a_remote_fraction", "max_mean_rank_load", "migration_pause_s")
+EP_EXTRA = (
+    "ep_migrations",
+    "ep_moves",
+    "ep_migration_s",
+    "ep_slowed_s",
+    "ep_a2a_nvlink_bytes_per_token",
+    "ep_a2a_network_bytes_per_token",
+    "ep_a2a_fraction",
+    "ep_load_max_mean",
+)
 COLUMNS = ("variant", "key", "dispatch", "order", "placement", "dp_weights", "rate", "seed", "requests")
 
 
-def groups() -> dict[tuple[str, str, str], list[tuple[str, str]]]:
+def groups(names: tuple[str, ...] = tuple(VARIANTS)) -> dict[tuple[str, str, str], list[tuple[str, str]]]:
     """(dispatch, order, weights) -> [(variant, placement)]: one `sim-dp` call per group runs its placements."""
     out: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
-    for name, (dispatch, order, placement, weights) in VARIANTS.items():
+    for name in names:
+        dispatch, order, placement, weights = VARIANTS[name]
         out.setdefault((dispatch, order, weights), []).append((name, placement))
     return out
 
@@ -111,12 +134,12 @@ def run_group(task: dict) -> list[dict]:
 
 
 def tasks(seeds: list[int], quick: bool) -> list[dict]:
-    rates = (4.0, 200.0) if quick else SEED_RATES + HEAVY_RATES
+    plan = {4.0: HEADLINE, 100.0: HEADLINE} if quick else PLAN
     out = []
-    for rate in rates:
+    for rate, names in plan.items():
         n = QUICK_REQUESTS if quick else REQUESTS_AT[rate]
         for seed in seeds:
-            for (dispatch, order, weights), members in groups().items():
+            for (dispatch, order, weights), members in groups(names).items():
                 placements = [p for _, p in members]
                 out.append(
                     {
@@ -137,7 +160,7 @@ def commands_md(rates: list[float]) -> list[str]:
     lines = ["## Commands (seed 0; `--seed 1`, `--seed 2` for the others)", "", "```sh"]
     for rate in rates:
         n = REQUESTS_AT.get(rate, QUICK_REQUESTS)
-        for (dispatch, order, weights), members in groups().items():
+        for (dispatch, order, weights), members in groups(PLAN.get(rate, HEADLINE)).items():
             args = command(dispatch, order, weights, [p for _, p in members], rate, n, 0)
             lines.append(f"switchyard {shlex.join(args)}  # {', '.join(v for v, _ in members)}")
     return [*lines, "```", ""]
@@ -181,7 +204,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "gimbal_seed")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="one seed, RPS 4 and 200, 300 requests (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="one seed, RPS 4 and 100, 150 requests, Gimbal vs vLLM")
     ap.add_argument("--report-only", action="store_true", help="rebuild report.md and results.json from the files")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

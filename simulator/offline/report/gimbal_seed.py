@@ -103,7 +103,7 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out["headline"].append(row)
         if "vllm" in v:
             for name in ("dp-only", "ep-only", "uncoordinated", "gimbal", "vllm-static"):
-                if name in v:
+                if name in v and len(v) > 2:  # the headline pair alone is the headline table
                     d = {m: _delta(v[name], v["vllm"], m) for m in METRICS}
                     out["ablation"].append({"rate": rate, "variant": name, "delta": d})
         if "gimbal" in v and "uncoordinated" in v:
@@ -153,8 +153,10 @@ def markdown(cmp: dict[str, Any], source: str) -> list[str]:
     ]
     for h in cmp["headline"]:
         seed_ttft = s["ttft_by_rps"].get(h["rate"])
+        in_seed = h["rate"] <= 4.0
         seed_ttft_s = f"{seed_ttft:+.1f} %" if seed_ttft is not None else f"({s['ttft_mean']:+.1f} % avg)"
-        seed_tpot_s = f"({s['tpot_mean']:+.1f} % avg)" if h["rate"] <= 4.0 else "—"
+        seed_ttft_s = seed_ttft_s if in_seed else "—"
+        seed_tpot_s = f"({s['tpot_mean']:+.1f} % avg)" if in_seed else "—"
         md.append(
             f"| {h['rate']:g} | {h['mean_running']:.1f} | {h['vllm']['ttft_mean'] * 1e3:.1f} / "
             f"{h['vllm']['tpot_mean'] * 1e3:.2f} | {h['gimbal']['ttft_mean'] * 1e3:.1f} / "
