@@ -18,8 +18,9 @@ expert selection, distinct-expert count, EP rank and placement is the trace's ow
 
 What it cannot keep (written down in docs/gimbal-seed.md): a step that touches few experts reads
 ``(E_m/k_m)/(E_t/k_t)`` (1.5× for Qwen3 on ESFT) more expert bytes than the model would, because a trace
-expert is bigger than a model expert while a token touches fewer of them; all-to-all hops per token are
-``L_t·k_t`` (156) rather than ``L_m·k_m`` (384) at the same remote fraction; the router weights are the
+expert is bigger than a model expert while a token touches fewer of them; a token's all-to-all sends go
+over ``L_t`` layers (26) rather than ``L_m`` (48), about half the volume (a send per remote rank hosting one
+of its experts, which top-6 of 64 and top-8 of 128 reach about as often); the router weights are the
 trace's ``L_t·E_t·hidden`` (3.4 M parameters rather than 12.6 M, 18 MB of 2.5 GB of dense weights).
 """
 
