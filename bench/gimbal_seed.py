@@ -188,9 +188,8 @@ def write_report(meta: dict, rows: list[dict], out: Path) -> dict:
         f"Fleet: DP2 TP2 EP4 lock-step on H100; Qwen3-30B-A3B physics on the ESFT (DeepSeek-V2-Lite) routing "
         f"trace's selections; BurstGPT lengths (`{REQUESTS}`, 383 requests, cycled), Poisson arrivals. "
         f"Seeds {', '.join(map(str, meta['seeds']))}. Runs: {len(rows)}. "
-        f"Machine: {meta['machine']}; {meta['cpu_s']:.0f} CPU s, {meta['wall_s']:.0f} s wall"
-        + (" (quick)" if meta.get("quick") else "")
-        + ".",
+        f"Code: {meta.get('commit', '?')}. Machine: {meta['machine']}; {meta['cpu_s']:.0f} CPU s, "
+        f"{meta['wall_s']:.0f} s wall" + (" (quick)" if meta.get("quick") else "") + ".",
         "",
         *markdown(cmp, "docs/results/gimbal_seed/runs.csv")[2:],
         *commands_md(rates),
@@ -236,6 +235,9 @@ def main() -> None:
             "quick": args.quick,
             "rates": sorted({r["rate"] for r in rows}),
             "requests": REQUESTS,
+            "commit": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+            ).stdout.strip(),
         }
         write_csv(rows, csv_path)
     rows = read_runs(csv_path)
