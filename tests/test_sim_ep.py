@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from switchyard.services.cli import app
+from switchyard.simulator.core.dp_engine import MixedEngine, MixedStep
 from switchyard.simulator.core.ep import EpTopology, busiest, placed, rank_work, selections, step_traffic
 from switchyard.simulator.core.experts import expert_bitsets
 from switchyard.simulator.core.physics import cost_model
@@ -19,7 +20,7 @@ from switchyard.simulator.core.placement_control import StaticPlacement
 from switchyard.simulator.core.placements import make_placement, placement_names
 from switchyard.simulator.core.workload import load_request_csv
 from switchyard.simulator.offline.dp import DPFleetConfig, simulate_dp
-from switchyard.simulator.offline.dp_ep import MigrationPricing
+from switchyard.simulator.offline.dp_ep import EpRun, MigrationPricing
 from switchyard.simulator.offline.dp_run import summarize_dp
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.placement.layouts import default_layout
@@ -264,3 +265,31 @@ def test_sim_dp_takes_a_jsonl_request_trace(tmp_path: Path) -> None:
     run = payload["runs"]["vllm+fcfs+none"]
     assert run["requests"] == 30 and run["ttft_mean"] > 0 and run["throughput"] > 0
     assert payload["config"]["mean_output"] == pytest.approx(np.mean([r["output_length"] for r in rows]))
+
+
+def test_moe_pressure_and_step_time_follow_the_layout_in_force(esft: Scenario) -> None:
+    """The same step under two layouts: with the step's hottest experts packed on rank 0, the engines report a
+    higher expert pressure and the step takes longer than under the contiguous layout."""
+    fleet = DPFleetConfig(engines=2, cost=esft.cost, placement="none")
+    m, g, bank = esft.cost.model, fleet.dp_cost.ep_ranks, esft.bank
+    rows = [np.arange(0, 40), np.arange(40, 90)]  # decode tokens of engine 0 and engine 1
+    empty = np.zeros(0, dtype=np.int64)
+    counts = selections(bank.decode_bits[np.concatenate(rows)], m.num_experts).sum(axis=0)  # [L, E]
+    hot_first = np.argsort(-counts, axis=1, kind="stable")  # per layer, experts by load, hottest first
+    skewed = hot_first.reshape(m.moe_layers, g, -1).astype(np.int32)  # rank 0 gets the hottest E/G
+    contiguous = default_layout(m.moe_layers, m.num_experts, g)
+
+    def one_step(layout: np.ndarray) -> tuple[float, list[float]]:
+        engines = [MixedEngine(fleet.dp_cost, bank) for _ in range(2)]
+        run = EpRun(esft.cost, fleet.ep_topology, bank, StaticPlacement(1, 1, 1, layout), None, 0.1)
+        plans = [
+            MixedStep(0.0, 0.0, len(r), len(r), 0, np.zeros((1, 1), np.uint64), [], [], r, empty, np.zeros(0))
+            for r in rows
+        ]
+        seconds = run.step_seconds(0.0, 0.0, plans, engines)
+        return seconds, [e.take_expert_pressure() for e in engines]
+
+    t_skew, p_skew = one_step(skewed)
+    t_cont, p_cont = one_step(contiguous)
+    assert min(p_skew) > max(p_cont) >= 1.0
+    assert t_skew > t_cont
