@@ -150,6 +150,9 @@ class MixedStep:
     union: np.ndarray  # [L, W] expert bitsets the step's tokens select
     admitted: list[int]
     preempted: list[int]
+    decode_rows: np.ndarray  # [B] bank decode rows of the decoding requests' tokens (their real selections)
+    prefill_rows: np.ndarray  # [C] bank rows of the requests computing a prompt chunk
+    prefill_chunk: np.ndarray  # [C] each chunk's tokens
 
 
 @dataclass(slots=True)
@@ -238,6 +241,11 @@ class MixedEngine(Scheduler):
         busy = mean > 0
         return float((load.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
 
+    def add_expert_load(self, load: np.ndarray) -> None:
+        """Add one step's `[L, G]` expert load per EP rank to the pressure window (a fleet that places experts
+        itself, `offline.dp_ep`, computes it under the layout in force instead of `load_tables`)."""
+        self._load += load
+
     # -- requests in -------------------------------------------------------------------------------------
 
     def add(
@@ -309,6 +317,9 @@ class MixedEngine(Scheduler):
             union=union,
             admitted=admitted,
             preempted=preempted,
+            decode_rows=rows,
+            prefill_rows=pre_rows,
+            prefill_chunk=chunk,
         )
 
     def end_step(self, duration: float | None = None) -> MixedStepOutput:
