@@ -204,12 +204,13 @@ def test_eplb_is_hierarchical_only_when_expert_groups_divide_over_nodes() -> Non
 
 
 def test_the_registry_builds_every_control() -> None:
-    assert set(PLACEMENT_CONTROLS) >= {"none", "eplb", "gimbal", "gimbal-uncalibrated"}
+    assert set(PLACEMENT_CONTROLS) >= {"none", "eplb", "gimbal", "gimbal-uncalibrated", "gimbal-load-only"}
     for name, factory in PLACEMENT_CONTROLS.items():
         control: PlacementControl = factory(LAYERS, EXPERTS, GPUS, 2)
         assert control.name == name
         assert control.layout().shape == (LAYERS, GPUS, EXPERTS // GPUS)
     assert make_control("gimbal-uncalibrated", LAYERS, EXPERTS, GPUS).params == SEED_PARAMS  # type: ignore[attr-defined]
+    assert not make_control("gimbal-load-only", LAYERS, EXPERTS, GPUS).source_aware  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown placement 'best'"):
         make_control("best", LAYERS, EXPERTS, GPUS)
     with pytest.raises(ValueError, match="tp"):

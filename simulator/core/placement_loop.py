@@ -10,7 +10,8 @@ by source DP engine and asks, every telemetry tick, whether to move:
   or on a drift of 0.1 after at least 5 s: `shared.placement_terms`), runs the service's decision
   (`solver.placement.policy.decide`: the online greedy with the calibrated `DEFAULT_PARAMS`, source-aware
   communication, migration cost, gain threshold) and moves only when the decision publishes.
-  "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`).
+  "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`); "gimbal-load-only" the same
+  loop without the source counts (placement blind to dispatch: the uncoordinated variant).
 - `EplbLoop` ("eplb"): vLLM's EPLB as deployed (vllm/distributed/eplb/eplb_state.py and
   vllm/config/parallel.py `EPLBConfig`, vllm-project/vllm at commit 00193b82b0e2): a sliding window of the
   last `window_size` = 1000 steps' load, a fresh layout every `step_interval` = 3000 steps (the first after
@@ -214,7 +215,7 @@ class EplbLoop(_Loop):
         self.window_size, self.step_interval, self.redundant_slots = window_size, step_interval, redundant_slots
         self.num_groups = num_groups
         self.num_nodes = -(-num_gpus // ranks_per_node)
-        self._ring = np.zeros((window_size, num_layers, num_experts), dtype=np.float64)
+        self._ring = np.zeros((window_size, num_layers, num_experts), dtype=np.float32)  # vLLM keeps int32 counts
         self._steps = 0
         self._since = step_interval - step_interval // 4  # vLLM: "initial progress of rearrangement to 3/4"
         self._due = False
@@ -236,7 +237,7 @@ class EplbLoop(_Loop):
         if self.in_flight or not self._due:
             return None
         self._due = False
-        load = self._ring.sum(axis=0)
+        load = self._ring.sum(axis=0, dtype=np.float64)
         if self.hierarchical:
             fresh = eplb_hierarchical(load, self.num_gpus, self.num_nodes, self.num_groups, self.redundant_slots)
         else:
@@ -258,6 +259,11 @@ def _uncalibrated(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1,
     return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-uncalibrated", **options)
 
 
+def _load_only(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
+    options.setdefault("source_aware", False)
+    return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-load-only", **options)
+
+
 #: Placement name -> factory `(num_layers, num_experts, num_gpus, tp, **options) -> PlacementControl`.
 #: Options are the classes' keyword arguments (e.g. `rule=TriggerRule(...)`, `window_size=...`, `layout=...`).
 PLACEMENT_CONTROLS: dict[str, Callable[..., PlacementControl]] = {
@@ -265,6 +271,7 @@ PLACEMENT_CONTROLS: dict[str, Callable[..., PlacementControl]] = {
     "eplb": EplbLoop,
     "gimbal": GimbalLoop,
     "gimbal-uncalibrated": _uncalibrated,
+    "gimbal-load-only": _load_only,
 }
 
 
