@@ -50,7 +50,8 @@ import numpy as np
 
 from switchyard.data import SHIPPED_DIR
 from switchyard.shared.streams import stream
-from switchyard.simulator.core.placement_loop import make_control
+from switchyard.simulator.core.ep import EpTopology
+from switchyard.simulator.core.placements import make_placement
 from switchyard.solver.placement.problem import hosts_from_slots
 from switchyard.solver.placement.traffic import a2a_sends, rank_loads
 
@@ -62,6 +63,8 @@ OUT = ROOT / "docs" / "results" / "placement_scale"
 SEEDS = (0, 1, 2)
 EP_SIZES = (8, 16, 32)
 RANKS_PER_NODE = 8
+#: A token over NVLink as a fraction of one over the network: the DP simulation's link figures (`EpTopology`).
+NVLINK_COST = EpTopology.network_bytes_per_s / EpTopology.nvlink_bytes_per_s
 PLACEMENTS = ("none", "eplb", "gimbal", "gimbal-load-only", "gimbal-uncalibrated")
 STEPS_PER_WINDOW = 100  # 1 s windows of 10 ms steps
 WINDOW_TOKENS = 1024
@@ -153,7 +156,9 @@ def run(trace: str, seed: int, num_gpus: int, placement: str, assign: str = "-")
         options = {"num_groups": NUM_GROUPS[trace], "ranks_per_node": RANKS_PER_NODE}
     elif placement in ("gimbal", "gimbal-uncalibrated") and trace == "v3":
         options = {"source_aware": False}
-    control = make_control(placement, num_layers, num_experts, num_gpus, 1, **options)
+    elif placement.startswith("gimbal"):  # the links priced as the DP simulation prices them
+        options = {"ranks_per_node": RANKS_PER_NODE, "nvlink_cost": NVLINK_COST}
+    control = make_placement(placement, num_layers, num_experts, num_gpus, 1, **options)
     ratios, sends, moved, copies = [], defaultdict(list), 0, 0
     for w, load in enumerate(loads):
         layout = control.layout()

@@ -14,7 +14,8 @@ from switchyard.services.placement.service import PlacementService
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.simulator.core.placement_control import PlacementControl
-from switchyard.simulator.core.placement_loop import PLACEMENT_CONTROLS, EplbLoop, GimbalLoop, make_control
+from switchyard.simulator.core.placement_loop import PLACEMENT_CONTROLS, EplbLoop, GimbalLoop
+from switchyard.simulator.core.placements import make_placement
 from switchyard.solver.placement import SEED_PARAMS
 from switchyard.solver.placement.layouts import default_layout
 from switchyard.solver.placement.policy import TriggerRule, trigger
@@ -161,7 +162,7 @@ def test_from_a_source_blind_layout_only_the_source_aware_loop_brings_traffic_ho
 @pytest.mark.parametrize("name", ["gimbal", "eplb"])
 def test_no_replan_while_a_migration_is_in_flight(name: str) -> None:
     options = {"window_size": 2, "step_interval": 2} if name == "eplb" else {}
-    loop = make_control(name, LAYERS, EXPERTS, GPUS, 1, **options)
+    loop = make_placement(name, LAYERS, EXPERTS, GPUS, 1, **options)
     hot = _hot_on_engine_zero()
     loop.observe(0.5, hot)
     loop.observe(0.6, hot)
@@ -209,10 +210,10 @@ def test_the_registry_builds_every_control() -> None:
         control: PlacementControl = factory(LAYERS, EXPERTS, GPUS, 2)
         assert control.name == name
         assert control.layout().shape == (LAYERS, GPUS, EXPERTS // GPUS)
-    assert make_control("gimbal-uncalibrated", LAYERS, EXPERTS, GPUS).params == SEED_PARAMS  # type: ignore[attr-defined]
-    assert not make_control("gimbal-load-only", LAYERS, EXPERTS, GPUS).source_aware  # type: ignore[attr-defined]
+    assert make_placement("gimbal-uncalibrated", LAYERS, EXPERTS, GPUS).params == SEED_PARAMS  # type: ignore[attr-defined]
+    assert not make_placement("gimbal-load-only", LAYERS, EXPERTS, GPUS).source_aware  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown placement 'best'"):
-        make_control("best", LAYERS, EXPERTS, GPUS)
+        make_placement("best", LAYERS, EXPERTS, GPUS)
     with pytest.raises(ValueError, match="tp"):
         GimbalLoop(LAYERS, EXPERTS, GPUS, tp=3)
     with pytest.raises(ValueError, match=r"\[L, S, E\]"):
@@ -235,3 +236,15 @@ def test_a2a_sends_of_a_hand_computed_token() -> None:
     assert near.network.tolist() == [0]  # each token uses its own rank's copy
     with pytest.raises(ValueError, match="source ranks"):
         a2a_sends(token, layout, np.array([8]))
+
+
+def test_distance_prices_nvlink_below_the_network() -> None:
+    """With the nodes given, a remote GPU on the source's own node costs the NVLink fraction, across nodes 1."""
+    from switchyard.solver.placement.policy import distance_matrix
+
+    d = distance_matrix(4, [0, 0, 1, 1, 2, 2, 3, 3], gpu_nodes=[0, 0, 0, 0, 1, 1, 1, 1], same_node_cost=0.25)
+    assert d[0].tolist() == [0, 0, 0.25, 0.25, 1, 1, 1, 1]
+    assert d[3].tolist() == [1, 1, 1, 1, 0.25, 0.25, 0, 0]
+    assert distance_matrix(2, [0, 1]).tolist() == [[0, 1], [1, 0]]  # the service's prices: unchanged
+    loop = GimbalLoop(2, 8, 8, 2, ranks_per_node=4, nvlink_cost=0.25)
+    assert loop.distance[1].tolist() == [0.25, 0.25, 0, 0, 1, 1, 1, 1]

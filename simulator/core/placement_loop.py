@@ -21,7 +21,8 @@ by source DP engine and asks, every telemetry tick, whether to move:
 
 Both are pure and deterministic: no clock (the fleet passes `now`), no randomness, no I/O. Sources are DP
 engines: engine s owns GPUs [s·tp, (s+1)·tp) of the EP group, so a token of engine s is local on those GPUs
-(`decide`'s distance D[s, g] = 0 there, 1 elsewhere).
+(`decide`'s distance D[s, g] = 0 there; on another GPU of the same node the NVLink/network cost ratio when
+the fleet gives the nodes, else 1; 1 across nodes).
 
 `PLACEMENT_CONTROLS` maps each name to a factory `(num_layers, num_experts, num_gpus, tp, **options)`.
 """
@@ -39,11 +40,19 @@ from switchyard.simulator.core.placement_control import PlacementControl, Static
 from switchyard.solver.placement import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, PlacementError
 from switchyard.solver.placement.eplb_baseline import eplb_global, eplb_hierarchical
 from switchyard.solver.placement.layouts import default_layout
-from switchyard.solver.placement.policy import Decision, LastRun, Policy, TriggerRule, decide, trigger
+from switchyard.solver.placement.policy import (
+    Decision,
+    LastRun,
+    Policy,
+    TriggerRule,
+    decide,
+    distance_matrix,
+    trigger,
+)
 from switchyard.solver.placement.problem import hosts_from_slots, slots_from_hosts
 from switchyard.solver.placement.window import DecayedLoad
 
-__all__ = ["PLACEMENT_CONTROLS", "EplbLoop", "GimbalLoop", "PlanRecord", "make_control"]
+__all__ = ["PLACEMENT_CONTROLS", "EplbLoop", "GimbalLoop", "PlanRecord"]
 
 #: The vLLM agent's default expert-load report interval (engine_agents/vllm/config.py `expert_load_interval_s`).
 REPORT_INTERVAL_S = 1.0
@@ -132,6 +141,8 @@ class GimbalLoop(_Loop):
         source_aware: bool = True,
         layout: np.ndarray | None = None,
         name: str | None = None,
+        ranks_per_node: int | None = None,
+        nvlink_cost: float = 1.0,
     ) -> None:
         super().__init__(num_layers, num_experts, num_gpus, tp, layout)
         if half_life_s <= 0 or report_interval_s <= 0:
@@ -140,6 +151,11 @@ class GimbalLoop(_Loop):
         self.report_interval_s, self.source_aware = report_interval_s, source_aware
         self.window = DecayedLoad(half_life_s)
         self.gpu_ranks: list[int | None] = [g // tp for g in range(num_gpus)]
+        # D[s, g]: 0 on engine s's own GPUs; `nvlink_cost` on the other GPUs of its node(s) when the nodes are
+        # given (the fleet passes network / NVLink bandwidth: a token over NVLink costs that fraction of one
+        # over the network); 1 elsewhere.
+        nodes = None if ranks_per_node is None else [g // ranks_per_node for g in range(num_gpus)]
+        self.distance = distance_matrix(self.num_sources, self.gpu_ranks, nodes, nvlink_cost)
         self.last_decision: Decision | None = None
         self._last: LastRun | None = None
         self._pending: np.ndarray | None = None  # [L, S, E] of the report window being filled
@@ -177,7 +193,13 @@ class GimbalLoop(_Loop):
         self._last = (now, self.window.distribution())
         try:
             decision = decide(
-                self.window.load, self.window.source_load, self.gpu_ranks, self._layout, self.params, self.policy
+                self.window.load,
+                self.window.source_load,
+                self.gpu_ranks,
+                self._layout,
+                self.params,
+                self.policy,
+                self.distance,
             )
         except PlacementError as exc:
             return self._propose(now, why, None, f"cannot place this window: {exc}")
@@ -203,6 +225,7 @@ class EplbLoop(_Loop):
         num_groups: int = 1,
         ranks_per_node: int = RANKS_PER_NODE,
         layout: np.ndarray | None = None,
+        nvlink_cost: float = 1.0,  # accepted for a common signature; EPLB prices no communication
     ) -> None:
         if window_size < 1 or step_interval < 1 or redundant_slots < 0 or num_groups < 1 or ranks_per_node < 1:
             raise ValueError("window_size, step_interval, num_groups and ranks_per_node must be positive")
@@ -250,7 +273,10 @@ class EplbLoop(_Loop):
 
 
 def _static(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
+    """``none``: the layout never moves (``layout=[L, G, slots]`` may give one; the links do not matter)."""
     _check_shape(num_layers, num_experts, num_gpus, tp)
+    options.pop("ranks_per_node", None)
+    options.pop("nvlink_cost", None)
     return StaticPlacement(num_layers, num_experts, num_gpus, **options)
 
 
@@ -273,13 +299,3 @@ PLACEMENT_CONTROLS: dict[str, Callable[..., PlacementControl]] = {
     "gimbal-uncalibrated": _uncalibrated,
     "gimbal-load-only": _load_only,
 }
-
-
-def make_control(
-    name: str, num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any
-) -> PlacementControl:
-    """The control registered under `name` (ValueError naming the known ones otherwise)."""
-    factory = PLACEMENT_CONTROLS.get(name)
-    if factory is None:
-        raise ValueError(f"unknown placement {name!r} (known: {', '.join(PLACEMENT_CONTROLS)})")
-    return factory(num_layers, num_experts, num_gpus, tp, **options)

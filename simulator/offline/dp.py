@@ -449,7 +449,11 @@ def _ep_run(
     topo = fleet.ep_topology
     m = fleet.cost.model
     if control is None:
-        control = make_placement(fleet.placement, m.moe_layers, m.num_experts, topo.ranks, topo.tp)
+        links = {
+            "ranks_per_node": topo.ranks_per_node,
+            "nvlink_cost": topo.network_bytes_per_s / topo.nvlink_bytes_per_s,
+        }
+        control = make_placement(fleet.placement, m.moe_layers, m.num_experts, topo.ranks, topo.tp, **links)
     return EpRun(fleet.cost, topo, bank, control, prefill_counts, fleet.telemetry_interval_s)
 
 

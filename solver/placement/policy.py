@@ -99,10 +99,27 @@ class Decision:
         )
 
 
-def distance_matrix(num_sources: int, gpu_ranks: list[int | None]) -> np.ndarray:
-    """D[S, G]: 0 where GPU g belongs to source DP rank s, 1 otherwise (unknown owners count as remote)."""
+def distance_matrix(
+    num_sources: int,
+    gpu_ranks: list[int | None],
+    gpu_nodes: list[int] | None = None,
+    same_node_cost: float = 1.0,
+) -> np.ndarray:
+    """D[S, G]: 0 where GPU g belongs to source DP rank s, 1 otherwise (unknown owners count as remote).
+
+    With `gpu_nodes` (the node of each GPU), a remote GPU on a node that holds one of source s's GPUs costs
+    `same_node_cost` instead of 1: a token crossing NVLink is cheaper than one crossing the network (the DP
+    simulation passes the ratio of the two links' bandwidths). Without it every remote GPU costs 1, as the
+    service prices it (it does not know the nodes).
+    """
     ranks = np.array([-1 if r is None else r for r in gpu_ranks])
-    return (np.arange(num_sources)[:, None] != ranks[None, :]).astype(np.float64)
+    remote = (np.arange(num_sources)[:, None] != ranks[None, :]).astype(np.float64)
+    if gpu_nodes is None:
+        return remote
+    nodes = np.asarray(gpu_nodes)
+    source_nodes = [set(nodes[ranks == s].tolist()) for s in range(num_sources)]
+    near = np.array([[int(nodes[g]) in source_nodes[s] for g in range(len(nodes))] for s in range(num_sources)])
+    return np.where(near, remote * same_node_cost, remote)
 
 
 def decide(
@@ -112,16 +129,21 @@ def decide(
     current: np.ndarray,
     params: GreedyParams,
     policy: Policy,
+    distance: np.ndarray | None = None,
 ) -> Decision:
     """Run the online placement (`solver.placement.place`: the greedy and the current layout, both refined by
-    swaps) from `current` on the decayed window, and weigh its gain against its migration cost."""
+    swaps) from `current` on the decayed window, and weigh its gain against its migration cost.
+
+    `distance[S, G]` replaces `distance_matrix(S, gpu_ranks)` when given (e.g. with the nodes' links priced)."""
     _, num_gpus, slots = current.shape
     by_source = source_load is not None and gpu_ranks is not None and any(r is not None for r in gpu_ranks)
+    if by_source and distance is None:
+        distance = distance_matrix(source_load.shape[1], gpu_ranks)  # type: ignore[union-attr, arg-type]
     problem = PlacementProblem.from_counts(
         source_load if by_source else load,  # type: ignore[arg-type]
         num_gpus,
         slots,
-        distance=distance_matrix(source_load.shape[1], gpu_ranks) if by_source else None,  # type: ignore[union-attr, arg-type]
+        distance=distance if by_source else None,
         current=current,
         migration_cost=policy.migration_cost,
         redundant_slots=policy.redundant_slots,
