@@ -69,8 +69,6 @@ def test_all_to_all_of_a_hand_computed_step() -> None:
         assert t.a2a_s == pytest.approx(2 * per_token / bw + 2 * lat)
     # what observe() gets: pairs by source engine [L, S, E]
     assert t.load[0].tolist() == [[1, 0, 2, 1], [2, 2, 1, 1]]
-    # each engine's pairs on the ranks [S, L, G]: engine 0 → rank 0: 1, rank 1: 3; engine 1 → 4 and 2
-    assert t.rank_load[:, 0].tolist() == [[1, 3], [4, 2]]
 
 
 def test_a_token_local_to_its_experts_sends_nothing_and_tp_splits_the_source() -> None:
@@ -268,8 +266,9 @@ def test_sim_dp_takes_a_jsonl_request_trace(tmp_path: Path) -> None:
 
 
 def test_moe_pressure_and_step_time_follow_the_layout_in_force(esft: Scenario) -> None:
-    """The same step under two layouts: with the step's hottest experts packed on rank 0, the engines report a
-    higher expert pressure and the step takes longer than under the contiguous layout."""
+    """The same step under two layouts: with the step's hottest experts packed on rank 0 (engine 0's GPU), engine
+    0 reports a higher expert pressure than under the contiguous layout and than engine 1, whose GPUs now host
+    cold experts, and the step takes longer."""
     fleet = DPFleetConfig(engines=2, cost=esft.cost, placement="none")
     m, g, bank = esft.cost.model, fleet.dp_cost.ep_ranks, esft.bank
     rows = [np.arange(0, 40), np.arange(40, 90)]  # decode tokens of engine 0 and engine 1
@@ -291,5 +290,33 @@ def test_moe_pressure_and_step_time_follow_the_layout_in_force(esft: Scenario) -
 
     t_skew, p_skew = one_step(skewed)
     t_cont, p_cont = one_step(contiguous)
-    assert min(p_skew) > max(p_cont) >= 1.0
+    assert p_skew[0] > max(p_cont) >= 1.0
+    assert p_skew[0] > 1.5 > p_skew[1]
     assert t_skew > t_cont
+
+
+def test_dispatch_keeps_work_off_the_engine_whose_gpus_host_the_hot_experts(esft: Scenario) -> None:
+    """The coordination the seed credits: with the trace's hottest experts on engine 0's GPUs, engine 0 reports
+    the higher MoE pressure and Gimbal's dispatch sends it less prompt work; with P_moe weighted 0 (the
+    uncoordinated control) the split is even. P_moe is weighted 10 here so that the direction stands clear of
+    the workload's noise: at the default weight the shift is −9 % of engine 0's prompt tokens against −3 % for
+    the control (measured once, 1,000 requests). The Gimbal placement loop then moves the hot experts apart."""
+    m = esft.cost.model
+    fleet = DPFleetConfig(engines=2, cost=esft.cost, placement="none")
+    g = fleet.dp_cost.ep_ranks
+    wl = _workload(esft, n=600, scale=10.0)
+    counts = selections(esft.bank.decode_bits, m.num_experts).sum(axis=0)  # [L, E] the trace's decode load
+    hot_first = np.argsort(-counts, axis=1, kind="stable").reshape(m.moe_layers, g, -1).astype(np.int32)
+
+    def share_of_engine_0(moe_weight: float, control=None) -> float:
+        weighted = dataclasses.replace(fleet, dispatch_weights=(("moe_penalty", moe_weight),))
+        ctl = control or StaticPlacement(m.moe_layers, m.num_experts, g, hot_first)
+        tokens = _run(esft, wl, weighted, "gimbal", control=ctl).engine_prompt_tokens
+        return float(tokens[0] / tokens.sum())
+
+    assert share_of_engine_0(10.0) < 0.45
+    assert 0.45 < share_of_engine_0(0.0) < 0.55
+    loop = make_placement("gimbal", m.moe_layers, m.num_experts, g, 2, layout=hot_first)
+    share_of_engine_0(1.0, loop)
+    assert any(p.moved for p in loop.plans)  # type: ignore[attr-defined]
+    assert not np.array_equal(loop.layout(), hot_first)

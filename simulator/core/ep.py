@@ -168,13 +168,11 @@ class StepTraffic:
     """One step's expert selections and all-to-all under a placement.
 
     - `load[L, S, E]`: (token, expert) pairs by source DP engine (what `PlacementControl.observe` reads);
-    - `rank_load[S, L, G]`: each engine's pairs as they land on the ranks (its expert-pressure window);
     - `nvlink_bytes`, `network_bytes`: dispatch + combine bytes over all layers, each link class;
     - `a2a_s`: Σ over layers of both phases' busiest-rank time plus latencies.
     """
 
     load: np.ndarray
-    rank_load: np.ndarray
     nvlink_bytes: float
     network_bytes: float
     a2a_s: float
@@ -215,9 +213,8 @@ def step_traffic(
         mass = np.einsum("cle,leg->clg", counts, pl.share) / np.maximum(tokens * top_k, 1e-12)
         hit = 1.0 - (1.0 - np.clip(mass, 0.0, 1.0)) ** top_k  # P(a chunk token reaches rank g)
         np.add.at(dest, src, tokens * hit)
-    rank_load = np.einsum("lse,leg->slg", load, pl.share)
     nv, net, seconds = _a2a(topo, dest)
-    return StepTraffic(load, rank_load, nv, net, seconds)
+    return StepTraffic(load, nv, net, seconds)
 
 
 def _a2a(topo: EpTopology, dest: np.ndarray) -> tuple[float, float, float]:

@@ -19,6 +19,12 @@ every layer takes 0.72 s, so one touching n of L layers takes 0.72·n/L s; the f
 weight copies share HBM and links with the serving kernels. The 2.0 is that module's assumption, not a
 measurement; `bench/migration_overhead.py` measures only the control plane's cost (≈ ms), not the engines'.
 
+Expert pressure (what each engine's telemetry reports, what Gimbal's dispatch reads): every step's expert
+work per rank under the layout in force, fleet-wide, and each engine reports the busiest of its own GPUs over
+the mean rank (`MixedEngine.take_expert_pressure` with `own_ranks`): an engine whose GPUs host hot experts
+reports high pressure, so the dispatcher keeps work off GPUs the MoE phase already waits on, and a placement
+that cools them lowers it. This closes the loop the seed describes (backend pressure up, migrations down).
+
 Per run (`EpRun.summary`, the ``ep_*`` keys of `summarize_dp`): migrations, moves, seconds migrating and
 seconds added by the slowdown, all-to-all bytes per computed token over NVLink and over the network, the
 all-to-all's share of step time, and the busiest rank's expert load over the mean rank's.
@@ -143,9 +149,10 @@ class EpRun:
         factor = self.pricing.slowdown if self._migration is not None else 1.0
         duration = base * factor
         self.control.observe(now, traffic.load)
-        for i, p in enumerate(plans):
-            if p is not None:
-                engines[i].add_expert_load(traffic.rank_load[i])
+        tp = self.topo.tp
+        for i, engine in enumerate(engines):  # every engine's GPUs carry the fleet's expert load
+            engine.own_ranks = slice(i * tp, (i + 1) * tp)
+            engine.add_expert_load(pairs)
         self.steps += 1
         self.tokens += sum(p.tokens for p in plans if p is not None)
         self.nvlink_bytes += traffic.nvlink_bytes
