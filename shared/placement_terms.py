@@ -43,6 +43,14 @@ DEFAULT_GAIN_THRESHOLD = 0.05
 #: Extra expert copies per layer (EPLB-style replicas of hot experts); 0: one copy of each expert.
 DEFAULT_REDUNDANT_SLOTS = 0
 
+#: The placement loop's triggers (the service's, and the simulated loop's: `solver.placement.policy.TriggerRule`):
+#: plan a group at least every period, early when its load distribution has drifted this far (total variation,
+#: mean over layers) but never more often than the minimum interval; the decayed window's half-life.
+DEFAULT_PERIOD_S = 30.0
+DEFAULT_DRIFT_THRESHOLD = 0.1
+DEFAULT_MIN_INTERVAL_S = 5.0
+DEFAULT_HALF_LIFE_S = 300.0
+
 #: Calibration: CP-SAT time limit per layer (seconds), layers solved at once, CP-SAT workers per layer.
 DEFAULT_TIME_LIMIT_S = 1.0
 DEFAULT_PARALLEL_LAYERS = 2

@@ -173,6 +173,18 @@ def sim_dp(
         bool,
         typer.Option(help="Run --model on the routing trace's shape with the model's totals (docs/gimbal-seed.md)."),
     ] = False,
+    placement: Annotated[
+        str | None,
+        typer.Option(
+            "--placement",
+            help="Comma-separated expert placements over the EP ranks (none, eplb, gimbal): each run prices "
+            "experts under the layout in force and the all-to-all (keys dispatch+order+placement). "
+            "Default: off (the even-spread MoE model).",
+        ),
+    ] = None,
+    ep_ranks_per_node: Annotated[
+        int, typer.Option("--ep-ranks-per-node", min=1, help="GPUs per NVLink node (with --placement).")
+    ] = 8,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -205,6 +217,8 @@ def sim_dp(
         prefix_caching=prefix_caching,
         prefix_index=prefix_index,
         borrow_routing=borrow_routing,
+        placements=tuple(split_csv(placement) or ()),
+        ep_ranks_per_node=ep_ranks_per_node,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out)

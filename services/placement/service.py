@@ -7,10 +7,10 @@
   its own EP group, so each decoder gets a placement from its own load alone (ELDR §7).
 - **Triggers**: a group is planned when it has never been planned by this process, every `period_s`, or
   early when its load distribution drifts by `drift_threshold` (at most every `min_interval_s`), and never
-  while its last published plan is still being migrated.
-- **Decision**: `decide.decide` runs the solver's greedy from the group's current layout (what its engines
-  report, else the last `applied` placement, else vLLM's contiguous default: `solver.placement.layouts`,
-  the rule the migration service follows too) with the latest calibrated (α, β, γ).
+  while its last published plan is still being migrated (the rule: `solver.placement.policy.trigger`).
+- **Decision**: `decide.decide` (`solver.placement.policy`) runs the solver's greedy from the group's current
+  layout (what its engines report, else the last `applied` placement, else vLLM's contiguous default:
+  `solver.placement.layouts`, the rule the migration service follows too) with the latest calibrated (α, β, γ).
 - **Outbox**: a plan worth publishing is stored `proposed` (with its layout), then published to JetStream with
   msg-id = plan_id, then marked `published`; each tick republishes `proposed` rows (also the API's
   rollbacks), so a crash between the two never loses a plan. Rejected plans are stored `rejected` with
@@ -52,7 +52,7 @@ from switchyard.services.placement.engine_registry import EngineRegistry
 from switchyard.services.placement.ingest import ExpertLoadIngest
 from switchyard.services.placement.recalibrate import CalibrationContext, serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
-from switchyard.services.placement.window import DecayedLoad, drift
+from switchyard.services.placement.window import DecayedLoad
 from switchyard.services.runtime import ensure_schema, metrics_endpoint, supervised
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
@@ -60,6 +60,7 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
+from switchyard.solver.placement.policy import TriggerRule, trigger
 
 log = logging.getLogger(__name__)
 
@@ -200,16 +201,9 @@ class PlacementService:
         return pruned
 
     def _trigger(self, group: str) -> str | None:
-        last = self._last_run.get(group)
-        if last is None:
-            return "start"
-        elapsed = time.monotonic() - last[0]
-        if elapsed >= self.config.period_s:
-            return "period"
-        moved = drift(last[1], self.windows[group].distribution())
-        if elapsed >= self.config.min_interval_s and moved >= self.config.drift_threshold:
-            return f"drift {moved:.3f}"
-        return None
+        """The rule lives in the solver (`policy.trigger`): the simulated placement loop triggers by it too."""
+        rule = TriggerRule(self.config.period_s, self.config.drift_threshold, self.config.min_interval_s)
+        return trigger(rule, time.monotonic(), self._last_run.get(group), self.windows[group].distribution())
 
     # ----- planning -----
 

@@ -11,8 +11,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from switchyard.shared.placement_terms import (
     BUILTIN_TERMS,
+    DEFAULT_DRIFT_THRESHOLD,
     DEFAULT_GAIN_THRESHOLD,
+    DEFAULT_HALF_LIFE_S,
     DEFAULT_MIGRATION_COST,
+    DEFAULT_MIN_INTERVAL_S,
+    DEFAULT_PERIOD_S,
     DEFAULT_REDUNDANT_SLOTS,
     DEFAULT_WEIGHTS,
     MAX_TERMS,
@@ -27,14 +31,14 @@ class PlacementSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_PLACEMENT_", env_file=".env", extra="ignore")
 
     #: Run the greedy for every engine group at least this often.
-    period_s: float = Field(default=30.0, gt=0)
+    period_s: float = Field(default=DEFAULT_PERIOD_S, gt=0)
     #: Run early when the group's expert-load distribution has moved this far (total variation, 0..1, mean
     #: over layers) from the one the last run saw.
-    drift_threshold: float = Field(default=0.1, gt=0, le=1)
+    drift_threshold: float = Field(default=DEFAULT_DRIFT_THRESHOLD, gt=0, le=1)
     #: Never run one group more often than this, whatever the drift.
-    min_interval_s: float = Field(default=5.0, ge=0)
+    min_interval_s: float = Field(default=DEFAULT_MIN_INTERVAL_S, ge=0)
     #: Half-life of the decayed load window: a window this old weighs half as much as a fresh one.
-    half_life_s: float = Field(default=300.0, gt=0)
+    half_life_s: float = Field(default=DEFAULT_HALF_LIFE_S, gt=0)
     #: On start, rebuild the decayed window from this much of the expert-load stream.
     warmup_s: float = Field(default=1800.0, ge=0)
     #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.

@@ -150,6 +150,9 @@ class MixedStep:
     union: np.ndarray  # [L, W] expert bitsets the step's tokens select
     admitted: list[int]
     preempted: list[int]
+    decode_rows: np.ndarray  # [B] bank decode rows of the decoding requests' tokens (their real selections)
+    prefill_rows: np.ndarray  # [C] bank rows of the requests computing a prompt chunk
+    prefill_chunk: np.ndarray  # [C] each chunk's tokens
 
 
 @dataclass(slots=True)
@@ -199,6 +202,7 @@ class MixedEngine(Scheduler):
         self._step_prefill = 0
         self._pending_duration = 0.0
         self._load = np.zeros((cost.cost.model.moe_layers, cost.ep_ranks))
+        self.own_ranks: slice | None = None  # the EP ranks on this engine's GPUs (`take_expert_pressure`)
         # counters
         self.steps = 0
         self.tokens_out = 0
@@ -232,11 +236,21 @@ class MixedEngine(Scheduler):
         return self._held(self._busy)
 
     def take_expert_pressure(self) -> float:
-        """Busiest EP rank's expert load over the mean rank's, mean over layers, since the last call (1 if idle)."""
+        """Busiest EP rank's expert load over the mean rank's, mean over layers, since the last call (1 if idle).
+
+        With `own_ranks` set (a fleet that places experts, `offline.dp_ep`), the busiest of the engine's *own*
+        GPUs: the window then holds the whole fleet's load per rank, and the engine reports how hot the experts
+        its GPUs host are, the backend pressure Gimbal's dispatcher reads to keep work off hot GPUs."""
         load, self._load = self._load, np.zeros_like(self._load)
         mean = load.mean(axis=1)
         busy = mean > 0
-        return float((load.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
+        top = load.max(axis=1) if self.own_ranks is None else load[:, self.own_ranks].max(axis=1)
+        return float((top[busy] / mean[busy]).mean()) if busy.any() else 1.0
+
+    def add_expert_load(self, load: np.ndarray) -> None:
+        """Add one step's `[L, G]` expert load per EP rank to the pressure window (a fleet that places experts
+        itself, `offline.dp_ep`, computes it under the layout in force instead of `load_tables`)."""
+        self._load += load
 
     # -- requests in -------------------------------------------------------------------------------------
 
@@ -309,6 +323,9 @@ class MixedEngine(Scheduler):
             union=union,
             admitted=admitted,
             preempted=preempted,
+            decode_rows=rows,
+            prefill_rows=pre_rows,
+            prefill_chunk=chunk,
         )
 
     def end_step(self, duration: float | None = None) -> MixedStepOutput:

@@ -59,8 +59,11 @@ from switchyard.simulator.core.dp_engine import (
 )
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
+from switchyard.simulator.core.placement_control import PlacementControl
+from switchyard.simulator.core.placements import make_placement
 from switchyard.simulator.core.prefix_cache import PrefixCache, hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
+from switchyard.simulator.offline.dp_ep import EpRun
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
@@ -292,17 +295,20 @@ def simulate_dp(
     seed: int = 0,
     prefill_counts: np.ndarray | None = None,
     check: bool = False,
+    control: PlacementControl | None = None,
 ) -> DPSimResult:
     """Run the workload through the DP fleet under one dispatch rule and one queue order.
 
     `prefill_counts[R, L, E]`: the bank requests' prefill expert counts (expert pressure; optional).
     `seed` sets the engines' telemetry phases. `check` asserts the fleet's invariants after every event.
+    `control`: the placement control to run instead of a fresh `fleet.placement` (which must not be "off").
     """
     n_req = workload.size
     n = fleet.engines
     dc = fleet.dp_cost
     prefix_block = workload.hash_block if fleet.prefix_caching and workload.hash_ids is not None else None
     engines = _engines(fleet, bank, dispatch, order, prefill_counts, prefix_block)
+    ep = _ep_run(fleet, bank, prefill_counts, control)
     keys = _prompt_keys(workload, prefix_block)
     disp = _dispatcher(fleet, dispatch, seed, engines, prefix_block)
     predicted = np.full((n_req, 2), -1, dtype=np.int64)  # (precise, approximate) on the chosen engine
@@ -311,8 +317,7 @@ def simulate_dp(
 
     arrival, prompt, output, replay = workload.arrival, workload.prompt, workload.output, workload.replay
     eng_of = np.full(n_req, -1, dtype=np.int64)
-    first = np.full(n_req, np.nan)
-    finish = np.full(n_req, np.nan)
+    first, finish = np.full(n_req, np.nan), np.full(n_req, np.nan)
     tokens = np.zeros(n_req, dtype=np.int64)
     steps: list[tuple[int, float, float, int, int, int, int, int]] = []
 
@@ -326,8 +331,7 @@ def simulate_dp(
     if disp.needs_coordinator:
         push(t0 + fleet.coordinator_interval_s, _COORDINATOR, _GLOBAL)
 
-    global_busy = False
-    global_start = 0.0
+    global_busy, global_start = False, 0.0
     plans: list[MixedStep | None] = [None] * n
 
     def record(i: int, t: float, duration: float, plan: MixedStep) -> None:
@@ -342,9 +346,7 @@ def simulate_dp(
 
     def start_global(t: float) -> None:
         nonlocal global_busy, global_start
-        nonmoe = 0.0
-        union = None
-        total = 0
+        nonmoe, union, total = 0.0, None, 0
         for i, e in enumerate(engines):
             plans[i] = p = e.begin_step(t)
             if p is not None:
@@ -354,12 +356,12 @@ def simulate_dp(
         if union is None:
             global_busy = False
             return
-        duration = nonmoe + dc.moe_time(union, total)
+        # with a placement: experts under the layout in force, the all-to-all, a migration's slowdown (`dp_ep`)
+        duration = nonmoe + dc.moe_time(union, total) if ep is None else ep.step_seconds(t, nonmoe, plans, engines)
         for i, p in enumerate(plans):
             if p is not None:
                 record(i, t, duration, p)
-        global_busy = True
-        global_start = t
+        global_busy, global_start = True, t
         push(t + duration, _STEP_END, _GLOBAL)
 
     def finish_engine(i: int, t: float, duration: float | None) -> int:
@@ -432,7 +434,27 @@ def simulate_dp(
         makespan=now - t0,
         prefix_hit=hits_per_request((e.prefix_hits for e in engines), n_req),
         prefix_predicted=predicted,
+        ep=ep.summary() if ep is not None else {},
     )
+
+
+def _ep_run(
+    fleet: DPFleetConfig, bank: ReplayBank, prefill_counts: np.ndarray | None, control: PlacementControl | None
+) -> EpRun | None:
+    """The run's EP bookkeeping (None when the fleet's placement is off)."""
+    if fleet.placement == "off":
+        if control is not None:
+            raise ValueError("a placement control needs a fleet with a placement (DPFleetConfig.placement)")
+        return None
+    topo = fleet.ep_topology
+    m = fleet.cost.model
+    if control is None:
+        links = {
+            "ranks_per_node": topo.ranks_per_node,
+            "nvlink_cost": topo.network_bytes_per_s / topo.nvlink_bytes_per_s,
+        }
+        control = make_placement(fleet.placement, m.moe_layers, m.num_experts, topo.ranks, topo.tp, **links)
+    return EpRun(fleet.cost, topo, bank, control, prefill_counts, fleet.telemetry_interval_s)
 
 
 def _prompt_keys(workload: Workload, prefix_block: int | None) -> list[tuple[int, ...]] | None:
@@ -485,7 +507,8 @@ def _engines(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     dc = fleet.dp_cost
     reads_pressure = "expert_pressure" in dp_profile(dispatch, fleet.params, fleet.weights_for(dispatch)).columns
-    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if reads_pressure else None
+    placed_here = fleet.placement == "off"  # else `dp_ep` feeds the pressure under the layout in force
+    tables = ExpertLoadTables.build(bank, dc.rank_masks, prefill_counts) if reads_pressure and placed_here else None
     return [
         MixedEngine(
             dc,

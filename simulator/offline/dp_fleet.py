@@ -20,7 +20,9 @@ from switchyard.simulator.core.defaults import (
     TOKEN_BUDGET,
 )
 from switchyard.simulator.core.dp_engine import DPCost
+from switchyard.simulator.core.ep import EpTopology
 from switchyard.simulator.core.physics import CostModel
+from switchyard.simulator.core.placements import placement_names
 from switchyard.simulator.core.workload import Workload
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.profiles import dp_profile
@@ -58,10 +60,22 @@ class DPFleetConfig:
     #: or "approximate" (what this dispatcher routed where, `prefix_ttl_s`); `PREFIX_INDEXES`.
     prefix_index: str = "precise"
     prefix_ttl_s: float = 600.0
+    #: Expert placement over the EP ranks (`simulator.offline.dp_ep`): "off" keeps the even-spread MoE model
+    #: without all-to-all (the figures before issue 26); a control name (`core.placements`: "none" = vLLM's
+    #: contiguous layout, "eplb", "gimbal") prices each step under the layout in force, all-to-all included.
+    placement: str = "off"
+    #: GPUs per NVLink domain (H100 HGX: 8); ranks on different nodes talk over the network.
+    ep_ranks_per_node: int = 8
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("need at least one engine")
+        if self.placement != "off":
+            if not self.coupled:
+                raise ValueError(f"placement {self.placement!r} needs the lock-step DP+EP fleet (coupled)")
+            names = placement_names()
+            if self.placement not in names:
+                raise ValueError(f"unknown placement {self.placement!r}; choose from off, {', '.join(names)}")
         if self.prefix_index not in PREFIX_INDEXES:
             raise ValueError(f"prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {self.prefix_index!r}")
 
@@ -74,6 +88,14 @@ class DPFleetConfig:
     def dp_cost(self) -> DPCost:
         ranks = self.engines * self.cost.gpus if self.coupled else self.cost.gpus
         return DPCost(self.cost, ep_ranks=ranks)
+
+    @cached_property
+    def ep_topology(self) -> EpTopology:
+        """The EP group's ranks and links (`core.ep`; bandwidths and latencies from DeepEP's measurements)."""
+        m = self.cost.model
+        return EpTopology(
+            ranks=self.dp_cost.ep_ranks, hidden=m.hidden, tp=self.cost.gpus, ranks_per_node=self.ep_ranks_per_node
+        )
 
     @property
     def engine_kv_blocks(self) -> int:
@@ -124,6 +146,8 @@ class DPSimResult:
     #: `[n, 2]`, per request, the cached tokens the (precise, approximate) index predicted on the engine chosen,
     #: at the decision; -1 where none was asked (a profile that reads no prefix index, a request without keys).
     prefix_predicted: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    #: With a placement: the run's ``ep_*`` figures (`dp_ep.EpRun.summary`); empty when placement is off.
+    ep: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -149,4 +173,6 @@ class DPSimResult:
 
     @property
     def label(self) -> str:
-        return f"{self.dispatch}+{self.order}"
+        """``dispatch+order``, plus ``+placement`` when the fleet places experts."""
+        tail = f"+{self.fleet.placement}" if self.fleet.placement != "off" else ""
+        return f"{self.dispatch}+{self.order}{tail}"

@@ -20,12 +20,19 @@ Metrics (seconds, tokens/s):
 - `dispatch_run_mean`: mean length of the runs of consecutive arrivals sent to the same engine (1 = strict
   alternation between engines). In lock-step DP+EP, runs put several new prompts on one engine in the same
   step, and that engine's dense and attention time sets the step for everyone.
+- With `--placement` (`DPSimOptions.placements`), one run per (dispatch, order, placement), keyed
+  ``dispatch+order+placement``, each step priced under the layout in force (`dp_ep`, docs/ep-simulation.md),
+  plus the ``ep_*`` keys: `ep_migrations`, `ep_moves`, `ep_migration_s` (seconds migrating), `ep_slowed_s`
+  (seconds the migration slowdown added to steps), `ep_a2a_nvlink_bytes_per_token` and
+  `ep_a2a_network_bytes_per_token` (dispatch + combine, all layers, per computed token), `ep_a2a_fraction`
+  (all-to-all share of step time), `ep_load_max_mean` (busiest rank's expert pairs over the mean rank's, mean
+  over layers and steps).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,7 @@ from switchyard.simulator.core.defaults import (
     TOKEN_BUDGET,
 )
 from switchyard.simulator.core.dp_engine import ORDERS
+from switchyard.simulator.core.placements import placement_names
 from switchyard.simulator.core.workload import RequestTrace, Workload, load_requests
 from switchyard.simulator.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
 from switchyard.simulator.offline.metrics import percentile, write_json
@@ -126,6 +134,7 @@ def summarize_dp(res: DPSimResult, window_s: float = 10.0) -> dict[str, object]:
         "prefix_hit_rate": res.prefix_hit_rate,
         "prefix_hit_request_mean": float((res.prefix_hit / res.workload.prompt).mean()) if len(res.prefix_hit) else 0.0,
         **res.prefix_index_accuracy(),
+        **res.ep,  # with a placement: migrations, all-to-all bytes per token, rank load (`dp_ep.EpRun.summary`)
         "aged_admissions": int(res.engine_aged_admissions.sum()),
         "dispatch_run_mean": float(runs.mean()),
         "makespan_s": span,
@@ -183,6 +192,9 @@ class DPSimOptions:
     prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
     prefix_index: str = "precise"  # where cached_tokens comes from (`dp.PREFIX_INDEXES`)
     borrow_routing: bool = False  # `model` on the trace's routed shape (`core.borrowed_routing`)
+    #: Placement controls to run (`core.placements`); empty: placement off, keys ``dispatch+order`` as before.
+    placements: tuple[str, ...] = ()
+    ep_ranks_per_node: int = 8
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -200,6 +212,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         dispatch_weights=opts.dispatch_weights,
         prefix_caching=opts.prefix_caching,
         prefix_index=opts.prefix_index,
+        ep_ranks_per_node=opts.ep_ranks_per_node,
     )
 
 
@@ -235,6 +248,10 @@ def run_sim_dp(
     for o in opts.orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
+    known = placement_names()
+    for p in opts.placements:
+        if p not in known:
+            raise ValueError(f"unknown placement {p!r}; choose from {', '.join(known)}")
     sc = scenario or prepare(
         opts.trace,
         model=opts.model,
@@ -250,11 +267,13 @@ def run_sim_dp(
     runs: dict[str, dict[str, object]] = {}
     for d in opts.dispatch:
         for o in opts.orders:
-            t0 = time.perf_counter()
-            res = simulate_dp(wl, sc.bank, fleet, d, o, seed=opts.seed, prefill_counts=prefill_counts)  # type: ignore[arg-type]
-            summary = summarize_dp(res, opts.window_s)
-            summary["wall_s"] = time.perf_counter() - t0
-            runs[res.label] = summary
+            for p in opts.placements or ("off",):
+                t0 = time.perf_counter()
+                placed = replace(fleet, placement=p)
+                res = simulate_dp(wl, sc.bank, placed, d, o, seed=opts.seed, prefill_counts=prefill_counts)  # type: ignore[arg-type]
+                summary = summarize_dp(res, opts.window_s)
+                summary["wall_s"] = time.perf_counter() - t0
+                runs[res.label] = summary
     config = {
         "trace": str(opts.trace),
         "requests": str(opts.requests) if opts.requests else None,
@@ -288,6 +307,12 @@ def run_sim_dp(
         "prefix_index": fleet.prefix_index,
         "prefix_ttl_s": fleet.prefix_ttl_s,
     }
+    if opts.placements:
+        topo = fleet.ep_topology
+        config["placements"] = list(opts.placements)
+        config["ep_ranks_per_node"] = topo.ranks_per_node
+        config["ep_nvlink_bytes_per_s"] = topo.nvlink_bytes_per_s
+        config["ep_network_bytes_per_s"] = topo.network_bytes_per_s
     if opts.dispatch_weights:
         config["dispatch_weights"] = dict(opts.dispatch_weights)
     payload = {"config": config, "runs": runs}

@@ -1,0 +1,92 @@
+"""The decayed expert-load window of one engine group (pure): what the placement loop plans from.
+
+Each window is added with weight 1 and everything before it fades with half-life `half_life_s` (by window
+end time, so replaying the stream after a restart rebuilds the same state). `B[L, E]` is the decayed token
+count per expert; `A[L, S, E]` the same split by source DP rank, where the engines report it. The placement
+service folds its engines' `ExpertLoad` messages in (`add`); a simulated fleet folds arrays (`add_counts`),
+so both plan from the same state. `drift` is the distance the service's early trigger measures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from switchyard.shared.schemas import ExpertLoad
+
+
+class DecayedLoad:
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self._reset()
+
+    def _reset(self) -> None:
+        self.load: np.ndarray | None = None  # B[L, E]
+        self.source_load: np.ndarray | None = None  # A[L, S, E], None once any window lacks it
+        self.start: float | None = None
+        self.end: float | None = None
+        self.windows = 0
+        self.engines: set[str] = set()
+        self._sources_complete = True
+
+    def _fade(self, age: float) -> float:
+        return float(0.5 ** (max(age, 0.0) / self.half_life_s))
+
+    def add(self, window: ExpertLoad) -> None:
+        """Fold one engine's `ExpertLoad` window in (see `add_counts`)."""
+        self.add_counts(
+            window.expert_counts, window.source_counts, window.window_start, window.window_end, window.engine_id
+        )
+
+    def add_counts(
+        self, counts: np.ndarray, sources: np.ndarray | None, start: float, end: float, engine_id: str = ""
+    ) -> None:
+        """Fold one window in: `counts` B[L, E], `sources` A[L, S, E] or None, over [start, end] (seconds).
+
+        A window of another model shape starts the group afresh; a window ending before the newest one (another
+        engine's, late) is faded by its own age instead of fading the past."""
+        counts = np.asarray(counts, dtype=np.float64)
+        if self.load is not None and self.load.shape != counts.shape:
+            self._reset()
+        sources = None if sources is None else np.asarray(sources, dtype=np.float64)
+        if self.load is None or self.end is None:
+            self.load, self.source_load = counts, sources
+            self._sources_complete = sources is not None
+            self.start, self.end = start, end
+        else:
+            if end >= self.end:  # fade the past to the new window's end
+                fade_old, fade_new = self._fade(end - self.end), 1.0
+                self.end = end
+            else:  # a late window (another engine of the group): fade it instead
+                fade_old, fade_new = 1.0, self._fade(self.end - end)
+            self.load = self.load * fade_old + counts * fade_new
+            self._add_sources(sources, fade_old, fade_new)
+            self.start = min(self.start or start, start)
+        self.windows += 1
+        self.engines.add(engine_id)
+
+    def _add_sources(self, sources: np.ndarray | None, fade_old: float, fade_new: float) -> None:
+        if sources is None or not self._sources_complete or self.source_load is None:
+            self._sources_complete, self.source_load = False, None
+            return
+        num_sources = max(self.source_load.shape[1], sources.shape[1])
+        self.source_load = _pad(self.source_load, num_sources) * fade_old + _pad(sources, num_sources) * fade_new
+
+    def distribution(self) -> np.ndarray | None:
+        """Each layer's share of tokens per expert (rows sum to 1; an idle layer is uniform)."""
+        if self.load is None:
+            return None
+        totals = self.load.sum(axis=1, keepdims=True)
+        uniform = np.full_like(self.load, 1.0 / self.load.shape[1])
+        return np.where(totals > 0, self.load / np.where(totals > 0, totals, 1.0), uniform)
+
+
+def drift(before: np.ndarray | None, after: np.ndarray | None) -> float:
+    """Total-variation distance between two load distributions, averaged over layers (0: same, 1: disjoint)."""
+    if before is None or after is None or before.shape != after.shape:
+        return 1.0
+    return float(0.5 * np.abs(after - before).sum(axis=1).mean())
+
+
+def _pad(source_load: np.ndarray, num_sources: int) -> np.ndarray:
+    missing = num_sources - source_load.shape[1]
+    return np.pad(source_load, ((0, 0), (0, missing), (0, 0))) if missing else source_load
