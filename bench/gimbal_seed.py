@@ -50,8 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = "data/requests/burstgpt/BurstGPT_1_first400.csv"
 SEED_RATES = (2.0, 3.0, 4.0)
 #: Heavier loads (req/s), chosen from vLLM+FCFS+EPLB's mean running requests per engine alone, before any other
-#: configuration was compared: 100 req/s gives about the seed's 88 running per engine at its RPS 4 ("Runtime
-#: Behavior at RPS=4"); 400 req/s is near vLLM's TTFT knee.
+#: configuration was compared: at 100 req/s vLLM runs 48 requests per engine over these short runs and 132 over a
+#: minute of arrivals, bracketing the seed's 88 at its RPS 4 ("Runtime Behavior at RPS=4"); 400 req/s is near
+#: vLLM's TTFT knee.
 HEAVY_RATES = (100.0, 400.0)
 #: Which configurations run where (the CPU budget: a DP+EP run costs ~25 ms of CPU per request plus ~1 ms per
 #: step): the headline pair everywhere, the ablation, the calibration and the control at the seed-like load.
