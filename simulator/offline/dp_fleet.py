@@ -58,6 +58,8 @@ class DPFleetConfig:
     #: or "approximate" (what this dispatcher routed where, `prefix_ttl_s`); `PREFIX_INDEXES`.
     prefix_index: str = "precise"
     prefix_ttl_s: float = 600.0
+    #: The exact ledger's control (`dp.LEDGER_CONTROLS`): "shuffled" gives a profile its facts on random engines.
+    ledger_control: str = "none"
 
     def __post_init__(self) -> None:
         if self.engines < 1:

@@ -182,6 +182,7 @@ class DPSimOptions:
     dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
     prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
     prefix_index: str = "precise"  # where cached_tokens comes from (`dp.PREFIX_INDEXES`)
+    ledger_control: str = "none"  # the exact ledger's control (`dp.LEDGER_CONTROLS`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -199,6 +200,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         dispatch_weights=opts.dispatch_weights,
         prefix_caching=opts.prefix_caching,
         prefix_index=opts.prefix_index,
+        ledger_control=opts.ledger_control,
     )
 
 

@@ -132,6 +132,25 @@ def _gimbal_terms(params: GimbalParams) -> tuple[Weighted, ...]:
     )
 
 
+#: Prefill-token equivalent of one decoding request in `gimbal-exact` (`_exact_terms`; docs/gimbal-exact-ledger.md).
+DECODE_WEIGHT = 256.0
+#: Prefill-token equivalent of one request still owed its first token in `gimbal-exact`.
+PENDING_WEIGHT = 2000.0
+
+
+def _exact_terms(params: GimbalParams) -> tuple[Weighted, ...]:
+    """Gimbal's pressure score on the exact ledger (`solver.routing.exact_ledger`): the prefill the engine still
+    owes (sent, no first token) replaces remaining + waiting + in-flight prefill, and its decode load (requests
+    past their first token, not finished) is a term of its own; P_kv and P_moe from telemetry as in `gimbal`."""
+    return (
+        Weighted(Column("pending_prefill"), 1.0),
+        Weighted(Column("pending"), PENDING_WEIGHT),
+        Weighted(Column("decoding"), DECODE_WEIGHT),
+        Weighted(KvPenalty(params), 1.0),
+        Weighted(MoePenalty(params), 1.0),
+    )
+
+
 def dp_profile(
     name: str,
     params: GimbalParams | None = None,
@@ -156,6 +175,22 @@ def dp_profile(
             (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
             FirstMin(),
             doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
+        )
+    elif name == "gimbal-exact":
+        profile = Profile(
+            "gimbal-exact",
+            (_ALIVE, KvFirst(params)),
+            _exact_terms(params),
+            FirstMin(),
+            doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + P_kv + P_moe",
+        )
+    elif name == "switchyard-exact":
+        profile = Profile(
+            "switchyard-exact",
+            (_ALIVE, KvFirst(params)),
+            (*_exact_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+            FirstMin(),
+            doc="gimbal-exact plus the request's uncached prompt on each engine (prefix locality)",
         )
     elif name == "llm-d":
         profile = Profile(
