@@ -198,3 +198,35 @@ async def test_only_the_gateway_may_publish_progress(secured: SecuredNats) -> No
         await engine_nc.close()
     assert any(secured.subjects.route_progress in line for line in secured.violations())
     assert not [line for line in secured.violations() if "route.progress" in line and "gateway" in line]
+
+
+async def test_through_the_gateway_every_routed_request_leaves_the_ledger(
+    bus: Bus, settings: SwitchyardSettings
+) -> None:
+    """End to end (real NATS, router service, gateway, stub engines over HTTP): streamed and whole answers are
+    reported (first token of the streamed one, the end of both), and the router's exact ledger empties."""
+    import httpx
+
+    from switchyard.engine_agents.stub import StubConfig
+    from tests.gateway_helpers import deployment
+
+    seen: list[s.RouteProgress] = []
+    await bus.subscribe(bus.subjects.route_progress, s.RouteProgress, lambda message, _msg: seen.append(message))
+    router = RouterService(settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, stale_after_s=5.0))
+    await router.start()
+    body = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
+    try:
+        stubs = [StubConfig("a", tokens=5), StubConfig("b", tokens=5)]
+        async with deployment(settings, bus, stubs, router=False) as (gw, _), httpx.AsyncClient(base_url=gw.url) as c:
+            await wait_for(lambda: len(router.core.fleet.index) == 2)
+            whole = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            assert whole.status_code == streamed.status_code == 200
+            ids = {whole.headers["x-request-id"], streamed.headers["x-request-id"]}
+            await wait_for(lambda: ids <= {rid for m in seen for rid in m.done})
+            await wait_for(lambda: router.core.fleet.exact.open == 0)
+        assert streamed.headers["x-request-id"] in {rid for m in seen for rid in m.first}
+        assert router.core.fleet.exact.unknown == 0, "every report named a request the router held"
+        assert router.core.fleet.unreported.count.sum() == 0, "the gateway asked with progress"
+    finally:
+        await router.stop()
