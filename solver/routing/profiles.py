@@ -21,10 +21,17 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 | `dynamo`    | alive           | dynamo_prefill (1), dynamo_decode (1)                     | softmax, T = 0      |
 | `sglang-cache` | alive        | sglang_cache_aware (1): SGLang's three-branch rule        | first min           |
 | `switchyard`| alive, KV first | gimbal's five, uncached_prompt (`PREFIX_WEIGHT`)          | first min           |
+| `gimbal-exact` | alive, KV first | pending_prefill (1), pending (`PENDING_WEIGHT`),       | first min           |
+|             |                 | decoding (`DECODE_WEIGHT`), kv_penalty, moe_penalty (1)   |                     |
+| `switchyard-exact` | alive, KV first | gimbal-exact's five, uncached_prompt (`PREFIX_WEIGHT`) | first min         |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
 | `rr`        | alive           | —                                                         | round robin         |
+
+`gimbal-exact` is Algorithm 1 on the dispatcher's exact ledger (`solver.routing.exact_ledger`: what it sent
+that has not reached its first token, and what is past it and not finished), where `gimbal` reads telemetry
+and its timing-settled in-flight compensation; docs/gimbal-exact-ledger.md measures both against `vllm`.
 
 The peers' profiles (`llm-d`, `dynamo`, `sglang-cache`) are built from each peer's published defaults; the
 sources and what each column stands for are in their scorers' modules (`scorers.llmd`, `scorers.dynamo`,
