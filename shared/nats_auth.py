@@ -190,7 +190,7 @@ class Roles:
             return self._service(
                 name,
                 [s.route_decided, s.announce],
-                [*engines, s.all_kv_events, s.route_decode, s.route_dp, s.route_decided],
+                [*engines, s.all_kv_events, s.route_decode, s.route_dp, s.route_decided, s.route_progress],
             )
         if name == "placement":
             layout = f"{s.prefix}.engine.*.layout"
@@ -212,7 +212,7 @@ class Roles:
         if name == "gateway":
             # No `_service`: it uses no stream and answers no request, so it gets neither right.
             return Permissions(
-                publish=[s.route_dp, s.route_decode, s.announce],
+                publish=[s.route_dp, s.route_decode, s.route_progress, s.announce],
                 subscribe=[s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events, f"{inbox_prefix(name)}.>"],
             )
         if name == "loadgen":

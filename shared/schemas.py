@@ -64,6 +64,7 @@ __all__ = [
     "RouteDecodeRequest",
     "RouteDpReply",
     "RouteDpRequest",
+    "RouteProgress",
     "RoutingArtifact",
     "RoutingSample",
     "Telemetry",
@@ -296,6 +297,20 @@ class RouteDecisions(WireModel):
         return self
 
 
+class RouteProgress(WireModel):
+    """`sy.route.progress`: requests a sender (the gateway) routed with ``progress`` whose first token it relayed
+    (`first`) or that ended, done, failed or cancelled (`done`), since its previous message (≤ a few ms' worth).
+
+    The routers settle their exact ledger from these (`solver.routing.exact_ledger.ExactLedger`): what an engine
+    still owes is then known, not guessed from telemetry timing. An id may be in both lists (a one-token answer,
+    or a batch that spans its first token and its end); the first token is applied first. Ids a router does
+    not hold (another replica's decisions, a restart) are ignored there.
+    """
+
+    first: Annotated[list[RequestId], Field(max_length=MAX_SHARED_DECISIONS)]
+    done: Annotated[list[RequestId], Field(max_length=MAX_SHARED_DECISIONS)]
+
+
 class Announce(WireModel):
     """`sy.engine.announce`: a (re)starting service asks engines to publish their hello now, not in 5 s.
 
@@ -326,6 +341,10 @@ class RouteDpRequest(WireModel):
     #: routed). None: the sender computed none (the prefix scorers see nothing cached).
     block_keys: BlockKeys | None = None
     key_kind: Literal["tokens", "text"] = "tokens"
+    #: The sender will report this request's first token and end on `sy.route.progress` (`RouteProgress`): the
+    #: router then counts it in its exact ledger (`solver.routing.exact_ledger`) until those reports. False (a
+    #: client that never reports, or one from before the field): counted in flight until telemetry shows it.
+    progress: bool = False
 
 
 class RouteDpReply(WireModel):

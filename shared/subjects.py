@@ -134,6 +134,12 @@ class Subjects:
         return f"{self.prefix}.route.decided"
 
     @property
+    def route_progress(self) -> str:
+        """The gateway's progress of requests it routed with ``progress`` (`RouteProgress`): routers settle their
+        exact ledgers from it."""
+        return f"{self.prefix}.route.progress"
+
+    @property
     def router_queue(self) -> str:
         return f"{self.prefix}-router"
 

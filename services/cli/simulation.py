@@ -128,7 +128,7 @@ def sim_dp(
         typer.Option(
             "--dispatch",
             help="Comma-separated DP profiles: rr, jsq, vllm, vllm-main, gimbal, llm-d, dynamo, sglang-cache, "
-            "switchyard.",
+            "switchyard, gimbal-exact, switchyard-exact.",
         ),
     ] = "vllm,gimbal",
     order: Annotated[str, typer.Option("--order", help="Queue order: fcfs, sjf-aging or both.")] = "both",

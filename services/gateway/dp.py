@@ -6,7 +6,7 @@ from starlette.requests import Request
 
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import Context, ToClient, final_hop
+from switchyard.services.gateway.relay import Context, Relayed, ToClient, final_hop
 
 
 async def serve_dp(
@@ -22,6 +22,39 @@ async def serve_dp(
     engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
+    progress = ctx.router.progress
+    if progress is None:
+        return await _relay(ctx, request, raw, path, candidates, request_id, started, parsed, engine)
+    try:
+        answer = await _relay(ctx, request, raw, path, candidates, request_id, started, parsed, engine)
+    except BaseException:
+        progress.done(request_id)
+        raise
+    if isinstance(answer, Relayed):  # the engine's first chunk is in hand: its first token
+        progress.first(request_id)
+        finish = answer.finish
+
+        def finished(outcome: str, first_at: float) -> None:
+            finish(outcome, first_at)
+            progress.done(request_id)
+
+        answer.finish = finished
+    else:  # a whole answer (or an error): the request is over
+        progress.done(request_id)
+    return answer
+
+
+async def _relay(
+    ctx: Context,
+    request: Request,
+    raw: bytes,
+    path: str,
+    candidates: list[Engine],
+    request_id: str,
+    started: float,
+    parsed: Parsed,
+    engine: Engine,
+) -> ToClient:
     return await final_hop(
         ctx,
         request,

@@ -15,6 +15,7 @@ from nats.errors import Error as NatsError
 
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.choice import least_loaded
+from switchyard.services.gateway.progress import ProgressReporter
 from switchyard.services.gateway.prompt_keys import PromptKeys
 from switchyard.services.gateway.registry import Engine
 from switchyard.shared.bus import Bus
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, bus: Bus | None, timeout_s: float) -> None:
         self.bus, self.timeout_s = bus, timeout_s
+        #: The gateway reports each routed DP request's first token and end (`sy.route.progress`), so it asks
+        #: with ``progress``: the router counts the request exactly until those reports.
+        self.progress = ProgressReporter(bus) if bus is not None else None
         self.incident = False  # True from the first fallback until the router answers again
         self.fallbacks_in_incident = 0
         self._turn = 0
@@ -89,6 +93,8 @@ class Router:
         subject = self.bus.subjects.route_dp if self.bus is not None else ""
         # Unchecked: the id is ours, the count a positive int, the model one a live engine's hello named.
         fields = {"request_id": request_id, "prompt_tokens": prompt_tokens, "model": model}
+        if self.progress is not None:
+            fields["progress"] = True
         if keys is not None and len(keys.keys):  # uint64 keys we computed, at most MAX_PROMPT_BLOCKS of them
             fields["block_keys"] = array_to_wire(keys.keys)
             fields["key_kind"] = keys.kind

@@ -192,6 +192,8 @@ class GatewayService:
                 task.cancel()
         if self.ctx is not None:
             await self.ctx.upstream.close()
+            if self.ctx.router.progress is not None:
+                await self.ctx.router.progress.close()
         if self.bus is not None:
             await self.bus.close()
         if self.ingest is not None:

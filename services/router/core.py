@@ -33,6 +33,7 @@ from switchyard.shared.schemas import (
     RouteDecodeRequest,
     RouteDpReply,
     RouteDpRequest,
+    RouteProgress,
     RoutingArtifact,
     Telemetry,
 )
@@ -193,6 +194,10 @@ COLUMNS: dict[str, Column] = {
     "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
     "outstanding": lambda f, rows, snap: snap.load,
     "kv_blocks": lambda f, rows, snap: f.kv_blocks[rows],  # from the engine's hello (`Hello.capacity`)
+    # the exact ledger (requests routed with `progress`) plus, for the others, what is in flight by telemetry
+    "pending_prefill": lambda f, rows, snap: f.exact.pending_prefill[rows] + f.unreported.tokens[rows],
+    "pending": lambda f, rows, snap: f.exact.pending[rows] + f.unreported.count[rows],
+    "decoding": lambda f, rows, snap: f.exact.decoding[rows],
     "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
@@ -201,6 +206,8 @@ PER_DECISION: dict[str, Callable[[float], float]] = {
     "inflight": lambda tokens: 1.0,
     "inflight_tokens": lambda tokens: tokens,
     "waiting": lambda tokens: 1.0,
+    "pending_prefill": lambda tokens: tokens,
+    "pending": lambda tokens: 1.0,
 }
 if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
     raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
@@ -388,6 +395,10 @@ class RouterCore:
             for engine_id, prompt_tokens in zip(decisions.engine_ids, decisions.prompt_tokens, strict=True):
                 self._record(self.fleet.on_decision(engine_id, prompt_tokens, now), prompt_tokens)
 
+    def on_progress(self, progress: RouteProgress) -> None:
+        """The gateway's first tokens and ends of requests routed with ``progress``: the exact ledger settles."""
+        self.fleet.on_progress(progress.first, progress.done)
+
     def _record(self, row: int, prompt_tokens: int) -> None:
         """Keep the role views in step with a decision the fleet just counted (row -1: unknown engine)."""
         if row >= 0:
@@ -510,7 +521,7 @@ class RouterCore:
         row = view.row_of[index]
         # In flight on that engine: the prefill it will compute, i.e. the prompt less what it holds cached
         work = request.prompt_tokens - int(cached[index]) if keyed else request.prompt_tokens
-        self.fleet.on_decision_row(row, work, now)
+        self.fleet.on_decision_row(row, work, now, request.request_id if request.progress else None)
         self._record(row, work)
         if keyed and self.prefix.record(engine_id, request, now) and self._reads_blocks:
             self.fleet.touch()

@@ -39,6 +39,7 @@ from switchyard.shared.schemas import (
     RouteDecisions,
     RouteDecodeRequest,
     RouteDpRequest,
+    RouteProgress,
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
@@ -184,6 +185,9 @@ class RouterService:
     def _on_decisions(self, decisions: RouteDecisions, _msg: Msg) -> None:
         self.core.on_decisions(decisions, time.monotonic())
 
+    def _on_progress(self, progress: RouteProgress, _msg: Msg) -> None:
+        self.core.on_progress(progress)
+
     def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
         reply, decided = self.core.route_decode(request, time.monotonic())
         if decided is not None and self.sharer is not None:
@@ -272,6 +276,8 @@ class RouterService:
             )
             await self.kv_ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
         await bus.subscribe(s.route_decided, RouteDecisions, self._on_decisions)  # no_echo: not our own
+        # the gateway's progress, on the connection its route requests come in on (their order kept)
+        await bus.subscribe(s.route_progress, RouteProgress, self._on_progress)
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact watcher", self._watch_artifact)),
             asyncio.create_task(self._housekeeping()),

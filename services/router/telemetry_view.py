@@ -35,6 +35,7 @@ from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 from switchyard.shared.signals import telemetry_view_columns
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
+from switchyard.solver.routing.exact_ledger import ExactLedger
 from switchyard.solver.routing.ledger import InflightLedger
 
 ROLES = ("prefill", "decode", "dp")
@@ -97,6 +98,12 @@ class TelemetryView:
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(n, fill, dtype=dtype))
         self.ledger = InflightLedger(n, self.max_inflight_per_engine)
+        #: The exact ledger (`solver.routing.exact_ledger`): requests routed with ``progress``, settled by the
+        #: sender's first-token and end reports (`on_progress`), not by telemetry timing.
+        self.exact = ExactLedger(n)
+        #: Requests routed without ``progress`` (clients that never report, other replicas' decisions): what the
+        #: exact columns add for them, settled by telemetry as `ledger` is (`on_telemetry`).
+        self.unreported = InflightLedger(n, self.max_inflight_per_engine)
 
     @property
     def inflight(self) -> np.ndarray:
@@ -120,6 +127,8 @@ class TelemetryView:
             grown[: len(column)] = column
             setattr(self, name, grown)
         self.ledger.resize(len(self.role))
+        self.exact.resize(len(self.role))
+        self.unreported.resize(len(self.role))
 
     def row(self, engine_id: str, now: float) -> int:
         """The engine's row, registering it on first sight; -1 (counted) for a new engine when every one of
@@ -177,6 +186,8 @@ class TelemetryView:
         elif event is Seq.RESTART:  # what was in flight to the old process is not in the new one's numbers
             self.counters.engine_restarts += 1
             self.ledger.clear(row)
+            self.exact.clear(row)
+            self.unreported.clear(row)
         self.last_seq[row] = t.seq
         self.kv_usage[row] = t.kv_usage
         self.num_running[row] = t.num_running
@@ -191,6 +202,7 @@ class TelemetryView:
         self._relive(row)
         self.data_version += 1
         self.ledger.settle(row, now - self.inflight_grace_s)
+        self.unreported.settle(row, now - self.inflight_grace_s)
 
     def _relive(self, row: int) -> None:
         """The row's `live_until` after a hello or telemetry: the rule's scalar form, per message."""
@@ -211,9 +223,23 @@ class TelemetryView:
         self.on_decision_row(row, prompt_tokens, now)
         return row
 
-    def on_decision_row(self, row: int, prompt_tokens: float, now: float) -> None:
-        """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly)."""
+    def on_decision_row(self, row: int, prompt_tokens: float, now: float, request_id: str | None = None) -> None:
+        """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly). With a
+        `request_id` (its sender reports progress) it enters the exact ledger, else `unreported`; an id already
+        open there (a sender reusing ids) is counted as unreported too."""
         self.ledger.add(row, now, prompt_tokens)
+        if request_id is not None and request_id not in self.exact:
+            self.exact.sent(request_id, row, prompt_tokens)
+        else:
+            self.unreported.add(row, now, prompt_tokens)
+        self.data_version += 1
+
+    def on_progress(self, first: list[str], done: list[str]) -> None:
+        """A sender's progress report: first tokens, then ends, settle the exact ledger (ids not held: ignored)."""
+        for request_id in first:
+            self.exact.first_token(request_id)
+        for request_id in done:
+            self.exact.finished(request_id)
         self.data_version += 1
 
     def touch(self) -> None:
@@ -235,6 +261,8 @@ class TelemetryView:
         self.engine_ids = [self.engine_ids[i] for i in keep]
         self.ep_group = [self.ep_group[i] for i in keep]
         self.ledger.compact(keep)
+        self.exact.compact(keep)
+        self.unreported.compact(keep)
         self.model = [self.model[i] for i in keep]
         self.index = {e: i for i, e in enumerate(self.engine_ids)}
         for name, (_, fill) in _COLUMNS.items():

@@ -67,6 +67,7 @@ from switchyard.simulator.offline.dp_ep import EpRun
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
+from switchyard.solver.routing.exact_ledger import ExactLedger
 from switchyard.solver.routing.filters import KvFirst
 from switchyard.solver.routing.ledger import InflightLedger
 from switchyard.solver.routing.prefix import RoutedIndex
@@ -89,11 +90,17 @@ _INDEX_BLOCK_TOKENS = 16
 #: (the module docstring): its own exact counts, the DP coordinator's snapshot, the engines' telemetry. Each is
 #: a registry name (`shared.signals.need`: a misspelt one fails at import).
 EXACT_COLUMNS = need("alive", "load", "outstanding")
+#: The exact ledger's columns (`solver.routing.exact_ledger`): fed from the dispatcher's own sends and the first
+#: tokens and ends it sees, as the gateway's progress reports feed the router's.
+LEDGER_COLUMNS = need("pending_prefill", "pending", "decoding")
+#: Controls of the exact ledger (`DPFleetConfig.ledger_control`): "shuffled" hands the profile the ledger's
+#: rows in a fresh random order at every decision (the facts, on the wrong engines).
+LEDGER_CONTROLS: tuple[str, ...] = ("none", "shuffled")
 COORDINATOR_COLUMNS = need("waiting", "running")
 TELEMETRY_COLUMNS = need("remaining_prefill", "waiting_prefill", "expert_pressure", "inflight_tokens", "inflight")
 PREFIX_COLUMNS = need("indexed_blocks")
 HELLO_COLUMNS = need("kv_blocks")  # the engine's KV capacity, from its hello: known from the start
-SIM_COLUMNS = EXACT_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | PREFIX_COLUMNS | HELLO_COLUMNS
+SIM_COLUMNS = EXACT_COLUMNS | LEDGER_COLUMNS | COORDINATOR_COLUMNS | TELEMETRY_COLUMNS | PREFIX_COLUMNS | HELLO_COLUMNS
 SIM_COLUMNS |= need("kv_usage")
 
 
@@ -122,6 +129,7 @@ class Dispatcher:
         prefix_index: str = "precise",
         prefix_ttl_s: float = 600.0,
         kv_blocks: int = 0,
+        ledger_control: str = "none",
     ) -> None:
         self.profile = dp_profile(policy, params, weights)
         self.policy = policy
@@ -148,6 +156,7 @@ class Dispatcher:
         self.waiting_tokens = np.zeros(engines)
         self.pressure = np.ones(engines)
         self.ledger = InflightLedger(engines)  # the router's in-flight compensation, the same ledger
+        self.exact = ExactLedger(engines)  # what was sent and has not reached its first token / its end
         self.kv_first = 0
 
         self.needs_coordinator = bool(cols & COORDINATOR_COLUMNS)
@@ -173,6 +182,11 @@ class Dispatcher:
             },
         )
         self.state = RouterState(rng=stream(seed, "dp.dispatch"))
+        if ledger_control not in LEDGER_CONTROLS:
+            raise ValueError(f"ledger_control must be one of {', '.join(LEDGER_CONTROLS)}, got {ledger_control!r}")
+        self.tracks_exact = bool(cols & LEDGER_COLUMNS)
+        self._shuffle = stream(seed, "dp.ledger-control") if ledger_control == "shuffled" else None
+        self._feed_exact()
         # prefix view (see the module docstring); live only once `attach_prefix` gives the engines' caches
         if prefix_index not in PREFIX_INDEXES:
             raise ValueError(f"prefix_index must be one of {', '.join(PREFIX_INDEXES)}, got {prefix_index!r}")
@@ -203,8 +217,19 @@ class Dispatcher:
         keys_per_engine = max(capacity_blocks // max(self._span, 1), 1)
         self.routed = RoutedIndex(max_blocks=keys_per_engine, ttl_s=self.prefix_ttl_s)
 
-    def choose(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None = None) -> int:
+    def _feed_exact(self) -> None:
+        """The exact ledger's columns into the snapshot: the ledger's own arrays, or (control) a permutation."""
+        columns = {"pending_prefill": self.exact.pending_prefill, "pending": self.exact.pending}
+        columns["decoding"] = self.exact.decoding
+        if self._shuffle is not None:
+            perm = self._shuffle.permutation(self.n)
+            columns = {name: col[perm] for name, col in columns.items()}
+        self.snap.columns.update(columns)
+
+    def choose(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None = None, rid: int = -1) -> int:
         snap = self.snap
+        if self._shuffle is not None and self.tracks_exact:
+            self._feed_exact()
         if self._kv_first is not None and kv_first_applies(snap.alive, snap.kv_usage, self._kv_first.params):
             self.kv_first += 1
         if self._drains:
@@ -221,6 +246,8 @@ class Dispatcher:
             self.snap_waiting[i] += 1  # vLLM's local increment, until the next snapshot
         if self._ledgered:  # in flight: the prefill the engine will compute (the router's rule)
             self.ledger.add(i, now, prompt_tokens - cached)
+        if self.tracks_exact:
+            self.exact.sent(rid, i, prompt_tokens - cached)
         self.outstanding[i] += 1
         return i
 
@@ -271,6 +298,14 @@ class Dispatcher:
 
     def on_finished(self, engine: int, count: int) -> None:
         self.outstanding[engine] -= count
+
+    def on_progress(self, first: list[int], finished: list[int]) -> None:
+        """Requests that sampled their first token, and requests that ended, in one step (the gateway sees both)."""
+        if self.tracks_exact:
+            for rid in first:
+                self.exact.first_token(rid)
+            for rid in finished:
+                self.exact.finished(rid)
 
     def on_coordinator(self, waiting: np.ndarray, running: np.ndarray, kv: np.ndarray) -> None:
         """A coordinator snapshot replaces the client's counts, local increments included."""
@@ -372,6 +407,7 @@ def simulate_dp(
             finish[out.finished] = t
             tokens[out.finished] = out.finished_tokens
             disp.on_finished(i, len(out.finished))
+        disp.on_progress(out.first, out.finished)
         return len(out.finished)
 
     finished = 0
@@ -380,7 +416,9 @@ def simulate_dp(
         if kind == ARRIVAL:
             rid = idx
             rkeys = keys[rid] if keys else None
-            i = disp.choose(now, int(prompt[rid]), rkeys)
+            if check and disp.tracks_exact:
+                _check_exact_ledger(disp.exact, engines, first, None if prefix_block else prompt)
+            i = disp.choose(now, int(prompt[rid]), rkeys, rid)
             if track:
                 predicted[rid] = disp.predicted
             eng_of[rid] = i
@@ -479,6 +517,7 @@ def _dispatcher(
         prefix_index=fleet.prefix_index,
         prefix_ttl_s=fleet.prefix_ttl_s,
         kv_blocks=fleet.engine_kv_blocks,
+        ledger_control=fleet.ledger_control,
     )
     if prefix_block:
         disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
@@ -571,3 +610,18 @@ def _check_invariants(engines: list[MixedEngine], eng_of: np.ndarray, finish: np
         else:  # shared prefix blocks count once; the free queue holds the rest
             assert e.prefix.free_blocks == e.kv_blocks - e.used_blocks, f"engine {i} free queue drifted"
         assert e.waiting_prefill_tokens == int(e.queue.work().sum()), f"engine {i} queue token count drifted"
+
+
+def _check_exact_ledger(
+    ledger: ExactLedger, engines: list[MixedEngine], first: np.ndarray, prompt: np.ndarray | None
+) -> None:
+    """At a decision, the exact ledger equals the engines' ground truth: per engine, the requests it holds without
+    a first token (and their prompt tokens, when no prefix cache shortens them) and those past it."""
+    for i, e in enumerate(engines):
+        ids = np.array([*e.running_ids(), *e.waiting_ids()], dtype=np.int64)
+        waiting_first = ids[np.isnan(first[ids])] if ids.size else ids
+        assert ledger.pending[i] == waiting_first.size, f"engine {i}: ledger pending {ledger.pending[i]}"
+        assert ledger.decoding[i] == ids.size - waiting_first.size, f"engine {i}: ledger decoding {ledger.decoding[i]}"
+        if prompt is not None:
+            assert ledger.pending_prefill[i] == int(prompt[waiting_first].sum()), f"engine {i}: pending tokens"
+    assert ledger.open == sum(e.num_running + e.num_waiting for e in engines), "the ledger holds a finished request"

@@ -66,6 +66,8 @@ class DPFleetConfig:
     placement: str = "off"
     #: GPUs per NVLink domain (H100 HGX: 8); ranks on different nodes talk over the network.
     ep_ranks_per_node: int = 8
+    #: The exact ledger's control (`dp.LEDGER_CONTROLS`): "shuffled" gives a profile its facts on random engines.
+    ledger_control: str = "none"
 
     def __post_init__(self) -> None:
         if self.engines < 1:

@@ -195,6 +195,7 @@ class DPSimOptions:
     #: Placement controls to run (`core.placements`); empty: placement off, keys ``dispatch+order`` as before.
     placements: tuple[str, ...] = ()
     ep_ranks_per_node: int = 8
+    ledger_control: str = "none"  # the exact ledger's control (`dp.LEDGER_CONTROLS`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -213,6 +214,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         prefix_caching=opts.prefix_caching,
         prefix_index=opts.prefix_index,
         ep_ranks_per_node=opts.ep_ranks_per_node,
+        ledger_control=opts.ledger_control,
     )
 
 

@@ -139,6 +139,8 @@ DISPATCH_POLICIES: tuple[str, ...] = (
     "dynamo",
     "sglang-cache",
     "switchyard",
+    "gimbal-exact",
+    "switchyard-exact",
 )
 """Names of the data-parallel dispatch rules (`solver.routing.profiles.DP_PROFILES`, `sim-dp --dispatch`)."""
 

@@ -21,10 +21,17 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 | `dynamo`    | alive           | dynamo_prefill (1), dynamo_decode (1)                     | softmax, T = 0      |
 | `sglang-cache` | alive        | sglang_cache_aware (1): SGLang's three-branch rule        | first min           |
 | `switchyard`| alive, KV first | gimbal's five, uncached_prompt (`PREFIX_WEIGHT`)          | first min           |
+| `gimbal-exact` | alive, KV first | pending_prefill (1), pending (`PENDING_WEIGHT`),       | first min           |
+|             |                 | decoding (`DECODE_WEIGHT`), kv_penalty, moe_penalty (1)   |                     |
+| `switchyard-exact` | alive, KV first | gimbal-exact's five, uncached_prompt (`PREFIX_WEIGHT`) | first min         |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
 | `rr`        | alive           | —                                                         | round robin         |
+
+`gimbal-exact` is Algorithm 1 on the dispatcher's exact ledger (`solver.routing.exact_ledger`: what it sent
+that has not reached its first token, and what is past it and not finished), where `gimbal` reads telemetry
+and its timing-settled in-flight compensation; docs/gimbal-exact-ledger.md measures both against `vllm`.
 
 The peers' profiles (`llm-d`, `dynamo`, `sglang-cache`) are built from each peer's published defaults; the
 sources and what each column stands for are in their scorers' modules (`scorers.llmd`, `scorers.dynamo`,
@@ -132,6 +139,25 @@ def _gimbal_terms(params: GimbalParams) -> tuple[Weighted, ...]:
     )
 
 
+#: Prefill-token equivalent of one decoding request in `gimbal-exact` (`_exact_terms`; docs/gimbal-exact-ledger.md).
+DECODE_WEIGHT = 256.0
+#: Prefill-token equivalent of one request still owed its first token in `gimbal-exact`.
+PENDING_WEIGHT = 2000.0
+
+
+def _exact_terms(params: GimbalParams) -> tuple[Weighted, ...]:
+    """Gimbal's pressure score on the exact ledger (`solver.routing.exact_ledger`): the prefill the engine still
+    owes (sent, no first token) replaces remaining + waiting + in-flight prefill, and its decode load (requests
+    past their first token, not finished) is a term of its own; P_kv and P_moe from telemetry as in `gimbal`."""
+    return (
+        Weighted(Column("pending_prefill"), 1.0),
+        Weighted(Column("pending"), PENDING_WEIGHT),
+        Weighted(Column("decoding"), DECODE_WEIGHT),
+        Weighted(KvPenalty(params), 1.0),
+        Weighted(MoePenalty(params), 1.0),
+    )
+
+
 def dp_profile(
     name: str,
     params: GimbalParams | None = None,
@@ -156,6 +182,22 @@ def dp_profile(
             (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
             FirstMin(),
             doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
+        )
+    elif name == "gimbal-exact":
+        profile = Profile(
+            "gimbal-exact",
+            (_ALIVE, KvFirst(params)),
+            _exact_terms(params),
+            FirstMin(),
+            doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + P_kv + P_moe",
+        )
+    elif name == "switchyard-exact":
+        profile = Profile(
+            "switchyard-exact",
+            (_ALIVE, KvFirst(params)),
+            (*_exact_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+            FirstMin(),
+            doc="gimbal-exact plus the request's uncached prompt on each engine (prefix locality)",
         )
     elif name == "llm-d":
         profile = Profile(

@@ -1,0 +1,120 @@
+"""The dispatcher's exact ledger: per engine, what it sent that has not reached its first token, and what it sent
+that has not finished.
+
+In-flight compensation (`solver.routing.ledger.InflightLedger`) guesses when an engine's telemetry has caught
+up with a decision from the report's timing; with reports at engine-specific phases that guess is skewed
+(docs/gimbal-dispatch.md, "Why Gimbal's dispatch loses on the conversation trace"). A dispatcher that also sees
+each response's first token and end (the gateway streams them; the DP simulator has the same events) knows
+instead, exactly:
+
+- ``pending_prefill``: prompt tokens of requests sent and not yet at their first token: the prefill the
+  engine still owes (whole prompts: a half-prefilled chunk still counts in full until its first token);
+- ``pending``: those requests;
+- ``decoding``: requests past their first token and not finished: the engine's decode load.
+
+Columns are float64 (exact for integer counts) so a profile adds them to other columns without a cast; the
+caller passes ids, never times. A first token or end for an id the ledger does not hold (never sent, or sent
+before a restart cleared the row) is ignored and counted in `unknown`, so a late or duplicated report cannot
+drive a count negative. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+__all__ = ["ExactLedger"]
+
+
+class ExactLedger:
+    """Per-request (row, prompt tokens, past first token?) with per-row totals, rows 0..n-1."""
+
+    def __init__(self, rows: int) -> None:
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        self.pending = np.zeros(rows)  # sent, no first token yet (requests)
+        self.pending_prefill = np.zeros(rows)  # their prompt tokens
+        self.decoding = np.zeros(rows)  # past the first token, not finished (requests)
+        self.unknown = 0  # progress reports for ids the ledger does not hold
+        self._req: dict[Hashable, tuple[int, float, bool]] = {}  # id -> (row, prompt tokens, decoding)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._req
+
+    @property
+    def open(self) -> int:
+        """Requests sent and not finished, all rows."""
+        return len(self._req)
+
+    def sent(self, rid: Hashable, row: int, prompt_tokens: float) -> None:
+        """Request `rid` (`prompt_tokens` to prefill) went to `row`. An id already open is an error."""
+        if rid in self._req:
+            raise ValueError(f"request {rid!r} is already in the ledger")
+        if not 0 <= row < len(self.pending):
+            raise ValueError(f"row {row} out of range 0..{len(self.pending) - 1}")
+        self._req[rid] = (row, float(prompt_tokens), False)
+        self.pending[row] += 1
+        self.pending_prefill[row] += prompt_tokens
+
+    def first_token(self, rid: Hashable) -> None:
+        """`rid` produced its first token: its prefill is done, it decodes now. Repeats are no-ops."""
+        entry = self._req.get(rid)
+        if entry is None:
+            self.unknown += 1
+            return
+        row, tokens, decoding = entry
+        if decoding:
+            return
+        self._req[rid] = (row, tokens, True)
+        self._unpend(row, tokens)
+        self.decoding[row] += 1
+
+    def finished(self, rid: Hashable) -> None:
+        """`rid` ended (done, failed or cancelled, with or without a first token): it leaves the ledger."""
+        entry = self._req.pop(rid, None)
+        if entry is None:
+            self.unknown += 1
+            return
+        row, tokens, decoding = entry
+        if decoding:
+            self.decoding[row] -= 1
+        else:
+            self._unpend(row, tokens)
+
+    def row_of(self, rid: Hashable) -> int | None:
+        """The row `rid` was sent to, while it is open."""
+        entry = self._req.get(rid)
+        return None if entry is None else entry[0]
+
+    def clear(self, row: int) -> None:
+        """Forget every open request on `row` (its engine restarted: none of them will report)."""
+        for rid in [r for r, (i, _, _) in self._req.items() if i == row]:
+            del self._req[rid]
+        self.pending[row] = self.pending_prefill[row] = self.decoding[row] = 0.0
+
+    def resize(self, rows: int) -> None:
+        """Grow to `rows` rows (new rows empty)."""
+        grow = rows - len(self.pending)
+        if grow > 0:
+            self.pending = np.concatenate([self.pending, np.zeros(grow)])
+            self.pending_prefill = np.concatenate([self.pending_prefill, np.zeros(grow)])
+            self.decoding = np.concatenate([self.decoding, np.zeros(grow)])
+
+    def compact(self, keep: np.ndarray) -> None:
+        """Keep only rows `keep` (in that order) at the front, renumbering open requests; other rows' requests go."""
+        new_of = {int(old): new for new, old in enumerate(keep)}
+        self._req = {r: (new_of[i], t, d) for r, (i, t, d) in self._req.items() if i in new_of}
+        n = len(keep)
+        for col in (self.pending, self.pending_prefill, self.decoding):
+            col[:n] = col[keep]
+            col[n:] = 0.0
+
+    def _unpend(self, row: int, tokens: float) -> None:
+        self.pending[row] -= 1
+        self.pending_prefill[row] -= tokens
+        if self.pending[row] == 0:  # exact anyway for integer tokens; guards a caller's float tokens
+            self.pending_prefill[row] = 0.0
