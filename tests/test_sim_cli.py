@@ -74,7 +74,8 @@ def test_report_quick_regenerates_every_experiment(tmp_path: Path) -> None:
     md = build_report(tmp_path, opts).read_text()
     for section in ("Fig. 2", "Fig. 4", "Fig. 11", "Fig. 15", "Fig. 16", "Table 2", "Bracket"):
         assert f"## {section}" in md, section
-    assert md.count("Seed: ") == 6, "every experiment prints the seed's numbers beside ours"
+    assert "## Gimbal seed" in md
+    assert md.count("Seed: ") == 7, "every experiment prints the seed's numbers beside ours"
     for png in ("fig2_moe_time", "fig4_same_vs_mixed", "fig11_rate_sweep", "fig15_balance", "fig16_tau"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000, png
     results = json.loads((tmp_path / "results.json").read_text())

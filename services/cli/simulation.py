@@ -169,6 +169,10 @@ def sim_dp(
             "or approximate (what was routed where, with expiry).",
         ),
     ] = "precise",
+    borrow_routing: Annotated[
+        bool,
+        typer.Option(help="Run --model on the routing trace's shape with the model's totals (docs/gimbal-seed.md)."),
+    ] = False,
     placement: Annotated[
         str | None,
         typer.Option(
@@ -212,6 +216,7 @@ def sim_dp(
         inflight_drain_tokens_per_s=inflight_drain,
         prefix_caching=prefix_caching,
         prefix_index=prefix_index,
+        borrow_routing=borrow_routing,
         placements=tuple(split_csv(placement) or ()),
         ep_ranks_per_node=ep_ranks_per_node,
     )
@@ -244,8 +249,13 @@ def report(
         str | None,
         typer.Option(
             "--sections",
-            help="Comma-separated sections to run: fig2, fig4, fig11, fig15, fig16, table2, bracket (default: all).",
+            help="Comma-separated sections to run: fig2, fig4, fig11, fig15, fig16, table2, bracket, gimbal "
+            "(default: all).",
         ),
+    ] = None,
+    gimbal_results: Annotated[
+        Path | None,
+        typer.Option("--gimbal-results", help="Runs of bench/gimbal_seed.py (default: docs/results/gimbal_seed)."),
     ] = None,
 ) -> None:
     """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
@@ -266,6 +276,7 @@ def report(
         seed=seed,
         progress=progress,
         sections=chosen,
+        gimbal_results=gimbal_results,
     )
     path = build_report(out or settings.data_dir / "report", opts)
     typer.echo(f"report written to {path}")

@@ -21,9 +21,18 @@ from pathlib import Path
 import numpy as np
 
 from switchyard.shared.streams import stream
+from switchyard.simulator.core.request_burstgpt import is_burstgpt_header, read_burstgpt_csv
 from switchyard.simulator.core.request_jsonl import MOONCAKE_BLOCK_TOKENS, read_request_jsonl
 
-__all__ = ["RequestTrace", "Workload", "build_workload", "load_request_csv", "load_request_jsonl", "load_requests"]
+__all__ = [
+    "RequestTrace",
+    "Workload",
+    "build_workload",
+    "load_burstgpt_csv",
+    "load_request_csv",
+    "load_request_jsonl",
+    "load_requests",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,8 @@ class RequestTrace:
     #: Per request, its prompt's prefix block hash ids (JSONL traces that carry them), and their block (tokens).
     hash_ids: tuple[np.ndarray, ...] | None = None
     hash_block: int = 0
+    #: Rows of the file left out because they cannot be replayed (BurstGPT's zero-token failed requests).
+    dropped: int = 0
 
     @property
     def duration(self) -> float:
@@ -48,11 +59,14 @@ class RequestTrace:
 
 
 def load_request_csv(path: str | Path) -> RequestTrace:
-    """Azure LLM inference trace CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`), sorted by time."""
+    """A request CSV by its header, sorted by time: Azure's LLM inference trace (`TIMESTAMP, ContextTokens,
+    GeneratedTokens`) or BurstGPT's (`load_burstgpt_csv`)."""
     path = Path(path)
     with path.open(newline="") as f:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader)]
+        if is_burstgpt_header(header):
+            return load_burstgpt_csv(path)
         cols = {name: header.index(name) for name in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")}
         rows = list(reader)
     if not rows:
@@ -63,6 +77,16 @@ def load_request_csv(path: str | Path) -> RequestTrace:
     prompt = np.array([int(r[cols["ContextTokens"]]) for r in rows], dtype=np.int64)[order]
     output = np.array([int(r[cols["GeneratedTokens"]]) for r in rows], dtype=np.int64)[order]
     return RequestTrace(arrival=t, prompt=prompt, output=output, source=str(path))
+
+
+def load_burstgpt_csv(path: str | Path) -> RequestTrace:
+    """A BurstGPT CSV (`request_burstgpt`), sorted by time; zero-token rows dropped, counted in `dropped`."""
+    cols = read_burstgpt_csv(path)
+    order = np.argsort(cols.timestamp_s, kind="stable")
+    t = cols.timestamp_s[order] - cols.timestamp_s[order][0]
+    return RequestTrace(
+        arrival=t, prompt=cols.prompt[order], output=cols.output[order], source=str(path), dropped=cols.dropped
+    )
 
 
 def load_request_jsonl(path: str | Path, hash_block: int = MOONCAKE_BLOCK_TOKENS) -> RequestTrace:
@@ -82,7 +106,8 @@ def load_request_jsonl(path: str | Path, hash_block: int = MOONCAKE_BLOCK_TOKENS
 
 
 def load_requests(path: str | Path) -> RequestTrace:
-    """A request trace by its shape: JSONL (`.jsonl`, or a first non-blank character ``{``) or the Azure CSV."""
+    """A request trace by its shape: JSONL (`.jsonl`, or a first non-blank character ``{``) or a CSV (Azure's or
+    BurstGPT's, by its header)."""
     path = Path(path)
     if path.suffix.lower() in (".jsonl", ".ndjson"):
         return load_request_jsonl(path)
@@ -151,6 +176,8 @@ def build_workload(
         prompt = requests.prompt[idx % n].copy()
         output = requests.output[idx % n].copy()
         name = Path(requests.source).name
+        if requests.dropped:
+            name += f" ({requests.dropped} zero-token rows dropped)"
         if rate is None:
             if time_scale <= 0:
                 raise ValueError("time_scale must be positive")

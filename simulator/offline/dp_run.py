@@ -191,6 +191,7 @@ class DPSimOptions:
     dispatch_weights: tuple[tuple[str, float], ...] = ()  # scorer name → weight (`DPFleetConfig`)
     prefix_caching: bool = True  # vLLM's automatic prefix caching (acts on traces with hash_ids)
     prefix_index: str = "precise"  # where cached_tokens comes from (`dp.PREFIX_INDEXES`)
+    borrow_routing: bool = False  # `model` on the trace's routed shape (`core.borrowed_routing`)
     #: Placement controls to run (`core.placements`); empty: placement off, keys ``dispatch+order`` as before.
     placements: tuple[str, ...] = ()
     ep_ranks_per_node: int = 8
@@ -254,7 +255,13 @@ def run_sim_dp(
         if p not in known:
             raise ValueError(f"unknown placement {p!r}; choose from {', '.join(known)}")
     sc = scenario or prepare(
-        opts.trace, model=opts.model, gpu=opts.gpu, gpus=opts.tp, prefill_fraction=opts.prefill_fraction, seed=opts.seed
+        opts.trace,
+        model=opts.model,
+        gpu=opts.gpu,
+        gpus=opts.tp,
+        prefill_fraction=opts.prefill_fraction,
+        seed=opts.seed,
+        borrow_routing=opts.borrow_routing,
     )
     fleet = fleet_for(sc, opts)
     wl = workload_for(sc, opts, fleet)

@@ -5,7 +5,8 @@ model that produced it, and the per-policy inputs (ELDR artifacts, domain partit
   part (the ELDR fit sees only these) and a *replay* part (the simulated requests replay only these). The
   two never share a request.
 - The model preset must have the trace's shape (MoE layers, experts, top-k): the ESFT trace is
-  DeepSeek-V2-Lite, so its physics is DeepSeek-V2-Lite's.
+  DeepSeek-V2-Lite, so its physics is DeepSeek-V2-Lite's. The one exception is asked for by name
+  (`borrow_routing`): another preset's physics on the trace's routed shape (`core.borrowed_routing`).
 - ELDR artifacts come from the offline fit (`solver.eldr_fit`), balanced or vanilla K-means, one centroid
   per decoder; each replayed request's similarity to the centroids from `solver.scoring` on its prefill
   counts (its signature), computed once per artifact.
@@ -21,8 +22,10 @@ import numpy as np
 from switchyard.shared.routing_trace import RoutingTrace
 from switchyard.shared.streams import stream
 from switchyard.shared.trace_files import TraceFormat, load_trace
+from switchyard.simulator.core.borrowed_routing import borrow_routing as borrow
+from switchyard.simulator.core.borrowed_routing import overhead_scale
 from switchyard.simulator.core.experts import ReplayBank
-from switchyard.simulator.core.physics import MODELS, CostModel, ModelSpec, cost_model
+from switchyard.simulator.core.physics import MODELS, MOE_LAYER_OVERHEAD_S, CostModel, ModelSpec, cost_model
 from switchyard.simulator.core.workload import RequestTrace, Workload, build_workload
 from switchyard.simulator.offline.xpyd import FleetConfig, SimResult, simulate
 from switchyard.solver.routing import DecodePolicy, RoutingTables, get_policy
@@ -53,17 +56,26 @@ def split_calibration(
     return np.sort(np.concatenate(calib)), np.sort(np.concatenate(replay))
 
 
-def match_model(trace: RoutingTrace, name: str | None = None) -> ModelSpec:
-    """The model preset for a trace: `name` if given (its shape must match), else the one whose shape does."""
+def match_model(trace: RoutingTrace, name: str | None = None, borrow_routing: bool = False) -> ModelSpec:
+    """The model preset for a trace: `name` if given (its shape must match), else the one whose shape does.
+
+    `borrow_routing` (with `name`): a preset of another shape runs on the trace's routed shape with its own
+    totals (`simulator.core.borrowed_routing`), named ``<model>@<L>x<E>k<k>``; never implied.
+    """
     shape = (trace.num_layers, trace.num_experts, trace.top_k)
+    if borrow_routing and name is None:
+        raise ValueError("borrowing the trace's routing needs a model preset (--model)")
     if name is not None:
         spec = MODELS.get(name.lower())
         if spec is None:
             raise KeyError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
         if (spec.moe_layers, spec.num_experts, spec.top_k) != shape:
+            if borrow_routing:
+                return borrow(spec, shape)
             raise ValueError(
                 f"model {spec.name} has {spec.moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; "
-                f"the trace has {shape[0]} x {shape[1]}, top-{shape[2]}: its physics would not match its routing"
+                f"the trace has {shape[0]} x {shape[1]}, top-{shape[2]}: its physics would not match its routing "
+                "(--borrow-routing runs it on the trace's routed shape: docs/gimbal-seed.md)"
             )
         return spec
     for spec in MODELS.values():
@@ -179,13 +191,21 @@ def prepare(
     calib_fraction: float = 0.5,
     prefill_fraction: float = 0.5,
     seed: int = 0,
+    borrow_routing: bool = False,
 ) -> Scenario:
-    """Load (if a path) and split a routing trace; physics from the matching model preset on `gpu`."""
+    """Load (if a path) and split a routing trace; physics from the matching model preset on `gpu`.
+
+    `borrow_routing`: run `model` on the trace's routed shape (`match_model`), its per-layer fixed MoE cost
+    scaled so a step pays the model's layers' worth.
+    """
     if not isinstance(trace, RoutingTrace):
         trace = load_trace(trace, fmt=fmt, prefill_fraction=prefill_fraction)
     elif trace.phase is None:
         raise ValueError("the trace has no phase: split it first (shared.routing_trace.split_phases)")
-    spec = match_model(trace, model)
+    spec = match_model(trace, model, borrow_routing)
+    kw = {}
+    if spec.name != (model or spec.name).lower():
+        kw["moe_overhead_s"] = MOE_LAYER_OVERHEAD_S * overhead_scale(MODELS[model.lower()], spec)  # type: ignore[union-attr]
     counts = request_counts(trace)
     usable = np.flatnonzero((counts.prefill_tokens > 0) & (counts.decode_tokens > 0))
     labels = counts.label[usable] if counts.label is not None else None
@@ -197,6 +217,6 @@ def prepare(
         calib=calib,
         replay=replay,
         bank=ReplayBank.from_trace(trace, replay),
-        cost=cost_model(spec, gpu, gpus),
+        cost=cost_model(spec, gpu, gpus, **kw),
         seed=seed,
     )

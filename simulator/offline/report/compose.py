@@ -32,6 +32,7 @@ def _builders() -> dict[str, SectionBuilder]:
     from switchyard.simulator.offline.report.fig11 import build as fig11
     from switchyard.simulator.offline.report.fig15 import build as fig15
     from switchyard.simulator.offline.report.fig16 import build as fig16
+    from switchyard.simulator.offline.report.gimbal_seed import build as gimbal
     from switchyard.simulator.offline.report.table2 import build as table2
 
     builders: dict[str, SectionBuilder] = {
@@ -42,6 +43,7 @@ def _builders() -> dict[str, SectionBuilder]:
         "fig16": fig16,
         "table2": table2,
         "bracket": bracket,
+        "gimbal": gimbal,
     }
     assert tuple(builders) == SECTIONS
     return builders

@@ -32,7 +32,7 @@ SEED = {
 FULL_RATES = (50.0, 100.0, 200.0, 400.0, 800.0)
 QUICK_RATES = (200.0, 600.0)
 
-SECTIONS = ("fig2", "fig4", "fig11", "fig15", "fig16", "table2", "bracket")
+SECTIONS = ("fig2", "fig4", "fig11", "fig15", "fig16", "table2", "bracket", "gimbal")
 #: The bracket's sweep: fixed CPU time per step (ms) and EP all-to-all off/on (`CostModel` cost terms).
 BRACKET_OVERHEADS_MS = (0.0, 1.0, 2.0, 5.0)
 
@@ -50,6 +50,8 @@ class ReportOptions:
     seed: int = 0
     progress: bool = True
     sections: tuple[str, ...] = SECTIONS
+    #: The `gimbal` section's runs folder (bench/gimbal_seed.py's `--out`); default docs/results/gimbal_seed.
+    gimbal_results: Path | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sections) - set(SECTIONS))
