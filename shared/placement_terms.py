@@ -78,3 +78,13 @@ def default_weight(term: str) -> float:
 def greek_to_terms(values: dict[str, Any]) -> dict[str, Any]:
     """`{alpha, beta, gamma}` (the old fixed fields) as `{comm, load, mig}`; other keys are dropped."""
     return {term: values[greek] for greek, term in GREEK_TO_TERM.items() if greek in values}
+
+
+#: What a rearrangement of a group's experts costs its engines: the Gimbal paper's measurement on its 4 x H100
+#: testbed (seed 003: "Expert migration costs average 1.08s for first rearrangement and 0.72s for subsequent
+#: ones"), and the slowdown of the steps it overlaps (an assumption: weight copies share HBM and links with the
+#: serving kernels). The live simulated engines (`engine_agents.sim.live.migration.MigrationCost`) and the DP
+#: simulation (`simulator.offline.dp_ep.MigrationPricing`) both price migrations with these.
+MIGRATION_FIRST_S = 1.08
+MIGRATION_LATER_S = 0.72
+MIGRATION_SLOWDOWN = 2.0

@@ -13,7 +13,7 @@ moves, and calls `applied` when the migration's priced time has passed; the layo
 
 Migration price (`MigrationPricing`): the Gimbal paper's measurement on its 4×H100 testbed (seed 003:
 "Expert migration costs average 1.08s for first rearrangement and 0.72s for subsequent ones"), the figures
-the live simulated engines also use (`engine_agents.sim.live.migration.MigrationCost`): a rearrangement of
+the live simulated engines also use (both read `shared.placement_terms.MIGRATION_*`): a rearrangement of
 every layer takes 0.72 s, so one touching n of L layers takes 0.72·n/L s; the first a group ever does adds
 0.36 s (1.08 − 0.72: buffer allocation, warm-up). While it runs, steps take `slowdown` (2.0) times as long:
 weight copies share HBM and links with the serving kernels. The 2.0 is that module's assumption, not a
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchyard.shared.placement_terms import MIGRATION_FIRST_S, MIGRATION_LATER_S, MIGRATION_SLOWDOWN
 from switchyard.simulator.core.dp_engine import MixedEngine, MixedStep
 from switchyard.simulator.core.ep import EpTopology, Placed, busiest, placed, rank_work, selections, step_traffic
 from switchyard.simulator.core.experts import ReplayBank
@@ -51,9 +52,9 @@ __all__ = ["EpRun", "MigrationPricing"]
 class MigrationPricing:
     """What a migration costs the engines (the module docstring gives the sources)."""
 
-    first_s: float = 1.08
-    later_s: float = 0.72
-    slowdown: float = 2.0
+    first_s: float = MIGRATION_FIRST_S
+    later_s: float = MIGRATION_LATER_S
+    slowdown: float = MIGRATION_SLOWDOWN
 
     def __post_init__(self) -> None:
         if self.later_s < 0 or self.first_s < self.later_s or self.slowdown < 1:
@@ -90,6 +91,7 @@ class EpRun:
         self.placed: Placed = placed(control.layout(), self.num_experts)
         self._migration: tuple[float, np.ndarray] | None = None  # (end time, target layout)
         self._next_replan = -np.inf
+        self._bound: list[MixedEngine] | None = None  # the engines whose `own_ranks` are set
         # counters
         self.migrations = 0
         self.moves = 0
@@ -149,9 +151,11 @@ class EpRun:
         factor = self.pricing.slowdown if self._migration is not None else 1.0
         duration = base * factor
         self.control.observe(now, traffic.load)
-        tp = self.topo.tp
-        for i, engine in enumerate(engines):  # every engine's GPUs carry the fleet's expert load
-            engine.own_ranks = slice(i * tp, (i + 1) * tp)
+        if engines is not self._bound:  # once per fleet: each engine reports the EP ranks on its own GPUs
+            self._bound = engines
+            for i, engine in enumerate(engines):
+                engine.own_ranks = slice(i * self.topo.tp, (i + 1) * self.topo.tp)
+        for engine in engines:  # every engine's GPUs carry the fleet's expert load
             engine.add_expert_load(pairs)
         self.steps += 1
         self.tokens += sum(p.tokens for p in plans if p is not None)

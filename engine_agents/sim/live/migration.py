@@ -32,6 +32,7 @@ from nats.aio.subscription import Subscription
 from switchyard.engine_agents.core.expert_load import ExpertLoadWindow, expert_load_counts
 from switchyard.engine_agents.core.layout import check_group, serve_expert_slots
 from switchyard.shared.bus import Bus
+from switchyard.shared.placement_terms import MIGRATION_FIRST_S, MIGRATION_LATER_S, MIGRATION_SLOWDOWN
 from switchyard.shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from switchyard.solver.placement import PlacementError
 from switchyard.solver.placement.moves import apply_moves
@@ -50,9 +51,9 @@ __all__ = [
 class MigrationCost:
     """How long simulated rearrangements take, and how much they slow the engines down."""
 
-    first_s: float = 1.08
-    later_s: float = 0.72
-    slowdown: float = 2.0
+    first_s: float = MIGRATION_FIRST_S
+    later_s: float = MIGRATION_LATER_S
+    slowdown: float = MIGRATION_SLOWDOWN
     time_scale: float = 1.0
 
     def step_seconds(self, num_layers: int, first: bool) -> float:
