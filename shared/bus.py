@@ -60,12 +60,17 @@ HANDLER_ERRORS = Counter(
 def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
     """Refuse a message on `<prefix>.engine.<id>.` whose `engine_id` is not `<id>` (raises `Impersonation`).
 
-    The bus permissions let engine X publish only under its own subject, so the subject says who sent it.
+    The bus permissions let engine X publish only under its own subject, so the subject says who sent it. The
+    same holds for a replica's decisions on `<prefix>.route.decided.<kind>.<id>` (`replica_id` must be `<id>`).
     """
     sender = subjects.engine_of(subject)
     claimed = getattr(message, "engine_id", None)
     if sender is not None and claimed is not None and claimed != sender:
         raise Impersonation("engine_id", f"{claimed!r} published on {sender!r}'s subject")
+    decider = subjects.decider_of(subject)
+    replica = getattr(message, "replica_id", None)
+    if decider is not None and replica is not None and replica != decider:
+        raise Impersonation("replica_id", f"decisions of {replica!r} published on {decider!r}'s subject")
 
 
 def subject_matches(pattern: str, subject: str) -> bool:

@@ -10,10 +10,11 @@ whoever can publish as an engine shapes routing and placement. So every party ge
 - only `fit` may write the routing artifact (`$KV.<prefix>-router.>`);
 - only `placement` (and the token-guarded API's reapply) publishes plans; only `migration` sends migrate
   requests; `readonly` (dashboards) only reads;
-- the `gateway` (in the request path, so the most exposed service) only asks the router (`route.dp`,
-  `route.decode`) and listens to engine hellos, telemetry (liveness), prefill signatures and KV-cache events
-  (the prefill choice's prefix index; the router reads them too): it writes
-  nothing anyone acts on except the announce broadcast, and has no JetStream access at all.
+- the `gateway` (in the request path, so the most exposed service) asks the router (`route.dp`,
+  `route.decode`) or decides in-process: it listens to engine hellos, telemetry (liveness), prefill signatures,
+  KV-cache events and every replica's decisions, and reads the routing artifact one message at a time (no
+  consumer, no write); a replica's own user (`gateway-<id>`, `nats-config --gateways`) also publishes its own
+  decisions, under its own id only. Beyond that it writes nothing anyone acts on except the announce broadcast.
 
 Replies go to a per-user inbox (`_INBOX_<user>.`), so no party can read another's replies. The control-plane
 services may create and update the contract's streams (every replica sets them up idempotently on start);
@@ -67,6 +68,11 @@ def inbox_prefix(user: str) -> str:
 
 def engine_user(engine_id: str) -> str:
     return f"engine-{check_token(engine_id, 'engine id')}"
+
+
+def gateway_user(replica_id: str) -> str:
+    """One gateway replica's own user: the only one that may publish that replica's decisions."""
+    return f"gateway-{check_token(replica_id, 'gateway id')}"
 
 
 def _stream_read(stream: str, *, own: list[str], ephemeral: bool) -> list[str]:
@@ -171,6 +177,25 @@ class Roles:
             allow_responses=True,
         )
 
+    def gateway(self, replica_id: str | None) -> Permissions:
+        """A gateway: the shared `gateway` user (`replica_id` None), or one replica's own (`gateway-<id>`).
+
+        No `_service`: it answers no request and creates no consumer. It asks the router (the remote shape,
+        `sy.route.dp`/`decode`, with progress reports) or decides in-process, for which it reads what the router
+        reads: engines' hellos, telemetry, signatures and KV events, every replica's decisions, and the routing
+        artifact by single-message reads of its bucket (never a consumer, which could relay the stored artifact
+        onto a subject of its choosing). Only a replica's own user may publish decisions, and only under its own
+        id: no gateway can make the others count work it did not send.
+        """
+        s = self.s
+        user = "gateway" if replica_id is None else gateway_user(replica_id)
+        publish = [s.route_dp, s.route_decode, s.route_progress, s.announce]
+        publish += _stream_read(self.kv_stream, own=[], ephemeral=False)
+        if replica_id is not None:
+            publish.append(s.decided("gateway", replica_id))
+        engines = [s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events]
+        return Permissions(publish=publish, subscribe=[*engines, s.route_decided, f"{inbox_prefix(user)}.>"])
+
     def fleet(self, engine_ids: list[str]) -> Permissions:
         """The simulated fleet (one process for many engines): its engines' rights plus the sim subjects."""
         s = self.s
@@ -189,7 +214,7 @@ class Roles:
         if name == "router":
             return self._service(
                 name,
-                [s.route_decided, s.announce],
+                [s.all_decided_by("router"), s.announce],
                 [*engines, s.all_kv_events, s.route_decode, s.route_dp, s.route_decided, s.route_progress],
             )
         if name == "placement":
@@ -210,11 +235,7 @@ class Roles:
             # Announce only asks engines to repeat their hello: what a dashboard needs to fill its view.
             return self._service(name, [s.announce], [*engines, s.route_decided, s.sim_completed], admin=False)
         if name == "gateway":
-            # No `_service`: it uses no stream and answers no request, so it gets neither right.
-            return Permissions(
-                publish=[s.route_dp, s.route_decode, s.route_progress, s.announce],
-                subscribe=[s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events, f"{inbox_prefix(name)}.>"],
-            )
+            return self.gateway(None)
         if name == "loadgen":
             return self._service(name, [f"{s.prefix}.sim.submit.*"], [s.sim_completed], admin=False)
         raise ValueError(f"unknown role {name!r}; choose from {', '.join(SERVICE_ROLES)}, fleet, engine-<id>")
@@ -278,6 +299,8 @@ def render_authorization(
     for role, creds in credentials.users.items():
         if role.startswith("engine-"):
             permissions = roles.engine(role.removeprefix("engine-"))
+        elif role.startswith("gateway-"):
+            permissions = roles.gateway(role.removeprefix("gateway-"))
         elif role == "fleet":
             permissions = roles.fleet(fleet_engines or [])
         else:

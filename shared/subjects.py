@@ -19,6 +19,10 @@ def check_token(value: str, what: str = "subject token") -> str:
     return value
 
 
+#: Who publishes routing decisions: router replicas, and gateways deciding in-process.
+DECIDER_KINDS = ("router", "gateway")
+
+
 @dataclass(frozen=True)
 class Durable:
     """A durable JetStream consumer and the one role that owns it.
@@ -130,8 +134,30 @@ class Subjects:
 
     @property
     def route_decided(self) -> str:
-        """Router replicas share their decisions here (in-flight compensation across replicas)."""
-        return f"{self.prefix}.route.decided"
+        """Every replica's decisions (`RouteDecisions`), routers' and in-process gateways': subscribe here to
+        count them all (in-flight compensation across replicas)."""
+        return f"{self.prefix}.route.decided.>"
+
+    def decided(self, kind: str, replica_id: str) -> str:
+        """Where one replica publishes its own decisions: `<prefix>.route.decided.<kind>.<replica id>`, `kind`
+        `router` or `gateway`. The subject names the replica, so a gateway's credentials can be limited to its own
+        (`switchyard nats-config --gateways`) and a message naming another replica is refused (`decider_of`)."""
+        if kind not in DECIDER_KINDS:
+            raise ValueError(f"decider kind {kind!r} must be one of {', '.join(DECIDER_KINDS)}")
+        return f"{self.prefix}.route.decided.{kind}.{check_token(replica_id, 'replica id')}"
+
+    def all_decided_by(self, kind: str) -> str:
+        """Every replica of one kind's decisions (a permission: the router role publishes under any router id)."""
+        if kind not in DECIDER_KINDS:
+            raise ValueError(f"decider kind {kind!r} must be one of {', '.join(DECIDER_KINDS)}")
+        return f"{self.prefix}.route.decided.{kind}.*"
+
+    def decider_of(self, subject: str) -> str | None:
+        """The replica id of a `<prefix>.route.decided.<kind>.<id>` subject (None for any other subject)."""
+        parts = subject.split(".")
+        if len(parts) == 5 and parts[0] == self.prefix and parts[1:3] == ["route", "decided"]:
+            return parts[4]
+        return None
 
     @property
     def route_progress(self) -> str:

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.router.core import RouterCore
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
@@ -32,7 +33,12 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
 
 def router_knows(router: RouterService, engine_ids: Iterable[str]) -> bool:
     """The router has each engine's hello (its role) and telemetry (its load): it can route it."""
-    fleet = router.core.fleet
+    return core_knows(router.core, engine_ids)
+
+
+def core_knows(core: RouterCore, engine_ids: Iterable[str]) -> bool:
+    """A router core (a router's, or an in-process gateway's) can route each engine."""
+    fleet = core.fleet
     return all(
         e in fleet.index and fleet.role[fleet.index[e]] >= 0 and fleet.last_seq[fleet.index[e]] >= 0 for e in engine_ids
     )
@@ -47,8 +53,10 @@ async def deployment(
     router: bool = True,
     gateway: GatewaySettings | None = None,
     router_settings: RouterSettings | None = None,
+    shape: str = "remote",
 ) -> AsyncIterator[tuple[GatewayService, dict[str, StubEngine]]]:
-    """Stub engines (hello + telemetry on the bus), an in-process router (optional) and a gateway on port 0."""
+    """Stub engines (hello + telemetry on the bus), a router service (optional) and a gateway on port 0, which asks
+    the router (`shape` "remote") or decides in-process with the same router settings ("inprocess")."""
     engines = {c.engine_id: StubEngine(c, bus) for c in stubs}
     for engine in engines.values():
         await engine.start()
@@ -58,10 +66,13 @@ async def deployment(
     replica = RouterService(settings, router_settings or default_router) if router else None
     if replica is not None:
         await replica.start()
-    service = GatewayService(settings, gateway or GatewaySettings(port=0, route_timeout_s=0.5))
+    gateway = (gateway or GatewaySettings(port=0, route_timeout_s=0.5)).model_copy(update={"router": shape})
+    service = GatewayService(settings, gateway, router_settings or default_router)
     await service.start()
     try:
         await wait_for(lambda: len(service.registry.live()) == len(engines))
+        if service.core is not None:  # the in-process core, likewise
+            await wait_for(lambda: core_knows(service.core, engines))
         if replica is not None:  # the router routes only engines whose telemetry it has
             await wait_for(lambda: router_knows(replica, engines))
         yield service, engines

@@ -46,14 +46,18 @@ async def _decisions(bus: Bus) -> dict[str, str]:
     return seen
 
 
-async def test_dp_dispatch_goes_to_the_routers_choice(bus: Bus, settings: SwitchyardSettings) -> None:
+@pytest.mark.parametrize("shape", ["remote", "inprocess"])
+async def test_dp_dispatch_goes_to_the_routers_choice(bus: Bus, settings: SwitchyardSettings, shape: str) -> None:
     decided = await _decisions(bus)
     stubs = [
         StubConfig("a", waiting_prefill_tokens=50_000),
         StubConfig("b"),
         StubConfig("c", waiting_prefill_tokens=9_000),
     ]
-    async with deployment(settings, bus, stubs) as (gw, engines), httpx.AsyncClient(base_url=gw.url) as client:
+    async with (
+        deployment(settings, bus, stubs, shape=shape) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
         for _ in range(6):
             answer = await client.post("/v1/completions", json=BODY)
             assert answer.status_code == 200, answer.text
@@ -83,7 +87,7 @@ async def test_sse_streaming_passes_chunks_and_done(bus: Bus, settings: Switchya
     assert metric("switchyard_gateway_ttft_seconds_count", engine="a", kind="dp") >= 1
 
 
-async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str) -> None:
+async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str, shape: str) -> None:
     decided = await _decisions(bus)
     asked: list[RouteDecodeRequest] = []
 
@@ -99,7 +103,7 @@ async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str) -> None:
     ]
     gateway = GatewaySettings(port=0, route_timeout_s=0.5, signature_wait_s=2.0)
     async with (
-        deployment(settings, bus, stubs, gateway=gateway) as (gw, engines),
+        deployment(settings, bus, stubs, gateway=gateway, shape=shape) as (gw, engines),
         httpx.AsyncClient(base_url=gw.url) as client,
     ):
         answer = await client.post("/v1/completions", json={**BODY, "stream": True})
@@ -108,24 +112,30 @@ async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str) -> None:
         ((path, rid, prefill),) = engines["p0"].received
         decoder = next(e for e in ("d0", "d1") if engines[e].received)
         ((_, decode_rid, decode_body),) = engines[decoder].received
-        await wait_for(lambda: rid in decided and len(asked) == 1)
+        await wait_for(lambda: rid in decided and len(asked) == (shape == "remote"))
     assert path == "/v1/completions" and decode_rid == rid
     assert (
         prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["kv_transfer_params"]["do_remote_decode"]
     )
-    assert np.array_equal(asked[0].signature, signature) and asked[0].prefill_engine_id == "p0"
-    assert decided[rid] == decoder  # the decoder the router chose served the decode
+    if shape == "remote":
+        assert np.array_equal(asked[0].signature, signature) and asked[0].prefill_engine_id == "p0"
+    else:  # decided in the gateway: no question on the bus, the decision shared under the gateway's own subject
+        assert asked == [] and gw.core is not None and gw.core.decode.snap.engine_ids == ("d0", "d1")
+    assert decided[rid] == decoder  # the decoder the router (or the gateway's core) chose served the decode
     kv = decode_body["kv_transfer_params"]
     assert kv["remote_engine_id"] == "p0" and kv["remote_block_ids"] == [1, 2, 3]
     assert SIGNATURE_KEY not in kv and decode_body["stream"] is True and decode_body["max_tokens"] == 4
 
 
-async def test_handoff_with_the_signature_in_the_prefill_response(bus: Bus, settings: SwitchyardSettings) -> None:
-    await _handoff(bus, settings, "response")
+@pytest.mark.parametrize("shape", ["remote", "inprocess"])
+async def test_handoff_with_the_signature_in_the_prefill_response(
+    bus: Bus, settings: SwitchyardSettings, shape: str
+) -> None:
+    await _handoff(bus, settings, "response", shape)
 
 
 async def test_handoff_with_the_signature_on_the_bus(bus: Bus, settings: SwitchyardSettings) -> None:
-    await _handoff(bus, settings, "bus")
+    await _handoff(bus, settings, "bus", "remote")
 
 
 async def test_a_failure_before_the_first_byte_is_retried_once(bus: Bus, settings: SwitchyardSettings) -> None:

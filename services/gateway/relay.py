@@ -22,7 +22,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import error_response
 from switchyard.services.gateway.choice import least_loaded
 from switchyard.services.gateway.registry import Engine, EngineRegistry
-from switchyard.services.gateway.routing import Router
+from switchyard.services.gateway.routing import Routes
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
@@ -40,7 +40,7 @@ class Context:
 
     settings: GatewaySettings
     registry: EngineRegistry
-    router: Router
+    router: Routes
     upstream: Upstream
     signatures: SignatureBox
     #: Names each prompt's blocks (None: prefix keys off).

@@ -1,14 +1,17 @@
 """The gateway's calls to the router (`sy.route.dp`, `sy.route.decode`), with the local fallback.
 
-The router decides; the gateway only follows. When the router cannot be reached (no responder, timeout,
-an error reply, or a choice the gateway cannot send to) the gateway picks the least-loaded live engine by
-its own in-flight counts, counts it in `switchyard_gateway_routing_fallbacks_total` and logs once per
-incident (the first fallback after a success), so an outage is one line, not one per request.
+This is the remote shape (`--router remote`); the in-process one (`services.gateway.local_route`) runs the
+router's core here and shares the fallback (`Chooser`). The router decides; the gateway only follows. When the
+router cannot be reached (no responder, timeout, an error reply, or a choice the gateway cannot send to) the
+gateway picks the least-loaded live engine by its own in-flight counts, counts it in
+`switchyard_gateway_routing_fallbacks_total` and logs once per incident (the first fallback after a success), so
+an outage is one line, not one per request.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import numpy as np
 from nats.errors import Error as NatsError
@@ -26,12 +29,44 @@ from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, Rout
 log = logging.getLogger(__name__)
 
 
-class Router:
-    def __init__(self, bus: Bus | None, timeout_s: float) -> None:
-        self.bus, self.timeout_s = bus, timeout_s
-        #: The gateway reports each routed DP request's first token and end (`sy.route.progress`), so it asks
-        #: with ``progress``: the router counts the request exactly until those reports.
-        self.progress = ProgressReporter(bus) if bus is not None else None
+class Progress(Protocol):
+    """Where the DP path notes each routed request's first token and end (`ProgressReporter`, `CoreProgress`)."""
+
+    def first(self, request_id: str) -> None: ...
+    def done(self, request_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+class Routes(Protocol):
+    """What the request paths ask: either shape (`Router`, `local_route.InProcessRouter`)."""
+
+    progress: Progress | None
+
+    async def route_dp(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        candidates: list[Engine],
+        model: str | None = None,
+        keys: PromptKeys | None = None,
+    ) -> Engine | None: ...
+
+    async def route_decode(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        signature: np.ndarray | None,
+        prefill_engine_id: str | None,
+        candidates: list[Engine],
+        model: str | None = None,
+    ) -> Engine | None: ...
+
+
+class Chooser:
+    """What both shapes share: follow a choice if it is a candidate, else choose locally (counted, logged once
+    per incident)."""
+
+    def __init__(self) -> None:
         self.incident = False  # True from the first fallback until the router answers again
         self.fallbacks_in_incident = 0
         self._turn = 0
@@ -52,6 +87,24 @@ class Router:
             log.warning("router answering again after %d local choices", self.fallbacks_in_incident)
             self.incident, self.fallbacks_in_incident = False, 0
 
+    def _follow(self, engine_id: str, candidates: list[Engine], kind: str) -> Engine | None:
+        for engine in candidates:
+            if engine.engine_id == engine_id:
+                self._recovered()
+                return engine
+        return self.local(candidates, kind, "unknown_engine")
+
+
+class Router(Chooser):
+    """The remote shape: ask a router replica over the bus (`--router remote`)."""
+
+    def __init__(self, bus: Bus | None, timeout_s: float) -> None:
+        super().__init__()
+        self.bus, self.timeout_s = bus, timeout_s
+        #: The gateway reports each routed DP request's first token and end (`sy.route.progress`), so it asks
+        #: with ``progress``: the router counts the request exactly until those reports.
+        self.progress = ProgressReporter(bus) if bus is not None else None
+
     async def _ask(self, subject: str, payload: bytes, reply: type[WireModel]) -> tuple[str | None, str]:
         """The chosen engine id (checked by the caller against its candidates), or None and the reason."""
         if self.bus is None:
@@ -70,13 +123,6 @@ class Router:
         if not isinstance(engine_id, str):
             return None, "bad_reply"
         return engine_id, ""
-
-    def _follow(self, engine_id: str, candidates: list[Engine], kind: str) -> Engine | None:
-        for engine in candidates:
-            if engine.engine_id == engine_id:
-                self._recovered()
-                return engine
-        return self.local(candidates, kind, "unknown_engine")
 
     async def route_dp(
         self,

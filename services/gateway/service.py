@@ -1,4 +1,8 @@
-"""The gateway service: the bus side (hellos, signatures) and the HTTP side (uvicorn) in one process."""
+"""The gateway service: the bus side (hellos, signatures) and the HTTP side (uvicorn) in one process.
+
+By default it also decides (`services.gateway.local_route`): the router's core, fed from the same connections,
+sharing its decisions under its own subject. With `--router remote` it asks `switchyard router` instead.
+"""
 
 from __future__ import annotations
 
@@ -12,32 +16,70 @@ import uvicorn
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
+from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prefix import PrefillPrefix
 from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import EngineRegistry
 from switchyard.services.gateway.relay import Context
-from switchyard.services.gateway.routing import Router
+from switchyard.services.gateway.routing import Router, Routes
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Upstream
 from switchyard.services.http_limits import HttpLimits
 from switchyard.services.http_server import front_protocol
+from switchyard.services.router.core import RouterCore
+from switchyard.services.router.feed import CoreFeed, DecisionSharer
+from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
+from switchyard.shared.nats_auth import Credentials, gateway_user
 from switchyard.shared.schemas import Announce, Hello, KvEvents, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import check_token
 
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 10.0
 
 
+def bus_role(settings: SwitchyardSettings, gateway_id: str) -> tuple[str, bool]:
+    """The NATS role this gateway connects as, and whether it may publish its decisions: its own user
+    (`gateway-<id>`) when the per-role credentials file has one, else the shared `gateway` user, which may not
+    (no replica can publish under another's id). Without per-role credentials, `gateway`, sharing."""
+    if settings.nats_credentials is None:
+        return "gateway", True
+    own = gateway_user(gateway_id)
+    try:
+        users = Credentials.load(settings.nats_credentials).users
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return (own, True) if own in users else ("gateway", False)
+
+
 class GatewayService:
-    def __init__(self, settings: SwitchyardSettings, gateway: GatewaySettings | None = None) -> None:
+    def __init__(
+        self,
+        settings: SwitchyardSettings,
+        gateway: GatewaySettings | None = None,
+        router: RouterSettings | None = None,
+    ) -> None:
         self.settings = settings
         self.gateway = gateway or GatewaySettings()
         g = self.gateway
+        try:
+            check_token(g.gateway_id, "gateway id")
+        except ValueError as exc:
+            raise ConfigError(f"SWITCHYARD_GATEWAY_GATEWAY_ID: {exc}") from None
+        #: In-process: the router's core (the same `SWITCHYARD_ROUTER_*` settings as `switchyard router`), its
+        #: replica id this gateway's. None: the remote shape.
+        self.core: RouterCore | None = None
+        self.feed: CoreFeed | None = None
+        if g.router == "inprocess":
+            routing = (router or RouterSettings()).model_copy(update={"replica_id": g.gateway_id})
+            self.core = RouterCore(routing, manifest=settings.engine_manifest_entries())
+            self.feed = CoreFeed(self.core, settings, g.gateway_id, artifact_poll_s=g.artifact_poll_s)
+        self.sharer: DecisionSharer | None = None
         liveness = LivenessSettings()  # the one rule's parameters, as the router and the fleet view read them
         self.registry = EngineRegistry(
             liveness.misses if g.hello_misses is None else g.hello_misses,
@@ -85,6 +127,14 @@ class GatewayService:
         self.registry.on_hello(hello)
         if self.registry.refused != refused:
             metrics.ENGINES_REFUSED.inc()
+        if self.feed is not None:
+            self.feed.on_hello(hello)
+
+    def _on_kv(self, events: KvEvents, _msg: object) -> None:
+        if self.prefix is not None and self.gateway.mode != "dp":
+            self.prefix.on_kv(events)
+        if self.feed is not None and self.feed.core.ingests_kv:
+            self.feed.on_kv(events)
 
     def _forget(self, engine_id: str) -> None:
         metrics.forget_engine(engine_id)
@@ -93,6 +143,8 @@ class GatewayService:
 
     def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
         self.registry.on_telemetry(telemetry)
+        if self.feed is not None:
+            self.feed.on_telemetry(telemetry)
 
     async def _tidy(self) -> None:
         while True:
@@ -130,13 +182,16 @@ class GatewayService:
     async def start(self, servers: list[str] | None = None) -> None:
         g = self.gateway
         sock = self._listen()
+        role, shares = bus_role(self.settings, g.gateway_id)
         try:
-            self.bus = bus = await Bus.connect(self.settings, name=g.gateway_id, servers=servers, role="gateway")
+            self.bus = bus = await Bus.connect(
+                self.settings, name=g.gateway_id, servers=servers, role=role, no_echo=True
+            )
             # Engine ingest (hellos, telemetry, prefill signatures: wildcard subjects any engine publishes on) has a
             # connection of its own: a flood there can make the server cut it off as a slow consumer, never the one
             # that asks the router where each request goes.
             self.ingest = ingest = await Bus.connect(
-                self.settings, name=f"{g.gateway_id}-ingest", servers=servers, role="gateway"
+                self.settings, name=f"{g.gateway_id}-ingest", servers=servers, role=role
             )
         except BaseException:
             sock.close()
@@ -148,14 +203,28 @@ class GatewayService:
         # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
-        if self.prefix is not None and g.mode != "dp":  # prefill engines' KV events: the prefill choice's index
-            await ingest.subscribe(s.all_kv_events, KvEvents, self.prefix.on_kv)
+        # KV events: the prefill choice's index (prefill engines), and the in-process core's when a profile reads it
+        prefill_index = self.prefix is not None and g.mode != "dp"
+        if prefill_index or (self.core is not None and self.core.ingests_kv):
+            await ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
+        router: Routes = Router(bus, g.route_timeout_s)
+        if self.core is not None and self.feed is not None:
+            if shares:
+                decided = s.decided("gateway", g.gateway_id)
+                self.sharer = DecisionSharer(bus, g.gateway_id, self.core.settings.share_interval_s, decided)
+            else:
+                log.warning(
+                    "gateway %s connects as the shared `gateway` user, which may not publish decisions: other "
+                    "replicas will not count this one's (give it its own: switchyard nats-config --gateways %s)",
+                    g.gateway_id,
+                    g.gateway_id,
+                )
+            await self.feed.start(bus, None, None)  # engine messages come through this service's handlers
+            router = InProcessRouter(self.core, self.sharer)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
-        self.ctx = Context(
-            g, self.registry, Router(bus, g.route_timeout_s), Upstream(g), self.signatures, self.keyer, self.prefix
-        )
+        self.ctx = Context(g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix)
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
         )
@@ -180,7 +249,7 @@ class GatewayService:
             await asyncio.sleep(0.01)
         self._housekeeping = asyncio.create_task(self._tidy())
         self._health = asyncio.create_task(self._check_ejected())
-        log.info("gateway %s serving OpenAI endpoints on %s", g.gateway_id, self.url)
+        log.info("gateway %s serving OpenAI endpoints on %s (routing %s)", g.gateway_id, self.url, g.router)
 
     async def stop(self) -> None:
         if self.server is not None and self._serving is not None:
@@ -194,6 +263,11 @@ class GatewayService:
             await self.ctx.upstream.close()
             if self.ctx.router.progress is not None:
                 await self.ctx.router.progress.close()
+        if self.feed is not None:
+            await self.feed.stop()
+        if self.sharer is not None and self.bus is not None:  # the last decisions still count elsewhere
+            with contextlib.suppress(Exception):
+                await self.sharer.close()
         if self.bus is not None:
             await self.bus.close()
         if self.ingest is not None:

@@ -19,6 +19,14 @@ class GatewaySettings(BaseSettings):
     #: serve it so; it changes only when they are all gone (one new hello never switches a live fleet).
     mode: Literal["auto", "dp", "disagg"] = "auto"
 
+    #: Where routing decisions are made. inprocess: here, by the router's own core (`RouterCore`, configured by
+    #: the same `SWITCHYARD_ROUTER_*` settings as `switchyard router`), sharing decisions with the other replicas
+    #: over `sy.route.decided`; no bus round trip per request. remote: ask `switchyard router` replicas
+    #: (`sy.route.dp`, `sy.route.decode`), for deployments that keep routing in one place (docs/gateway.md).
+    router: Literal["inprocess", "remote"] = "inprocess"
+    #: In-process: how often the routing artifact's key is read (one message; a gateway creates no consumer).
+    artifact_poll_s: float = Field(default=1.0, gt=0)
+
     # --- per-hop timeouts (every upstream call has one) ---
     #: Opening a TCP connection to an engine.
     connect_timeout_s: float = Field(default=2.0, gt=0)
@@ -28,7 +36,7 @@ class GatewaySettings(BaseSettings):
     read_timeout_s: float = Field(default=60.0, gt=0)
     #: The whole prefill hop of a prefill->decode handoff (it returns one token).
     prefill_timeout_s: float = Field(default=120.0, gt=0)
-    #: A `sy.route.dp` / `sy.route.decode` round trip; past it the gateway chooses locally (counted).
+    #: Remote: a `sy.route.dp` / `sy.route.decode` round trip; past it the gateway chooses locally (counted).
     route_timeout_s: float = Field(default=0.25, gt=0)
     #: How long the handoff waits for a `PrefillSignature` on the bus when the prefill response carried none.
     signature_wait_s: float = Field(default=0.2, ge=0)
@@ -103,5 +111,6 @@ class GatewaySettings(BaseSettings):
     max_connections: int = Field(default=1024, ge=1)
     max_keepalive: int = Field(default=256, ge=0)
 
-    #: Identifies this gateway on the bus (announce requests, connection name).
+    #: Identifies this gateway on the bus (announce requests, connection name, the subject of its decisions and,
+    #: with per-role credentials, its user `gateway-<id>` when the file has one; see `switchyard nats-config`).
     gateway_id: str = Field(default_factory=lambda: "gateway-" + uuid.uuid4().hex[:8])
