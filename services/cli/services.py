@@ -157,13 +157,23 @@ def gateway(
     mode: Annotated[
         str | None, typer.Option(help="auto, dp or disagg (default: SWITCHYARD_GATEWAY_MODE, auto).")
     ] = None,
+    router: Annotated[
+        str | None,
+        typer.Option(
+            help="inprocess (decide here with the router's core and SWITCHYARD_ROUTER_* settings) or remote (ask "
+            "`switchyard router` on sy.route.dp / sy.route.decode) (default: SWITCHYARD_GATEWAY_ROUTER, inprocess)."
+        ),
+    ] = None,
 ) -> None:
-    """Run the OpenAI-compatible gateway: routes each request through sy.route.dp / sy.route.decode to engines."""
+    """Run the OpenAI-compatible gateway: decides each request's engine (in-process, or by asking the router)."""
     from switchyard.services.gateway.service import GatewayService
     from switchyard.services.gateway.settings import GatewaySettings
     from switchyard.services.runtime import run_until_signalled
 
+    if router is not None and router not in ("inprocess", "remote"):
+        raise typer.BadParameter(f"--router must be inprocess or remote, not {router!r}")
     settings = load_settings(nats_url)
-    overrides = {k: v for k, v in {"host": host, "port": port, "mode": mode}.items() if v is not None}
+    fields = {"host": host, "port": port, "mode": mode, "router": router}
+    overrides = {k: v for k, v in fields.items() if v is not None}
     _fast_event_loop()
     run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
