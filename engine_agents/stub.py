@@ -71,6 +71,7 @@ class StubEngine:
         self.received: list[tuple[str, str, dict[str, Any]]] = []  # (path, x-request-id, body)
         self.aborted: list[str] = []
         self.finished: list[str] = []
+        self.running = 0  # completions being answered (not prefill hops)
         self.port = 0
         self._served = itertools.count()
         self.agent: EngineAgent | None = None
@@ -98,17 +99,22 @@ class StubEngine:
         if kv.get("do_remote_decode"):
             return await self._prefill(body, request_id)
         chat = request.url.path.endswith("chat/completions")
+        self.running += 1  # until its answer ends (reported in telemetry as `num_running`)
         if body.get("stream"):
             return StreamingResponse(self._stream(request_id, chat), media_type="text/event-stream")
-        delay = self.config.answer_delay_s
-        deadline = time.monotonic() + (self.config.token_interval_s * self.config.tokens if delay is None else delay)
-        while (left := deadline - time.monotonic()) > 0:  # as vLLM does, notice a client that went away
-            if await request.is_disconnected():
-                self.aborted.append(request_id)
-                return Response(status_code=499)
-            await asyncio.sleep(min(left, 0.01))
-        self.finished.append(request_id)
-        return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
+        try:
+            delay = self.config.answer_delay_s
+            wait = self.config.token_interval_s * self.config.tokens if delay is None else delay
+            deadline = time.monotonic() + wait
+            while (left := deadline - time.monotonic()) > 0:  # as vLLM does, notice a client that went away
+                if await request.is_disconnected():
+                    self.aborted.append(request_id)
+                    return Response(status_code=499)
+                await asyncio.sleep(min(left, 0.01))
+            self.finished.append(request_id)
+            return JSONResponse(self._answer(request_id, chat, "tok" * self.config.tokens))
+        finally:
+            self.running -= 1
 
     def _answer(self, request_id: str, chat: bool, text: str) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
@@ -169,6 +175,8 @@ class StubEngine:
         except BaseException:
             self.aborted.append(request_id)
             raise
+        finally:
+            self.running -= 1
 
     async def _models(self, _request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model"}]})
@@ -203,10 +211,11 @@ class StubEngine:
         )
 
     def telemetry(self) -> dict[str, float | int | bool]:
-        """What the stub reports every interval: an idle engine, with the configured prefill backlog."""
+        """What the stub reports every interval: the completions it is answering as running, the configured
+        prefill backlog, nothing waiting."""
         return {
             "kv_usage": 0.1,
-            "num_running": 0,
+            "num_running": self.running,
             "num_waiting": 0,
             "waiting_prefill_tokens": self.config.waiting_prefill_tokens,
             "remaining_prefill_tokens": 0,

@@ -34,7 +34,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from switchyard.shared.codec import ErrorReply, WireModel, decode, decode_reply, encode
-from switchyard.shared.errors import ConfigError, Impersonation, Relayed, WireError
+from switchyard.shared.errors import ConfigError, Impersonation, Relayed, ReplicaImpersonation, WireError
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.stream_limits import LIMIT_FIELDS, bucket_limits, contract_limits, limits_differ
 from switchyard.shared.subjects import Durable, Subjects
@@ -70,7 +70,7 @@ def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
     decider = subjects.decider_of(subject)
     replica = getattr(message, "replica_id", None)
     if decider is not None and replica is not None and replica != decider:
-        raise Impersonation("replica_id", f"decisions of {replica!r} published on {decider!r}'s subject")
+        raise ReplicaImpersonation("replica_id", f"decisions of {replica!r} published on {decider!r}'s subject")
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -484,7 +484,7 @@ class Bus:
                 return
             try:
                 check_sender(self.subjects, msg.subject, message)
-            except Impersonation as exc:
+            except (Impersonation, ReplicaImpersonation) as exc:
                 REJECTED.labels(subject, exc.code).inc()
                 warn(exc)
                 return

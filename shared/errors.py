@@ -55,6 +55,13 @@ class Impersonation(WireError):
     code = "engine_id_mismatch"
 
 
+class ReplicaImpersonation(WireError):
+    """Decisions naming another replica than the subject they were published on (`sy.route.decided.<kind>.<id>`):
+    the permissions let a gateway publish only under its own id, so the subject, not the payload, says whose."""
+
+    code = "replica_id_mismatch"
+
+
 class Relayed(WireError):
     """A message published on another subject than the subscription's: a JetStream consumer's delivery of
     stored bytes to a subject its creator chose (see `shared.bus`)."""
