@@ -389,6 +389,8 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
             str(out),
             "--engines",
             "e0:g0:0,e1:g0:1",
+            "--gateways",
+            "g0,g1",
         ],
         capture_output=True,
         text=True,
@@ -396,13 +398,21 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
     )
     assert result.returncode == 0, result.stderr
     users = json.loads((out / "credentials.json").read_text())
-    assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1"}
+    assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1", "gateway-g0", "gateway-g1"}
+    assert "SWITCHYARD_GATEWAY_GATEWAY_ID=g1" in result.stdout  # how each replica finds its own user
     assert (out / "credentials.json").stat().st_mode & 0o077 == 0  # passwords readable by the owner only
     assert json.loads((out / "engines.json").read_text())["e1"] == {"ep_group": "g0", "dp_rank": 1}
     config = (out / "nats-server.conf").read_text()
     assert 'listen: "127.0.0.1:4222"' in config and "authorization" in config
     checked = subprocess.run([str(find_nats_server()), "-c", str(out / "nats-server.conf"), "-t"], capture_output=True)
     assert checked.returncode == 0, checked.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(out), "--gateways", "g.0"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
+    )
+    assert refused.returncode == 2 and "--gateways: gateway id 'g.0'" in refused.stderr, refused.stderr
 
 
 def test_the_whole_loop_runs_with_per_role_credentials(secured: SecuredNats, tmp_path: Path) -> None:
