@@ -27,7 +27,7 @@ from switchyard.services.gateway.service import GatewayService
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server
-from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, gateway_user, render_authorization
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
 from tests.fleet_helpers import eventually, hello
@@ -448,7 +448,7 @@ def test_the_shipped_config_holds_the_generated_permissions() -> None:
     from switchyard.shared.nats_auth import Credentials as C
 
     shipped = (Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf").read_text()
-    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1")]
+    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1"), gateway_user("g0")]
     block = render_authorization(Subjects("sy"), C.from_environment_references(roles), fleet_engines=FLEET)
     assert shipped.endswith(block)
     assert "password: $SWITCHYARD_NATS_PASSWORD_ROUTER," in shipped  # no password in the file itself
