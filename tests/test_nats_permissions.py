@@ -66,6 +66,14 @@ class SecuredNats:
     def violations(self) -> list[str]:
         return re.findall(r".*(?:Publish|Subscription) Violation.*", self.server.log_path.read_text(errors="replace"))
 
+    def refused(self, user: str) -> list[str]:
+        """The subjects the server refused `user` (exactly that user: `gateway` is not `gateway-g1`)."""
+        return [
+            re.search(r'Subject "([^"]*)"', line).group(1)  # type: ignore[union-attr]
+            for line in self.violations()
+            if f'user:{user}"' in line and 'Subject "' in line
+        ]
+
 
 async def _ignore(_exc: Exception) -> None:
     pass
@@ -75,7 +83,8 @@ async def _ignore(_exc: Exception) -> None:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredNats]:
     folder = tmp_path_factory.mktemp("secured-nats")
     subjects = Subjects("p" + uuid.uuid4().hex[:8])
-    roles = [*SERVICE_ROLES, "fleet", *(engine_user(e) for e in ("e0", "e1", "p0", "d0"))]
+    engines = [engine_user(e) for e in ("e0", "e1", "p0", "d0")]
+    roles = [*SERVICE_ROLES, "fleet", *engines, gateway_user("g1"), gateway_user("g2")]
     credentials = Credentials.generate(roles)
     path = folder / "credentials.json"
     credentials.save(path)
@@ -264,16 +273,18 @@ async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: S
         await e0.close()
 
 
-async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: Bus) -> None:
+@pytest.mark.parametrize("role", ["gateway", gateway_user("g1")])
+async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: Bus, role: str) -> None:
     """The gateway faces clients, so its credentials are the likeliest to leak: they must not write the routing
-    artifact, publish a plan, send a migrate request or speak as an engine. Positive control: it may ask
-    `route.dp` (the router's subscription gets the question)."""
+    artifact, publish a plan, send a migrate request or speak as an engine, neither the shared user nor a
+    replica's own (`gateway-g1`, which may also publish its decisions: a grant that must add nothing else).
+    Positive control: it may ask `route.dp` (the router's subscription gets the question)."""
     subjects = secured.subjects
     bucket, key = subjects.router_bucket, subjects.artifact_key
     kv = await admin.ensure_kv(bucket)
     plans_before = (await admin.js.stream_info(subjects.placement_stream)).state.messages
     artifact_before = await _kv_value(kv, key)
-    gateway, router = await secured.raw("gateway"), await secured.raw("router")
+    gateway, router = await secured.raw(role), await secured.raw("router")
     e1 = await secured.raw(engine_user("e1"))
     try:
         await gateway.publish(f"$KV.{bucket}.{key}", b"from-gateway")
@@ -296,7 +307,7 @@ async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: 
             await gateway.flush()
 
         seen_by_engine = await _received(e1, [subjects.migrate("e1"), subjects.announce], migrate, until=b"announce")
-        with pytest.raises(Exception):  # noqa: B017 - no JetStream API at all: a refusal or a timeout
+        with pytest.raises(Exception):  # noqa: B017 - no JetStream API but the artifact's reads: refused or timeout
             await gateway.jetstream().stream_info(subjects.placement_stream, timeout=0.5)
     finally:
         await gateway.close()
@@ -305,9 +316,112 @@ async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: 
     assert seen_by_router == [b"question"] and seen_by_engine == [b"announce"]
     assert (await admin.js.stream_info(subjects.placement_stream)).state.messages == plans_before
     assert await _kv_value(kv, key) == artifact_before
-    refused = [line for line in secured.violations() if "gateway" in line]
-    for subject in (f"$KV.{bucket}.{key}", subjects.placement_plan, subjects.hello("e0"), subjects.migrate("e1")):
-        assert any(subject in line for line in refused), subject
+    refused = secured.refused(role)
+    as_engine = [subjects.hello("e0"), subjects.telemetry("e0"), subjects.signature("e0")]
+    for subject in (f"$KV.{bucket}.{key}", subjects.placement_plan, *as_engine, subjects.migrate("e1")):
+        assert subject in refused, subject
+
+
+async def test_a_gateway_replica_publishes_decisions_only_in_its_own_name(secured: SecuredNats) -> None:
+    """Every replica counts the decisions on `sy.route.decided.>` as work in flight on the chosen engines, so
+    whoever publishes there in another's name makes all of them avoid engines nobody sent work to. Reproduces
+    that attack with the old single `sy.route.decided` subject (any sender, any name) or a `decided.gateway.*`
+    grant: `gateway-g1` publishing as replica g2 and as router r1, the shared `gateway` user publishing at all.
+    Positive controls: g1's own subject reaches a subscriber of every replica's decisions; so does the shared
+    user's `route.dp` question (its marker)."""
+    subjects = secured.subjects
+    router, g1 = await secured.raw("router"), await secured.raw(gateway_user("g1"))
+    shared = await secured.raw("gateway")
+    watched = [subjects.route_decided, subjects.route_dp]
+    forged = [subjects.decided("gateway", "g2"), subjects.decided("router", "r1")]
+    try:
+
+        async def as_others() -> None:
+            for subject in forged:
+                await g1.publish(subject, b"forged-by-g1")
+            await g1.publish(subjects.decided("gateway", "g1"), b"own")  # allowed: the end marker
+            await g1.flush()
+
+        async def as_shared() -> None:
+            for subject in [subjects.decided("gateway", "g1"), *forged]:
+                await shared.publish(subject, b"forged-by-gateway")
+            await shared.publish(subjects.route_dp, b"question")  # allowed: the end marker
+            await shared.flush()
+
+        from_g1 = await _received(router, watched, as_others, until=b"own")
+        from_shared = await _received(router, watched, as_shared, until=b"question")
+    finally:
+        for nc in (router, g1, shared):
+            await nc.close()
+    assert from_g1 == [b"own"] and from_shared == [b"question"]
+    assert set(forged) <= set(secured.refused(gateway_user("g1")))
+    assert {*forged, subjects.decided("gateway", "g1")} <= set(secured.refused("gateway"))
+
+
+async def test_a_gateway_replica_reads_the_artifact_without_a_consumer(secured: SecuredNats, admin: Bus) -> None:
+    """An in-process gateway reads the routing artifact, one message at a time. A consumer it may not create:
+    its deliver subject is the creator's choice, so a consumer could relay the stored artifact onto any subject,
+    `$KV.<bucket>.<key>` included (writing back an old artifact: a rollback). Reproduces, before the fix, a
+    gateway that could not read the artifact at all (no JetStream API); and guards against a role that reads it
+    through a consumer (`kv.watch`, an ephemeral `CONSUMER.CREATE`), which then succeeds."""
+    bucket, key = secured.subjects.router_bucket, secured.subjects.artifact_key
+    kv = await admin.ensure_kv(bucket)
+    gateway = await secured.raw(gateway_user("g1"))
+    try:
+        await kv.put(key, b"the-artifact")
+        readable = await gateway.jetstream().key_value(bucket)  # the bucket's stream info
+        assert (await readable.get(key)).value == b"the-artifact"  # a direct (single-message) read
+        with pytest.raises(Exception):  # noqa: B017 - a refusal surfaces as a timeout or an error
+            await readable.watch(key)
+    finally:
+        await kv.purge(key)  # leave no garbage artifact for the loop test on this server
+        await gateway.close()
+    assert f"$JS.API.CONSUMER.CREATE.KV_{bucket}" in secured.refused(gateway_user("g1"))
+
+
+async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refused(secured: SecuredNats) -> None:
+    """The subject is a replica's proof of identity (only `gateway-g1` may publish on g1's), the payload's
+    `replica_id` is not. Reproduces, without `check_sender`'s replica check, g1 passing its decisions off as
+    g2's: every router would count them, and a replica skips decisions it believes its own, so g2 would not
+    (nor could anyone tell who sent them). The forged batch is dropped and counted; g1's own is counted in
+    flight by a router replica's core."""
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from switchyard.shared.errors import Impersonation
+
+    subjects = secured.subjects
+    settings = secured.settings()
+    # No telemetry follows the hello: nothing settles the decisions the core counts in flight.
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    e0 = await Bus.connect(settings, name="e0", role=engine_user("e0"))
+    g1 = await Bus.connect(settings, name="g1", role=gateway_user("g1"))
+    try:
+        await router.start()
+        await e0.publish(subjects.hello("e0"), _hello("e0"))
+        await eventually(_async(lambda: "e0" in router.core.fleet.index), timeout=30)
+        row = router.core.fleet.index["e0"]
+        inflight = int(router.core.fleet.inflight[row])
+        rejected = rejected_count(subjects.route_decided, Impersonation.code)
+
+        def decisions(replica_id: str, count: int) -> s.RouteDecisions:
+            return s.RouteDecisions(
+                replica_id=replica_id,
+                kinds=["dp"] * count,
+                request_ids=[f"{replica_id}-{uuid.uuid4().hex[:8]}" for _ in range(count)],
+                engine_ids=["e0"] * count,
+                prompt_tokens=[100] * count,
+            )
+
+        await g1.publish(subjects.decided("gateway", "g1"), decisions("g2", 5))  # first: handled before the next
+        await g1.publish(subjects.decided("gateway", "g1"), decisions("g1", 2))
+        await g1.nc.flush()
+        await eventually(_async(lambda: router.core.fleet.inflight[row] > inflight), timeout=30)
+        assert int(router.core.fleet.inflight[row]) == inflight + 2  # g1's own two, none of the forged five
+        assert rejected_count(subjects.route_decided, Impersonation.code) == rejected + 1
+    finally:
+        await router.stop()
+        await e0.close()
+        await g1.close()
 
 
 async def _kv_value(kv, key: str) -> bytes | None:
