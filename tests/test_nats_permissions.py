@@ -491,6 +491,62 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
     assert secured.violations()[before:] == []
 
 
+async def test_an_inprocess_gateway_under_its_own_replica_user_shares_its_decisions(
+    secured: SecuredNats, admin: Bus
+) -> None:
+    """The default shape end to end under per-role credentials: gateway replica g1 (user `gateway-g1`) starts,
+    reads the routing artifact, decides in-process, and a router replica counts the decision in flight on the
+    engine it chose; the server refused nothing. Before the fix no user could publish a gateway's decisions:
+    the routers never counted a gateway's work."""
+    from switchyard.engine_agents.stub import StubConfig, StubEngine
+    from switchyard.services.artifacts import put_artifact_kv
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from tests.gateway_helpers import core_knows, router_knows, wait_for
+    from tests.test_router_service import _artifact
+
+    await put_artifact_kv(admin, _artifact(7, ["e0", "e1"]))
+    before = len(secured.violations())
+    settings = secured.settings()
+    configs = [StubConfig("e0", waiting_prefill_tokens=50_000), StubConfig("e1")]
+    engines = []
+    for config in configs:
+        bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
+        engines.append(StubEngine(config, bus))
+    # A long grace: the stubs' telemetry does not settle the shared decision before it is read here.
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    gateway = GatewayService(settings, GatewaySettings(gateway_id="g1", port=0))
+    fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
+    try:
+        for engine in engines:
+            await engine.start()
+        await router.start()
+        await gateway.start()
+        assert gateway.settings.nats_credentials is not None and gateway.sharer is not None  # as gateway-g1
+        assert gateway.core is not None and gateway.core.artifact is not None  # read at start (by a get)
+        assert gateway.core.artifact.version == 7
+        await wait_for(lambda: core_knows(gateway.core, ["e0", "e1"]), timeout_s=30)  # type: ignore[arg-type]
+        await wait_for(lambda: router_knows(router, ["e0", "e1"]), timeout_s=30)
+        fleet = router.core.fleet
+        inflight = int(fleet.inflight[fleet.index["e1"]])
+        body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=gateway.url) as client:
+            answer = await client.post("/v1/completions", json=body)
+        await wait_for(lambda: fleet.inflight[fleet.index["e1"]] > inflight, timeout_s=30)
+    finally:
+        await (await admin.ensure_kv(secured.subjects.router_bucket)).purge(secured.subjects.artifact_key)
+        await gateway.stop()
+        await router.stop()
+        for engine in engines:
+            await engine.stop()
+            if engine.bus is not None:
+                await engine.bus.close()
+    assert answer.status_code == 200 and answer.json()["served_by"] == "e1"
+    assert _total("switchyard_gateway_routing_fallbacks_total") == fallbacks  # its core decided
+    assert secured.violations()[before:] == []
+
+
 def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) -> None:
     out = tmp_path / "conf"
     result = subprocess.run(
