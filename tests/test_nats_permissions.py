@@ -27,7 +27,7 @@ from switchyard.services.gateway.service import GatewayService
 from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus, rejected_count
 from switchyard.shared.embedded import EmbeddedNats, find_nats_server
-from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, gateway_user, render_authorization
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
 from tests.fleet_helpers import eventually, hello
@@ -66,6 +66,14 @@ class SecuredNats:
     def violations(self) -> list[str]:
         return re.findall(r".*(?:Publish|Subscription) Violation.*", self.server.log_path.read_text(errors="replace"))
 
+    def refused(self, user: str) -> list[str]:
+        """The subjects the server refused `user` (exactly that user: `gateway` is not `gateway-g1`)."""
+        return [
+            re.search(r'Subject "([^"]*)"', line).group(1)  # type: ignore[union-attr]
+            for line in self.violations()
+            if f'user:{user}"' in line and 'Subject "' in line
+        ]
+
 
 async def _ignore(_exc: Exception) -> None:
     pass
@@ -75,7 +83,8 @@ async def _ignore(_exc: Exception) -> None:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredNats]:
     folder = tmp_path_factory.mktemp("secured-nats")
     subjects = Subjects("p" + uuid.uuid4().hex[:8])
-    roles = [*SERVICE_ROLES, "fleet", *(engine_user(e) for e in ("e0", "e1", "p0", "d0"))]
+    engines = [engine_user(e) for e in ("e0", "e1", "p0", "d0")]
+    roles = [*SERVICE_ROLES, "fleet", *engines, gateway_user("g1"), gateway_user("g2")]
     credentials = Credentials.generate(roles)
     path = folder / "credentials.json"
     credentials.save(path)
@@ -264,16 +273,18 @@ async def test_a_payload_naming_another_engine_is_refused_and_counted(secured: S
         await e0.close()
 
 
-async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: Bus) -> None:
+@pytest.mark.parametrize("role", ["gateway", gateway_user("g1")])
+async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: Bus, role: str) -> None:
     """The gateway faces clients, so its credentials are the likeliest to leak: they must not write the routing
-    artifact, publish a plan, send a migrate request or speak as an engine. Positive control: it may ask
-    `route.dp` (the router's subscription gets the question)."""
+    artifact, publish a plan, send a migrate request or speak as an engine, neither the shared user nor a
+    replica's own (`gateway-g1`, which may also publish its decisions: a grant that must add nothing else).
+    Positive control: it may ask `route.dp` (the router's subscription gets the question)."""
     subjects = secured.subjects
     bucket, key = subjects.router_bucket, subjects.artifact_key
     kv = await admin.ensure_kv(bucket)
     plans_before = (await admin.js.stream_info(subjects.placement_stream)).state.messages
     artifact_before = await _kv_value(kv, key)
-    gateway, router = await secured.raw("gateway"), await secured.raw("router")
+    gateway, router = await secured.raw(role), await secured.raw("router")
     e1 = await secured.raw(engine_user("e1"))
     try:
         await gateway.publish(f"$KV.{bucket}.{key}", b"from-gateway")
@@ -296,7 +307,7 @@ async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: 
             await gateway.flush()
 
         seen_by_engine = await _received(e1, [subjects.migrate("e1"), subjects.announce], migrate, until=b"announce")
-        with pytest.raises(Exception):  # noqa: B017 - no JetStream API at all: a refusal or a timeout
+        with pytest.raises(Exception):  # noqa: B017 - no JetStream API but the artifact's reads: refused or timeout
             await gateway.jetstream().stream_info(subjects.placement_stream, timeout=0.5)
     finally:
         await gateway.close()
@@ -305,9 +316,112 @@ async def test_the_gateway_can_only_ask_the_router(secured: SecuredNats, admin: 
     assert seen_by_router == [b"question"] and seen_by_engine == [b"announce"]
     assert (await admin.js.stream_info(subjects.placement_stream)).state.messages == plans_before
     assert await _kv_value(kv, key) == artifact_before
-    refused = [line for line in secured.violations() if "gateway" in line]
-    for subject in (f"$KV.{bucket}.{key}", subjects.placement_plan, subjects.hello("e0"), subjects.migrate("e1")):
-        assert any(subject in line for line in refused), subject
+    refused = secured.refused(role)
+    as_engine = [subjects.hello("e0"), subjects.telemetry("e0"), subjects.signature("e0")]
+    for subject in (f"$KV.{bucket}.{key}", subjects.placement_plan, *as_engine, subjects.migrate("e1")):
+        assert subject in refused, subject
+
+
+async def test_a_gateway_replica_publishes_decisions_only_in_its_own_name(secured: SecuredNats) -> None:
+    """Every replica counts the decisions on `sy.route.decided.>` as work in flight on the chosen engines, so
+    whoever publishes there in another's name makes all of them avoid engines nobody sent work to. Reproduces
+    that attack with the old single `sy.route.decided` subject (any sender, any name) or a `decided.gateway.*`
+    grant: `gateway-g1` publishing as replica g2 and as router r1, the shared `gateway` user publishing at all.
+    Positive controls: g1's own subject reaches a subscriber of every replica's decisions; so does the shared
+    user's `route.dp` question (its marker)."""
+    subjects = secured.subjects
+    router, g1 = await secured.raw("router"), await secured.raw(gateway_user("g1"))
+    shared = await secured.raw("gateway")
+    watched = [subjects.route_decided, subjects.route_dp]
+    forged = [subjects.decided("gateway", "g2"), subjects.decided("router", "r1")]
+    try:
+
+        async def as_others() -> None:
+            for subject in forged:
+                await g1.publish(subject, b"forged-by-g1")
+            await g1.publish(subjects.decided("gateway", "g1"), b"own")  # allowed: the end marker
+            await g1.flush()
+
+        async def as_shared() -> None:
+            for subject in [subjects.decided("gateway", "g1"), *forged]:
+                await shared.publish(subject, b"forged-by-gateway")
+            await shared.publish(subjects.route_dp, b"question")  # allowed: the end marker
+            await shared.flush()
+
+        from_g1 = await _received(router, watched, as_others, until=b"own")
+        from_shared = await _received(router, watched, as_shared, until=b"question")
+    finally:
+        for nc in (router, g1, shared):
+            await nc.close()
+    assert from_g1 == [b"own"] and from_shared == [b"question"]
+    assert set(forged) <= set(secured.refused(gateway_user("g1")))
+    assert {*forged, subjects.decided("gateway", "g1")} <= set(secured.refused("gateway"))
+
+
+async def test_a_gateway_replica_reads_the_artifact_without_a_consumer(secured: SecuredNats, admin: Bus) -> None:
+    """An in-process gateway reads the routing artifact, one message at a time. A consumer it may not create:
+    its deliver subject is the creator's choice, so a consumer could relay the stored artifact onto any subject,
+    `$KV.<bucket>.<key>` included (writing back an old artifact: a rollback). Reproduces, before the fix, a
+    gateway that could not read the artifact at all (no JetStream API); and guards against a role that reads it
+    through a consumer (`kv.watch`, an ephemeral `CONSUMER.CREATE`), which then succeeds."""
+    bucket, key = secured.subjects.router_bucket, secured.subjects.artifact_key
+    kv = await admin.ensure_kv(bucket)
+    gateway = await secured.raw(gateway_user("g1"))
+    try:
+        await kv.put(key, b"the-artifact")
+        readable = await gateway.jetstream().key_value(bucket)  # the bucket's stream info
+        assert (await readable.get(key)).value == b"the-artifact"  # a direct (single-message) read
+        with pytest.raises(Exception):  # noqa: B017 - a refusal surfaces as a timeout or an error
+            await readable.watch(key)
+    finally:
+        await kv.purge(key)  # leave no garbage artifact for the loop test on this server
+        await gateway.close()
+    assert f"$JS.API.CONSUMER.CREATE.KV_{bucket}" in secured.refused(gateway_user("g1"))
+
+
+async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refused(secured: SecuredNats) -> None:
+    """The subject is a replica's proof of identity (only `gateway-g1` may publish on g1's), the payload's
+    `replica_id` is not. Reproduces, without `check_sender`'s replica check, g1 passing its decisions off as
+    g2's: every router would count them, and a replica skips decisions it believes its own, so g2 would not
+    (nor could anyone tell who sent them). The forged batch is dropped and counted; g1's own is counted in
+    flight by a router replica's core."""
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from switchyard.shared.errors import Impersonation
+
+    subjects = secured.subjects
+    settings = secured.settings()
+    # No telemetry follows the hello: nothing settles the decisions the core counts in flight.
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    e0 = await Bus.connect(settings, name="e0", role=engine_user("e0"))
+    g1 = await Bus.connect(settings, name="g1", role=gateway_user("g1"))
+    try:
+        await router.start()
+        await e0.publish(subjects.hello("e0"), _hello("e0"))
+        await eventually(_async(lambda: "e0" in router.core.fleet.index), timeout=30)
+        row = router.core.fleet.index["e0"]
+        inflight = int(router.core.fleet.inflight[row])
+        rejected = rejected_count(subjects.route_decided, Impersonation.code)
+
+        def decisions(replica_id: str, count: int) -> s.RouteDecisions:
+            return s.RouteDecisions(
+                replica_id=replica_id,
+                kinds=["dp"] * count,
+                request_ids=[f"{replica_id}-{uuid.uuid4().hex[:8]}" for _ in range(count)],
+                engine_ids=["e0"] * count,
+                prompt_tokens=[100] * count,
+            )
+
+        await g1.publish(subjects.decided("gateway", "g1"), decisions("g2", 5))  # first: handled before the next
+        await g1.publish(subjects.decided("gateway", "g1"), decisions("g1", 2))
+        await g1.nc.flush()
+        await eventually(_async(lambda: router.core.fleet.inflight[row] > inflight), timeout=30)
+        assert int(router.core.fleet.inflight[row]) == inflight + 2  # g1's own two, none of the forged five
+        assert rejected_count(subjects.route_decided, Impersonation.code) == rejected + 1
+    finally:
+        await router.stop()
+        await e0.close()
+        await g1.close()
 
 
 async def _kv_value(kv, key: str) -> bytes | None:
@@ -377,6 +491,62 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
     assert secured.violations()[before:] == []
 
 
+async def test_an_inprocess_gateway_under_its_own_replica_user_shares_its_decisions(
+    secured: SecuredNats, admin: Bus
+) -> None:
+    """The default shape end to end under per-role credentials: gateway replica g1 (user `gateway-g1`) starts,
+    reads the routing artifact, decides in-process, and a router replica counts the decision in flight on the
+    engine it chose; the server refused nothing. Before the fix no user could publish a gateway's decisions:
+    the routers never counted a gateway's work."""
+    from switchyard.engine_agents.stub import StubConfig, StubEngine
+    from switchyard.services.artifacts import put_artifact_kv
+    from switchyard.services.gateway.settings import GatewaySettings
+    from switchyard.services.router.service import RouterService
+    from switchyard.services.router.settings import RouterSettings
+    from tests.gateway_helpers import core_knows, router_knows, wait_for
+    from tests.test_router_service import _artifact
+
+    await put_artifact_kv(admin, _artifact(7, ["e0", "e1"]))
+    before = len(secured.violations())
+    settings = secured.settings()
+    configs = [StubConfig("e0", waiting_prefill_tokens=50_000), StubConfig("e1")]
+    engines = []
+    for config in configs:
+        bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
+        engines.append(StubEngine(config, bus))
+    # A long grace: the stubs' telemetry does not settle the shared decision before it is read here.
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    gateway = GatewayService(settings, GatewaySettings(gateway_id="g1", port=0))
+    fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
+    try:
+        for engine in engines:
+            await engine.start()
+        await router.start()
+        await gateway.start()
+        assert gateway.settings.nats_credentials is not None and gateway.sharer is not None  # as gateway-g1
+        assert gateway.core is not None and gateway.core.artifact is not None  # read at start (by a get)
+        assert gateway.core.artifact.version == 7
+        await wait_for(lambda: core_knows(gateway.core, ["e0", "e1"]), timeout_s=30)  # type: ignore[arg-type]
+        await wait_for(lambda: router_knows(router, ["e0", "e1"]), timeout_s=30)
+        fleet = router.core.fleet
+        inflight = int(fleet.inflight[fleet.index["e1"]])
+        body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=gateway.url) as client:
+            answer = await client.post("/v1/completions", json=body)
+        await wait_for(lambda: fleet.inflight[fleet.index["e1"]] > inflight, timeout_s=30)
+    finally:
+        await (await admin.ensure_kv(secured.subjects.router_bucket)).purge(secured.subjects.artifact_key)
+        await gateway.stop()
+        await router.stop()
+        for engine in engines:
+            await engine.stop()
+            if engine.bus is not None:
+                await engine.bus.close()
+    assert answer.status_code == 200 and answer.json()["served_by"] == "e1"
+    assert _total("switchyard_gateway_routing_fallbacks_total") == fallbacks  # its core decided
+    assert secured.violations()[before:] == []
+
+
 def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) -> None:
     out = tmp_path / "conf"
     result = subprocess.run(
@@ -389,6 +559,8 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
             str(out),
             "--engines",
             "e0:g0:0,e1:g0:1",
+            "--gateways",
+            "g0,g1",
         ],
         capture_output=True,
         text=True,
@@ -396,13 +568,21 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
     )
     assert result.returncode == 0, result.stderr
     users = json.loads((out / "credentials.json").read_text())
-    assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1"}
+    assert set(users) == {*SERVICE_ROLES, "engine-e0", "engine-e1", "gateway-g0", "gateway-g1"}
+    assert "SWITCHYARD_GATEWAY_GATEWAY_ID=g1" in result.stdout  # how each replica finds its own user
     assert (out / "credentials.json").stat().st_mode & 0o077 == 0  # passwords readable by the owner only
     assert json.loads((out / "engines.json").read_text())["e1"] == {"ep_group": "g0", "dp_rank": 1}
     config = (out / "nats-server.conf").read_text()
     assert 'listen: "127.0.0.1:4222"' in config and "authorization" in config
     checked = subprocess.run([str(find_nats_server()), "-c", str(out / "nats-server.conf"), "-t"], capture_output=True)
     assert checked.returncode == 0, checked.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(out), "--gateways", "g.0"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
+    )
+    assert refused.returncode == 2 and "--gateways: gateway id 'g.0'" in refused.stderr, refused.stderr
 
 
 def test_the_whole_loop_runs_with_per_role_credentials(secured: SecuredNats, tmp_path: Path) -> None:
@@ -438,7 +618,7 @@ def test_the_shipped_config_holds_the_generated_permissions() -> None:
     from switchyard.shared.nats_auth import Credentials as C
 
     shipped = (Path(__file__).parents[1] / "infra" / "nats" / "nats-server.conf").read_text()
-    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1")]
+    roles = [*SERVICE_ROLES, "fleet", engine_user("e0"), engine_user("e1"), gateway_user("g0")]
     block = render_authorization(Subjects("sy"), C.from_environment_references(roles), fleet_engines=FLEET)
     assert shipped.endswith(block)
     assert "password: $SWITCHYARD_NATS_PASSWORD_ROUTER," in shipped  # no password in the file itself

@@ -42,6 +42,13 @@ def nats_config(
     fleet_engines: Annotated[
         str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
     ] = None,
+    gateways: Annotated[
+        str | None,
+        typer.Option(
+            help="Gateway replica ids, comma-separated: one NATS user each (`gateway-<id>`), the only one that may "
+            "publish that replica's routing decisions; run each with SWITCHYARD_GATEWAY_GATEWAY_ID=<id>."
+        ),
+    ] = None,
     listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
     monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
     store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
@@ -51,7 +58,13 @@ def nats_config(
 ) -> None:
     """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
     from switchyard.shared.engine_manifest import parse_engine_specs
-    from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_server_config
+    from switchyard.shared.nats_auth import (
+        SERVICE_ROLES,
+        Credentials,
+        engine_user,
+        gateway_user,
+        render_server_config,
+    )
     from switchyard.shared.stream_limits import file_store_bytes
 
     settings = load_settings()
@@ -60,7 +73,17 @@ def nats_config(
     except ValueError as exc:
         raise typer.BadParameter(f"--engines: {exc}") from None
     fleet_ids = split_csv(fleet_engines) or []
-    roles = [*SERVICE_ROLES, *(["fleet"] if fleet_ids else []), *[engine_user(e) for e in engine_ids]]
+    gateway_ids = list(dict.fromkeys(split_csv(gateways) or []))
+    try:
+        gateway_users = [gateway_user(g) for g in gateway_ids]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--gateways: {exc}") from None
+    roles = [
+        *SERVICE_ROLES,
+        *(["fleet"] if fleet_ids else []),
+        *[engine_user(e) for e in engine_ids],
+        *gateway_users,
+    ]
     tls = None
     if tls_cert or tls_key or tls_ca:
         if not (tls_cert and tls_key):
@@ -88,3 +111,5 @@ def nats_config(
         (out / "engines.json").write_text(manifest.to_json() + "\n")
         typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for every service and the gateway")
     typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
+    for gateway_id in gateway_ids:
+        typer.echo(f"gateway {gateway_id}: SWITCHYARD_GATEWAY_GATEWAY_ID={gateway_id} (user gateway-{gateway_id})")
