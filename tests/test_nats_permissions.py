@@ -387,7 +387,7 @@ async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refuse
     flight by a router replica's core."""
     from switchyard.services.router.service import RouterService
     from switchyard.services.router.settings import RouterSettings
-    from switchyard.shared.errors import Impersonation
+    from switchyard.shared.errors import ReplicaImpersonation
 
     subjects = secured.subjects
     settings = secured.settings()
@@ -401,7 +401,7 @@ async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refuse
         await eventually(_async(lambda: "e0" in router.core.fleet.index), timeout=30)
         row = router.core.fleet.index["e0"]
         inflight = int(router.core.fleet.inflight[row])
-        rejected = rejected_count(subjects.route_decided, Impersonation.code)
+        rejected = rejected_count(subjects.route_decided, ReplicaImpersonation.code)
 
         def decisions(replica_id: str, count: int) -> s.RouteDecisions:
             return s.RouteDecisions(
@@ -417,7 +417,7 @@ async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refuse
         await g1.nc.flush()
         await eventually(_async(lambda: router.core.fleet.inflight[row] > inflight), timeout=30)
         assert int(router.core.fleet.inflight[row]) == inflight + 2  # g1's own two, none of the forged five
-        assert rejected_count(subjects.route_decided, Impersonation.code) == rejected + 1
+        assert rejected_count(subjects.route_decided, ReplicaImpersonation.code) == rejected + 1
     finally:
         await router.stop()
         await e0.close()
