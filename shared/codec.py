@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, 
 import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
 from switchyard.shared.errors import (
@@ -130,7 +131,42 @@ class Array:
         )
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        if isinstance(getattr(handler, "generate_json_schema", None), WireJsonSchema):
+            return self.wire_json_schema()
         return {"type": "array", "description": f"numeric array, dtype kinds {self.kinds!r}, ndim {self.ndim}"}
+
+    def wire_json_schema(self) -> dict[str, Any]:
+        """The map `array_to_wire` writes, as a JSON Schema of the decoded msgpack (`data` is a msgpack bin)."""
+        dtypes = []
+        if "b" in self.kinds:
+            dtypes.append(r"\|b1")
+        ints = "".join(k for k in "iu" if k in self.kinds)
+        if ints:
+            dtypes += [rf"\|[{ints}]1", rf"<[{ints}][248]"]
+        if "f" in self.kinds:
+            dtypes.append(r"<f[248]")
+        example = next({"u": "<u2", "i": "<i8", "f": "<f4", "b": "|b1"}[k] for k in "uifb" if k in self.kinds)
+        rank = {"minItems": self.ndim, "maxItems": self.ndim} if self.ndim is not None else {"maxItems": _MAX_NDIM}
+        return {
+            "type": "object",
+            "description": f"numeric array, dtype kinds {self.kinds!r}, ndim {self.ndim}: raw little-endian C-order "
+            "bytes with their numpy dtype string and shape (`shared.codec.array_to_wire`)",
+            "required": ["dtype", "shape", "data"],
+            "properties": {
+                "dtype": {"type": "string", "pattern": f"^(?:{'|'.join(dtypes)})$", "examples": [example]},
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, **rank},
+                "data": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "msgpack bin: product(shape) x itemsize bytes",
+                },
+            },
+        }
+
+
+class WireJsonSchema(GenerateJsonSchema):
+    """JSON Schema of messages as they travel (`shared.asyncapi`): `Array` fields as their wire maps, where the
+    default schema (the HTTP API's JSON) shows them as nested lists."""
 
 
 class WireModel(BaseModel):

@@ -7,14 +7,14 @@ This module is the command table: the app, its commands in the order `switchyard
 - `services`: `up`, `migration`, `placement`, `api`, `router`, `gateway`
 - `fitting`: `fit`, `calibrate`
 - `simulation`: `sim`, `sim-dp`, `report`, `fleet`, `loadgen`
-- `admin`: `db upgrade`, `db downgrade`, `nats-config`
+- `admin`: `db upgrade`, `db downgrade`, `nats-config`, `asyncapi`
 """
 
 from __future__ import annotations
 
 import typer
 
-from switchyard.services.cli.admin import db_downgrade, db_upgrade, nats_config
+from switchyard.services.cli.admin import asyncapi, db_downgrade, db_upgrade, nats_config
 from switchyard.services.cli.fitting import calibrate, fit
 from switchyard.services.cli.services import api, gateway, migration, placement, router, up
 from switchyard.services.cli.simulation import fleet, loadgen, report, sim, sim_dp
@@ -35,6 +35,7 @@ app.command()(fit)
 app.command()(router)
 app.command()(gateway)
 app.command("nats-config")(nats_config)
+app.command()(asyncapi)
 app.command()(fleet)
 app.command()(loadgen)
 app.command()(calibrate)

@@ -1,5 +1,5 @@
-"""The admin commands: the database schema (`db upgrade`, `db downgrade`) and the NATS server's configuration
-with one user per role (`nats-config`)."""
+"""The admin commands: the database schema (`db upgrade`, `db downgrade`), the NATS server's configuration
+with one user per role (`nats-config`) and the bus contract as an AsyncAPI document (`asyncapi`)."""
 
 from __future__ import annotations
 
@@ -113,3 +113,24 @@ def nats_config(
     typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
     for gateway_id in gateway_ids:
         typer.echo(f"gateway {gateway_id}: SWITCHYARD_GATEWAY_GATEWAY_ID={gateway_id} (user gateway-{gateway_id})")
+
+
+def asyncapi(
+    out: Annotated[Path | None, typer.Option(help="Write the document here (default: print it).")] = None,
+    prefix: Annotated[str, typer.Option(help="Subject prefix of the deployment.")] = "sy",
+) -> None:
+    """Print the bus contract as an AsyncAPI 3.0.0 document (JSON; infra/asyncapi.json is prefix sy's)."""
+    from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
+    from switchyard.shared.asyncapi import build, render
+    from switchyard.shared.subjects import Subjects
+
+    try:
+        subjects = Subjects(prefix)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--prefix: {exc}") from None
+    text = render(build({"SimSubmit": SimSubmit, "SimCompleted": SimCompleted}, subjects))
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {out}")
