@@ -4,9 +4,10 @@ Each engine runs the Switchyard agent (hello with its base URL and role, telemet
 signatures) on a real nats-server; the router and the gateway run in this process. Asserted:
 
 - two mixed engines (DP): completions stream through the gateway (SSE chunks and `[DONE]`), and the engine the
-  router chose (`sy.route.decided`) is the one that served the request (the one whose prefill signature for
+  gateway's core chose (`sy.route.decided.>`) is the one that served the request (the one whose prefill signature for
   that request id came back);
-- a 1P1D pair (prefill -> decode handoff): no KV connector runs on vLLM's CPU build, so the decoder recomputes
+- a 1P1D pair (prefill -> decode handoff), with the gateway asking the router (`--router remote`; the others
+  decide in the gateway, the default): no KV connector runs on vLLM's CPU build, so the decoder recomputes
   the prompt; the router's `sy.route.decode` question carries the prefill engine's signature, and a repeated
   prompt (a prefix-cache hit on the prefill engine) yields the same signature;
 - killing one of two mixed engines mid-run loses no request that had not started streaming.
@@ -91,19 +92,29 @@ async def _healthy(process: asyncio.subprocess.Process, port: int, log: Path) ->
 
 @contextlib.asynccontextmanager
 async def _fleet(
-    model: Path, settings: SwitchyardSettings, bus: Bus, roles: dict[str, str], logs: Path
+    model: Path,
+    settings: SwitchyardSettings,
+    bus: Bus,
+    roles: dict[str, str],
+    logs: Path,
+    shape: str = "inprocess",
 ) -> AsyncIterator[tuple[GatewayService, dict[str, asyncio.subprocess.Process]]]:
-    """vLLM engines (`engine id -> role`), an in-process router and a gateway on a free port."""
+    """vLLM engines (`engine id -> role`), a router service and a gateway on a free port, deciding in-process
+    (`shape`, the default) or asking the router ("remote")."""
     engines = {eid: await _start_engine(model, eid, role, settings, logs) for eid, role in roles.items()}
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0))
-    gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=10.0))
+    routing = RouterSettings(inflight_grace_s=0.0)
+    router = RouterService(settings, routing)
+    config = GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=10.0, router=shape)
+    gateway = GatewayService(settings, config, routing)
     try:
         await asyncio.gather(*(_healthy(p, port, logs / f"{eid}.log") for eid, (p, port) in engines.items()))
         await router.start()
         await gateway.start()
         await wait_for(lambda: len(gateway.registry.live()) == len(engines), 30)
-        fleet = router.core.fleet
-        await wait_for(lambda: all(e in fleet.index and fleet.role[fleet.index[e]] >= 0 for e in engines), 30)
+        for core in (router.core, gateway.core):
+            fleet = core.fleet if core is not None else None
+            if fleet is not None:
+                await wait_for(lambda f=fleet: all(e in f.index and f.role[f.index[e]] >= 0 for e in engines), 30)
         yield gateway, {eid: p for eid, (p, _) in engines.items()}
     finally:
         await gateway.stop()
@@ -191,7 +202,7 @@ async def test_a_1p1d_pair_hands_off_with_the_prefill_signature(
 ) -> None:
     decided, signatures, asked = await _listen(bus)
     async with (
-        _fleet(tiny_moe, settings, bus, {"p0": "prefill", "d0": "decode"}, tmp_path) as (gateway, _),
+        _fleet(tiny_moe, settings, bus, {"p0": "prefill", "d0": "decode"}, tmp_path, "remote") as (gateway, _),
         httpx.AsyncClient(base_url=gateway.url, timeout=120) as client,
     ):
         first = await _stream(client, PROMPT, 6)
