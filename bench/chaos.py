@@ -4,11 +4,12 @@ Each service runs as its own process (`switchyard router|placement|migration|api
 as `switchyard fleet`), with an embedded nats-server whose JetStream store survives its restart and a throwaway
 PostgreSQL cluster this script starts itself (SQLite if no PostgreSQL is installed). The production shape:
 
-- per-role NATS users (`shared.nats_auth`: one per service role, `fleet` for the simulated fleet's engine ids,
-  `engine-<id>` for the ghost decoder, the HTTP stub engines and one attacker); each process gets a credentials
-  file holding only its own entry (`SWITCHYARD_NATS_CREDENTIALS`), this script connects as `admin`;
-- signed routing artifacts (`SWITCHYARD_ARTIFACT_KEY_FILE` for the fit step, the routers and the API; the
-  artifact is published under the `fit` user);
+- per-role NATS users (`shared.nats_auth`: one per service role, `gateway-<id>` per gateway replica, `fleet`
+  for the simulated fleet's engine ids, `engine-<id>` for the ghost decoder, the HTTP stub engines and one
+  attacker); each process gets a credentials file holding only its own entry (`SWITCHYARD_NATS_CREDENTIALS`),
+  this script connects as `admin`;
+- signed routing artifacts (`SWITCHYARD_ARTIFACT_KEY_FILE` for the fit step, the routers, the gateways and the
+  API; the artifact is published under the `fit` user);
 - an engine manifest (`SWITCHYARD_ENGINE_MANIFEST`, every service) binding each engine the run starts to its
   role, model, group, rank and (HTTP stubs) base URL; the attacker is not in it;
 - two replicas each of router, placement, migration and gateway (`--router-replicas`, `--replicas`).
@@ -17,7 +18,9 @@ This process sends the client load to the fleet's prefill engines (`sy.sim.submi
 `sy.route.decode` at a steady rate, watches every engine's telemetry, and runs one extra decoder (`ghost-d0`,
 a process of its own that the routing artifact names) to vanish and to be slow. With the gateway installed,
 it sends a second client load as OpenAI completions round robin over the gateways (attempt by attempt), which
-ask the router's `sy.route.dp` for one of two stub DP engines that answer HTTP (`http-e0`, `http-e1`).
+choose one of two stub DP engines that answer HTTP (`http-e0`, `http-e1`): in-process by default (the router's
+core inside each gateway, each replica `g<n>` sharing its decisions as NATS user `gateway-g<n>`), or by asking
+the routers' `sy.route.dp` (`--gateway-router remote`).
 Then, in turn:
 
   router / gateway: SIGKILL one of the replicas, restart it at once;
@@ -38,7 +41,8 @@ Then, in turn:
   as one client can send them; the note counts nats-server's slow consumer cut-offs by connection name.
 
 Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
-answered 200 within 20 s of retries every 0.5 s), probes that failed,
+answered 200 within 20 s of retries every 0.5 s, with the first attempts that failed; the gateway and router
+faults' notes say what the gateways' clients saw), probes that failed,
 seconds until routing resumed, placements / migrations lost, duplicated or stuck, live layouts that differ
 from what the database says was applied (a move applied twice or lost), and probes routed to an engine that
 had been silent longer than its staleness limit. The closing line:
@@ -128,6 +132,9 @@ class ChaosOptions:
     #: Replicas of placement, migration and the gateway (the production shape: two of each); their faults kill
     #: one (placement and migration: the replica holding the group leases; the gateway: the first).
     replicas: int = 2
+    #: How the gateways decide: `inprocess` (the default: the router's core inside each gateway, decisions
+    #: shared under the replica's own NATS user) or `remote` (each asks `switchyard router` over sy.route.dp).
+    gateway_router: str = "inprocess"
 
 
 @dataclass
@@ -222,13 +229,21 @@ class Chaos:
         import secrets
 
         from switchyard.engine_agents.sim.live.fleet_types import LiveFleetConfig
-        from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+        from switchyard.shared.nats_auth import (
+            SERVICE_ROLES,
+            Credentials,
+            engine_user,
+            gateway_user,
+            render_authorization,
+        )
         from switchyard.shared.subjects import Subjects
 
         self.config = LiveFleetConfig(prefill=self.o.prefill, decode=self.o.decode, speed=self.o.speed)
         self.fleet_ids = [*self.config.prefill_ids(), *self.config.decode_ids()]
         engines = [GHOST, *HTTP_ENGINES, ATTACKER]
-        credentials = Credentials.generate([*SERVICE_ROLES, "fleet", *(engine_user(e) for e in engines)])
+        # Each gateway replica its own user: it decides in-process and publishes its decisions under its own id.
+        gateways = [gateway_user(gateway_id(replica)) for replica in range(1, self.o.replicas + 1)]
+        credentials = Credentials.generate([*SERVICE_ROLES, "fleet", *gateways, *(engine_user(e) for e in engines)])
         self.credentials = credentials
         self.creds_dir = root / "credentials"
         for role, entry in credentials.users.items():
@@ -333,7 +348,7 @@ class Chaos:
         self.signatures = fleet.signatures
 
     def _processes(self) -> None:
-        from switchyard.shared.nats_auth import engine_user
+        from switchyard.shared.nats_auth import engine_user, gateway_user
 
         env = service_env(
             {
@@ -380,8 +395,10 @@ class Chaos:
             for replica in range(1, self.o.replicas + 1):  # the load goes round robin over them
                 name = "gateway" if replica == 1 else f"gateway-{replica}"
                 gateway_ports[name] = free_port()
-                extra = {"SWITCHYARD_GATEWAY_GATEWAY_ID": f"chaos-{name}"}
-                commands[name] = (cli("gateway", "--port", str(gateway_ports[name])), "gateway", extra)
+                # Its router settings are the routers' (SWITCHYARD_ROUTER_*, key file and manifest: `env`).
+                extra = {"SWITCHYARD_GATEWAY_GATEWAY_ID": gateway_id(replica)}
+                argv = cli("gateway", "--port", str(gateway_ports[name]), "--router", self.o.gateway_router)
+                commands[name] = (argv, gateway_user(gateway_id(replica)), extra)
             for engine_id in HTTP_ENGINES:  # DP engines that answer HTTP: what the gateway's load reaches
                 argv = [
                     sys.executable,
@@ -582,7 +599,10 @@ class Chaos:
             return f"SIGKILL of the active replica ({why}), restarted at once"
         if fault == "gateway":
             await self._restart("gateway")
-            return f"SIGKILL of gateway 1 of {len(self.gateway_urls)} (the load goes round robin), restarted at once"
+            return (
+                f"SIGKILL of gateway 1 of {len(self.gateway_urls)} ({self.o.gateway_router}; the load goes round "
+                "robin), restarted at once"
+            )
         if fault == "api":
             await self._restart("api")
             return "SIGKILL, restarted at once"
@@ -648,6 +668,30 @@ class Chaos:
             f"production shape: {len(self.credentials.users)} NATS users (one per role and engine; each process "
             f"holds only its own), signed routing artifacts, an engine manifest of {listed} engines; replicas: "
             + ", ".join(f"{kind} {n}" for kind, n in replicas.items())
+        )
+
+    def _gateway_shape(self) -> str:
+        """Which gateway shape the HTTP load went through, as the gateways' own logs say (`serving ... (routing
+        <shape>)` at each start), and whether any of them could not share its decisions."""
+        names = [name for name in self.procs if name.split("-")[0] == "gateway"]
+        starts: Counter[str] = Counter()
+        unshared = 0
+        for name in names:
+            path = self.root / "logs" / f"{name}.log"
+            for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+                if "serving OpenAI endpoints" in line and "(routing " in line:
+                    starts[line.rsplit("(routing ", 1)[1].rstrip(")")] += 1
+                unshared += "may not publish decisions" in line
+        seen = ", ".join(f"{shape} {n}" for shape, n in starts.most_common()) or "none logged"
+        how = (
+            "each decides in-process (the router's core inside the gateway) and shares its decisions as "
+            + ", ".join(gateway_user_of(name) for name in names)
+            if self.o.gateway_router == "inprocess"
+            else "each asks the routers over sy.route.dp (remote)"
+        )
+        return (
+            f"gateway load: HTTP clients -> {len(names)} gateways -> stub DP engines; {how}; gateway starts by "
+            f"routing: {seen}; 'may not publish decisions' warnings: {unshared}"
         )
 
     def _violations(self) -> str:
@@ -960,6 +1004,8 @@ class Chaos:
         audit = await self._audit()
         (self.root / "windows.json").write_text(json.dumps(self.windows_by))
         self.notes.insert(0, self._shape())
+        if self.gateway_urls:
+            self.notes.insert(1, self._gateway_shape())
         self.notes.append(self._violations())
         self._score(results, audit)
         return results, audit
@@ -1172,6 +1218,17 @@ class Chaos:
                 self.windows_by.setdefault(name, []).append((time.time(), value))
             await asyncio.sleep(0.5)
 
+    def _gateway_clients(self, r: FaultResult) -> str:
+        """What the clients through the gateways saw in window `r` (its note): for the gateway fault, what the
+        SIGKILL cost them; for the router fault, whether the gateways' load depended on the router at all."""
+        seen = f"{r.gw_sent} requests, {r.gw_failed} first attempts failed, {r.gw_lost} lost"
+        if r.name == "gateway":
+            back = f"; attempts answered 200 again {r.gw_resume_s:.2f} s after the SIGKILL" if r.gw_failed else ""
+            return f"; clients through the {self.o.gateway_router} gateways: {seen}{back}"
+        if self.o.gateway_router == "inprocess":
+            return f"; the gateways decide in-process (their load does not go through the router): {seen}"
+        return f"; the gateways ask the router (remote): {seen}"
+
     def _router_startups(self) -> list[str]:
         """The restarted router's own account of each restart (`process up ... s: connect ...`), in order."""
         path = self.root / "logs" / "router.log"
@@ -1239,6 +1296,8 @@ class Chaos:
                 # were served again once their retry reached another: resumed unless a request was lost.
                 failover = len(self.gateway_urls) > 1 and r.gw_lost == 0
                 r.resumed = r.resumed and (bool(after) or failover)
+            if r.name in ("router", "gateway") and self.gateway_urls:
+                r.note += self._gateway_clients(r)
             sent = [rid for rid, t in self.sent.items() if r.start <= t < r.end]
             r.sent = len(sent)
             r.retried = sum(rid in self.retried for rid in sent)
@@ -1256,6 +1315,20 @@ class Chaos:
                     setattr(r, attr, getattr(r, attr) + 1)
         if audit.layout_mismatches and results:
             results[-1].duplicated += len(audit.layout_mismatches)
+
+
+def gateway_user_of(process: str) -> str:
+    """The NATS user of the gateway process `process` (`gateway`, `gateway-2`, ...)."""
+    from switchyard.shared.nats_auth import gateway_user
+
+    replica = 1 if process == "gateway" else int(process.rsplit("-", 1)[1])
+    return gateway_user(gateway_id(replica))
+
+
+def gateway_id(replica: int) -> str:
+    """Gateway replica `replica`'s id (1-based): its NATS user is `gateway-<id>`, its decisions'
+    subject `sy.route.decided.gateway.<id>`."""
+    return f"g{replica}"
 
 
 def _utc(naive: object) -> float:
@@ -1377,6 +1450,12 @@ def main(argv: list[str] | None = None) -> int:
         default=ChaosOptions.replicas,
         help="replicas of placement, migration and the gateway (their faults kill one)",
     )
+    parser.add_argument(
+        "--gateway-router",
+        choices=("inprocess", "remote"),
+        default=ChaosOptions.gateway_router,
+        help="how the gateways decide: in-process (default) or by asking the routers (remote)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -1402,6 +1481,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir,
         router_replicas=max(args.router_replicas, 1),
         replicas=max(args.replicas, 1),
+        gateway_router=args.gateway_router,
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)

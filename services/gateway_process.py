@@ -4,7 +4,8 @@ A child and not a task: on a small machine the gateway's HTTP relaying gets a co
 sharing the event loop with the simulated fleet and the load generator, and it runs exactly as deployed
 (`switchyard gateway`). It dies with its parent (PR_SET_PDEATHSIG on Linux) and in its own session, so
 Ctrl-C reaches `up`, which stops it in order; its output goes to `gateway.log` in the data dir. Given the
-run's per-role credentials file, it gets its path in `SWITCHYARD_NATS_CREDENTIALS` and connects as `gateway`.
+run's per-role credentials file, it gets its path in `SWITCHYARD_NATS_CREDENTIALS` and connects as its own
+user (`gateway-<id>`, its id from `env`) when the file has one: it decides in-process and shares its decisions.
 """
 
 from __future__ import annotations
@@ -26,10 +27,18 @@ from switchyard.shared.errors import ConfigError
 
 class GatewayProcess:
     def __init__(
-        self, nats_url: str, host: str, port: int, log_path: Path, nats_credentials: Path | None = None
+        self,
+        nats_url: str,
+        host: str,
+        port: int,
+        log_path: Path,
+        nats_credentials: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.nats_url, self.host, self.port, self.log_path = nats_url, host, port, log_path
         self.nats_credentials = nats_credentials
+        #: Settings over the inherited environment: its id, the in-process router's (SWITCHYARD_ROUTER_*).
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,7 +48,7 @@ class GatewayProcess:
     def start(self) -> None:
         command = [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", self.nats_url]
         command += ["--host", self.host, "--port", str(self.port)]
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         if self.nats_credentials is not None:
             env["SWITCHYARD_NATS_CREDENTIALS"] = str(self.nats_credentials.resolve())
         with self.log_path.open("ab") as log_file:
@@ -76,6 +85,18 @@ class GatewayProcess:
                     await self.stop()
                     raise ConfigError(f"the gateway on {self.url} was not ready after {timeout_s:.0f} s")
                 await asyncio.sleep(0.1)
+
+    def routing(self) -> str:
+        """How it decided, as its own log says: `inprocess` (and whether it shared its decisions) or `remote`."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        shapes = [line.rsplit("(routing ", 1)[1].strip(" )") for line in text.splitlines() if "(routing " in line]
+        if not shapes:
+            return "unknown (not in its log)"
+        if shapes[-1] != "inprocess":
+            return shapes[-1]
+        if "may not publish decisions" in text:
+            return "in-process, its decisions not shared (the shared `gateway` user)"
+        return "in-process, sharing its decisions"
 
     async def counters(self) -> dict[str, float]:
         """The gateway's own counters (`/metrics`), summed per metric and first label value; {} if unreachable."""

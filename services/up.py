@@ -55,7 +55,7 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.engine import upgrade
 from switchyard.shared.embedded import EmbeddedNats, free_port
-from switchyard.shared.local_nats import secured_embedded
+from switchyard.shared.local_nats import GATEWAY_ID, secured_embedded
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.simulator.core.workload import load_requests
@@ -249,6 +249,8 @@ class Load:
     gateway_url: str | None = None
     #: The gateway's counters at the end (`GatewayProcess.counters`).
     gateway_counters: dict[str, float] = field(default_factory=dict)
+    #: How the gateway decided (`GatewayProcess.routing`).
+    gateway_routing: str = ""
 
     @property
     def sent(self) -> int:
@@ -332,7 +334,10 @@ def _summary(
             f"{load.sent} sent, {len(load.client)} completed at the HTTP clients (failed: {failed}); "
             f"{len(done)} finished in the fleet, {fleet.counters.rejected} rejected by it",
         )
-        table.add_row("path", f"HTTP clients -> gateway {load.gateway_url} -> prefill -> router -> decoder")
+        table.add_row(
+            "path",
+            f"HTTP clients -> gateway {load.gateway_url} ({load.gateway_routing}) -> prefill -> router -> decoder",
+        )
     else:
         table.add_row(
             "requests", f"{load.sent} sent, {len(done)} completed, {fleet.counters.rejected} rejected by the fleet"
@@ -498,8 +503,12 @@ async def _start_gateway(
     settings: SwitchyardSettings, options: UpOptions, infra: Infrastructure, model: str
 ) -> GatewayProcess:
     port = options.gateway_port or free_port(options.gateway_host)
+    # It decides in-process: the router's settings, and on the embedded bus the id its own user is for.
+    env = {"SWITCHYARD_ROUTER_POLICY": options.policy, "SWITCHYARD_ROUTER_SEED": str(options.seed)}
+    if infra.embedded_nats is not None:
+        env["SWITCHYARD_GATEWAY_GATEWAY_ID"] = GATEWAY_ID
     gateway = GatewayProcess(
-        infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log", infra.nats_credentials
+        infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log", infra.nats_credentials, env
     )
     gateway.start()
     await gateway.wait_ready(model)
@@ -640,6 +649,7 @@ async def _run_fleet(
         if gateway is not None:
             if load is not None:
                 load.gateway_counters = await gateway.counters()
+                load.gateway_routing = gateway.routing()
             await gateway.stop()
         await fleet.stop()
     if not quiesced:

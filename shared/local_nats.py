@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from switchyard.shared.embedded import EmbeddedNats
-from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, render_authorization
+from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, gateway_user, render_authorization
 from switchyard.shared.subjects import Subjects
 
-#: Every role a run of `switchyard up` connects as (the bootstrap as `admin`, the gateway child as `gateway`).
-LOCAL_ROLES = (*SERVICE_ROLES, "fleet")
+#: The id of `switchyard up`'s gateway child: it decides in-process and shares its decisions as its own user.
+GATEWAY_ID = "up"
+#: Every role a run of `switchyard up` connects as (the bootstrap as `admin`, the gateway child as
+#: `gateway-up`: the shared `gateway` user may not publish decisions).
+LOCAL_ROLES = (*SERVICE_ROLES, "fleet", gateway_user(GATEWAY_ID))
 
 
 @dataclass(frozen=True)

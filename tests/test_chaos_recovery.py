@@ -32,7 +32,8 @@ async def test_nats_restart_and_router_kill_lose_nothing(tmp_path: Path) -> None
         workdir=tmp_path,
         router_replicas=1,  # the router fault then measures a restart (with a spare replica no probe fails)
     )
-    results, audit = await Chaos(options).run()
+    chaos = Chaos(options)
+    results, audit = await chaos.run()
     by_fault = {r.name: r for r in results}
     assert list(by_fault) == ["nats", "router", "gateway"]
     logs = tmp_path / "logs"
@@ -41,7 +42,11 @@ async def test_nats_restart_and_router_kill_lose_nothing(tmp_path: Path) -> None
         assert (r.lost, r.gw_lost, r.lost_rows, r.duplicated, r.stuck, r.misrouted) == (0, 0, 0, 0, 0, 0), (r, logs)
         assert r.resumed, r  # routing came back within the fault's window
     assert by_fault["router"].probe_failures > 0  # the fault did bite: routing was down for a while
-    assert by_fault["router"].gw_failed == 0  # the gateway chose locally while the router was away
+    assert by_fault["router"].gw_failed == 0  # the gateways decide in-process: the router's SIGKILL is not theirs
+    # Both gateways (one restarted) decided in-process, each sharing its decisions as its own user (gateway-g<n>).
+    shape = next(note for note in chaos.notes if note.startswith("gateway load:"))
+    assert "routing: inprocess 3;" in shape and "'may not publish decisions' warnings: 0" in shape, shape
+    assert "nats-server permission violations: none" in chaos.notes
     assert by_fault["gateway"].gw_failed > 0  # clients saw the gateway go, and their retries all got through
     assert audit.layout_mismatches == []
     assert totals(results, audit)["lost"] == 0

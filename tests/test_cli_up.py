@@ -52,6 +52,8 @@ def test_up_runs_the_whole_loop_and_keeps_its_state_across_restarts(tmp_path: Pa
     assert "routing artifact v1 (fitted now)" in out
     sent, completed = re.search(r"(\d+) sent, (\d+) completed", out).groups()  # type: ignore[union-attr]
     assert int(sent) > 15 and completed == sent  # every request of the load came back (through the gateway)
+    # The gateway decided in-process as its own user (`gateway-up`): the shared `gateway` may not share decisions.
+    assert "(in-process, sharing its decisions)" in out
     assert re.search(r"TPOT p50 / p99 +│ [0-9.]+ / [0-9.]+ ms", out)
     engine = create_engine(f"sqlite:///{data / 'switchyard.sqlite'}")
     with engine.connect() as conn:
