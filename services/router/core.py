@@ -20,7 +20,7 @@ import numpy as np
 from switchyard.services.router import metrics
 from switchyard.services.router.prefix import PrefixState
 from switchyard.services.router.settings import RouterSettings
-from switchyard.services.router.telemetry_view import TelemetryView
+from switchyard.services.router.telemetry_view import ROLES, TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply, encode_unchecked
 from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.errors import SchemaMismatch
@@ -434,6 +434,15 @@ class RouterCore:
         metrics.STALE_ENGINES.set(self.fleet.stale_count(now))
         for role in ("prefill", "decode", "dp"):
             metrics.LIVE_ENGINES.labels(role).set(int(self.fleet.alive(role, now).sum()))
+        self.export_engines(now)
+
+    def export_engines(self, now: float) -> None:
+        """Publish the live engines' load columns for the per-engine gauges (`metrics.EngineState`)."""
+        fleet = self.fleet
+        rows = np.flatnonzero(fleet.live(now))
+        roles = [ROLES[fleet.role[r]] for r in rows.tolist()]
+        columns = {column: getattr(fleet, column)[rows] for _, _, column in metrics.ENGINE_GAUGES}
+        metrics.ENGINE_STATE.publish([fleet.engine_ids[r] for r in rows.tolist()], roles, columns)
 
     # ----- decisions -----
 

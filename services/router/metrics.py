@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 DECISIONS = Counter(
     "switchyard_router_decisions_total",
@@ -78,6 +81,55 @@ PREFIX_DROPPED = Counter(
     "switchyard_router_prefix_dropped_total",
     "Blocks dropped from the precise index because their engine held prefix_max_blocks (oldest out first).",
 )
+
+
+#: The per-engine gauges `EngineState` exports: family name, help, and the telemetry view's column it reads.
+ENGINE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("switchyard_router_engine_running", "Requests running on the engine, as its last telemetry said.", "num_running"),
+    ("switchyard_router_engine_waiting", "Requests queued on the engine, as its last telemetry said.", "num_waiting"),
+    (
+        "switchyard_router_engine_inflight",
+        "Requests routed to the engine since its last telemetry (the router's in-flight compensation).",
+        "inflight",
+    ),
+    ("switchyard_router_engine_kv_usage", "Fraction of the engine's KV cache in use (0..1).", "kv_usage"),
+    (
+        "switchyard_router_engine_expert_pressure",
+        "The engine's MoE expert pressure (busiest EP rank's load over the mean rank's, 1 = balanced), per telemetry.",
+        "expert_pressure",
+    ),
+)
+
+
+class EngineState(Collector):
+    """Per-engine load gauges (labels engine, role), built at scrape time from the last snapshot `publish` took.
+
+    Setting one labelled `Gauge` child per engine and signal every housekeeping second costs a lock and a
+    label lookup each (thousands per second in a large fleet, on the router's event loop), and children of
+    forgotten engines would have to be removed by hand; a snapshot of the columns (a few numpy copies) costs
+    neither, and a scrape from the metrics thread reads only the snapshot, never the live columns. One process
+    runs one router core (the router service's, or a gateway's in-process one), so one snapshot is exported."""
+
+    def __init__(self) -> None:
+        self._snapshot: tuple[list[str], list[str], dict[str, np.ndarray]] = ([], [], {})
+
+    def publish(self, engine_ids: Sequence[str], roles: Sequence[str], columns: dict[str, np.ndarray]) -> None:
+        """Replace the snapshot: the live engines' ids, roles and one array per `ENGINE_GAUGES` column."""
+        self._snapshot = (list(engine_ids), list(roles), {k: np.array(v, dtype=np.float64) for k, v in columns.items()})
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        engine_ids, roles, columns = self._snapshot  # one reference read: publish swaps the whole tuple
+        for name, documentation, column in ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=["engine", "role"])
+            values = columns.get(column)
+            if values is not None:
+                for engine_id, role, value in zip(engine_ids, roles, values.tolist(), strict=True):
+                    family.add_metric([engine_id, role], value)
+            yield family
+
+
+ENGINE_STATE = EngineState()
+REGISTRY.register(ENGINE_STATE)
 
 
 class Batched:
