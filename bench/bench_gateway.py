@@ -989,7 +989,7 @@ def main() -> None:
             f" ms), block keys alone {row['block_keys_p50_us']:6.1f} µs"
         )
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":
