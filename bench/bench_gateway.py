@@ -4,6 +4,14 @@ minimal pass-through proxy on the same HTTP stack; plus the prefill signature's 
 Budgets (issue 12): added TTFT p50 ≤ 2 ms over direct (router round trip included), added inter-token p50
 ≤ 0.1 ms, ≥ 500 non-streaming requests/s through one gateway process.
 
+Two shapes (issue 27), timed in the same run beside the proxy: "gateway" asks a `switchyard router` process
+(`--router remote`), "gateway-inprocess" decides with the router's core in its own process (`--router
+inprocess`, the default), under the same `SWITCHYARD_*` environment as the router. Targets for the in-process
+shape: added TTFT p50 within 0.3 ms of the proxy's, p99 within 1 ms of the proxy's, added ITL p50 ≤ 0.1 ms,
+≥ 2,000 non-streaming req/s per gateway process; `--json` has them per shape under "shapes", the handoff's
+too, and the in-process decode decision alone (`RouterCore.route_decode`, 26 × 64 signature: what the handoff
+adds between the prefill answer and the decode hop when the router is in the gateway).
+
 Set-up, every part in its own process (so no two share an event loop):
 
 - a private nats-server;
@@ -13,7 +21,8 @@ Set-up, every part in its own process (so no two share an event loop):
 - a prefill stub and a decode stub serving another model name (`stub-pd`), so the same gateway hands those
   requests off (the prefill answer carries a 26 × 64 uint16 signature in `kv_transfer_params`);
 - `switchyard router` (Gimbal's DP rule; ELDR's decode policy, without an artifact here, so by load) and
-  `switchyard gateway`, configured by environment only;
+  `switchyard gateway` twice, once per shape (`--router remote`, `--router inprocess`), configured by
+  environment only;
 - the pass-through proxy (`--role proxy`): what vLLM's example disaggregation proxy is, reduced to one
   upstream: Starlette on uvicorn, httpx to the stub, the body parsed for `stream` and forwarded, the answer
   relayed chunk by chunk;
@@ -31,23 +40,24 @@ bare one always came second, which understated the floor by that much.)
 Throughput: `--concurrency` connections each keep one non-streaming request in flight for `--duration` s per
 target; requests/s, and the CPU seconds the target process spent per request (from /proc).
 
-Handoff: the same streaming request with model `stub-pd`, through the gateway and straight to the decode stub,
-alternating; the added TTFT is the whole handoff (prefill hop, signature decode, `sy.route.decode`, decode hop)
-over a direct decode.
+Handoff: the same streaming request with model `stub-pd`, through each gateway and straight to the decode stub,
+alternating; the added TTFT is the whole handoff (prefill hop, signature decode, the decode choice: a
+`sy.route.decode` round trip or an in-process `RouterCore.route_decode`, decode hop) over a direct decode.
 
-Prefix keys (issue 25): a second gateway runs with `SWITCHYARD_GATEWAY_PREFIX_KEYS=false` ("gateway-off"), the
-first with a tokenizer for the stub's model (`SWITCHYARD_GATEWAY_TOKENIZERS`; `--tokenizer PATH` for a real one,
-else a byte-level BPE trained here on synthetic words, with a BOS post-processor, which `tokenizers` encodes at
-about the speed of a real one per token). Both serve DP requests of four prompt shapes, alternating shape by
-shape and target by target in one run beside direct and the proxy: 1K and 8K tokens, each "fresh" (a new prompt
-every request: tokenized in full) and "shared" (the first 90 % the same every request, as a system prompt or
-the earlier turns of a chat: its pieces come from the gateway's piece cache). Budgets: the gateway's added TTFT
-p50 with prefix keys on, over the same run with them off, ≤ +0.3 ms at 1K tokens and ≤ +1.5 ms at 8K,
-tokenization included. Where the time goes is measured in this process too (`tokenize`: encode, pieces, cache,
-block keys, the thread hop).
+Prefix keys (issue 25), remote shape: a second remote gateway runs with `SWITCHYARD_GATEWAY_PREFIX_KEYS=false`
+("gateway-off"), the first with a tokenizer for the stub's model (`SWITCHYARD_GATEWAY_TOKENIZERS`; `--tokenizer
+PATH` for a real one, else a byte-level BPE trained here on synthetic words, with a BOS post-processor, which
+`tokenizers` encodes at about the speed of a real one per token). Both serve DP requests of four prompt shapes,
+alternating shape by shape and target by target in one run beside direct and the proxy: 1K and 8K tokens, each
+"fresh" (a new prompt every request: tokenized in full) and "shared" (the first 90 % the same every request, as a
+system prompt or the earlier turns of a chat: its pieces come from the gateway's piece cache). Budgets: the
+gateway's added TTFT p50 with prefix keys on, over the same run with them off, ≤ +0.3 ms at 1K tokens and ≤ +1.5 ms
+at 8K, tokenization included. Where the time goes is measured in this process too (`tokenize`: encode, pieces,
+cache, block keys, the thread hop).
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
-                                                [--profile PATH] [--prefix-requests 100] [--tokenizer PATH]
+                                                [--profile PATH] [--profile-shape inprocess|remote]
+                                                [--prefix-requests 100] [--tokenizer PATH]
 """
 
 from __future__ import annotations
@@ -79,6 +89,11 @@ BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the laz
 SHAPES = (("1k-fresh", 1024, 0.0), ("8k-fresh", 8192, 0.0), ("1k-shared", 1024, 0.9), ("8k-shared", 8192, 0.9))
 #: Latency targets of the prefix-keys part.
 PREFIX_TARGETS = ("direct", "proxy", "gateway", "gateway-off")
+#: The gateway process of each shape (issue 27): "gateway" asks the router process, the other decides itself.
+SHAPE_TARGETS = {"remote": "gateway", "inprocess": "gateway-inprocess"}
+#: Issue 27's targets for the in-process shape, on this machine.
+SHAPE_TARGETS_MS = {"ttft_p50_over_proxy_ms": 0.3, "ttft_p99_over_proxy_ms": 1.0, "itl_p50_ms": 0.1}
+SHAPE_TARGET_REQ_S = 2000.0
 
 
 # ----- prompts and their tokenizer -----------------------------------------------------------------------------
@@ -374,22 +389,118 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
     return {**result, "router": router}
 
 
-async def handoff_latency(gateway_port: int, decode_port: int, requests: int) -> dict[str, float]:
-    """TTFT of a streaming request handed off through the gateway (prefill stub, `sy.route.decode`, decode
-    stub) against the same request sent straight to the decode stub; alternating, after a warm-up."""
+async def handoff_latency(gateway_ports: dict[str, int], decode_port: int, requests: int) -> dict[str, object]:
+    """TTFT of a streaming request handed off through each gateway (prefill stub, the decode choice, decode stub)
+    against the same request sent straight to the decode stub; alternating, after a warm-up. The first shape's
+    figures also sit at the top level under the names of the one-gateway bench (for older readers)."""
     body = json.dumps({**BODY, "model": HANDOFF_MODEL, "stream": True}).encode()
-    via, direct = Conn(gateway_port), Conn(decode_port)
-    await via.open()
-    await direct.open()
-    ttft: dict[str, list[float]] = {"gateway": [], "direct": []}
+    conns = {name: Conn(port) for name, port in gateway_ports.items()} | {"direct": Conn(decode_port)}
+    for conn in conns.values():
+        await conn.open()
+    ttft: dict[str, list[float]] = {name: [] for name in conns}
     for i in range(requests + 20):
-        for name, conn in (("gateway", via), ("direct", direct)):
+        for name, conn in conns.items() if i % 2 else reversed(conns.items()):
             first, _gaps, done = await stream_once(conn, body)
             assert done, name
             if i >= 20:
                 ttft[name].append(first)
-    g, d = (float(np.percentile(ttft[n], 50) * 1e3) for n in ("gateway", "direct"))
-    return {"gateway_ttft_p50_ms": g, "direct_decoder_ttft_p50_ms": d, "added_ttft_p50_ms": g - d}
+    p50 = {n: float(np.percentile(t, 50) * 1e3) for n, t in ttft.items()}
+    p99 = {n: float(np.percentile(t, 99) * 1e3) for n, t in ttft.items()}
+    shapes = {
+        name: {
+            "gateway_ttft_p50_ms": p50[name],
+            "gateway_ttft_p99_ms": p99[name],
+            "added_ttft_p50_ms": p50[name] - p50["direct"],
+            "added_ttft_p99_ms": p99[name] - p99["direct"],
+        }
+        for name in gateway_ports
+    }
+    first = shapes[next(iter(gateway_ports))]
+    return {
+        "gateway_ttft_p50_ms": first["gateway_ttft_p50_ms"],
+        "direct_decoder_ttft_p50_ms": p50["direct"],
+        "direct_decoder_ttft_p99_ms": p99["direct"],
+        "added_ttft_p50_ms": first["added_ttft_p50_ms"],
+        "shapes": shapes,
+    }
+
+
+def decode_decision_figures(decoders: int = 8, calls: int = 2000) -> dict[str, dict[str, float]]:
+    """What the in-process decode choice costs alone, in this process: a 26 x 64 uint16 signature's
+    `RouteDecodeRequest` (validated, as `InProcessRouter.route_decode` builds it) and `RouterCore.route_decode` over
+    `decoders` decoders, with ELDR's artifact (fitted here on synthetic 26 x 64 counts) and without (by load, as in
+    this bench's fleet), and with the artifact but no signature (what choosing before the prefill answer would do:
+    load only). Median and p99 per call, warm (a tight loop), so a lower bound of the cost inside the bench."""
+    from switchyard.services.router.core import RouterCore
+    from switchyard.services.router.settings import RouterSettings
+    from switchyard.shared.schemas import Capacity, Hello, ModelShape, RouteDecodeRequest, Telemetry
+    from switchyard.solver.eldr_fit import fit_routing_artifact
+    from switchyard.solver.signatures import RequestCounts
+
+    rng = np.random.default_rng(0)
+    layers, experts, top_k = 26, 64, 6
+    ids = [f"d{i}" for i in range(decoders)]
+    # Synthetic counts: each request favours a few experts per layer (its "domain"), as real routing does.
+    domains = rng.dirichlet(np.full(experts, 0.3), size=(decoders, layers))
+    label = rng.integers(decoders, size=400)
+    tokens = rng.integers(200, 2000, size=400)
+    prefill = np.stack([
+        np.stack([rng.multinomial(int(n) * top_k, domains[t, layer]) for layer in range(layers)])
+        for t, n in zip(label, tokens, strict=True)
+    ])  # fmt: skip
+    counts = RequestCounts(
+        prefill=prefill, decode=prefill // 4, top_k=top_k, prefill_gate=None, label=label,
+        label_names=tuple(f"t{i}" for i in range(decoders)), model_name="bench-26x64",
+    )  # fmt: skip
+    artifact, _ = fit_routing_artifact(counts, decoders, decoder_ids=ids)
+    shape = ModelShape(name=HANDOFF_MODEL, num_layers=layers, num_experts=experts, top_k=top_k)
+    signatures = prefill.astype(np.uint16)
+
+    def core_with(with_artifact: bool) -> RouterCore:
+        core = RouterCore(RouterSettings(policy="eldr", replica_id="bench"))
+        if with_artifact:
+            core.set_artifact(artifact.model_copy(update={"model": shape}))
+        capacity = Capacity(max_running=64, kv_blocks=4096, block_size=16)
+        for i, engine in enumerate(ids):
+            hello = Hello(engine_id=engine, role="decode", model=shape, ep_group=engine, gpus=["0"],
+                          capacity=capacity, ts=0.0, agent="sim")  # fmt: skip
+            core.on_hello(hello, 1000.0)
+            core.on_telemetry(
+                Telemetry(engine_id=engine, seq=1, ts=0.0, kv_usage=0.2, num_running=i % 5, num_waiting=0,
+                          waiting_prefill_tokens=0, remaining_prefill_tokens=0, step_time_ema=0.02),
+                1000.0,
+            )  # fmt: skip
+        return core
+
+    cases = {
+        "eldr_artifact_signature": (True, True),
+        "eldr_artifact_no_signature": (True, False),
+        "no_artifact_signature": (False, True),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, (with_artifact, with_signature) in cases.items():
+        core = core_with(with_artifact)
+        build, route = np.empty(calls), np.empty(calls)
+        clock = time.perf_counter
+        for n in range(calls):
+            signature = signatures[n % len(signatures)] if with_signature else None
+            start = clock()
+            request = RouteDecodeRequest(
+                request_id=f"r{n}", prompt_tokens=500, signature=signature, prefill_engine_id="p0", model=HANDOFF_MODEL
+            )
+            built = clock()
+            routed = core.route_decode(request, 1000.0 + n * 1e-4)
+            route[n], build[n] = clock() - built, built - start
+            assert routed.decision is not None, routed.reply
+            core.fleet.on_progress((), [f"r{n}"])  # the request ends: loads stay where telemetry put them
+        out[name] = {
+            "request_build_p50_us": float(np.percentile(build, 50) * 1e6),
+            "route_decode_p50_us": float(np.percentile(route, 50) * 1e6),
+            "route_decode_p99_us": float(np.percentile(route, 99) * 1e6),
+            "total_p50_us": float(np.percentile(build + route, 50) * 1e6),
+            "fallback": routed.reply.fallback,  # type: ignore[union-attr]
+        }
+    return out
 
 
 async def prefix_latency(ports: dict[str, int], prompts: Prompts, requests: int) -> dict[str, object]:
@@ -586,6 +697,45 @@ def wait_ready(port: int, timeout: float = 60.0) -> None:
     raise RuntimeError("the gateway never saw every stub engine")
 
 
+def shape_figures(
+    lat: dict[str, dict[str, float]],
+    tput: dict[str, dict[str, float]],
+    handoff: dict[str, object],
+    proxy_added: dict[str, float],
+) -> dict[str, dict[str, object]]:
+    """Issue 27's figures per gateway shape, "added" over direct as everywhere here, and each target met or not
+    (the targets are the in-process shape's; the remote one is measured against the same for comparison)."""
+    direct = lat["direct"]
+    per_handoff: dict[str, dict[str, float]] = handoff["shapes"]  # type: ignore[assignment]
+    out: dict[str, dict[str, object]] = {}
+    for shape, name in SHAPE_TARGETS.items():
+        added = {q: lat[name][f"ttft_{q}_ms"] - direct[f"ttft_{q}_ms"] for q in ("p50", "p99")}
+        figures: dict[str, object] = {
+            "target": name,
+            "added_ttft_p50_ms": added["p50"],
+            "added_ttft_p99_ms": added["p99"],
+            "added_itl_p50_ms": lat[name]["itl_p50_ms"] - direct["itl_p50_ms"],
+            "req_s": tput[name]["req_per_s"],
+            "cpu_ms_per_req": tput[name]["cpu_ms_per_req"],
+            "proxy_added_ttft_p50_ms": proxy_added["p50"],
+            "proxy_added_ttft_p99_ms": proxy_added["p99"],
+            "over_proxy_ttft_p50_ms": added["p50"] - proxy_added["p50"],
+            "over_proxy_ttft_p99_ms": added["p99"] - proxy_added["p99"],
+            "handoff_added_ttft_p50_ms": per_handoff[name]["added_ttft_p50_ms"],
+            "handoff_added_ttft_p99_ms": per_handoff[name]["added_ttft_p99_ms"],
+        }
+        figures["targets_met"] = {
+            "ttft_p50_within_0.3_ms_of_proxy": figures["over_proxy_ttft_p50_ms"]
+            <= SHAPE_TARGETS_MS["ttft_p50_over_proxy_ms"],
+            "ttft_p99_within_1_ms_of_proxy": figures["over_proxy_ttft_p99_ms"]
+            <= SHAPE_TARGETS_MS["ttft_p99_over_proxy_ms"],
+            "itl_p50_at_most_0.1_ms": figures["added_itl_p50_ms"] <= SHAPE_TARGETS_MS["itl_p50_ms"],
+            "at_least_2000_req_s": figures["req_s"] >= SHAPE_TARGET_REQ_S,
+        }
+        out[shape] = figures
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx", "echo"], default="main")
@@ -600,7 +750,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--profile", type=Path, default=None, help="Run the gateway under cProfile, stats to PATH.")
+    parser.add_argument("--profile", type=Path, default=None, help="Run a gateway under cProfile, stats to PATH.")
+    parser.add_argument("--profile-shape", choices=list(SHAPE_TARGETS), default="inprocess", help="... this one.")
     parser.add_argument("--prefix-requests", type=int, default=100, help="Rounds of the prefix-keys latency.")
     parser.add_argument("--tokenizer", type=Path, default=None, help="A real tokenizer (dir or tokenizer.json).")
     args = parser.parse_args()
@@ -635,6 +786,7 @@ def main() -> None:
             "proxy-httpx": free_port(),
             "gateway": free_port(),
             "gateway-off": free_port(),
+            "gateway-inprocess": free_port(),
         }
         words = Words()
         if args.tokenizer is not None:
@@ -672,23 +824,29 @@ def main() -> None:
                 procs[role] = subprocess.Popen(
                     [*here, "--role", role, "--port", str(ports[role]), "--upstream", upstream], env=env
                 )
-            gateway = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway"])]
-            if args.profile:
-                gateway = ["-m", "cProfile", "-o", str(args.profile), *gateway]
+            # Every gateway gets the router's environment (`env`: its SWITCHYARD_ROUTER_* too, were any set), so the
+            # in-process one decides by the same settings; the prefix-keys pair and "gateway" ask the router.
             keyed = env | {"SWITCHYARD_GATEWAY_TOKENIZERS": f"stub-model={tokenizer_dir}"}
-            procs["gateway"] = subprocess.Popen([sys.executable, *gateway], env=keyed)
-            off = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports["gateway-off"])]
-            procs["gateway-off"] = subprocess.Popen(
-                [sys.executable, *off], env=keyed | {"SWITCHYARD_GATEWAY_PREFIX_KEYS": "false"}
-            )
+            gateways = {
+                "gateway": ("remote", keyed),
+                "gateway-off": ("remote", keyed | {"SWITCHYARD_GATEWAY_PREFIX_KEYS": "false"}),
+                "gateway-inprocess": ("inprocess", keyed),
+            }
+            for name, (shape, gateway_env) in gateways.items():
+                cli = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports[name])]
+                cli += ["--router", shape]
+                if args.profile and name == SHAPE_TARGETS[args.profile_shape]:
+                    cli = ["-m", "cProfile", "-o", str(args.profile), *cli]
+                procs[name] = subprocess.Popen([sys.executable, *cli], env=gateway_env)
             for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
-            wait_ready(ports["gateway"])
-            wait_ready(ports["gateway-off"])
+            for name in gateways:
+                wait_ready(ports[name])
             time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
             lat = asyncio.run(latency(ports, args.requests, url))
-            handoff = asyncio.run(handoff_latency(ports["gateway"], handoff_ports["d0"], args.requests))
+            shape_ports = {name: ports[name] for name in SHAPE_TARGETS.values()}
+            handoff = asyncio.run(handoff_latency(shape_ports, handoff_ports["d0"], args.requests))
             prefix = asyncio.run(prefix_latency(ports, prompts, args.prefix_requests))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             tput = {
@@ -707,9 +865,12 @@ def main() -> None:
                     proc.kill()
             nats.stop()
     sigs = signature_figures()
+    decode_decision = decode_decision_figures()
     rtts = lat.pop("router")
     router_rtt, echo_rtt = rtts["route_dp_rtt_p50_ms"], rtts["echo_rtt_p50_ms"]
     direct = lat["direct"]
+    proxy_added = {q: lat["proxy"][f"ttft_{q}_ms"] - direct[f"ttft_{q}_ms"] for q in ("p50", "p99")}
+    shapes = shape_figures(lat, tput, handoff, proxy_added)
     report = {
         "machine": _single_core.machine(),
         "load_avg_1m_before_after": [load_before[0], load_after[0]],
@@ -729,6 +890,10 @@ def main() -> None:
         "floor_added_ttft_p50_ms": lat["proxy"]["ttft_p50_ms"] - direct["ttft_p50_ms"] + echo_rtt,
         "handoff": handoff,
         "throughput": tput,
+        "proxy_added_ttft_p50_ms": proxy_added["p50"],
+        "proxy_added_ttft_p99_ms": proxy_added["p99"],
+        "shapes": shapes,
+        "decode_decision_in_process": decode_decision,
         "signature_json": sigs,
         "prefix_keys": {
             "budgets_ms": {"1k": 0.3, "8k": 1.5},
@@ -739,13 +904,13 @@ def main() -> None:
     }
     print(f"# {report['machine']}; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(
-        f"{'target':11} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
+        f"{'target':17} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
         f" {'req/s':>7} {'CPU ms/req':>10}"
     )
     for name in ports:
         added = report["added_vs_direct"].get(name, {"ttft_p50_ms": 0.0, "itl_p50_ms": 0.0})
         print(
-            f"{name:11} {lat[name]['ttft_p50_ms']:9.3f} {lat[name]['ttft_p99_ms']:7.2f} {lat[name]['itl_p50_ms']:8.3f}"
+            f"{name:17} {lat[name]['ttft_p50_ms']:9.3f} {lat[name]['ttft_p99_ms']:7.2f} {lat[name]['itl_p50_ms']:8.3f}"
             f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
         )
@@ -759,10 +924,37 @@ def main() -> None:
         f"{report['floor_added_ttft_p50_ms']:.3f} ms; the gateway adds {gateway_added:.3f} ms"
     )
     print(
-        f"handoff (prefill stub, 26x64 signature, sy.route.decode, decode stub): TTFT p50 "
-        f"{handoff['gateway_ttft_p50_ms']:.3f} ms vs {handoff['direct_decoder_ttft_p50_ms']:.3f} ms straight to the "
-        f"decoder: +{handoff['added_ttft_p50_ms']:.3f} ms"
+        f"handoff (prefill stub, 26x64 signature, the decode choice, decode stub): TTFT p50 / p99 straight to the "
+        f"decoder {handoff['direct_decoder_ttft_p50_ms']:.3f} / {handoff['direct_decoder_ttft_p99_ms']:.2f} ms; "
+        "added by"
     )
+    for shape, name in SHAPE_TARGETS.items():
+        row = handoff["shapes"][name]  # type: ignore[index]
+        print(f"  {shape:9} gateway: +{row['added_ttft_p50_ms']:.3f} ms p50, +{row['added_ttft_p99_ms']:.2f} ms p99")
+    print(
+        f"two shapes (issue 27; targets: TTFT p50 ≤ proxy + {SHAPE_TARGETS_MS['ttft_p50_over_proxy_ms']} ms, p99 ≤ "
+        f"proxy + {SHAPE_TARGETS_MS['ttft_p99_over_proxy_ms']} ms, ITL ≤ {SHAPE_TARGETS_MS['itl_p50_ms']} ms, "
+        f"≥ {SHAPE_TARGET_REQ_S:.0f} req/s); the proxy adds {proxy_added['p50']:.3f} ms p50, {proxy_added['p99']:.2f} "
+        "ms p99"
+    )
+    print(
+        f"  {'shape':9} {'added TTFT p50':>14} {'over proxy':>10} {'p99':>7} {'over proxy':>10} {'ITL p50':>8}"
+        f" {'req/s':>6} {'handoff p50':>11} {'p99':>6}  targets missed"
+    )
+    for shape, row in shapes.items():
+        missed = [k for k, ok in row["targets_met"].items() if not ok]  # type: ignore[union-attr]
+        print(
+            f"  {shape:9} {row['added_ttft_p50_ms']:14.3f} {row['over_proxy_ttft_p50_ms']:+10.3f}"
+            f" {row['added_ttft_p99_ms']:7.2f} {row['over_proxy_ttft_p99_ms']:+10.2f} {row['added_itl_p50_ms']:8.3f}"
+            f" {row['req_s']:6.0f} {row['handoff_added_ttft_p50_ms']:11.3f} {row['handoff_added_ttft_p99_ms']:6.2f}"
+            f"  {', '.join(missed) or 'none'}"
+        )
+    print("in-process decode choice alone (8 decoders, 26x64 signature, warm loop): µs p50 (request + route_decode)")
+    for name, row in decode_decision.items():
+        print(
+            f"  {name:27} {row['total_p50_us']:6.1f} (route_decode p50 {row['route_decode_p50_us']:.1f}, p99 "
+            f"{row['route_decode_p99_us']:.1f}; fallback {row['fallback']})"
+        )
     print("signature: in kv_transfer_params (JSON) | as a PrefillSignature on the bus (msgpack)")
     for row in sigs:
         print(
@@ -797,7 +989,7 @@ def main() -> None:
             f" ms), block keys alone {row['block_keys_p50_us']:6.1f} µs"
         )
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":
