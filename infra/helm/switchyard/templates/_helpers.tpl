@@ -1,0 +1,12 @@
+{{/* Labels that select one release's pods (each workload adds its app.kubernetes.io/component). */}}
+{{- define "switchyard.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Every object's labels. */}}
+{{- define "switchyard.labels" -}}
+{{ include "switchyard.selector" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
