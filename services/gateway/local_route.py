@@ -17,8 +17,8 @@ import numpy as np
 from switchyard.services.gateway.prompt_keys import PromptKeys
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.routing import Chooser
-from switchyard.services.router.core import Decided, RouterCore
-from switchyard.services.router.feed import DecisionSharer
+from switchyard.services.router.core import Decided
+from switchyard.services.router.feed import CoreFeed, DecisionSharer
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import RouteDecodeRequest, RouteDpRequest
 
@@ -26,26 +26,27 @@ __all__ = ["CoreProgress", "InProcessRouter"]
 
 
 class CoreProgress:
-    """First tokens and ends of the requests this gateway routed, settled in its core at once."""
+    """First tokens and ends of the requests this gateway routed, settled in its core at once (`CoreFeed.settle`:
+    the views are re-read on a later turn of the loop, not by the next request)."""
 
-    def __init__(self, core: RouterCore) -> None:
-        self.core = core
+    def __init__(self, feed: CoreFeed) -> None:
+        self.feed = feed
 
     def first(self, request_id: str) -> None:
-        self.core.fleet.on_progress([request_id], ())
+        self.feed.settle((request_id,), ())
 
     def done(self, request_id: str) -> None:
-        self.core.fleet.on_progress((), [request_id])
+        self.feed.settle((), (request_id,))
 
     async def close(self) -> None:
         """Nothing to publish (the remote shape's reporter flushes here)."""
 
 
 class InProcessRouter(Chooser):
-    def __init__(self, core: RouterCore, sharer: DecisionSharer | None) -> None:
+    def __init__(self, feed: CoreFeed, sharer: DecisionSharer | None) -> None:
         super().__init__()
-        self.core, self.sharer = core, sharer
-        self.progress = CoreProgress(core)
+        self.core, self.sharer = feed.core, sharer
+        self.progress = CoreProgress(feed)
 
     def _share(self, decided: Decided | None) -> None:
         if decided is not None and self.sharer is not None:

@@ -221,7 +221,7 @@ class GatewayService:
                     g.gateway_id,
                 )
             await self.feed.start(bus, None, None)  # engine messages come through this service's handlers
-            router = InProcessRouter(self.core, self.sharer)
+            router = InProcessRouter(self.feed, self.sharer)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
         self.ctx = Context(g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix)

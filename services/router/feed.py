@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, NotFoundError
@@ -159,12 +160,12 @@ class CoreFeed:
 
     def on_hello(self, hello: Hello, _msg: Msg | None = None) -> None:
         self.core.on_hello(hello, time.monotonic())
-        self._refresh_soon()
+        self.refresh_soon()
 
     def on_telemetry(self, telemetry: Telemetry, _msg: Msg | None = None) -> None:
         now = time.monotonic()
         known = self.core.on_telemetry(telemetry, now)
-        self._refresh_soon()
+        self.refresh_soon()
         if not known and self._bus is not None:
             # an engine we have no hello from: ask it to introduce itself, at most once a second
             if now - self._asked.get(telemetry.engine_id, -math.inf) < ANNOUNCE_INTERVAL_S:
@@ -182,8 +183,15 @@ class CoreFeed:
 
     def on_decisions(self, decisions: RouteDecisions, _msg: Msg | None = None) -> None:
         self.core.on_decisions(decisions, time.monotonic())
+        self.refresh_soon()  # in step in place when it can be; else re-read here, not on the next request
 
-    def _refresh_soon(self) -> None:
+    def settle(self, first: Sequence[str], done: Sequence[str]) -> None:
+        """This process's own progress reports (an in-process gateway's first tokens and ends): the exact ledger
+        settles now, and the views are re-read off the request path."""
+        self.core.fleet.on_progress(first, done)
+        self.refresh_soon()
+
+    def refresh_soon(self) -> None:
         """Re-read the role views once after a burst of hellos and telemetry, off the request path.
 
         A decision re-reads a view itself when the fleet changed since the last read (`RoleView.refresh`, the
@@ -337,4 +345,3 @@ class CoreFeed:
 def _quiet(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: an announce lost while the bus is away is asked again a second later
-
