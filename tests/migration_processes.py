@@ -14,13 +14,15 @@ from switchyard.shared.settings import SwitchyardSettings
 
 
 def start_service(
-    name: str, settings: SwitchyardSettings, database_url: str, log: Path, **env: str
+    name: str, settings: SwitchyardSettings, database_url: str | None, log: Path, *args: str, **env: str
 ) -> subprocess.Popen[bytes]:
-    """A `switchyard <name>` process on the test's bus and database; `env` adds SWITCHYARD_* settings."""
+    """A `switchyard <name> [args]` process on the test's bus and database (None: a service without one);
+    `env` adds SWITCHYARD_* settings."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     environment.update(SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix, **env)
     command = [sys.executable, "-m", "switchyard.services.cli", name]
-    command += ["--nats-url", settings.nats_servers[0], "--database-url", database_url]
+    command += ["--nats-url", settings.nats_servers[0], *args]
+    command += ["--database-url", database_url] if database_url is not None else []
     with log.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment)
 
