@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint bench chaos hostile clean check-wheel
+.PHONY: run test test-vllm lint bench chaos takeover hostile clean check-wheel
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
@@ -53,6 +53,11 @@ bench: $(STAMP)
 ## engine claiming another role, a stream flood), measured; ~6 minutes (docs/reliability.md)
 chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py $(ARGS)
+
+## takeover: kill -9 of the active placement / migration replica with a standby running, and of one of two
+## routers / gateways under load, 3 times each, with the figures (~1.5 min; docs/reliability.md, "Takeover, measured")
+takeover: $(STAMP)
+	$(BIN)/python bench/takeover.py $(ARGS)
 
 ## hostile: >= 100,000 malformed messages on every subject against the services, with their memory before/after
 hostile: $(STAMP)

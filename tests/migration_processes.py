@@ -1,5 +1,6 @@
-"""`switchyard migration` as a real process, and a simulated engine that holds one migrate step: what the
-SIGKILL tests (`test_migration_sigkill`, `test_migration_takeover`) share."""
+"""`switchyard migration` / `switchyard placement` as real processes, and a simulated engine that holds one
+migrate step: what the SIGKILL tests (`test_migration_sigkill`, `test_migration_takeover`,
+`test_placement_takeover`) share."""
 
 from __future__ import annotations
 
@@ -12,23 +13,25 @@ from pathlib import Path
 from switchyard.shared.settings import SwitchyardSettings
 
 
-def start_migration(
-    settings: SwitchyardSettings, database_url: str, log: Path, **env: str
+def start_service(
+    name: str, settings: SwitchyardSettings, database_url: str | None, log: Path, *args: str, **env: str
 ) -> subprocess.Popen[bytes]:
-    """A `switchyard migration` process on the test's bus and database; `env` adds SWITCHYARD_* settings.
-
-    Steps are never resent while the process lives (30 s step timeout): one send per life."""
+    """A `switchyard <name> [args]` process on the test's bus and database (None: a service without one);
+    `env` adds SWITCHYARD_* settings."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    environment.update(
-        SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix,
-        SWITCHYARD_MIGRATION_RETRY_BACKOFF_S="0.05",
-        SWITCHYARD_MIGRATION_STEP_TIMEOUT_S="30",
-        **env,
-    )
-    command = [sys.executable, "-m", "switchyard.services.cli", "migration"]
-    command += ["--nats-url", settings.nats_servers[0], "--database-url", database_url]
+    environment.update(SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix, **env)
+    command = [sys.executable, "-m", "switchyard.services.cli", name]
+    command += ["--nats-url", settings.nats_servers[0], *args]
+    command += ["--database-url", database_url] if database_url is not None else []
     with log.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment)
+
+
+def start_migration(settings: SwitchyardSettings, database_url: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    """A `switchyard migration` process; steps are never resent while it lives (30 s step timeout): one send
+    per life."""
+    env = {"SWITCHYARD_MIGRATION_RETRY_BACKOFF_S": "0.05", "SWITCHYARD_MIGRATION_STEP_TIMEOUT_S": "30", **env}
+    return start_service("migration", settings, database_url, log, **env)
 
 
 class HeldStep:
