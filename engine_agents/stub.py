@@ -21,9 +21,9 @@ import json
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import uvicorn
@@ -36,6 +36,11 @@ from switchyard.engine_agents.core.agent import EngineAgent
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_to_json
+from switchyard.shared.tracing import Tracing
+from switchyard.shared.tracing import start as start_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 #: Larger `max_tokens` are refused with 400, as an engine refuses a request beyond its context.
 MAX_TOKENS = 100_000
@@ -69,6 +74,10 @@ class StubEngine:
     def __init__(self, config: StubConfig, bus: Bus | None = None, host: str = "127.0.0.1") -> None:
         self.config, self.bus, self.host = config, bus, host
         self.received: list[tuple[str, str, dict[str, Any]]] = []  # (path, x-request-id, body)
+        #: Each completion request's `traceparent` header (None: it had none), in arrival order.
+        self.traceparents: list[str | None] = []
+        #: OpenTelemetry (`shared.tracing`), started with the server; None: off (the default).
+        self.tracing: Tracing | None = None
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.running = 0  # completions being answered (not prefill hops)
@@ -87,6 +96,27 @@ class StubEngine:
     # ----- HTTP -----
 
     async def _complete(self, request: Request) -> Response:
+        """A completion; with tracing on, inside a server span continuing the caller's `traceparent`, as vLLM
+        does when started with `--otlp-traces-endpoint` (ended when the answer, or its stream, ends)."""
+        self.traceparents.append(request.headers.get("traceparent"))
+        tracing = self.tracing
+        if tracing is None:
+            return await self._completion(request)
+        attributes = {"http.request.method": "POST", "url.path": request.url.path, "engine.id": self.config.engine_id}
+        span = tracing.open(f"POST {request.url.path}", "server", attributes, carrier=request.headers)
+        try:
+            response = await self._completion(request)
+        except BaseException as exc:
+            tracing.end(span, type(exc).__name__)
+            raise
+        span.set_attribute("http.response.status_code", response.status_code)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _ending(response.body_iterator, tracing, span)
+        else:
+            tracing.end(span)
+        return response
+
+    async def _completion(self, request: Request) -> Response:
         body = json.loads(await request.body())
         request_id = request.headers.get("x-request-id", "")
         self.received.append((request.url.path, request_id, body))
@@ -240,6 +270,7 @@ class StubEngine:
     # ----- lifecycle -----
 
     async def start(self, port: int = 0) -> None:
+        self.tracing = start_tracing("switchyard-stub-engine")
         # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with
         # proto 0, Nagle plus delayed ACKs add ~40 ms to every answer written in two parts.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -270,6 +301,20 @@ class StubEngine:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serving
+        if self.tracing is not None:
+            self.tracing.close()
+            self.tracing = None
+
+
+async def _ending(chunks: AsyncIterable[Any], tracing: Tracing, span: Span) -> AsyncIterator[Any]:
+    """A stream's chunks, then the end of its span (failed if the stream was cut)."""
+    error = "aborted"
+    try:
+        async for chunk in chunks:
+            yield chunk
+        error = None
+    finally:
+        tracing.end(span, error)
 
 
 class _StubAgent(EngineAgent):

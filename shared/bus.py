@@ -21,7 +21,7 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -38,6 +38,9 @@ from switchyard.shared.errors import ConfigError, Impersonation, Relayed, Replic
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.stream_limits import LIMIT_FIELDS, bucket_limits, contract_limits, limits_differ
 from switchyard.shared.subjects import Durable, Subjects
+
+if TYPE_CHECKING:
+    from switchyard.shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -506,6 +509,8 @@ class Bus:
         queue: str = "",
         *,
         idle: Callable[[], None] | None = None,
+        tracing: Tracing | None = None,
+        span_name: str = "",
     ) -> Subscription:
         """Answer requests on `subject`. Every request gets exactly one reply: the handler's, or an ErrorReply.
 
@@ -514,12 +519,17 @@ class Bus:
         `idle`, if given, is called after a reply when no further request is waiting on this subscription (the
         end of a burst), on the loop's next turn: after nats-py's flusher has written the reply, so nothing it
         does delays one. A failure in it is logged and counted, never fatal.
+
+        `tracing`, if given (tracing on), wraps each request in a server span `span_name` (default: the subject),
+        the child of the `traceparent` in the request's NATS headers when it has one, current while the handler
+        runs (which may `annotate` it). None: no span, nothing read from the headers.
         """
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
         subscription: list[Subscription] = []  # bound once subscribed (a request may be handled before that)
         failures = _RateLimitedWarning(subject)
         loop = asyncio.get_running_loop()
+        span_attributes = {"messaging.system": "nats", "messaging.destination.name": subject}
 
         async def _on_request(msg: Msg) -> None:
             if not msg.reply:
@@ -528,21 +538,31 @@ class Bus:
             if _relayed(subject, msg):  # not a request at all: its reply subject would be an acknowledgement
                 REJECTED.labels(subject, Relayed.code).inc()
                 return
-            request = decode_one(msg.data)
-            if isinstance(request, WireError):
-                payload = encode(ErrorReply.from_exception(request))
-            else:
-                try:
-                    result = handler(request)
-                    answer = await result if is_async else result  # type: ignore[misc]
-                    payload = answer if isinstance(answer, bytes) else encode(answer)  # type: ignore[arg-type]
-                except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
-                    REJECTED.labels(subject, exc.code).inc()
-                    payload = encode(ErrorReply.from_exception(exc))
-                except Exception as exc:
-                    HANDLER_ERRORS.labels(subject).inc()
-                    failures.failed("handler")
-                    payload = encode(ErrorReply.from_exception(exc))
+            span = token = error = None
+            if tracing is not None:
+                span, token = tracing.enter(span_name or subject, msg.headers, span_attributes)
+            try:
+                request = decode_one(msg.data)
+                if isinstance(request, WireError):
+                    error = request.code
+                    payload = encode(ErrorReply.from_exception(request))
+                else:
+                    try:
+                        result = handler(request)
+                        answer = await result if is_async else result  # type: ignore[misc]
+                        payload = answer if isinstance(answer, bytes) else encode(answer)  # type: ignore[arg-type]
+                    except WireError as exc:  # the handler judged the request invalid (e.g. wrong signature shape)
+                        REJECTED.labels(subject, exc.code).inc()
+                        error = exc.code
+                        payload = encode(ErrorReply.from_exception(exc))
+                    except Exception as exc:
+                        HANDLER_ERRORS.labels(subject).inc()
+                        failures.failed("handler")
+                        error = type(exc).__name__
+                        payload = encode(ErrorReply.from_exception(exc))
+            finally:
+                if span is not None:
+                    tracing.leave(span, token, error)  # type: ignore[union-attr]
             await msg.respond(payload)
             if idle is not None and (not subscription or subscription[0].pending_msgs == 0):
                 loop.call_soon(run_idle)  # after the flusher's turn, which `respond` has just scheduled

@@ -96,10 +96,23 @@ class _Completions:
 
     def __init__(self, ctx: Context, path: str, chat: bool) -> None:
         self.ctx, self.path, self.chat = ctx, path, chat
+        self.attributes = {"http.request.method": "POST", "http.route": path, "url.path": path}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await _complete(self.ctx, Request(scope, receive), self.path, self.chat)
-        await response(scope, receive, send)
+        tracing = self.ctx.tracing
+        if tracing is None:
+            response = await _complete(self.ctx, Request(scope, receive), self.path, self.chat)
+            await response(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        # A server span for the whole request, streamed answer included; the client's `traceparent`, if any, is
+        # its parent. The routing decision and each engine call are its children.
+        with tracing.server(f"POST {self.path}", request.headers, self.attributes) as span:
+            response = await _complete(self.ctx, request, self.path, self.chat)
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, f"http_{response.status_code}")
+            await response(scope, receive, send)
 
 
 class GatewayApp:

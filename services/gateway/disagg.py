@@ -27,7 +27,8 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.choice import pick_prefill
 from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import ClientGone, Context, ToClient, final_hop, until_disconnect
+from switchyard.services.gateway.relay import ClientGone, Context, ToClient, final_hop, hop_span, until_disconnect
+from switchyard.services.gateway.routing import traced_route
 from switchyard.services.gateway.upstream import UpstreamError
 from switchyard.shared.errors import WireError
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_from_json
@@ -86,20 +87,33 @@ async def _prefill(
     metrics.PREFILL_CHOICES.labels(by).inc()
     content = json.dumps(prefill_body(parsed.body)).encode()
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    tracing = ctx.tracing
     for attempt, index in enumerate(order[:2]):
         engine = engines[index]
         if attempt:
             metrics.RETRIES.labels("prefill").inc()
+        span, sent = None, headers
+        if tracing is not None:
+            span, sent = hop_span(tracing, engine, path, "prefill", headers)
         engine.inflight += 1
         try:
-            call = ctx.upstream.post(engine, path, content, headers, ctx.settings.prefill_timeout_s)
+            call = ctx.upstream.post(engine, path, content, sent, ctx.settings.prefill_timeout_s)
             answer = await until_disconnect(request, call)
         except UpstreamError as exc:
             ctx.registry.hop_failed(engine)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
+            if span is not None:
+                tracing.end(span, exc.reason)  # type: ignore[union-attr]
             continue
+        except BaseException as exc:
+            if span is not None:
+                tracing.end(span, type(exc).__name__)  # type: ignore[union-attr]
+            raise
         finally:
             engine.inflight -= 1
+        if span is not None:
+            span.set_attribute("http.response.status_code", answer.status)
+            tracing.end(span)  # type: ignore[union-attr]
         ctx.registry.hop_succeeded(engine)
         if answer.status >= 400:  # the engine refused the request itself: the client's answer
             metrics.REQUESTS.labels("disagg", "client_error").inc()
@@ -156,9 +170,13 @@ async def serve_disagg(
         wait_s = ctx.signatures.wait_for(engine_id, ctx.settings.signature_wait_s)
         signature = await ctx.signatures.wait(request_id, wait_s, engine_id)
         metrics.SIGNATURES.labels("bus" if signature is not None else "missing").inc()
-    decoder = await ctx.router.route_decode(
+    choice = ctx.router.route_decode(
         request_id, parsed.prompt_tokens, signature, prefill_engine.engine_id, decoders, parsed.model
     )
+    if ctx.tracing is None:
+        decoder = await choice
+    else:
+        decoder = await traced_route(ctx.tracing, ctx.router, "decode", request_id, choice)
     if decoder is None:
         return error_response(503, "no live decode engine", "ServiceUnavailableError")
     return await final_hop(

@@ -7,6 +7,7 @@ from starlette.requests import Request
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.relay import Context, Relayed, ToClient, final_hop
+from switchyard.services.gateway.routing import traced_route
 
 
 async def serve_dp(
@@ -19,7 +20,11 @@ async def serve_dp(
     request_id: str,
     started: float,
 ) -> ToClient:
-    engine = await ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
+    choice = ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
+    if ctx.tracing is None:
+        engine = await choice
+    else:
+        engine = await traced_route(ctx.tracing, ctx.router, "dp", request_id, choice)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     progress = ctx.router.progress

@@ -48,6 +48,13 @@ class InProcessRouter(Chooser):
         self.core, self.sharer = feed.core, sharer
         self.progress = CoreProgress(feed)
 
+    def trace_attributes(self, kind: str) -> dict[str, str]:
+        settings = self.core.settings
+        return {
+            "switchyard.route.shape": "inprocess",
+            "switchyard.route.profile": settings.dp_rule if kind == "dp" else settings.policy,
+        }
+
     def _share(self, decided: Decided | None) -> None:
         if decided is not None and self.sharer is not None:
             self.sharer.add(decided)

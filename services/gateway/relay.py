@@ -28,8 +28,11 @@ from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from switchyard.services.gateway.prefix import PrefillPrefix
     from switchyard.services.gateway.prompt_keys import PromptKeyer
+    from switchyard.shared.tracing import Tracing
 
 T = TypeVar("T")
 
@@ -47,6 +50,8 @@ class Context:
     keyer: PromptKeyer | None = None
     #: The prefill engines' prefix index (None: prefix keys off; the prefill choice is the hash alone).
     prefix: PrefillPrefix | None = None
+    #: OpenTelemetry (`shared.tracing`; None: off, the default, and no request path makes a span).
+    tracing: Tracing | None = None
 
 
 class ClientGone(Exception):
@@ -108,6 +113,43 @@ async def until_disconnect(request: Request, call: Awaitable[T]) -> T:
         watch.stop()
 
 
+def hop_span(
+    tracing: Tracing, engine: Engine, path: str, hop: str, headers: dict[str, str]
+) -> tuple[Span, dict[str, str]]:
+    """A client span for one call to an engine (one attempt), and the call's headers naming it as the parent
+    (`traceparent`): vLLM started with `--otlp-traces-endpoint` continues the trace."""
+    attributes = {
+        "http.request.method": "POST",
+        "url.full": str(engine.url(path)),
+        "switchyard.engine_id": engine.engine_id,
+        "switchyard.hop": hop,
+    }
+    span = tracing.open(f"POST {path}", "client", attributes)
+    return span, {**headers, **tracing.headers(span)}
+
+
+def end_hop_span(tracing: Tracing, span: Span, answer: ToClient) -> None:
+    """End a hop's span with its answer: at once for a whole one, when the relay finishes for a stream."""
+    span.set_attribute("http.response.status_code", answer.status_code)
+    if not isinstance(answer, Relayed):
+        tracing.end(span, None if answer.status_code < 500 else f"http_{answer.status_code}")
+        return
+    finish = answer.finish
+
+    def finished(outcome: str, first_at: float) -> None:
+        finish(outcome, first_at)
+        span.set_attribute("switchyard.outcome", outcome)
+        tracing.end(span, "mid_stream" if outcome == "upstream_error" else None)
+
+    answer.finish = finished
+
+
+def _failed(tracing: Tracing | None, span: Span | None, error: str) -> None:
+    """End a hop's span (when tracing) as failed."""
+    if tracing is not None and span is not None:
+        tracing.end(span, error)
+
+
 def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine | None:
     others = [e for e in candidates if e is not failed]
     index = least_loaded([e.inflight for e in others], turn)
@@ -129,15 +171,20 @@ async def final_hop(
     started: float,
 ) -> ToClient:
     headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    tracing = ctx.tracing
     for attempt in (0, 1):
+        span, sent = None, headers
+        if tracing is not None:
+            span, sent = hop_span(tracing, engine, path, hop, headers)
         engine.inflight += 1
         try:
             if stream:
-                opened = await until_disconnect(request, ctx.upstream.open_stream(engine, path, content, headers))
+                opened = await until_disconnect(request, ctx.upstream.open_stream(engine, path, content, sent))
             else:
-                answer = await until_disconnect(request, ctx.upstream.post(engine, path, content, headers))
+                answer = await until_disconnect(request, ctx.upstream.post(engine, path, content, sent))
         except UpstreamError as exc:
             engine.inflight -= 1
+            _failed(tracing, span, exc.reason)
             ctx.registry.hop_failed(engine)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, hop, exc.reason).inc()
             retry = other_engine(engine, candidates, attempt) if attempt == 0 else None
@@ -149,11 +196,13 @@ async def final_hop(
             continue
         except ClientGone:
             engine.inflight -= 1
+            _failed(tracing, span, "client_gone")
             metrics.CLIENT_ABORTS.labels(kind).inc()
             metrics.REQUESTS.labels(kind, "aborted").inc()
             return Response(status_code=499)
-        except BaseException:
+        except BaseException as exc:
             engine.inflight -= 1
+            _failed(tracing, span, type(exc).__name__)
             raise
         ctx.registry.hop_succeeded(engine)
         if not stream:
@@ -162,10 +211,16 @@ async def final_hop(
             metrics.TTFT.labels(engine.engine_id, kind).observe(elapsed)
             metrics.E2E.labels(engine.engine_id, kind).observe(elapsed)
             metrics.REQUESTS.labels(kind, "ok" if answer.status < 400 else "client_error").inc()
-            return Response(
+            whole = Response(
                 answer.content, answer.status, headers={"x-request-id": request_id}, media_type=answer.content_type
             )
-        return _stream_back(opened, engine, kind, request_id, started)
+            if span is not None:
+                end_hop_span(tracing, span, whole)  # type: ignore[arg-type]
+            return whole
+        relayed = _stream_back(opened, engine, kind, request_id, started)
+        if span is not None:
+            end_hop_span(tracing, span, relayed)  # type: ignore[arg-type]
+        return relayed
     raise AssertionError("unreachable")
 
 

@@ -11,7 +11,8 @@ an outage is one line, not one per request.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from nats.errors import Error as NatsError
@@ -25,6 +26,9 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.codec import WireModel, array_to_wire, encode, encode_unchecked, reply_fields
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, RouteDpReply, RouteDpRequest
+
+if TYPE_CHECKING:
+    from switchyard.shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,12 @@ class Routes(Protocol):
     """What the request paths ask: either shape (`Router`, `local_route.InProcessRouter`)."""
 
     progress: Progress | None
+    #: Why the last choice was local ("" when the router's was followed): read right after the call returns.
+    fallback: str
+
+    def trace_attributes(self, kind: str) -> dict[str, str]:
+        """What a `route.<kind>` span says of this shape (and, in process, of the profile deciding)."""
+        ...
 
     async def route_dp(
         self,
@@ -70,10 +80,12 @@ class Chooser:
         self.incident = False  # True from the first fallback until the router answers again
         self.fallbacks_in_incident = 0
         self._turn = 0
+        self.fallback = ""
 
     def local(self, candidates: list[Engine], kind: str, reason: str) -> Engine | None:
         """Least-loaded candidate by the gateway's own in-flight counts; counted and logged once per incident."""
         metrics.FALLBACKS.labels(kind, reason).inc()
+        self.fallback = reason
         if not self.incident:
             self.incident = True
             log.warning("router unavailable for %s (%s): choosing engines locally (least loaded)", kind, reason)
@@ -91,6 +103,7 @@ class Chooser:
         for engine in candidates:
             if engine.engine_id == engine_id:
                 self._recovered()
+                self.fallback = ""
                 return engine
         return self.local(candidates, kind, "unknown_engine")
 
@@ -98,9 +111,11 @@ class Chooser:
 class Router(Chooser):
     """The remote shape: ask a router replica over the bus (`--router remote`)."""
 
-    def __init__(self, bus: Bus | None, timeout_s: float) -> None:
+    def __init__(self, bus: Bus | None, timeout_s: float, tracing: Tracing | None = None) -> None:
         super().__init__()
         self.bus, self.timeout_s = bus, timeout_s
+        #: Tracing on: each question carries the current span's `traceparent` in its NATS headers.
+        self.tracing = tracing
         #: The gateway reports each routed DP request's first token and end (`sy.route.progress`), so it asks
         #: with ``progress``: the router counts the request exactly until those reports.
         self.progress = ProgressReporter(bus) if bus is not None else None
@@ -109,8 +124,9 @@ class Router(Chooser):
         """The chosen engine id (checked by the caller against its candidates), or None and the reason."""
         if self.bus is None:
             return None, "no_bus"
+        headers = self.tracing.headers() if self.tracing is not None else None
         try:
-            answer = await self.bus.nc.request(subject, payload, timeout=self.timeout_s)
+            answer = await self.bus.nc.request(subject, payload, timeout=self.timeout_s, headers=headers)
             engine_id = reply_fields(answer.data, reply, self.bus.max_payload).get("engine_id")
         except TimeoutError:
             return None, "timeout"
@@ -123,6 +139,9 @@ class Router(Chooser):
         if not isinstance(engine_id, str):
             return None, "bad_reply"
         return engine_id, ""
+
+    def trace_attributes(self, kind: str) -> dict[str, str]:
+        return {"switchyard.route.shape": "remote"}  # the profile: on the router's own span
 
     async def route_dp(
         self,
@@ -174,3 +193,20 @@ class Router(Chooser):
         if engine_id is None:
             return self.local(candidates, "decode", reason)
         return self._follow(engine_id, candidates, "decode")
+
+
+async def traced_route(
+    tracing: Tracing, router: Routes, kind: str, request_id: str, choice: Awaitable[Engine | None]
+) -> Engine | None:
+    """Await `choice` (the router's `route_dp` / `route_decode` call) inside a `route.<kind>` span: a client span
+    in the remote shape (its `traceparent` goes with the question, and the router's server span is its child),
+    an internal one in process; it names the engine chosen and, when the choice was local, why."""
+    attributes: dict[str, Any] = {"switchyard.request_id": request_id, **router.trace_attributes(kind)}
+    span_kind = "client" if attributes["switchyard.route.shape"] == "remote" else "internal"
+    with tracing.span(f"route.{kind}", span_kind, attributes) as span:
+        engine = await choice
+        if engine is not None:
+            span.set_attribute("switchyard.engine_id", engine.engine_id)
+            if router.fallback:
+                span.set_attribute("switchyard.route.fallback", router.fallback)
+    return engine

@@ -37,6 +37,8 @@ from switchyard.shared.nats_auth import Credentials, gateway_user
 from switchyard.shared.schemas import Announce, Hello, KvEvents, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import check_token
+from switchyard.shared.tracing import Tracing
+from switchyard.shared.tracing import start as start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class GatewayService:
         self._serving: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
+        self.tracing: Tracing | None = None
 
     @property
     def url(self) -> str:
@@ -182,6 +185,11 @@ class GatewayService:
     async def start(self, servers: list[str] | None = None) -> None:
         g = self.gateway
         sock = self._listen()
+        try:
+            self.tracing = start_tracing("switchyard-gateway")  # None unless the OTEL_* settings turn it on
+        except BaseException:
+            sock.close()
+            raise
         role, shares = bus_role(self.settings, g.gateway_id)
         try:
             self.bus = bus = await Bus.connect(
@@ -197,6 +205,9 @@ class GatewayService:
             sock.close()
             if self.bus is not None:
                 await self.bus.close()
+            if self.tracing is not None:
+                self.tracing.close()
+                self.tracing = None
             raise
         s = bus.subjects
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
@@ -208,7 +219,7 @@ class GatewayService:
         if prefill_index or (self.core is not None and self.core.ingests_kv):
             await ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
-        router: Routes = Router(bus, g.route_timeout_s)
+        router: Routes = Router(bus, g.route_timeout_s, self.tracing)
         if self.core is not None and self.feed is not None:
             if shares:
                 decided = s.decided("gateway", g.gateway_id)
@@ -224,7 +235,9 @@ class GatewayService:
             router = InProcessRouter(self.feed, self.sharer)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
-        self.ctx = Context(g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix)
+        self.ctx = Context(
+            g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix, self.tracing
+        )
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
         )
@@ -274,6 +287,9 @@ class GatewayService:
             await self.ingest.close()
         if self.keyer is not None:
             self.keyer.close()
+        if self.tracing is not None:
+            self.tracing.close()  # exports what is buffered
+            self.tracing = None
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         await self.start(servers)

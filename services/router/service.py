@@ -24,7 +24,7 @@ import time
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from switchyard.services.router.core import DpChoice, RouterCore
+from switchyard.services.router.core import Decided, DpChoice, RouterCore
 from switchyard.services.router.feed import HOUSEKEEPING_S, CoreFeed, DecisionSharer
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.runtime import metrics_endpoint
@@ -32,6 +32,8 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.codec import WireModel
 from switchyard.shared.schemas import Announce, RouteDecodeRequest, RouteDpRequest, RouteProgress
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.tracing import Tracing
+from switchyard.shared.tracing import start as start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class RouterService:
         #: Hellos, telemetry, KV events, the other replicas' decisions, the artifact (`services.router.feed`).
         self.feed = CoreFeed(self.core, settings, self.router.replica_id)
         self.ready = self.feed.ready
+        #: OpenTelemetry (`shared.tracing`; None: off, the default): a server span per route request.
+        self.tracing: Tracing | None = None
 
     def _on_progress(self, progress: RouteProgress, _msg: Msg) -> None:
         self.core.on_progress(progress)
@@ -69,18 +73,33 @@ class RouterService:
         reply, decided = self.core.route_decode(request, time.monotonic())
         if decided is not None and self.sharer is not None:
             self.sharer.add(decided)
+        if self.tracing is not None:
+            self._annotate(request.request_id, decided, self.router.policy, reply)
         return reply
 
     def _route_dp(self, request: RouteDpRequest) -> WireModel | bytes:
         reply, decided = self.core.route_dp(request, time.monotonic())
         if decided is not None and self.sharer is not None:
             self.sharer.add(decided)
+        if self.tracing is not None:
+            self._annotate(request.request_id, decided, self.router.dp_rule, reply)
         return reply.encode() if isinstance(reply, DpChoice) else reply
+
+    def _annotate(self, request_id: str, decided: Decided | None, profile: str, reply: object) -> None:
+        """The route request's server span: what was chosen, by which profile (or the error replied)."""
+        attributes = {"switchyard.request_id": request_id, "switchyard.route.profile": profile}
+        if decided is not None:
+            attributes["switchyard.engine_id"] = decided.engine_id
+        else:
+            error = getattr(reply, "error", None)
+            attributes["switchyard.route.error"] = getattr(error, "code", "none")
+        self.tracing.annotate(attributes)  # type: ignore[union-attr]
 
     # ----- lifecycle -----
 
     async def start(self, servers: list[str] | None = None) -> None:
         t0 = time.monotonic()
+        self.tracing = start_tracing("switchyard-router")
         self.bus = bus = await Bus.connect(
             self.settings, name=self.router.replica_id, servers=servers, no_echo=True, role="router"
         )
@@ -104,10 +123,12 @@ class RouterService:
         await self.feed.start(bus, ingest, self.kv_ingest)
         t2 = time.monotonic()
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
-        share = self.sharer.idle
+        serving = {"queue": s.router_queue, "idle": self.sharer.idle, "tracing": self.tracing}
         self._serving = [
-            await bus.serve(s.route_decode, RouteDecodeRequest, self._route_decode, queue=s.router_queue, idle=share),
-            await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, queue=s.router_queue, idle=share),
+            await bus.serve(
+                s.route_decode, RouteDecodeRequest, self._route_decode, span_name="route.decode", **serving
+            ),
+            await bus.serve(s.route_dp, RouteDpRequest, self._route_dp, span_name="route.dp", **serving),
         ]
         await bus.nc.flush()
         t3 = time.monotonic()
@@ -137,6 +158,9 @@ class RouterService:
         for connection in (self.ingest, self.kv_ingest):
             if connection is not None:
                 await connection.close()
+        if self.tracing is not None:
+            self.tracing.close()
+            self.tracing = None
 
     async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
         with metrics_endpoint(self.router.metrics_port, self.router.metrics_host):
