@@ -38,7 +38,8 @@ responder are still awake), and the gateway's own route request is always a firs
 bare one always came second, which understated the floor by that much.)
 
 Throughput: `--concurrency` connections each keep one non-streaming request in flight for `--duration` s per
-target; requests/s, and the CPU seconds the target process spent per request (from /proc).
+target; requests/s, and the CPU seconds the target process spent per request (from /proc), and the router's and
+nats-server's in the same window (the router's is the remote shape's decision cost; idle otherwise).
 
 Handoff: the same streaming request with model `stub-pd`, through each gateway and straight to the decode stub,
 alternating; the added TTFT is the whole handoff (prefill hop, signature decode, the decode choice: a
@@ -596,7 +597,12 @@ async def tokenize_figures(tokenizer_dir: Path, prompts: Prompts, n: int = 40) -
     return out
 
 
-async def throughput(port: int, duration: float, concurrency: int, pid: int | None) -> dict[str, float]:
+async def throughput(
+    port: int, duration: float, concurrency: int, pid: int | None, others: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Requests/s and CPU ms per request of the target process; and of `others` (name → pid: the router, whose
+    share the remote shape adds, and nats-server) as `<name>_cpu_ms_per_req`, for sizing (docs/deploy.md)."""
+    others = others or {}
     body = json.dumps(BODY).encode()
     conns = [Conn(port) for _ in range(concurrency)]
     for conn in conns:
@@ -606,6 +612,7 @@ async def throughput(port: int, duration: float, concurrency: int, pid: int | No
     done, errors = 0, 0
     stop_at = time.perf_counter() + duration
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    others0 = {name: cpu_seconds(other) for name, other in others.items()}
 
     async def worker(conn: Conn) -> None:
         nonlocal done, errors
@@ -619,7 +626,10 @@ async def throughput(port: int, duration: float, concurrency: int, pid: int | No
     await asyncio.gather(*(worker(c) for c in conns))
     elapsed = time.perf_counter() - start
     cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
-    return {"req_per_s": done / elapsed, "errors": errors, "cpu_ms_per_req": cpu / max(done, 1) * 1e3}
+    out = {"req_per_s": done / elapsed, "errors": errors, "cpu_ms_per_req": cpu / max(done, 1) * 1e3}
+    for name, other in others.items():
+        out[f"{name}_cpu_ms_per_req"] = (cpu_seconds(other) - others0[name]) / max(done, 1) * 1e3
+    return out
 
 
 # ----- signatures --------------------------------------------------------------------------------------------
@@ -717,6 +727,8 @@ def shape_figures(
             "added_itl_p50_ms": lat[name]["itl_p50_ms"] - direct["itl_p50_ms"],
             "req_s": tput[name]["req_per_s"],
             "cpu_ms_per_req": tput[name]["cpu_ms_per_req"],
+            "router_cpu_ms_per_req": tput[name]["router_cpu_ms_per_req"],
+            "nats_cpu_ms_per_req": tput[name]["nats_cpu_ms_per_req"],
             "proxy_added_ttft_p50_ms": proxy_added["p50"],
             "proxy_added_ttft_p99_ms": proxy_added["p99"],
             "over_proxy_ttft_p50_ms": added["p50"] - proxy_added["p50"],
@@ -849,8 +861,10 @@ def main() -> None:
             handoff = asyncio.run(handoff_latency(shape_ports, handoff_ports["d0"], args.requests))
             prefix = asyncio.run(prefix_latency(ports, prompts, args.prefix_requests))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
+            assert nats.process is not None
+            others = {"router": procs["router"].pid, "nats": nats.process.pid}
             tput = {
-                name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name]))
+                name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name], others))
                 for name, port in ports.items()
             }
             load_after = os.getloadavg()
@@ -905,7 +919,7 @@ def main() -> None:
     print(f"# {report['machine']}; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(
         f"{'target':17} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'added TTFT':>10} {'added ITL':>9}"
-        f" {'req/s':>7} {'CPU ms/req':>10}"
+        f" {'req/s':>7} {'CPU ms/req':>10} {'router':>7} {'nats':>7}"
     )
     for name in ports:
         added = report["added_vs_direct"].get(name, {"ttft_p50_ms": 0.0, "itl_p50_ms": 0.0})
@@ -913,6 +927,7 @@ def main() -> None:
             f"{name:17} {lat[name]['ttft_p50_ms']:9.3f} {lat[name]['ttft_p99_ms']:7.2f} {lat[name]['itl_p50_ms']:8.3f}"
             f" {lat[name]['itl_p99_ms']:7.2f} {added['ttft_p50_ms']:10.3f} {added['itl_p50_ms']:9.3f}"
             f" {tput[name]['req_per_s']:7.0f} {tput[name]['cpu_ms_per_req']:10.3f}"
+            f" {tput[name]['router_cpu_ms_per_req']:7.3f} {tput[name]['nats_cpu_ms_per_req']:7.3f}"
         )
     print(
         f"sy.route.dp round trip alone (bench client -> router), p50: {router_rtt:.3f} ms; a bare nats-py responder's "

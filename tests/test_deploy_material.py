@@ -443,3 +443,34 @@ def test_docs_name_the_files() -> None:
     text = (REPO / "docs" / "deploy.md").read_text()
     for needle in ("infra/container/Dockerfile", "infra/compose/compose.yaml", "infra/helm/switchyard", "nats-config"):
         assert needle in text
+
+
+def doc_settings(text: str) -> set[str]:
+    """`SWITCHYARD_*` names a page spells out in full (`SWITCHYARD_<SERVICE>_...` patterns and prefixes skipped)."""
+    return set(re.findall(r"\bSWITCHYARD_[A-Z0-9_]*[A-Z0-9]\b(?![<_])", text))
+
+
+def doc_commands(text: str) -> list[list[str]]:
+    """`switchyard ...` lines of a page's shell code blocks (continuations joined, `NAME=value` prefixes dropped)."""
+    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```sh\n(.*?)```", text, re.S)]
+    lines = [line for block in blocks for line in block.splitlines()]
+    found = []
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            words = words[1:]
+        if words[:1] == ["switchyard"]:
+            found.append(words[1:])
+    return found
+
+
+def test_deploy_doc_names_real_settings_and_commands(names: set[str], commands: dict[str, set[str]]) -> None:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    assert sorted(doc_settings(text) - names) == []
+    invocations = doc_commands(text)
+    assert len(invocations) >= 4  # nats-config, up (three shapes): the blocks were found
+    assert [problem for args in invocations for problem in check_command(args, commands)] == []
+    # the same checks catch a misspelt setting and option
+    broken = "Set `SWITCHYARD_GATEWAY_GATEWAYID`.\n```sh\nX=1 switchyard nats-config --out d \\\n  --gateway g0\n```\n"
+    assert doc_settings(broken) - names == {"SWITCHYARD_GATEWAY_GATEWAYID"}
+    assert check_command(doc_commands(broken)[0], commands) == ["switchyard nats-config --gateway: no such option"]
