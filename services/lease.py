@@ -38,7 +38,25 @@ class GroupLeases:
         self.kv: KeyValue | None = None
 
     async def start(self) -> None:
-        self.kv = await self.bus.ensure_kv(self.bus.subjects.lease_bucket, history=1, ttl=self.ttl_s)
+        bucket = self.bus.subjects.lease_bucket
+        self.kv = await self.bus.ensure_kv(bucket, history=1, ttl=self.ttl_s)
+        # The bucket keeps the TTL of whichever service created it; a mismatch changes what `ttl_s` promises.
+        max_age = (await self.bus.js.stream_info(f"KV_{bucket}")).config.max_age or 0.0
+        if max_age and abs(max_age - self.ttl_s) > 1e-3:
+            consequence = (
+                "a lease can expire between this replica's renewals and be taken over while it still acts"
+                if max_age < self.ttl_s
+                else f"a dead owner's groups are taken over only after {max_age:g} s"
+            )
+            log.warning(
+                "%s leases: bucket %s expires entries after %g s, not this service's lease_ttl_s %g s: %s "
+                "(give placement and migration the same lease TTL, or recreate the bucket)",
+                self.kind,
+                bucket,
+                max_age,
+                self.ttl_s,
+                consequence,
+            )
 
     def _key(self, group: str) -> str:
         return f"{self.kind}.{group}"
