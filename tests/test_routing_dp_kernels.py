@@ -15,6 +15,7 @@ from switchyard.solver.routing.decode import LOOP_MAX_ENGINES
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
 from switchyard.solver.routing.framework import NonFiniteCost
+from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 
 # The compositions meet the odd values and PARAMS[2]'s overflow with numpy's warnings; the kernels decline them.
 pytestmark = [
@@ -77,6 +78,34 @@ def test_the_gimbal_kernel_picks_what_the_composition_picks(n: int, odd: bool, d
         assert decision == profile.compose(snap, Q, RouterState(), T)
     elif not odd and params is not PARAMS[2]:  # finite scores: the kernel declines only without a live engine
         assert expected is None
+
+
+#: Cached prompt tokens per engine as the prefix index gives them (float64), in the odd dtypes a caller could.
+CACHED = st.sampled_from([0.0, 0.0, 512.0, 1400.0, 2800.0, 4000.0])
+
+
+@settings(max_examples=600, deadline=None)
+@given(n=st.integers(1, 8), odd=st.booleans(), data=st.data())
+def test_the_switchyard_kernel_picks_what_the_composition_picks(n: int, odd: bool, data: st.DataObject) -> None:
+    """Gimbal's kernel plus the uncached prompt (`switchyard`, the router's default), with and without a prefix
+    match: the same engine as the composition, ties included, or it declines."""
+    params = data.draw(st.sampled_from(PARAMS), "params")
+    snap = _fleet(data, n, odd)
+    prompt = data.draw(st.sampled_from([0, 1, 1400, 2800, 5000]), "prompt")
+    cached = data.draw(st.none() | st.lists(CACHED, min_size=n, max_size=n), "cached")
+    dtype = data.draw(st.sampled_from([np.float64, np.int64, np.float32]), "dtype")
+    query = RouteQuery(prompt_tokens=prompt, cached=None if cached is None else np.array(cached, dtype=dtype))
+    profile = dp_profile("switchyard", params)
+    assert profile.kernel == GimbalKernel(params, PREFIX_WEIGHT)
+    decision = profile.kernel(snap, query, RouterState(), T)
+    try:
+        expected: int | None = profile.compose(snap, query, RouterState(), T).index
+    except (LookupError, NonFiniteCost):
+        expected = None
+    if decision is not None:
+        assert decision.index == expected
+    elif not odd and params is not PARAMS[2] and (cached is None or dtype is not np.float32):
+        assert expected is None  # it declines only without a live engine (or a float32 column)
 
 
 @settings(max_examples=300, deadline=None)

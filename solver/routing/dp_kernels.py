@@ -45,9 +45,11 @@ def _as_lists(columns: tuple[np.ndarray, ...]) -> list[list[float]] | None:
 @dataclass(frozen=True)
 class GimbalKernel:
     """Profile ``gimbal``: alive, KV first, remaining + waiting prefill + in-flight tokens + P_kv + P_moe, first
-    minimum (`solver.routing.dispatch` has the formulas)."""
+    minimum (`solver.routing.dispatch` has the formulas). With `prefix_weight`, profile ``switchyard``: the same
+    plus that weight times the request's uncached prompt on each engine (`scorers.prefix.UncachedPrompt`)."""
 
     params: GimbalParams
+    prefix_weight: float | None = None
 
     def __call__(
         self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables
@@ -71,6 +73,9 @@ class GimbalKernel:
         if columns is None:
             return None
         kv, remaining, waiting, inflight, pressure = columns
+        uncached = self._uncached(query, n)
+        if uncached is False:
+            return None
         alive = snap.alive.tolist()
         c_kv, kv_floor, c_moe = p.kv_cost_tokens, p.kv_floor, p.moe_cost_tokens
         best, best_score = -1, math.inf  # first minimum of the score
@@ -91,6 +96,8 @@ class GimbalKernel:
                 + c_kv * clipped / (free if free > kv_floor else kv_floor)  # P_kv
                 + c_moe * (0.0 if excess < 0.0 else excess)  # P_moe
             )
+            if uncached is not None:
+                score = score + uncached[i]
             if score < best_score:
                 best, best_score = i, score
             elif score != score:  # NaN: numpy's argmin would take it
@@ -102,6 +109,23 @@ class GimbalKernel:
         if kv_max > p.kv_high and kv_max - kv_min > p.kv_spread:  # `dispatch.kv_first_applies`
             best, best_score = freest, freest_score
         return Decision(best) if -math.inf < best_score < math.inf else None
+
+    def _uncached(self, query: RouteQuery, n: int) -> list[float] | bool | None:
+        """The weighted uncached-prompt term per engine, None without `prefix_weight`, False to decline (a
+        `cached` column the composition would compute in another dtype, or of another length)."""
+        weight = self.prefix_weight
+        if weight is None:
+            return None
+        prompt = float(query.prompt_tokens)
+        if query.cached is None:  # np.full(n, prompt)
+            terms = [prompt] * n
+        else:
+            cached = query.cached
+            if len(cached) != n or not (cached.dtype is _F64 or cached.dtype.kind in "iu"):
+                return False  # (a float32 column: numpy would subtract in float32)
+            # np.maximum(prompt - cached, 0.0), NaN kept as numpy keeps it
+            terms = [u if u > 0.0 or u != u else 0.0 for u in (prompt - c for c in cached.tolist())]
+        return terms if weight == 1.0 else [weight * u for u in terms]
 
 
 @dataclass(frozen=True)

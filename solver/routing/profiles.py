@@ -181,6 +181,7 @@ def dp_profile(
             (_ALIVE, KvFirst(params)),
             (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
             FirstMin(),
+            kernel=GimbalKernel(params, PREFIX_WEIGHT),
             doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
         )
     elif name == "gimbal-exact":
