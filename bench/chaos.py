@@ -26,7 +26,10 @@ Then, in turn:
   router / gateway: SIGKILL one of the replicas, restart it at once;
   placement / migration: SIGKILL the replica holding the group leases, restart it at once;
   api: SIGKILL, restart at once (its resume counts in the closing line's max resume);
-  nats: stop the server and start it again on the same port and store;
+  nats: stop the server and start it again on the same port and store (with --nats-cluster: every node);
+  nats-node (only with --nats-cluster N, N >= 3): NATS is a JetStream cluster of N nodes on loopback (every
+  stream and bucket with N replicas); SIGKILL the node leading the plans' stream, restart it after
+  --node-down-s on its port and store;
   postgres: crash the cluster (`pg_ctl -m immediate`) and start it again;
   engine-vanish: SIGKILL the ghost decoder (no goodbye);
   slow-engine: a ghost decoder whose telemetry arrives every 1.5 s (later than the 1 s staleness limit);
@@ -45,12 +48,14 @@ answered 200 within 20 s of retries every 0.5 s, with the first attempts that fa
 faults' notes say what the gateways' clients saw), probes that failed,
 seconds until routing resumed, placements / migrations lost, duplicated or stuck, live layouts that differ
 from what the database says was applied (a move applied twice or lost), and probes routed to an engine that
-had been silent longer than its staleness limit. The closing line:
+had been silent longer than its staleness limit. After the run: routing samples stored twice or given up by the
+fleet (counted as duplicated / lost). The closing line:
 
   chaos: <faults> faults, lost <n>, duplicated <n>, stuck <n>, misrouted <n>, max resume <s> s
 
     python bench/chaos.py                      # every fault, ~5-6 minutes
     python bench/chaos.py --faults router,nats --fault-s 8
+    python bench/chaos.py --nats-cluster 3 --faults nats-node --fault-s 15   # a NATS cluster loses one node
 """
 
 from __future__ import annotations
@@ -90,7 +95,9 @@ ATTACK_FAULTS = ("migration-active", "role-claim", "stream-flood")
 FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine", *ATTACK_FAULTS)
 #: Faults run only when asked for (`--faults flood`): issue 15 finding 3, near-limit payloads on the engines'
 #: wildcard subjects.
-EXTRA_FAULTS = ("flood",)
+#: `nats-node` (with --nats-cluster): SIGKILL the cluster node leading the plans' stream, restart it after
+#: `--node-down-s` (issue 28: a NATS cluster loses one node under load and nothing stored is lost).
+EXTRA_FAULTS = ("flood", "nats-node")
 GHOST = "ghost-d0"
 GHOST_MODEL = "deepseek-v2-lite"
 #: Stub engines (engine_agents/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
@@ -135,6 +142,11 @@ class ChaosOptions:
     #: How the gateways decide: `inprocess` (the default: the router's core inside each gateway, decisions
     #: shared under the replica's own NATS user) or `remote` (each asks `switchyard router` over sy.route.dp).
     gateway_router: str = "inprocess"
+    #: NATS as a JetStream cluster of this many nodes (streams and buckets with as many replicas, at most 5);
+    #: 0: one embedded server. The `nats-node` fault needs one.
+    nats_cluster: int = 0
+    #: How long the `nats-node` fault leaves its node down.
+    node_down_s: float = 4.0
 
 
 @dataclass
@@ -189,6 +201,11 @@ class Audit:
     stuck: list[float] = field(default_factory=list)
     layout_mismatches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Routing samples in the stream, those stored twice (same engine and request), and those the fleet gave up
+    #: publishing (its log's "not published" warnings: lost).
+    samples: int = 0
+    samples_duplicated: int = 0
+    samples_lost: int = 0
 
 
 class Chaos:
@@ -273,11 +290,16 @@ class Chaos:
             }
         self.manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
 
+    @property
+    def stream_replicas(self) -> int:
+        return min(self.o.nats_cluster, 5) or 1
+
     def role_settings(self, role: str) -> object:
         from switchyard.shared.settings import SwitchyardSettings
 
         return SwitchyardSettings(
-            nats_servers=[self.nats_url],
+            nats_servers=self.nats_urls,
+            stream_replicas=self.stream_replicas,
             database_url=self.database_url,
             nats_credentials=self.creds_dir / f"{role}.json",
             artifact_key_file=self.key_file,
@@ -287,10 +309,20 @@ class Chaos:
         from switchyard.shared.bus import Bus
         from switchyard.shared.db.engine import upgrade
         from switchyard.shared.embedded import EmbeddedNats
+        from switchyard.shared.nats_cluster import NatsCluster
 
         self.root = root
-        self.nats = EmbeddedNats(root / "nats", extra_config=self._secure(root))
-        self.nats_url = await asyncio.to_thread(self.nats.start)
+        block = self._secure(root)
+        self.cluster: NatsCluster | None = None
+        if self.o.nats_cluster:  # every stream and bucket on that many nodes: losing one loses nothing
+            self.cluster = NatsCluster(root / "nats", self.o.nats_cluster, extra_config=block)
+            self.nats_urls = await asyncio.to_thread(self.cluster.start)
+            self.nats_nodes: list[EmbeddedNats] = list(self.cluster.nodes)
+        else:
+            nats = EmbeddedNats(root / "nats", extra_config=block)
+            self.nats_urls = [await asyncio.to_thread(nats.start)]
+            self.nats_nodes = [nats]
+        self.nats_url = ",".join(self.nats_urls)  # SWITCHYARD_NATS_SERVERS and the engines' --nats-url
         self.pg: ThrowawayPostgres | None = None
         bin_dir = find_postgres_bin() if self.o.database in ("auto", "postgres") else None
         if bin_dir is not None:
@@ -354,6 +386,7 @@ class Chaos:
             {
                 "SWITCHYARD_DATABASE_URL": self.database_url,
                 "SWITCHYARD_NATS_SERVERS": self.nats_url,
+                "SWITCHYARD_STREAM_REPLICAS": str(self.stream_replicas),
                 "SWITCHYARD_LOG_LEVEL": "INFO",
                 "SWITCHYARD_ARTIFACT_KEY_FILE": str(self.key_file),
                 "SWITCHYARD_ENGINE_MANIFEST": str(self.manifest_file),
@@ -579,7 +612,7 @@ class Chaos:
 
         creds = self.credentials.users[role]
         return await nats.connect(
-            self.nats_url,
+            self.nats_urls,
             name=name,
             user=creds["user"],
             password=creds["password"],
@@ -607,10 +640,18 @@ class Chaos:
             await self._restart("api")
             return "SIGKILL, restarted at once"
         if fault == "nats":
-            await asyncio.to_thread(self.nats.stop)
+            for node in self.nats_nodes:
+                await asyncio.to_thread(node.stop)
             await asyncio.sleep(1.0)
-            await asyncio.to_thread(self.nats.start)
-            return "stopped 1 s, restarted (same port, same JetStream store)"
+            for node in self.nats_nodes:
+                await asyncio.to_thread(node.start)
+            if self.cluster is not None:
+                await asyncio.to_thread(self.cluster.wait_healthy, 60.0)
+            return "stopped 1 s, restarted (same port, same JetStream store)" + (
+                f" (all {len(self.nats_nodes)} nodes)" if self.cluster is not None else ""
+            )
+        if fault == "nats-node":
+            return await self._kill_nats_node()
         if fault == "postgres":
             assert self.pg is not None
             await asyncio.to_thread(self.pg.crash)
@@ -697,7 +738,7 @@ class Chaos:
     def _violations(self) -> str:
         """nats-server's permission violations over the whole run, by connection name and subject."""
         found: Counter[str] = Counter()
-        for line in self._server_log_since(0):
+        for line in (line for node in range(len(self.nats_nodes)) for line in self._server_log_since(0, node)):
             if "Violation" in line:
                 name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
                 subject = line.rsplit("Subject", 1)[-1].strip(' :"') if "Subject" in line else "?"
@@ -707,13 +748,37 @@ class Chaos:
         return "nats-server permission violations: " + ", ".join(f"{k} ({n})" for k, n in found.most_common(8))
 
     def _server_log_size(self) -> int:
-        path = self.nats.log_path
+        path = self.nats_nodes[0].log_path
         return path.stat().st_size if path.exists() else 0
 
-    def _server_log_since(self, offset: int) -> list[str]:
-        with self.nats.log_path.open("rb") as server_log:
+    def _server_log_since(self, offset: int, node: int = 0) -> list[str]:
+        """Node `node`'s log from `offset` (the flood's cut-offs: the first node's; on a cluster, clients on the
+        other nodes are cut off in their logs)."""
+        with self.nats_nodes[node].log_path.open("rb") as server_log:
             server_log.seek(offset)
             return server_log.read().decode(errors="replace").splitlines()
+
+    async def _kill_nats_node(self) -> str:
+        """SIGKILL the cluster node leading the plans' stream, leave it down `node_down_s`, restart it on its port
+        and store; the note says which node it was and when the cluster was current again."""
+        if self.cluster is None:
+            raise SystemExit("chaos: the nats-node fault needs --nats-cluster N (N >= 3)")
+        info = await self.bus.js.stream_info(self.bus.subjects.placement_stream)
+        leader = info.cluster.leader if info.cluster is not None else None
+        victim = self.cluster.node(leader) if leader else self.cluster.nodes[0]
+        meta = await asyncio.to_thread(self.cluster.meta_leader)
+        killed = time.monotonic()
+        await asyncio.to_thread(victim.kill)
+        await asyncio.sleep(self.o.node_down_s)
+        await asyncio.to_thread(victim.start)
+        await asyncio.to_thread(self.cluster.wait_healthy, 60.0)
+        role = "also the meta leader" if meta == victim.name else f"meta leader {meta}"
+        return (
+            f"SIGKILL of {victim.name} of {len(self.cluster.nodes)} (leader of the plans' stream, "
+            f"R{info.config.num_replicas}; {role}), down "
+            f"{self.o.node_down_s:.0f} s, restarted on its port and store; all nodes current "
+            f"{time.monotonic() - killed:.1f} s after the kill"
+        )
 
     def _cut_offs(self, offset: int) -> Counter[str]:
         """nats-server's slow-consumer cut-offs since `offset` of its log, by client connection name."""
@@ -1052,7 +1117,8 @@ class Chaos:
             await self.bus.close()
         with contextlib.suppress(Exception):
             await self.watch_bus.close()
-        await asyncio.to_thread(self.nats.stop)
+        for node in self.nats_nodes:
+            await asyncio.to_thread(node.stop)
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
 
@@ -1113,7 +1179,34 @@ class Chaos:
                         audit.layout_mismatches.append(group)
         finally:
             await engine.dispose()
+        await self._audit_samples(audit)
         return audit
+
+    async def _audit_samples(self, audit: Audit) -> None:
+        """Every routing sample in the stream read by sequence: none stored twice, none given up by the fleet."""
+        from nats.js.errors import NotFoundError
+
+        from switchyard.shared.codec import decode
+        from switchyard.shared.schemas import RoutingSample
+
+        stream = self.bus.subjects.routing_samples_stream
+        state = (await self.bus.js.stream_info(stream)).state
+        seen: Counter[tuple[str, str]] = Counter()
+        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+            try:
+                sample = decode((await self.bus.js.get_msg(stream, seq)).data, RoutingSample)
+            except NotFoundError:  # a gap (deleted message): nothing to count
+                continue
+            seen[(sample.engine_id, sample.request_id)] += 1
+        audit.samples = sum(seen.values())
+        audit.samples_duplicated = sum(n - 1 for n in seen.values())
+        fleet_log = self.root / "logs" / "fleet.log"
+        text = fleet_log.read_text(errors="replace") if fleet_log.exists() else ""
+        audit.samples_lost = sum("routing sample" in line and "not published" in line for line in text.splitlines())
+        audit.notes.append(
+            f"routing samples: {audit.samples} stored, {audit.samples_duplicated} stored twice, "
+            f"{audit.samples_lost} given up by the fleet (not published)"
+        )
 
     def _misrouted(self, p: Probe) -> bool:
         """Routed to the attacker (no engine of the fleet), or to an engine that had sent no telemetry for longer
@@ -1340,8 +1433,8 @@ def _utc(naive: object) -> float:
 def totals(results: list[FaultResult], audit: Audit) -> dict[str, float]:
     return {
         "faults": len(results),
-        "lost": sum(r.lost + r.gw_lost + r.lost_rows for r in results),
-        "duplicated": sum(r.duplicated for r in results),
+        "lost": sum(r.lost + r.gw_lost + r.lost_rows for r in results) + audit.samples_lost,
+        "duplicated": sum(r.duplicated for r in results) + audit.samples_duplicated,
         "stuck": sum(r.stuck for r in results),
         "misrouted": sum(r.misrouted for r in results),
         # Routing's resume and the API's (the first answer after it stopped answering, from the fault).
@@ -1386,7 +1479,7 @@ async def run_ghost(nats_url: str, engine_id: str, late_s: float | None) -> None
     from switchyard.shared.schemas import Capacity, Hello, ModelShape
     from switchyard.shared.settings import SwitchyardSettings
 
-    settings = SwitchyardSettings(nats_servers=[nats_url])  # credentials: SWITCHYARD_NATS_CREDENTIALS
+    settings = SwitchyardSettings(nats_servers=nats_url.split(","))  # credentials: SWITCHYARD_NATS_CREDENTIALS
     bus = await Bus.connect(settings, name=engine_id, role=engine_user(engine_id))
     hello = Hello(
         engine_id=engine_id,
@@ -1456,6 +1549,13 @@ def main(argv: list[str] | None = None) -> int:
         default=ChaosOptions.gateway_router,
         help="how the gateways decide: in-process (default) or by asking the routers (remote)",
     )
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=0,
+        help="run NATS as a JetStream cluster of N nodes (streams and buckets with N replicas); nats-node needs it",
+    )
+    parser.add_argument("--node-down-s", type=float, default=ChaosOptions.node_down_s, help="nats-node: seconds down")
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -1471,6 +1571,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"chaos: unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}", file=sys.stderr)
         return 2
+    if "nats-node" in faults and args.nats_cluster < 3:
+        print("chaos: the nats-node fault needs --nats-cluster 3 (or more)", file=sys.stderr)
+        return 2
     options = ChaosOptions(
         faults=faults,
         fault_s=args.fault_s,
@@ -1482,6 +1585,8 @@ def main(argv: list[str] | None = None) -> int:
         router_replicas=max(args.router_replicas, 1),
         replicas=max(args.replicas, 1),
         gateway_router=args.gateway_router,
+        nats_cluster=max(args.nats_cluster, 0),
+        node_down_s=args.node_down_s,
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--token-interval-s", type=float, default=0.0)
     parser.add_argument("--engine-id", default="stub0")
     parser.add_argument("--role", default="dp", choices=["dp", "prefill", "decode"])
-    parser.add_argument("--nats-url", default=None)
+    parser.add_argument("--nats-url", default=None, help="NATS URL(s), comma-separated")
     parser.add_argument("--telemetry-interval-s", type=float, default=0.1)
     args = parser.parse_args()
 
@@ -356,7 +356,7 @@ def main() -> None:
             from switchyard.shared.nats_auth import engine_user
             from switchyard.shared.settings import SwitchyardSettings
 
-            settings = SwitchyardSettings(nats_servers=[args.nats_url])
+            settings = SwitchyardSettings(nats_servers=args.nats_url.split(","))  # a cluster: every node's URL
             bus = await Bus.connect(settings, name=args.engine_id, role=engine_user(args.engine_id))
         config = StubConfig(
             engine_id=args.engine_id,

@@ -232,13 +232,24 @@ def _quiet_callbacks(
 
 #: JetStream's answer when a stream's `max_bytes` does not fit in what the server may still reserve.
 _INSUFFICIENT_STORAGE = 10047
+#: JetStream's answers to a replica count the server cannot give: a single server (not clustered), and a cluster
+#: with fewer JetStream peers up than replicas asked for.
+_REPLICAS_NOT_CLUSTERED = 10074
+_NO_PEERS = 10005
 
 
-async def _reserving(stream: str, call: Awaitable[T]) -> T:
-    """Run a stream create/update; a refusal to reserve its `max_bytes` becomes a `ConfigError` saying what to do."""
+async def _reserving(stream: str, call: Awaitable[T], replicas: int = 1) -> T:
+    """Run a stream create/update; a refusal to reserve its `max_bytes`, or to keep `replicas` copies, becomes a
+    `ConfigError` saying what to do."""
     try:
         return await call
     except APIError as exc:
+        if exc.err_code in (_REPLICAS_NOT_CLUSTERED, _NO_PEERS) and replicas > 1:
+            raise ConfigError(
+                f"NATS cannot keep {replicas} replicas of stream {stream} ({exc.description}): "
+                "SWITCHYARD_STREAM_REPLICAS above 1 needs a JetStream cluster with at least that many nodes up; "
+                "set it to 1 for a single server (docs/deploy.md)"
+            ) from exc
         if exc.err_code != _INSUFFICIENT_STORAGE:
             raise
         raise ConfigError(
@@ -345,12 +356,18 @@ class Bus:
     # ----- JetStream setup -----
 
     async def ensure_stream(self, name: str, subjects: list[str], **config: Any) -> str:
-        """Create the stream, or update it if its subjects or limits differ: "created", "updated" or "unchanged".
+        """Create the stream, or update it if its subjects, limits or replica count differ: "created", "updated"
+        or "unchanged".
 
         Idempotent, and safe under concurrent callers with the same settings (they make the same update); replicas
-        with different settings would each impose theirs on start, so give every replica the same.
+        with different settings would each impose theirs on start, so give every replica the same. The replica
+        count is `SWITCHYARD_STREAM_REPLICAS`; a clustered server changes an existing stream's count in place
+        (R1 -> R3 copies it to two more nodes), a single server refuses any count above 1 (a `ConfigError`).
         """
-        wanted = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, max_msg_size=self.max_payload)
+        replicas = self.settings.stream_replicas
+        wanted = StreamConfig(
+            name=name, subjects=subjects, storage=StorageType.FILE, max_msg_size=self.max_payload, num_replicas=replicas
+        )
         for key, value in config.items():
             setattr(wanted, key, value)
         managed = {k: getattr(wanted, k) for k in {*LIMIT_FIELDS, *config}}
@@ -358,14 +375,19 @@ class Bus:
             info = await self.js.stream_info(name)
         except NotFoundError:
             try:
-                await _reserving(name, self.js.add_stream(wanted))
+                await _reserving(name, self.js.add_stream(wanted), replicas)
                 return "created"
             except BadRequestError:  # another replica created it meanwhile
                 info = await self.js.stream_info(name)
         current = info.config
-        if sorted(current.subjects or []) == sorted(subjects) and not limits_differ(current, managed):
+        same_subjects = sorted(current.subjects or []) == sorted(subjects)
+        if same_subjects and not limits_differ(current, managed) and (current.num_replicas or 1) == replicas:
             return "unchanged"
-        await _reserving(name, self.js.update_stream(wanted))
+        if (current.num_replicas or 1) != replicas:
+            log.info(
+                "stream %s: %d replicas -> %d (SWITCHYARD_STREAM_REPLICAS)", name, current.num_replicas or 1, replicas
+            )
+        await _reserving(name, self.js.update_stream(wanted), replicas)
         return "updated"
 
     async def ensure_streams(self) -> dict[str, str]:
@@ -410,29 +432,43 @@ class Bus:
         """Open a KV bucket, creating it on first use (`ttl`: entries expire this long after their last write).
 
         A contract bucket gets its byte bounds (`stream_limits.bucket_limits`), also when it exists without them.
-        History and TTL stay as the bucket was created: two services may ask with different TTLs.
+        Every bucket gets `SWITCHYARD_STREAM_REPLICAS` copies, also one created with another count (as
+        `ensure_stream`). History and TTL stay as the bucket was created: two services may ask with different TTLs.
         """
         bounds = bucket_limits(self.settings).get(bucket)
         max_bytes, max_value = bounds or (-1, self.max_payload)
+        replicas = self.settings.stream_replicas
+        stream = f"KV_{bucket}"
         try:
             kv = await self.js.key_value(bucket)
         except BucketNotFoundError:
             try:
                 return await _reserving(
-                    f"KV_{bucket}",
+                    stream,
                     self.js.create_key_value(
-                        bucket=bucket, history=history, max_value_size=max_value, ttl=ttl, max_bytes=max_bytes
+                        bucket=bucket,
+                        history=history,
+                        max_value_size=max_value,
+                        ttl=ttl,
+                        max_bytes=max_bytes,
+                        replicas=replicas,
                     ),
+                    replicas,
                 )
             except BadRequestError:  # created concurrently with another config: use what exists
                 kv = await self.js.key_value(bucket)
-        if bounds is None:  # not a contract bucket: left as it is
-            return kv
-        stream = f"KV_{bucket}"
         current = (await self.js.stream_info(stream)).config
-        wanted = {"max_bytes": max_bytes, "max_msg_size": max_value}
-        if limits_differ(current, wanted):
-            await _reserving(stream, self.js.update_stream(dataclasses.replace(current, **wanted)))
+        wanted: dict[str, Any] = {}
+        bytes_wanted = {"max_bytes": max_bytes, "max_msg_size": max_value}
+        if bounds is not None and limits_differ(current, bytes_wanted):  # another bucket's bytes are left alone
+            wanted |= bytes_wanted
+        if (current.num_replicas or 1) != replicas:
+            log.info(
+                "bucket %s: %d replicas -> %d (SWITCHYARD_STREAM_REPLICAS)", bucket, current.num_replicas or 1, replicas
+            )
+            wanted["num_replicas"] = replicas
+        if wanted:
+            await _reserving(stream, self.js.update_stream(dataclasses.replace(current, **wanted)), replicas)
         return kv
 
     # ----- messaging -----

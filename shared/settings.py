@@ -65,6 +65,11 @@ class SwitchyardSettings(BaseSettings):
     announce_min_interval_s: float = Field(default=1.0, gt=0, le=60)
     log_level: str = "INFO"
 
+    #: Copies JetStream keeps of every stream and KV bucket (its `num_replicas`): 1 on a single server (the
+    #: embedded one), 3 on a 3-node cluster, so that losing one node loses nothing and stops nothing. A value
+    #: above 1 needs a clustered server; an existing stream with another count is updated to this one.
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+
     # ----- JetStream bounds (`shared.stream_limits`): sizes from the contract; 0 = none for an age -----
     #: Largest expert-load window stored: the schema's largest window (2^18 layer x expert cells) at uint32 is
     #: 1 MiB, DeepSeek-V3 (58 x 256) with per-source counts for 16 EP ranks 0.97 MiB; a quarter on top.
