@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from switchyard.engine_agents.core.stored import RESEND_FOR_S, publish_until_stored
 from switchyard.shared.schemas import ExpertLoad
 
 __all__ = [
@@ -150,15 +151,14 @@ def expert_pressure(counts: np.ndarray, ranks: np.ndarray, num_ranks: int) -> fl
     return float((per_rank.max(axis=1)[busy] / mean[busy]).mean()) if busy.any() else 1.0
 
 
-async def publish_expert_load(bus: Bus, window: ExpertLoad, msg_id: str) -> bool:
-    """Store one window on JetStream; False (logged) when JetStream is briefly away: the window is lost, not
-    the engine."""
-    try:
-        await bus.js_publish(bus.subjects.expert_load(window.engine_id), window, msg_id=msg_id)
-    except Exception as exc:
-        log.warning("%s: expert-load window %d not published: %s", window.engine_id, window.seq, exc)
-        return False
-    return True
+async def publish_expert_load(bus: Bus, window: ExpertLoad, msg_id: str, resend_for_s: float = RESEND_FOR_S) -> bool:
+    """Store one window on JetStream, resent under `msg_id` until acknowledged (`stored.publish_until_stored`: a
+    stream electing a new leader loses no window, and a resend is not stored twice); False (logged) if it never
+    was. A publisher awaiting it takes its next window late, and that window then covers the longer span (the
+    counts accumulate meanwhile), so the windows still tile time in order."""
+    what = f"{window.engine_id}: expert-load window {window.seq}"
+    subject = bus.subjects.expert_load(window.engine_id)
+    return await publish_until_stored(bus, subject, window, msg_id, what, resend_for_s)
 
 
 class WindowPublisher:

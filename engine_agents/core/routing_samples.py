@@ -10,7 +10,6 @@ A lost sample costs a little training data and nothing else, so publishing never
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import zlib
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from switchyard.engine_agents.core.stored import RESEND_FOR_S, publish_until_stored
 from switchyard.shared.schemas import RoutingSample
 
 __all__ = ["publish_routing_sample", "routing_sample", "sampled"]
@@ -55,29 +55,10 @@ def routing_sample(
     )
 
 
-#: How long a sample is resent for: longer than a JetStream cluster takes to elect a new stream leader after
-#: losing one node (a few seconds) and a client to reconnect to another node.
-RESEND_FOR_S = 30.0
-
-
 async def publish_routing_sample(bus: Bus, sample: RoutingSample, resend_for_s: float = RESEND_FOR_S) -> bool:
-    """Store one sample on JetStream, resent with backoff until acknowledged; False (logged) if it never was.
-
-    The msg-id (engine and request id) lets the stream drop a resend whose first copy was stored but whose
-    acknowledgement was lost (the node holding the stream's leader died in between), so a sample is stored
-    once. Without the resends, a cluster node lost under load lost the samples in flight (tests/test_nats_cluster.py).
-    """
+    """Store one sample on JetStream, resent until acknowledged (`stored.publish_until_stored`); False (logged)
+    if it never was. The msg-id is the engine and request id. Without the resends, a cluster node lost under load
+    lost the samples in flight (tests/test_nats_cluster.py)."""
     msg_id = f"{sample.engine_id}:{sample.request_id}"
-    deadline = time.monotonic() + resend_for_s
-    delay = 0.25
-    while True:
-        try:
-            await bus.js_publish(bus.subjects.routing_samples, sample, msg_id=msg_id)
-            return True
-        except Exception as exc:
-            if time.monotonic() + delay > deadline:
-                log.warning("%s: routing sample %s not published: %s", sample.engine_id, sample.request_id, exc)
-                return False
-            log.debug("%s: routing sample %s not stored yet (%s); resending", sample.engine_id, sample.request_id, exc)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 4.0)
+    what = f"{sample.engine_id}: routing sample {sample.request_id}"
+    return await publish_until_stored(bus, bus.subjects.routing_samples, sample, msg_id, what, resend_for_s)
