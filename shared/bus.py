@@ -70,9 +70,8 @@ def check_sender(subjects: Subjects, subject: str, message: WireModel) -> None:
     claimed = getattr(message, "engine_id", None)
     if sender is not None and claimed is not None and claimed != sender:
         raise Impersonation("engine_id", f"{claimed!r} published on {sender!r}'s subject")
-    decider = subjects.decider_of(subject)
-    replica = getattr(message, "replica_id", None)
-    if decider is not None and replica is not None and replica != decider:
+    replica = getattr(message, "replica_id", None)  # only decisions carry one: other messages split no subject
+    if replica is not None and (decider := subjects.decider_of(subject)) is not None and replica != decider:
         raise ReplicaImpersonation("replica_id", f"decisions of {replica!r} published on {decider!r}'s subject")
 
 

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, NotFoundError
@@ -155,6 +155,7 @@ class CoreFeed:
         self._tasks: list[asyncio.Task[None]] = []
         self._bus: Bus | None = None
         self._revision = 0  # the artifact revision last read (polling)
+        self._signing_key: bytes | None = None
 
     # ----- messages (sync where possible: no task per message) -----
 
@@ -213,6 +214,7 @@ class CoreFeed:
         """Subscribe (`ingest` None: the owner passes engine messages on; `kv_ingest` None: no KV events
         here), start the artifact reader and housekeeping, and wait up to 5 s for the artifact's first read."""
         self._bus = bus
+        self._signing_key = self.settings.artifact_key()  # read once, not at every poll
         s = bus.subjects
         if ingest is not None:
             await ingest.subscribe(s.all_hello, Hello, self.on_hello)
@@ -259,14 +261,28 @@ class CoreFeed:
                 revision,
             )
 
-    def _refused(self, revision: int, exc: ArtifactError) -> None:
-        metrics.ARTIFACTS_REFUSED.labels(exc.code).inc()
-        log.error("ignoring routing artifact revision %s: %s", revision, exc)
+    async def _apply(
+        self, value: bytes, revision: int, older: Callable[[], Awaitable[tuple[RoutingArtifact, int] | None]]
+    ) -> None:
+        """Use the artifact stored at `revision`; when it is refused (counted), keep the one in use, or, with none,
+        the newest valid one `older` finds (the watch reads the key's history, the poll single revisions)."""
+        try:
+            self._use(load_artifact(value, self.settings.max_payload_bytes, "KV artifact", self._signing_key), revision)
+            return
+        except ArtifactError as exc:
+            metrics.ARTIFACTS_REFUSED.labels(exc.code).inc()
+            log.error("ignoring routing artifact revision %s: %s", revision, exc)
+        if self.core.artifact is not None:
+            return  # keep the one in use
+        found = await older()
+        if found is not None:
+            log.warning("using the last valid routing artifact, KV revision %s", found[1])
+            self._use(*found)
 
     async def _watch_artifact(self) -> None:
         """Load the current artifact, then apply every update to the KV key as it happens."""
         assert self._bus is not None
-        subjects, signing_key = self._bus.subjects, self.settings.artifact_key()
+        subjects, signing_key, limit = self._bus.subjects, self._signing_key, self.settings.max_payload_bytes
         kv = await self._bus.ensure_kv(subjects.router_bucket)
         watcher = await kv.watch(subjects.artifact_key)
         try:
@@ -277,21 +293,11 @@ class CoreFeed:
                 if entry.value is None or entry.operation in ("DEL", "PURGE"):
                     self._use(None, entry.revision)
                     continue
-                try:
-                    artifact = load_artifact(entry.value, self.settings.max_payload_bytes, "KV artifact", signing_key)
-                    revision = entry.revision
-                except ArtifactError as exc:
-                    self._refused(entry.revision, exc)
-                    if self.core.artifact is not None:
-                        continue  # keep the one in use
-                    found = await last_valid_artifact(
-                        kv, subjects.artifact_key, self.settings.max_payload_bytes, signing_key
-                    )
-                    if found is None:
-                        continue
-                    artifact, revision = found
-                    log.warning("using the last valid routing artifact, KV revision %s", revision)
-                self._use(artifact, revision)
+                await self._apply(
+                    entry.value,
+                    entry.revision,
+                    lambda: last_valid_artifact(kv, subjects.artifact_key, limit, signing_key),
+                )
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -314,7 +320,7 @@ class CoreFeed:
 
     async def _read_once(self, kv: KeyValue) -> None:
         assert self._bus is not None
-        key_name, signing_key = self._bus.subjects.artifact_key, self.settings.artifact_key()
+        key_name, signing_key = self._bus.subjects.artifact_key, self._signing_key
         try:
             entry = await kv.get(key_name)
         except KeyNotFoundError:  # never written, or deleted/purged (nats-py raises for both)
@@ -324,22 +330,13 @@ class CoreFeed:
             return
         if entry.revision == self._revision:
             return
-        self._revision = entry.revision
-        try:
-            artifact = load_artifact(entry.value or b"", self.settings.max_payload_bytes, "KV artifact", signing_key)
-            revision = entry.revision
-        except ArtifactError as exc:
-            self._refused(entry.revision, exc)
-            if self.core.artifact is not None:
-                return  # keep the one in use
-            found = await last_valid_by_get(
-                kv, key_name, self.settings.max_payload_bytes, signing_key, entry.revision, self.history_depth
-            )
-            if found is None:
-                return
-            artifact, revision = found
-            log.warning("using the last valid routing artifact, KV revision %s", revision)
-        self._use(artifact, revision)
+        self._revision = revision = entry.revision
+        limit = self.settings.max_payload_bytes
+        await self._apply(
+            entry.value or b"",
+            revision,
+            lambda: last_valid_by_get(kv, key_name, limit, signing_key, revision, self.history_depth),
+        )
 
 
 def _quiet(task: asyncio.Task[None]) -> None:
