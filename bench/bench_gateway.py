@@ -58,7 +58,7 @@ cache, block keys, the thread hop).
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
                                                 [--profile PATH] [--profile-shape inprocess|remote]
-                                                [--prefix-requests 100] [--tokenizer PATH]
+                                                [--prefix-requests 100] [--tokenizer PATH] [--compare PYTHON]
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ SHAPES = (("1k-fresh", 1024, 0.0), ("8k-fresh", 8192, 0.0), ("1k-shared", 1024, 
 PREFIX_TARGETS = ("direct", "proxy", "gateway", "gateway-off")
 #: The gateway process of each shape (issue 27): "gateway" asks the router process, the other decides itself.
 SHAPE_TARGETS = {"remote": "gateway", "inprocess": "gateway-inprocess"}
+#: `--compare`'s target: the in-process shape run by another checkout's Python.
+COMPARE = "gateway-compare"
 #: Issue 27's targets for the in-process shape, on this machine.
 SHAPE_TARGETS_MS = {"ttft_p50_over_proxy_ms": 0.3, "ttft_p99_over_proxy_ms": 1.0, "itl_p50_ms": 0.1}
 SHAPE_TARGET_REQ_S = 2000.0
@@ -766,6 +768,12 @@ def main() -> None:
     parser.add_argument("--profile-shape", choices=list(SHAPE_TARGETS), default="inprocess", help="... this one.")
     parser.add_argument("--prefix-requests", type=int, default=100, help="Rounds of the prefix-keys latency.")
     parser.add_argument("--tokenizer", type=Path, default=None, help="A real tokenizer (dir or tokenizer.json).")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="Also time an in-process gateway run by this Python (another checkout's venv): before and after, one run.",
+    )
     args = parser.parse_args()
     if args.role == "stub":
         interval = args.token_interval_ms / 1e3
@@ -800,6 +808,8 @@ def main() -> None:
             "gateway-off": free_port(),
             "gateway-inprocess": free_port(),
         }
+        if args.compare:
+            ports[COMPARE] = free_port()
         words = Words()
         if args.tokenizer is not None:
             tokenizer_dir = args.tokenizer if args.tokenizer.is_dir() else args.tokenizer.parent
@@ -844,12 +854,15 @@ def main() -> None:
                 "gateway-off": ("remote", keyed | {"SWITCHYARD_GATEWAY_PREFIX_KEYS": "false"}),
                 "gateway-inprocess": ("inprocess", keyed),
             }
+            if args.compare:
+                gateways[COMPARE] = ("inprocess", keyed)
             for name, (shape, gateway_env) in gateways.items():
                 cli = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports[name])]
                 cli += ["--router", shape]
                 if args.profile and name == SHAPE_TARGETS[args.profile_shape]:
                     cli = ["-m", "cProfile", "-o", str(args.profile), *cli]
-                procs[name] = subprocess.Popen([sys.executable, *cli], env=gateway_env)
+                python = str(args.compare) if name == COMPARE else sys.executable
+                procs[name] = subprocess.Popen([python, *cli], env=gateway_env)
             for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
             for name in gateways:
@@ -907,6 +920,18 @@ def main() -> None:
         "proxy_added_ttft_p50_ms": proxy_added["p50"],
         "proxy_added_ttft_p99_ms": proxy_added["p99"],
         "shapes": shapes,
+        # --compare: the same in-process shape from another checkout, timed in this run
+        "compare": None
+        if not args.compare
+        else {
+            "python": str(args.compare),
+            "added_ttft_p50_ms": lat[COMPARE]["ttft_p50_ms"] - direct["ttft_p50_ms"],
+            "added_ttft_p99_ms": lat[COMPARE]["ttft_p99_ms"] - direct["ttft_p99_ms"],
+            "over_proxy_ttft_p50_ms": lat[COMPARE]["ttft_p50_ms"] - lat["proxy"]["ttft_p50_ms"],
+            "over_proxy_ttft_p99_ms": lat[COMPARE]["ttft_p99_ms"] - lat["proxy"]["ttft_p99_ms"],
+            "req_s": tput[COMPARE]["req_per_s"],
+            "cpu_ms_per_req": tput[COMPARE]["cpu_ms_per_req"],
+        },
         "decode_decision_in_process": decode_decision,
         "signature_json": sigs,
         "prefix_keys": {

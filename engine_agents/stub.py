@@ -76,6 +76,8 @@ class StubEngine:
         self.received: list[tuple[str, str, dict[str, Any]]] = []  # (path, x-request-id, body)
         #: Each completion request's `traceparent` header (None: it had none), in arrival order.
         self.traceparents: list[str | None] = []
+        #: Each completion request's `Authorization` header (None: it had none), in arrival order.
+        self.authorizations: list[str | None] = []
         #: OpenTelemetry (`shared.tracing`), started with the server; None: off (the default).
         self.tracing: Tracing | None = None
         self.aborted: list[str] = []
@@ -99,6 +101,7 @@ class StubEngine:
         """A completion; with tracing on, inside a server span continuing the caller's `traceparent`, as vLLM
         does when started with `--otlp-traces-endpoint` (ended when the answer, or its stream, ends)."""
         self.traceparents.append(request.headers.get("traceparent"))
+        self.authorizations.append(request.headers.get("authorization"))
         tracing = self.tracing
         if tracing is None:
             return await self._completion(request)

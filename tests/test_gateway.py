@@ -69,6 +69,22 @@ async def test_dp_dispatch_goes_to_the_routers_choice(bus: Bus, settings: Switch
     assert engines["b"].received[0][2] == BODY  # the body as sent
 
 
+async def test_the_clients_authorization_reaches_the_engine(bus: Bus, settings: SwitchyardSettings) -> None:
+    """vLLM started with `--api-key` checks it: the gateway forwards the client's header as it came, and sends
+    none for a client that sent none, streamed or whole."""
+    async with (
+        deployment(settings, bus, [StubConfig("a", tokens=3)]) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        for stream in (False, True):
+            sent = await client.post(
+                "/v1/completions", json={**BODY, "stream": stream}, headers={"Authorization": "Bearer k1"}
+            )
+            assert sent.status_code == 200, sent.text
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+    assert engines["a"].authorizations == ["Bearer k1", "Bearer k1", None]
+
+
 async def test_sse_streaming_passes_chunks_and_done(bus: Bus, settings: SwitchyardSettings) -> None:
     async with (
         deployment(settings, bus, [StubConfig("a", tokens=5)]) as (gw, _),

@@ -11,11 +11,14 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import uvicorn
+
 from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.http_server import HeadWithBody, front_protocol
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
@@ -321,3 +324,83 @@ def test_the_gateway_bound_is_128_levels_and_brackets_in_strings_do_not_count() 
     else:
         refused = None
     assert refused == "too_deep"
+
+
+# --- a response's head goes out with its first body chunk (HeadWithBody) ---
+
+
+class _Recording(asyncio.Transport):
+    """Records what is written (the test looks at write boundaries, which a socket does not keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_responses_head_is_written_with_its_first_body_chunk() -> None:
+    loop = asyncio.get_running_loop()
+    sink = _Recording()
+    head = HeadWithBody(sink, loop)
+    head.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    head.write(b"5\r\nfirst\r\n")
+    head.write(b"6\r\nsecond\r\n")
+    assert sink.writes == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nfirst\r\n", b"6\r\nsecond\r\n"]
+    await asyncio.sleep(0)
+    assert len(sink.writes) == 2  # the release on the next turn finds nothing held
+
+
+async def test_a_head_without_a_body_yet_goes_out_on_the_next_turn_and_before_a_close() -> None:
+    loop = asyncio.get_running_loop()
+    sink = _Recording()
+    HeadWithBody(sink, loop).write(b"HEAD")
+    assert sink.writes == []
+    await asyncio.sleep(0)
+    assert sink.writes == [b"HEAD"]
+    closing = _Recording()
+    held = HeadWithBody(closing, loop)
+    held.write(b"HEAD")
+    held.close()
+    assert closing.writes == [b"HEAD"] and closing.closed
+
+
+async def test_a_real_server_sends_a_head_whose_body_waits_and_keeps_the_connection() -> None:
+    """Through uvicorn with the front protocol: a response whose body waits for the client to have read the head
+    (the app holds it until then) is not held up, and the next request on the same connection is answered whole."""
+    head_read = asyncio.Event()
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        await send(start)  # type: ignore[operator]
+        if scope["path"] == "/late":
+            await head_read.wait()  # never set, were the head held until the body
+        await send({"type": "http.response.body", "body": b"hello", "more_body": False})  # type: ignore[operator]
+
+    port = free_port()
+    protocol = front_protocol(5.0, 16, {"detail": "x"})
+    config = uvicorn.Config(app, port=port, http=protocol, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        await wait_for(lambda: server.started, HANG_GUARD_S)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG_GUARD_S)
+        assert head.startswith(b"HTTP/1.1 200") and b"hello" not in head
+        head_read.set()
+        assert b"hello" in await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), HANG_GUARD_S)
+        writer.write(b"GET /now HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), HANG_GUARD_S)
+        assert answer.startswith(b"HTTP/1.1 200") and b"hello" in answer
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, HANG_GUARD_S)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from switchyard.engine_agents.stub import StubConfig
+from switchyard.services.router.ask import LocalDpAsk
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import DEFAULT_PREFIX_INDEX, RouterSettings
@@ -427,3 +428,37 @@ def test_a_cached_prompt_counts_in_flight_only_for_what_it_leaves_to_compute() -
     assert core.fleet.inflight_tokens[e1] == 1024 - 48 * BLOCK  # what its prefill will compute
     assert core.fleet.inflight_tokens[e0] == 0
     assert routed.decision is not None and routed.decision.prompt_tokens == 1024 - 48 * BLOCK  # shared alike
+
+
+def test_a_prompt_no_engine_holds_skips_the_match_and_decides_as_the_full_match_would() -> None:
+    """`PrefixState.fresh`: no engine holds the prompt's first block, so the decision skips the match (nothing is
+    cached anywhere) and picks what the full match's zeros would; a prompt an engine holds is matched as before.
+    The gateway's in-process `LocalDpAsk` decides as the wire's `RouteDpRequest` does."""
+    fresh_keys = KEYS + np.uint64(1)  # no engine holds any of these
+    cores = {}
+    for how in ("fast", "full"):
+        core = cores[how] = _core()
+        for i, engine_id in enumerate(("e0", "e1", "e2")):
+            core.on_hello(_hello(engine_id), 0.0)
+            core.on_telemetry(_telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
+        core.on_kv(_events("e0", 0, KEYS[:8]), 0.0)
+        if how == "full":  # the match the fast path skips: every engine reports 0 cached
+            core.prefix.fresh = lambda request, engine_ids: False  # type: ignore[method-assign]
+    assert cores["fast"].prefix.fresh(
+        s.RouteDpRequest(request_id="q", prompt_tokens=64, block_keys=fresh_keys), ("e0", "e1", "e2")
+    )
+    assert not cores["fast"].prefix.fresh(s.RouteDpRequest(request_id="q", prompt_tokens=64, block_keys=KEYS), ("e0",))
+    picks: dict[str, list[str]] = {"fast": [], "full": [], "local": []}
+    local = _core()
+    for i, engine_id in enumerate(("e0", "e1", "e2")):
+        local.on_hello(_hello(engine_id), 0.0)
+        local.on_telemetry(_telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
+    local.on_kv(_events("e0", 0, KEYS[:8]), 0.0)
+    for n, keys in enumerate([fresh_keys, KEYS, fresh_keys, fresh_keys, KEYS[:4], fresh_keys]):
+        request = s.RouteDpRequest(request_id=f"r{n}", prompt_tokens=len(keys) * BLOCK, block_keys=keys, progress=True)
+        for how in ("fast", "full"):
+            picks[how].append(cores[how].route_dp(request, 0.01 * n).reply.engine_id)
+        ask = LocalDpAsk(f"r{n}", len(keys) * BLOCK, None, keys, "tokens", True)
+        picks["local"].append(local.route_dp(ask, 0.01 * n).reply.engine_id)
+    assert picks["fast"] == picks["full"] == picks["local"]
+    assert picks["fast"][1] == "e0" and len(set(picks["fast"])) > 1  # the held prompt went to its holder; not all alike

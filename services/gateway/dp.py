@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 
 from switchyard.services.gateway.body import Parsed, error_response
@@ -36,7 +38,8 @@ async def serve_dp(
         progress.done(request_id)
         raise
     if isinstance(answer, Relayed):  # the engine's first chunk is in hand: its first token
-        progress.first(request_id)
+        # Reported once the chunk has gone to the client (the loop's next turn), not ahead of it.
+        asyncio.get_running_loop().call_soon(progress.first, request_id)
         finish = answer.finish
 
         def finished(outcome: str, first_at: float) -> None:

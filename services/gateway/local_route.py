@@ -17,10 +17,11 @@ import numpy as np
 from switchyard.services.gateway.prompt_keys import PromptKeys
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.routing import Chooser
+from switchyard.services.router.ask import LocalDpAsk
 from switchyard.services.router.core import Decided
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
 from switchyard.shared.errors import WireError
-from switchyard.shared.schemas import RouteDecodeRequest, RouteDpRequest
+from switchyard.shared.schemas import RouteDecodeRequest
 
 __all__ = ["CoreProgress", "InProcessRouter"]
 
@@ -73,13 +74,13 @@ class InProcessRouter(Chooser):
             return None
         keyed = keys is not None and len(keys.keys) > 0
         # Unvalidated: every field is this gateway's own (the id, a positive count, uint64 keys it computed).
-        request = RouteDpRequest.model_construct(
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            model=model,
-            block_keys=keys.keys if keyed else None,  # type: ignore[union-attr]
-            key_kind=keys.kind if keyed else "tokens",  # type: ignore[union-attr]
-            progress=True,
+        request = LocalDpAsk(
+            request_id,
+            prompt_tokens,
+            model,
+            keys.keys if keyed else None,  # type: ignore[union-attr]
+            keys.kind if keyed else "tokens",  # type: ignore[union-attr]
+            True,
         )
         reply, decided = self.core.route_dp(request, time.monotonic())
         if decided is None:

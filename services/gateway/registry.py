@@ -277,11 +277,13 @@ class EngineRegistry:
         does the mode change, and where both could serve, the mode whose engines have been live the longest
         wins (the incumbents, not a newcomer)."""
         now = time.monotonic() if now is None else now
-        dp = self.live("dp", model, now)
-        prefill, decode = self.live("prefill", model, now), self.live("decode", model, now)
         current = self._modes.get(model)
-        if (current == "dp" and dp) or (current == "disagg" and prefill and decode):
+        if current == "dp" and self.live("dp", model, now):  # the usual case: one cached lookup
             return current
+        prefill, decode = self.live("prefill", model, now), self.live("decode", model, now)
+        if current == "disagg" and prefill and decode:
+            return current
+        dp = self.live("dp", model, now)
         if dp and prefill and decode:
             dp_since = min(e.joined for e in dp)
             disagg_since = max(min(e.joined for e in prefill), min(e.joined for e in decode))

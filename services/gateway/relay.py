@@ -156,6 +156,15 @@ def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine 
     return others[index] if index >= 0 else None
 
 
+def _authorization(request: Request) -> str | None:
+    """The client's `Authorization` header, forwarded to the engine (read from the ASGI scope, whose names are
+    lower case: Starlette's `Request.headers` builds a mapping of every header for it)."""
+    for name, value in request.scope["headers"]:
+        if name == b"authorization":
+            return value.decode("latin-1")
+    return None
+
+
 async def final_hop(
     ctx: Context,
     request: Request,
@@ -170,7 +179,7 @@ async def final_hop(
     request_id: str,
     started: float,
 ) -> ToClient:
-    headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    headers = ctx.upstream.headers(request_id, _authorization(request))
     tracing = ctx.tracing
     for attempt in (0, 1):
         span, sent = None, headers

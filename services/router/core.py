@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from switchyard.services.router import metrics
+from switchyard.services.router.ask import DpAsk
 from switchyard.services.router.prefix import PrefixState
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import ROLES, TelemetryView
@@ -32,7 +33,6 @@ from switchyard.shared.schemas import (
     RouteDecodeReply,
     RouteDecodeRequest,
     RouteDpReply,
-    RouteDpRequest,
     RouteProgress,
     RoutingArtifact,
     Telemetry,
@@ -507,7 +507,7 @@ class RouterCore:
         )
         return Routed(reply, Decided("decode", request.request_id, engine_id, request.prompt_tokens))
 
-    def route_dp(self, request: RouteDpRequest, now: float) -> Routed:
+    def route_dp(self, request: DpAsk, now: float) -> Routed:
         start = time.perf_counter()
         view = self.dp
         snap = view.prepare(now, self.settings.stale_after_s, self._dp_columns)
@@ -518,8 +518,10 @@ class RouterCore:
         if snap is None:
             return _unavailable("dp", "dp", view.snap.size, request.model)
         keyed = self._dp_reads_cached and request.block_keys is not None
+        cached = None
         if keyed:
-            cached = self.prefix.cached(request, snap.engine_ids, self.fleet.block_size[view.rows], now)
+            if not self.prefix.fresh(request, snap.engine_ids):  # else nothing is cached anywhere
+                cached = self.prefix.cached(request, snap.engine_ids, self.fleet.block_size[view.rows], now)
             query = RouteQuery(prompt_tokens=request.prompt_tokens, cached=cached)
         elif self._dp_reads_tokens:
             query = RouteQuery(prompt_tokens=request.prompt_tokens)
@@ -529,7 +531,7 @@ class RouterCore:
         engine_id = snap.engine_ids[index]
         row = view.row_of[index]
         # In flight on that engine: the prefill it will compute, i.e. the prompt less what it holds cached
-        work = request.prompt_tokens - int(cached[index]) if keyed else request.prompt_tokens
+        work = request.prompt_tokens - int(cached[index]) if cached is not None else request.prompt_tokens
         self.fleet.on_decision_row(row, work, now, request.request_id if request.progress else None)
         self._record(row, work)
         if keyed and self.prefix.record(engine_id, request, now) and self._reads_blocks:

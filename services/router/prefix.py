@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from switchyard.services.router import metrics
-from switchyard.shared.schemas import KvEvents, RouteDpRequest
+from switchyard.services.router.ask import DpAsk
+from switchyard.shared.schemas import KvEvents
 from switchyard.solver.routing.prefix import BlockIndex, RoutedIndex
 
 __all__ = ["PrefixState"]
@@ -84,7 +85,7 @@ class PrefixState:
 
     # ----- deciding -----
 
-    def cached(self, request: RouteDpRequest, engine_ids: Sequence[str], block_size: np.ndarray, now: float):
+    def cached(self, request: DpAsk, engine_ids: Sequence[str], block_size: np.ndarray, now: float):
         """float64[D]: the request's prompt tokens each engine holds cached (snapshot order), capped at the
         prompt; None without keys or index."""
         keys = request.block_keys
@@ -101,7 +102,17 @@ class PrefixState:
             cached = self.routed.match(listed, engine_ids, now) * block_size
         return np.minimum(cached, prompt, dtype=np.float64)
 
-    def record(self, engine_id: str, request: RouteDpRequest, now: float) -> bool:
+    def fresh(self, request: DpAsk, engine_ids: Sequence[str]) -> bool:
+        """True when no asked engine holds the prompt's first block, so none holds any of it: `cached` would be
+        all zeros, and the caller can skip it (one dict lookup, where `cached` makes a few numpy calls: ~70 µs of
+        a cold request's decision here)."""
+        keys = request.block_keys
+        if keys is None or not len(keys) or self.mode == "off":
+            return True
+        index = self.blocks if self.mode == "precise" and request.key_kind != "text" else self.routed
+        return not index.holds(int(keys[0]), engine_ids)
+
+    def record(self, engine_id: str, request: DpAsk, now: float) -> bool:
         """The request went to `engine_id`: the approximate index learns its keys (text keys in every mode but
         off). True when an index changed."""
         keys = request.block_keys

@@ -29,6 +29,10 @@ class EngineSlots:
         """Distinct keys held by any engine."""
         return len(self.holders)
 
+    def holds(self, key: int, engine_ids: Sequence[str]) -> bool:
+        """Whether any of `engine_ids` holds `key`: for a prompt's first key, whether any can match at all."""
+        return bool(self.holders.get(key, 0) & self._plan(engine_ids).active)
+
     def _match(self, keys: Sequence[int], engine_ids: Sequence[str]) -> np.ndarray:
         return leading_matches(self.holders, keys, self._plan(engine_ids))
 
