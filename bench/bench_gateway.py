@@ -24,8 +24,8 @@ Set-up, every part in its own process (so no two share an event loop):
   `switchyard gateway` twice, once per shape (`--router remote`, `--router inprocess`), configured by
   environment only;
 - the pass-through proxy (`--role proxy`): what vLLM's example disaggregation proxy is, reduced to one
-  upstream: Starlette on uvicorn, httpx to the stub, the body parsed for `stream` and forwarded, the answer
-  relayed chunk by chunk;
+  upstream: Starlette on uvicorn, aiohttp to the stub (`--role proxy-httpx`: httpx), the body parsed for
+  `stream` and forwarded, the answer relayed chunk by chunk;
 - the client: this process, a raw HTTP/1.1 client on keep-alive sockets (so the client's own cost stays
   small next to what it measures).
 
@@ -192,8 +192,10 @@ async def run_stub(url: str, port: int, tokens: int, interval_s: float, engine_i
 
 
 async def run_proxy(port: int, upstream: str, client_kind: str) -> None:
-    """The minimal pass-through proxy: the gateway's stack (Starlette on uvicorn, aiohttp upstream), none of its
-    routing; with `client_kind` httpx, the same proxy on httpx (the stack vLLM's example proxy uses)."""
+    """The minimal pass-through proxy: Starlette on uvicorn, aiohttp upstream (the stack a hand-written proxy
+    such as vLLM's disaggregation proxy example uses, and the gateway's own until issue 27, when its engine hops
+    moved to `services/gateway/engine_http.py` and its responses' heads to one write with their first chunk),
+    none of its routing; with `client_kind` httpx, the same proxy on httpx (vLLM's toy proxy's client)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request

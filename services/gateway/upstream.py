@@ -1,8 +1,8 @@
-"""Calls to engines over one pooled aiohttp session, each with its per-hop timeouts.
+"""Calls to engines over one pooled client (`engine_http.EngineHttp`), each with its per-hop timeouts.
 
-aiohttp rather than httpx: under concurrency httpx's connection pool costs 1.5-5.6 ms of CPU per request on
-this machine against aiohttp's 0.2 ms (`bench/bench_gateway.py` measures both as pass-through proxies;
-encode/httpx#3215), and the gateway's throughput budget is 500 requests/s on one process.
+Not httpx: under concurrency httpx's connection pool cost 1.5-5.6 ms of CPU per request on this machine
+(`bench/bench_gateway.py` measures it as a pass-through proxy; encode/httpx#3215). Not aiohttp, which served
+here until issue 27: `engine_http`'s docstring says why.
 
 Failures that happen before the engine's first byte reaches the client raise `UpstreamError` (the caller may
 retry on another engine); an engine's own 4xx answer is not a failure of the engine and is passed back.
@@ -10,12 +10,10 @@ retry on another engine); an engine's own 4xx answer is not a failure of the eng
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
-
+from switchyard.services.gateway.engine_http import EngineHttp, EngineHttpError, Response
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.settings import GatewaySettings
 
@@ -43,39 +41,19 @@ class Opened:
     content_type: str
     first: bytes
     chunks: AsyncIterator[bytes] | None
-    response: aiohttp.ClientResponse
+    response: Response
 
     def close(self) -> None:
         """Close the connection (not back to the pool): the engine sees the client go and aborts the request."""
         self.response.close()
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
-        return "timeout"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):
-        return "closed"
-    return type(exc).__name__
-
-
-def _content_type(response: aiohttp.ClientResponse, default: str) -> str:
-    return response.headers.get("content-type", default)
-
-
 class Upstream:
-    """Create inside the running event loop (aiohttp binds its session to it)."""
+    """Create inside the running event loop."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        s = settings
-        self.post_timeout = aiohttp.ClientTimeout(total=s.first_byte_timeout_s, sock_connect=s.connect_timeout_s)
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
-        )
+        self.http = EngineHttp(settings.connect_timeout_s, settings.max_connections)
 
     @staticmethod
     def headers(request_id: str, authorization: str | None) -> dict[str, str]:
@@ -88,60 +66,67 @@ class Upstream:
         self, engine: Engine, path: str, content: bytes, headers: dict[str, str], deadline_s: float | None = None
     ) -> Answer:
         """A non-streaming call: the whole answer, within `deadline_s` (default: the first-byte timeout)."""
-        timeout = self.post_timeout
-        if deadline_s is not None:
-            timeout = aiohttp.ClientTimeout(total=deadline_s, sock_connect=self.settings.connect_timeout_s)
+        http = self.http
+        deadline = http.loop.time() + (self.settings.first_byte_timeout_s if deadline_s is None else deadline_s)
         try:
-            async with self.session.post(engine.url(path), data=content, headers=headers, timeout=timeout) as r:
-                body = await r.read()
-                status, content_type = r.status, _content_type(r, "application/json")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(engine, _reason(exc), str(exc)) from None
+            response = await http.request(engine.url(path), "POST", headers, content, deadline)
+            try:
+                body = await response.read(deadline)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+        except EngineHttpError as exc:
+            raise UpstreamError(engine, exc.reason, str(exc)) from None
+        status, content_type = response.status, response.content_type or "application/json"
         if status >= 500:
             raise UpstreamError(engine, f"http_{status}", body[:200].decode("utf-8", "replace"))
         return Answer(status, body, content_type)
 
     async def open_stream(self, engine: Engine, path: str, content: bytes, headers: dict[str, str]) -> Opened:
         """Send a streaming call and wait for its first chunk (within the first-byte timeout)."""
-        response: aiohttp.ClientResponse | None = None
+        http = self.http
+        deadline = http.loop.time() + self.settings.first_byte_timeout_s
         try:
-            async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                response = await self.session.post(
-                    engine.url(path), data=content, headers=headers, timeout=self.stream_timeout
-                )
-                status = response.status
-                if status >= 500:
-                    raise UpstreamError(engine, f"http_{status}")
-                if status >= 400:
-                    body = await response.read()
-                    response.release()
-                    return Opened(status, _content_type(response, "application/json"), body, None, response)
-                first = await response.content.readany()
-                if not first:
-                    raise UpstreamError(engine, "empty")
-                chunks = response.content.iter_any()
-                return Opened(status, _content_type(response, "text/event-stream"), first, chunks, response)
-        except UpstreamError:
-            if response is not None:
-                response.close()
+            response = await http.request(engine.url(path), "POST", headers, content, deadline)
+        except EngineHttpError as exc:
+            raise UpstreamError(engine, exc.reason, str(exc)) from None
+        try:
+            status = response.status
+            if status >= 500:
+                raise UpstreamError(engine, f"http_{status}")
+            if status >= 400:
+                body = await response.read(deadline)
+                response.release()
+                return Opened(status, response.content_type or "application/json", body, None, response)
+            first = await response.chunk(deadline)
+            if not first:
+                raise UpstreamError(engine, "empty")
+        except EngineHttpError as exc:
+            response.close()
+            raise UpstreamError(engine, exc.reason, str(exc)) from None
+        except BaseException:  # an UpstreamError, or cancelled (the client went away): the engine aborts it
+            response.close()
             raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if response is not None:
-                response.close()
-            raise UpstreamError(engine, _reason(exc), str(exc)) from None
-        except BaseException:  # cancelled (the client went away): close, so the engine aborts the request
-            if response is not None:
-                response.close()
-            raise
+        chunks = response.chunks(self.settings.read_timeout_s)
+        return Opened(status, response.content_type or "text/event-stream", first, chunks, response)
 
     async def healthy(self, engine: Engine, timeout_s: float) -> bool:
         """Whether the engine's own `GET /health` answers 2xx within `timeout_s` (vLLM's health endpoint)."""
+        http = self.http
+        deadline = http.loop.time() + timeout_s
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self.session.get(engine.url("/health"), timeout=timeout) as r:
-                return 200 <= r.status < 300
-        except (aiohttp.ClientError, TimeoutError):
+            response = await http.request(engine.url("/health"), "GET", {}, b"", deadline)
+        except EngineHttpError:
             return False
+        try:
+            await response.read(deadline)
+        except EngineHttpError:
+            response.close()
+            return False
+        response.release()
+        return 200 <= response.status < 300
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.http.close()
+

@@ -1,0 +1,224 @@
+"""The gateway's HTTP/1.1 client for engine hops (services/gateway/engine_http.py) against real servers: uvicorn
+for well-behaved engines, raw asyncio servers for the ones that misbehave (never answer, close mid-stream, answer
+with what is not HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import uvicorn
+from yarl import URL
+
+from switchyard.services.gateway.engine_http import HIGH_WATER, EngineHttp, EngineHttpError
+from switchyard.shared.embedded import free_port
+from tests.gateway_helpers import wait_for
+
+#: Only stops a broken test from hanging; nothing is asserted about it.
+HANG_GUARD_S = 15.0
+
+
+class Engine:
+    """A uvicorn app standing in for an engine: it records each request's client port, method, path, headers
+    and body, answers `/stream` with three SSE chunks (the third only once `release` is set), `/big` with 1 MiB,
+    and anything else with a JSON body; it notes when a client disconnects mid-answer."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str, str, dict[bytes, bytes], bytes]] = []
+        self.release = asyncio.Event()
+        self.disconnected = asyncio.Event()
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.seen.append((scope["client"][1], scope["method"], scope["path"], dict(scope["headers"]), body))
+        if scope["path"] == "/stream":
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+            waiting = asyncio.ensure_future(self.release.wait())
+            gone = asyncio.ensure_future(receive())
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() and gone.result()["type"] == "http.disconnect":
+                self.disconnected.set()
+                waiting.cancel()
+                return
+            gone.cancel()
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        payload = b"x" * (1 << 20) if scope["path"] == "/big" else b'{"ok": true}'
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Engine) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
+    task = asyncio.ensure_future(server.serve())
+    try:
+        await wait_for(lambda: server.started, HANG_GUARD_S)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, HANG_GUARD_S)
+
+
+@contextlib.asynccontextmanager
+async def raw_server(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A TCP server that runs `answer` on each connection (after reading the request's head)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            await answer(reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def deadline(seconds: float = HANG_GUARD_S) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def test_a_post_sends_its_head_and_body_and_reads_a_whole_answer_on_one_kept_connection() -> None:
+    engine = Engine()
+    async with serving(engine) as base:
+        http = EngineHttp(2.0, 8)
+        for n in range(3):
+            body = b'{"n": %d}' % n
+            response = await http.request(
+                URL(base + "/v1/completions"), "POST", {"x-request-id": f"r{n}"}, body, deadline()
+            )
+            assert (response.status, response.content_type) == (201, "application/json")
+            assert await response.read(deadline()) == b'{"ok": true}'
+            response.release()
+        await http.close()
+    ports = {port for port, *_ in engine.seen}
+    assert len(ports) == 1  # one connection, kept alive and reused
+    _, method, path, headers, body = engine.seen[2]
+    assert (method, path, body) == ("POST", "/v1/completions", b'{"n": 2}')
+    assert headers[b"x-request-id"] == b"r2" and headers[b"host"] == base.removeprefix("http://").encode()
+
+
+async def test_a_stream_comes_chunk_by_chunk_and_a_close_aborts_it_at_the_engine() -> None:
+    engine = Engine()
+    async with serving(engine) as base:
+        http = EngineHttp(2.0, 8)
+        response = await http.request(URL(base + "/stream"), "POST", {}, b"{}", deadline())
+        assert response.content_type == "text/event-stream"
+        got = [await response.chunk(deadline())]
+        while b"data: 2" not in b"".join(got):
+            got.append(await response.chunk(deadline()))
+        response.close()  # the client went away: the engine must see the connection close
+        await asyncio.wait_for(engine.disconnected.wait(), HANG_GUARD_S)
+        engine.release.set()
+        response = await http.request(URL(base + "/stream"), "POST", {}, b"{}", deadline())
+        body = b"".join([piece async for piece in response.chunks(HANG_GUARD_S)])
+        assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+        response.release()
+        await http.close()
+    assert len({port for port, *_ in engine.seen}) == 2  # the closed connection was not reused
+
+
+async def test_a_large_answer_is_read_whole_past_the_read_ahead_bound() -> None:
+    engine = Engine()
+    async with serving(engine) as base:
+        http = EngineHttp(2.0, 8)
+        response = await http.request(URL(base + "/big"), "GET", {}, b"", deadline())
+        connection = response._connection
+        await wait_for(lambda: connection.paused or connection.complete, HANG_GUARD_S)
+        assert connection.paused and connection.buffered > HIGH_WATER  # reading stopped ahead of the reader
+        assert await response.read(deadline()) == b"x" * (1 << 20)
+        response.release()
+        await http.close()
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    http = EngineHttp(2.0, 8)
+    with pytest.raises(EngineHttpError) as failed:
+        await http.request(URL(f"http://127.0.0.1:{free_port()}/health"), "GET", {}, b"", deadline())
+    assert failed.value.reason == "connect"
+
+
+async def test_an_engine_that_never_answers_times_out_and_the_slot_is_freed() -> None:
+    async def never(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client closes
+
+    async with raw_server(never) as base:
+        http = EngineHttp(2.0, 1)
+        for _ in range(2):  # with one slot, the second call runs only if the first freed it
+            with pytest.raises(EngineHttpError) as failed:
+                await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline(0.2))
+            assert failed.value.reason == "timeout"
+
+
+async def test_an_engine_closing_mid_stream_or_answering_garbage_is_closed() -> None:
+    async def half(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+
+    async def garbage(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(HANG_GUARD_S)
+
+    http = EngineHttp(2.0, 8)
+    async with raw_server(half) as base:
+        response = await http.request(URL(base + "/s"), "POST", {}, b"{}", deadline())
+        assert await response.chunk(deadline()) == b"data: 1\n\n"
+        with pytest.raises(EngineHttpError) as failed:
+            await response.chunk(deadline())
+        assert failed.value.reason == "closed"
+        response.close()
+    async with raw_server(garbage) as base:
+        with pytest.raises(EngineHttpError) as failed:
+            await http.request(URL(base + "/s"), "POST", {}, b"{}", deadline())
+        assert failed.value.reason == "closed"
+
+
+async def test_a_pooled_connection_the_engine_closed_is_replaced_and_the_request_sent_once() -> None:
+    """The engine closes a kept connection after answering (its keep-alive ran out): the next request goes on a
+    new connection, whether the close arrived before it was sent or raced it, and reaches the engine once."""
+    requests: list[bytes] = []
+
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(b"seen")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()  # and close, though the answer said nothing of it
+
+    async with raw_server(once) as base:
+        http = EngineHttp(2.0, 8)
+        for settle in (0.05, 0.0, 0.0):  # the close arrived first; then sent right behind the answer (racing it)
+            response = await http.request(URL(base + "/health"), "GET", {}, b"", deadline())
+            assert await response.read(deadline()) == b"ok"
+            response.release()
+            await asyncio.sleep(settle)
+        await wait_for(lambda: not any(http._idle.values()), HANG_GUARD_S)  # the engine's close empties the pool
+        await http.close()
+    assert len(requests) == 3
+
+
+async def test_a_header_with_a_line_break_is_refused() -> None:
+    http = EngineHttp(2.0, 8)
+    with pytest.raises(ValueError, match="line break"):
+        await http.request(URL("http://127.0.0.1:1/x"), "POST", {"authorization": "a\r\nx-evil: 1"}, b"", deadline())
