@@ -137,6 +137,8 @@ class RoleView:
         snap = self.refresh(now, stale_after_s)
         if columns:
             self.gather(columns)
+            if "recent_sends" in columns:  # decays with time, not only with the fleet's data: re-read each time
+                snap.columns["recent_sends"] = self.fleet.recent.at(now)[self.rows]
         return snap
 
     def serving(self, model: str | None) -> np.ndarray | None:
@@ -198,6 +200,8 @@ COLUMNS: dict[str, Column] = {
     "pending_prefill": lambda f, rows, snap: f.exact.pending_prefill[rows] + f.unreported.tokens[rows],
     "pending": lambda f, rows, snap: f.exact.pending[rows] + f.unreported.count[rows],
     "decoding": lambda f, rows, snap: f.exact.decoding[rows],
+    # every decision, decaying (`RecentSends`; as of the last decay here: `RoleView.prepare` decays it to `now`)
+    "recent_sends": lambda f, rows, snap: f.recent.column[rows],
     "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
@@ -208,6 +212,7 @@ PER_DECISION: dict[str, Callable[[float], float]] = {
     "waiting": lambda tokens: 1.0,
     "pending_prefill": lambda tokens: tokens,
     "pending": lambda tokens: 1.0,
+    "recent_sends": lambda tokens: 1.0,
 }
 if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
     raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
