@@ -137,7 +137,7 @@ class RoleView:
         snap = self.refresh(now, stale_after_s)
         if columns:
             self.gather(columns)
-            if "recent_sends" in columns:  # decays with time, not only with the fleet's data: re-read each time
+            if "recent_sends" in columns:  # `CLOCKED`: decayed to `now` and re-read at every decision
                 snap.columns["recent_sends"] = self.fleet.recent.at(now)[self.rows]
         return snap
 
@@ -175,6 +175,8 @@ class RoleView:
                     add = PER_DECISION.get(name)
                     if add is not None:
                         columns[name][i] += add(prompt_tokens)
+            for name in CLOCKED.intersection(names):  # the decision decayed every row: re-read, not followed
+                self.snap.columns[name] = self.columns[name](self.fleet, self.rows, self.snap)
             self._gathered = (names, version)
 
 
@@ -212,8 +214,11 @@ PER_DECISION: dict[str, Callable[[float], float]] = {
     "waiting": lambda tokens: 1.0,
     "pending_prefill": lambda tokens: tokens,
     "pending": lambda tokens: 1.0,
-    "recent_sends": lambda tokens: 1.0,
 }
+#: Columns that change with time as well as with the fleet's data (`recent_sends` decays): `RoleView.prepare`
+#: decays and re-reads them at every decision, and `record_decision` re-reads them (a decision first decays
+#: every row, so adding to one row in place would not equal a fresh read).
+CLOCKED = frozenset({"recent_sends"})
 if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
     raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
 need(*COLUMNS, *PER_DECISION)
