@@ -31,9 +31,9 @@ import numpy as np
 
 __all__ = ["RECENT_TAU_S", "ExactLedger", "RecentSends"]
 
-#: Time constant of `RecentSends` (s): about two engine steps at light load (a 1-2k-token prompt's prefill step
-#: plus the step it waited for), a fifth of a 100 ms telemetry interval. A send then weighs e^-1 after 20 ms and
-#: under 1 % after 100 ms, so the term separates consecutive arrivals and is gone before load builds.
+#: Time constant of `RecentSends` (s): about two mean TTFTs at light load (10.7 ms at conv ÷20: the step a prompt
+#: waits for plus its prefill step), a fifth of a 100 ms telemetry interval. A send weighs e^-1 after 20 ms and
+#: under 1 % after 100 ms. Fitted with `profiles.RECENT_WEIGHT` on seed 0 at conv ÷20 (10 to 100 ms tried).
 RECENT_TAU_S = 0.02
 
 
