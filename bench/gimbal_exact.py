@@ -4,8 +4,8 @@ The same workloads, fleet and loads as `bench/gimbal_dp.py` (its `LOADS`, both A
 unless `--requests` caps them), FCFS, telemetry every 100 ms at random phases (the defaults), seeds 0, 1, 2:
 
 - `exact` section: `vllm` (the baseline), `gimbal` (today's score: telemetry and in-flight compensation) and
-  `gimbal-exact` (the exact ledger: prefill still owed, requests still owed a first token, decode load, plus
-  P_kv and P_moe from telemetry), at every load;
+  `gimbal-exact` (the exact ledger: prefill still owed, requests still owed a first token, decode load, and the
+  requests just sent, plus P_kv and P_moe from telemetry), at every load;
 - `exact-control` section: `gimbal-exact` with its ledger's rows shuffled across engines at every decision
   (`DPFleetConfig.ledger_control="shuffled"`), at each trace's knee: the facts, on the wrong engines. If the
   gain is the ledger's, it vanishes here.

@@ -107,6 +107,8 @@ _SIGNALS = (
            doc="the requests behind pending_prefill"),
     Signal("decoding", "exact ledger: past the first token, not finished", "requests", PER_DECISION,
            doc="the engine's decode load, from the dispatcher's own first-token and end events"),
+    Signal("recent_sends", "router: its decisions, each decaying as exp(-age / 20 ms) (exact_ledger.RecentSends)",
+           "requests", PER_DECISION, doc="requests just sent to the engine, whether or not they have a first token"),
     Signal("kv_blocks", "Hello.capacity.kv_blocks", "KV blocks", "per hello", view="kv_blocks",
            doc="the engine's KV cache size in blocks (Dynamo's decode blocks are kv_usage of it)"),
     Signal("indexed_blocks", "router: prefix index (solver.routing.prefix)", "blocks", PER_DECISION,

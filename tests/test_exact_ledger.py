@@ -4,6 +4,7 @@ every decision (it never counts a finished request)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from switchyard.simulator.offline import dp as dp_module
 from switchyard.simulator.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing.dispatch import GimbalParams
-from switchyard.solver.routing.exact_ledger import ExactLedger
+from switchyard.solver.routing.exact_ledger import RECENT_TAU_S, ExactLedger, RecentSends
 from switchyard.solver.routing.profiles import dp_profile
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
@@ -78,6 +79,49 @@ def test_clear_resize_compact_keep_rows_and_requests_consistent() -> None:
     assert len(led) == 5 and led.pending.tolist() == [0, 1, 0, 0, 1]
 
 
+def test_recent_sends_decay_with_their_time_constant() -> None:
+    rec = RecentSends(3, tau_s=0.02)
+    assert rec.at(5.0).tolist() == [0, 0, 0]
+    rec.sent(0, 5.0)
+    rec.sent(0, 5.0)
+    rec.sent(2, 5.01)
+    col = rec.at(5.02)
+    assert col is rec.column, "decayed in place: a snapshot holding the array sees it"
+    assert col[0] == pytest.approx(2 * math.exp(-1)) and col[2] == pytest.approx(math.exp(-0.5)) and col[1] == 0
+    rec.sent(1, 5.01)  # stamped before the column's time (another replica's decision): counts as already decayed
+    assert rec.column[1] == pytest.approx(math.exp(-0.5))
+    assert rec.at(5.0)[0] == pytest.approx(2 * math.exp(-1)), "never decays backwards"
+    assert rec.at(6.0).max() < 1e-20, "gone after a second"
+    rec.compact(np.array([2]))
+    rec.resize(4)
+    assert len(rec) == 4 and rec.column[1:].tolist() == [0, 0, 0]
+    assert RecentSends(1).tau_s == RECENT_TAU_S
+    with pytest.raises(ValueError, match="out of range"):
+        rec.sent(4, 7.0)
+    with pytest.raises(ValueError, match="tau_s"):
+        RecentSends(1, tau_s=0.0)
+    with pytest.raises(ValueError, match="rows must be"):
+        RecentSends(-1)
+
+
+def test_gimbal_exact_alternates_consecutive_arrivals_until_their_sends_decay() -> None:
+    """Decode load favours engine 0 (one decoding request against two); a send there just now weighs more, so
+    the next arrival goes to engine 1, and once that send has decayed, to engine 0 again."""
+    d = Dispatcher("gimbal-exact", 2, GimbalParams(), 0.05)
+    assert d.tracks_recent and "recent_sends" in d.profile.columns
+    for rid in (100, 101):
+        d.exact.sent(rid, 1, 50)
+        d.exact.first_token(rid)
+    assert d.choose(0.0, 400, rid=0) == 0
+    d.on_progress([0], [])  # prefilled within the step: no owed prefill anywhere, decode load 1 against 2
+    assert d.choose(0.005, 400, rid=1) == 1, "the send 5 ms ago weighs more than one decoding request"
+    d.on_progress([1], [])
+    assert d.choose(1.0, 400, rid=2) == 0, "a second later both sends are gone: decode load decides"
+    assert d.snap.columns["recent_sends"] is d.recent.column
+    no_term = Dispatcher("gimbal-exact", 2, GimbalParams(), 0.05, weights={"recent_sends": 0.0})
+    assert not no_term.tracks_recent
+
+
 @pytest.fixture(scope="module")
 def esft() -> Scenario:
     return prepare(ESFT_DIR, gpu="H100", gpus=2, seed=0)
@@ -133,6 +177,7 @@ def test_profiles_read_the_ledger_and_the_shuffled_control_moves_its_rows() -> N
     assert {"pending_prefill", "pending", "decoding", "kv_usage", "expert_pressure"} <= cols
     assert not cols & {"remaining_prefill", "waiting_prefill", "inflight_tokens"}, "no telemetry-timed prefill"
     assert "pending_prefill" in dp_profile("switchyard-exact").columns
+    assert "recent_sends" in cols and "recent_sends" not in dp_profile("switchyard-exact").columns
     d = Dispatcher("gimbal-exact", 4, GimbalParams(), 0.05, seed=3, ledger_control="shuffled")
     for rid, tokens in enumerate((100, 200, 300, 400)):
         d.exact.sent(rid, rid, tokens)

@@ -11,6 +11,7 @@ engine's credential cannot publish it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -119,6 +120,23 @@ def test_the_router_core_counts_reported_requests_until_their_end_and_others_unt
     core.on_progress(s.RouteProgress(first=["b"], done=[]))
     snap = core.dp.prepare(5.0, 60.0, ("decoding", "pending", "pending_prefill"))
     assert snap.columns["pending_prefill"][i] == 0.0 and snap.columns["decoding"][i] == 1.0
+
+
+def test_the_router_core_counts_recent_sends_of_every_decision_decaying_with_time() -> None:
+    """``recent_sends`` (gimbal-exact): every decision, with or without progress, another replica's too, each
+    weighing exp(-age / 20 ms) when a later decision reads the column."""
+    core = _core()
+    names = ("decoding", "pending", "pending_prefill", "recent_sends")
+    reply, _ = core.route_dp(s.RouteDpRequest(request_id="a", prompt_tokens=500, progress=True), 1.0)
+    first = reply.engine_id  # type: ignore[union-attr]
+    other = s.RouteDecisions(replica_id="r2", kinds=["dp"], request_ids=["x"], engine_ids=[first], prompt_tokens=[10])
+    core.on_decisions(other, 1.0)
+    snap = core.dp.prepare(1.02, 60.0, names)
+    i = snap.engine_ids.index(first)
+    assert snap.columns["recent_sends"][i] == pytest.approx(2 * math.exp(-1))
+    assert snap.columns["recent_sends"][1 - i] == 0.0
+    snap = core.dp.prepare(2.0, 60.0, names)
+    assert snap.columns["recent_sends"][i] < 1e-20, "decays with time alone, no report needed"
 
 
 async def test_after_the_gateway_reports_an_end_the_router_no_longer_counts_it(

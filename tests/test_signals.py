@@ -108,6 +108,7 @@ def test_the_router_stores_and_gathers_every_signal() -> None:
         "running": 1.0, "waiting": 2.0, "remaining_prefill": 4.0, "waiting_prefill": 3.0, "step_time": 0.02,
         "expert_pressure": 1.5, "migrating": 1.0, "inflight": 0.0, "inflight_tokens": 0.0, "outstanding": 0.0,
         "indexed_blocks": 0.0, "kv_blocks": 0.0, "pending_prefill": 0.0, "pending": 0.0, "decoding": 0.0,
+        "recent_sends": 0.0,
     }  # fmt: skip
 
 

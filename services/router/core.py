@@ -137,6 +137,8 @@ class RoleView:
         snap = self.refresh(now, stale_after_s)
         if columns:
             self.gather(columns)
+            if "recent_sends" in columns:  # `CLOCKED`: decayed to `now` and re-read at every decision
+                snap.columns["recent_sends"] = self.fleet.recent.at(now)[self.rows]
         return snap
 
     def serving(self, model: str | None) -> np.ndarray | None:
@@ -173,6 +175,8 @@ class RoleView:
                     add = PER_DECISION.get(name)
                     if add is not None:
                         columns[name][i] += add(prompt_tokens)
+            for name in CLOCKED.intersection(names):  # the decision decayed every row: re-read, not followed
+                self.snap.columns[name] = self.columns[name](self.fleet, self.rows, self.snap)
             self._gathered = (names, version)
 
 
@@ -198,6 +202,8 @@ COLUMNS: dict[str, Column] = {
     "pending_prefill": lambda f, rows, snap: f.exact.pending_prefill[rows] + f.unreported.tokens[rows],
     "pending": lambda f, rows, snap: f.exact.pending[rows] + f.unreported.count[rows],
     "decoding": lambda f, rows, snap: f.exact.decoding[rows],
+    # every decision, decaying (`RecentSends`; as of the last decay here: `RoleView.prepare` decays it to `now`)
+    "recent_sends": lambda f, rows, snap: f.recent.column[rows],
     "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
 }
 #: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
@@ -209,6 +215,10 @@ PER_DECISION: dict[str, Callable[[float], float]] = {
     "pending_prefill": lambda tokens: tokens,
     "pending": lambda tokens: 1.0,
 }
+#: Columns that change with time as well as with the fleet's data (`recent_sends` decays): `RoleView.prepare`
+#: decays and re-reads them at every decision, and `record_decision` re-reads them (a decision first decays
+#: every row, so adding to one row in place would not equal a fresh read).
+CLOCKED = frozenset({"recent_sends"})
 if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
     raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
 need(*COLUMNS, *PER_DECISION)

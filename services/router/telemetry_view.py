@@ -35,7 +35,7 @@ from switchyard.shared.schemas import Hello, Telemetry
 from switchyard.shared.sequence import Seq, classify
 from switchyard.shared.signals import telemetry_view_columns
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
-from switchyard.solver.routing.exact_ledger import ExactLedger
+from switchyard.solver.routing.exact_ledger import ExactLedger, RecentSends
 from switchyard.solver.routing.ledger import InflightLedger
 
 ROLES = ("prefill", "decode", "dp")
@@ -104,6 +104,9 @@ class TelemetryView:
         #: Requests routed without ``progress`` (clients that never report, other replicas' decisions): what the
         #: exact columns add for them, settled by telemetry as `ledger` is (`on_telemetry`).
         self.unreported = InflightLedger(n, self.max_inflight_per_engine)
+        #: Every decision (reported or not, this replica's or another's), decaying over tens of ms: the
+        #: ``recent_sends`` column (`RecentSends.at` decays it to a decision's time).
+        self.recent = RecentSends(n)
 
     @property
     def inflight(self) -> np.ndarray:
@@ -129,6 +132,7 @@ class TelemetryView:
         self.ledger.resize(len(self.role))
         self.exact.resize(len(self.role))
         self.unreported.resize(len(self.role))
+        self.recent.resize(len(self.role))
 
     def row(self, engine_id: str, now: float) -> int:
         """The engine's row, registering it on first sight; -1 (counted) for a new engine when every one of
@@ -228,6 +232,7 @@ class TelemetryView:
         `request_id` (its sender reports progress) it enters the exact ledger, else `unreported`; an id already
         open there (a sender reusing ids) is counted as unreported too."""
         self.ledger.add(row, now, prompt_tokens)
+        self.recent.sent(row, now)
         if request_id is not None and request_id not in self.exact:
             self.exact.sent(request_id, row, prompt_tokens)
         else:
@@ -263,6 +268,7 @@ class TelemetryView:
         self.ledger.compact(keep)
         self.exact.compact(keep)
         self.unreported.compact(keep)
+        self.recent.compact(keep)
         self.model = [self.model[i] for i in keep]
         self.index = {e: i for i, e in enumerate(self.engine_ids)}
         for name, (_, fill) in _COLUMNS.items():

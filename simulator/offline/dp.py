@@ -27,6 +27,9 @@ What each dispatch rule sees (the delays are the real systems'):
   puts every engine on one phase, as vLLM's coordinator publishes all engines at once), plus the router's
   in-flight compensation: prompt tokens of requests dispatched to the engine count until a report received at
   least `inflight_grace_s` after them (`solver.routing.ledger`, the router's rule and default).
+- `gimbal-exact`: the exact ledger (`solver.routing.exact_ledger`) fed from its own sends and the first tokens
+  and ends the fleet emits, its sends of the last few tens of ms (``recent_sends``, `RecentSends`), and the
+  telemetry's KV usage and expert pressure.
 - `llm-d` reads the coordinator's view (waiting, KV usage), `dynamo` the telemetry view with ``kv_blocks``,
   `sglang-cache` the exact outstanding counts, each with ``cached_tokens`` as below.
 - `switchyard` (and any profile reading the request input ``cached_tokens``): Gimbal's view plus, per arrival,
@@ -67,7 +70,7 @@ from switchyard.simulator.offline.dp_ep import EpRun
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
-from switchyard.solver.routing.exact_ledger import ExactLedger
+from switchyard.solver.routing.exact_ledger import ExactLedger, RecentSends
 from switchyard.solver.routing.filters import KvFirst
 from switchyard.solver.routing.ledger import InflightLedger
 from switchyard.solver.routing.prefix import RoutedIndex
@@ -91,8 +94,8 @@ _INDEX_BLOCK_TOKENS = 16
 #: a registry name (`shared.signals.need`: a misspelt one fails at import).
 EXACT_COLUMNS = need("alive", "load", "outstanding")
 #: The exact ledger's columns (`solver.routing.exact_ledger`): fed from the dispatcher's own sends and the first
-#: tokens and ends it sees, as the gateway's progress reports feed the router's.
-LEDGER_COLUMNS = need("pending_prefill", "pending", "decoding")
+#: tokens and ends it sees, as the gateway's progress reports feed the router's; ``recent_sends`` from its sends.
+LEDGER_COLUMNS = need("pending_prefill", "pending", "decoding", "recent_sends")
 #: Controls of the exact ledger (`DPFleetConfig.ledger_control`): "shuffled" hands the profile the ledger's
 #: rows in a fresh random order at every decision (the facts, on the wrong engines).
 LEDGER_CONTROLS: tuple[str, ...] = ("none", "shuffled")
@@ -157,6 +160,7 @@ class Dispatcher:
         self.pressure = np.ones(engines)
         self.ledger = InflightLedger(engines)  # the router's in-flight compensation, the same ledger
         self.exact = ExactLedger(engines)  # what was sent and has not reached its first token / its end
+        self.recent = RecentSends(engines)  # what was sent in the last few tens of ms (decaying)
         self.kv_first = 0
 
         self.needs_coordinator = bool(cols & COORDINATOR_COLUMNS)
@@ -185,6 +189,7 @@ class Dispatcher:
         if ledger_control not in LEDGER_CONTROLS:
             raise ValueError(f"ledger_control must be one of {', '.join(LEDGER_CONTROLS)}, got {ledger_control!r}")
         self.tracks_exact = bool(cols & LEDGER_COLUMNS)
+        self.tracks_recent = "recent_sends" in cols
         self._shuffle = stream(seed, "dp.ledger-control") if ledger_control == "shuffled" else None
         self._feed_exact()
         # prefix view (see the module docstring); live only once `attach_prefix` gives the engines' caches
@@ -221,6 +226,7 @@ class Dispatcher:
         """The exact ledger's columns into the snapshot: the ledger's own arrays, or (control) a permutation."""
         columns = {"pending_prefill": self.exact.pending_prefill, "pending": self.exact.pending}
         columns["decoding"] = self.exact.decoding
+        columns["recent_sends"] = self.recent.column
         if self._shuffle is not None:
             perm = self._shuffle.permutation(self.n)
             columns = {name: col[perm] for name, col in columns.items()}
@@ -228,6 +234,8 @@ class Dispatcher:
 
     def choose(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None = None, rid: int = -1) -> int:
         snap = self.snap
+        if self.tracks_recent:
+            self.recent.at(now)  # decayed in place (the snapshot holds the array)
         if self._shuffle is not None and self.tracks_exact:
             self._feed_exact()
         if self._kv_first is not None and kv_first_applies(snap.alive, snap.kv_usage, self._kv_first.params):
@@ -248,6 +256,8 @@ class Dispatcher:
             self.ledger.add(i, now, prompt_tokens - cached)
         if self.tracks_exact:
             self.exact.sent(rid, i, prompt_tokens - cached)
+        if self.tracks_recent:
+            self.recent.sent(i, now)
         self.outstanding[i] += 1
         return i
 

@@ -22,8 +22,10 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 | `sglang-cache` | alive        | sglang_cache_aware (1): SGLang's three-branch rule        | first min           |
 | `switchyard`| alive, KV first | gimbal's five, uncached_prompt (`PREFIX_WEIGHT`)          | first min           |
 | `gimbal-exact` | alive, KV first | pending_prefill (1), pending (`PENDING_WEIGHT`),       | first min           |
-|             |                 | decoding (`DECODE_WEIGHT`), kv_penalty, moe_penalty (1)   |                     |
-| `switchyard-exact` | alive, KV first | gimbal-exact's five, uncached_prompt (`PREFIX_WEIGHT`) | first min         |
+|             |                 | decoding (`DECODE_WEIGHT`), recent_sends (`RECENT_WEIGHT`), |                   |
+|             |                 | kv_penalty, moe_penalty (1)                               |                     |
+| `switchyard-exact` | alive, KV first | gimbal-exact's terms less recent_sends,          | first min           |
+|             |                 | uncached_prompt (`PREFIX_WEIGHT`)                         |                     |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
@@ -143,16 +145,27 @@ def _gimbal_terms(params: GimbalParams) -> tuple[Weighted, ...]:
 DECODE_WEIGHT = 256.0
 #: Prefill-token equivalent of one request still owed its first token in `gimbal-exact`.
 PENDING_WEIGHT = 2000.0
+#: Prefill-token equivalent of one request just sent in `gimbal-exact` (``recent_sends``: each send decays as
+#: exp(-age / RECENT_TAU_S), `exact_ledger.RECENT_TAU_S` = 20 ms). Why: at light load a prompt reaches its
+#: first token within a step or two, so the next arrival sees no owed prefill anywhere and the decision falls to
+#: decode load, which moves at every finish; consecutive arrivals then went to one engine in runs of 1.43 where
+#: vLLM's per-window local increment alternates them (1.07), and lost 0.5 % mean TTFT at conv ÷20. A send
+#: that weighs about 1.5 pending requests, fading over ~20 ms, alternates them (runs of 1.14). Fitted on seed 0
+#: at conv ÷20 (500 to 4000 tried), then checked: lower mean TTFT than `vllm` at all 10 loads over seeds 0-2
+#: (docs/gimbal-exact-ledger.md, "Recent sends").
+RECENT_WEIGHT = 3000.0
 
 
-def _exact_terms(params: GimbalParams) -> tuple[Weighted, ...]:
+def _exact_terms(params: GimbalParams, recent: bool = True) -> tuple[Weighted, ...]:
     """Gimbal's pressure score on the exact ledger (`solver.routing.exact_ledger`): the prefill the engine still
-    owes (sent, no first token) replaces remaining + waiting + in-flight prefill, and its decode load (requests
-    past their first token, not finished) is a term of its own; P_kv and P_moe from telemetry as in `gimbal`."""
+    owes (sent, no first token) replaces remaining + waiting + in-flight prefill, its decode load (requests past
+    their first token, not finished) is a term of its own, and so (`recent`) are the requests just sent to it;
+    P_kv and P_moe from telemetry as in `gimbal`."""
     return (
         Weighted(Column("pending_prefill"), 1.0),
         Weighted(Column("pending"), PENDING_WEIGHT),
         Weighted(Column("decoding"), DECODE_WEIGHT),
+        *((Weighted(Column("recent_sends"), RECENT_WEIGHT),) if recent else ()),
         Weighted(KvPenalty(params), 1.0),
         Weighted(MoePenalty(params), 1.0),
     )
@@ -190,15 +203,17 @@ def dp_profile(
             (_ALIVE, KvFirst(params)),
             _exact_terms(params),
             FirstMin(),
-            doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + P_kv + P_moe",
+            doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + requests just "
+            "sent + P_kv + P_moe",
         )
     elif name == "switchyard-exact":
         profile = Profile(
             "switchyard-exact",
             (_ALIVE, KvFirst(params)),
-            (*_exact_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+            (*_exact_terms(params, recent=False), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
             FirstMin(),
-            doc="gimbal-exact plus the request's uncached prompt on each engine (prefix locality)",
+            doc="gimbal-exact (without its recent_sends term, as measured) plus the request's uncached prompt on "
+            "each engine (prefix locality)",
         )
     elif name == "llm-d":
         profile = Profile(
