@@ -73,8 +73,8 @@ def _telemetry(engine_id: str, seq: int) -> s.Telemetry:
     )
 
 
-def _core() -> RouterCore:
-    core = RouterCore(RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, stale_after_s=60.0))
+def _core(dp_profile: str = "gimbal-exact") -> RouterCore:
+    core = RouterCore(RouterSettings(dp_profile=dp_profile, inflight_grace_s=0.0, stale_after_s=60.0))
     for engine_id in ("e0", "e1"):
         core.on_hello(_hello(engine_id), 0.0)
         core.on_telemetry(_telemetry(engine_id, 0), 0.0)
@@ -137,6 +137,16 @@ def test_the_router_core_counts_recent_sends_of_every_decision_decaying_with_tim
     assert snap.columns["recent_sends"][1 - i] == 0.0
     snap = core.dp.prepare(2.0, 60.0, names)
     assert snap.columns["recent_sends"][i] < 1e-20, "decays with time alone, no report needed"
+
+
+def test_only_a_router_whose_profile_reads_recent_sends_counts_them() -> None:
+    """Counting a send decays every row: a router whose profiles do not read ``recent_sends`` (the default
+    `switchyard`) does not pay for it on each decision."""
+    for profile, counts in (("gimbal-exact", True), ("switchyard", False), ("switchyard-exact", False)):
+        core = _core(profile)
+        core.route_dp(s.RouteDpRequest(request_id="r", prompt_tokens=100, progress=True), 1.0)
+        assert core.fleet.tracks_recent is counts
+        assert bool(core.fleet.recent.column.sum() > 0) is counts, profile
 
 
 async def test_after_the_gateway_reports_an_end_the_router_no_longer_counts_it(

@@ -310,6 +310,7 @@ class RouterCore:
         self._decode_columns = _extra_columns(self.policy)
         self._dp_columns = _extra_columns(self.dp_profile)
         self._dp_reads_tokens = "prompt_tokens" in self.dp_profile.needs
+        self.fleet.tracks_recent = "recent_sends" in (*self._dp_columns, *self._decode_columns)
         #: The prefix index (`services.router.prefix`), consulted only for a DP profile reading `cached_tokens`
         #: (or a profile reading `indexed_blocks`), and fed by engine KV events only then (`ingests_kv`).
         self.prefix = PrefixState(

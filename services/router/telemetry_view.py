@@ -107,6 +107,9 @@ class TelemetryView:
         #: Every decision (reported or not, this replica's or another's), decaying over tens of ms: the
         #: ``recent_sends`` column (`RecentSends.at` decays it to a decision's time).
         self.recent = RecentSends(n)
+        #: Whether a profile reads ``recent_sends`` (`RouterCore` sets it): only then is each decision counted
+        #: there, since counting one decays every row (a numpy pass per decision the default profile need not pay).
+        self.tracks_recent = False
 
     @property
     def inflight(self) -> np.ndarray:
@@ -232,7 +235,8 @@ class TelemetryView:
         `request_id` (its sender reports progress) it enters the exact ledger, else `unreported`; an id already
         open there (a sender reusing ids) is counted as unreported too."""
         self.ledger.add(row, now, prompt_tokens)
-        self.recent.sent(row, now)
+        if self.tracks_recent:
+            self.recent.sent(row, now)
         if request_id is not None and request_id not in self.exact:
             self.exact.sent(request_id, row, prompt_tokens)
         else:
