@@ -735,17 +735,38 @@ class Chaos:
             f"routing: {seen}; 'may not publish decisions' warnings: {unshared}"
         )
 
-    def _violations(self) -> str:
-        """nats-server's permission violations over the whole run, by connection name and subject."""
+    def _violations(self) -> list[str]:
+        """nats-server's permission violations over the whole run, by connection name and subject; and, in a note
+        of their own, the replies a restarted server refused.
+
+        A responder may publish one reply to a request's inbox (`allow_responses`), a permission the server grants
+        as it delivers the request. A server restarted in between has no record of it, so a reply to a request
+        delivered before the restart is refused on the inbox (the requester's timeout and resend cover it). Those
+        (an `_INBOX_` subject, logged after the node's second start) are not a role overstepping its permissions.
+        """
         found: Counter[str] = Counter()
-        for line in (line for node in range(len(self.nats_nodes)) for line in self._server_log_since(0, node)):
-            if "Violation" in line:
-                name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
-                subject = line.rsplit("Subject", 1)[-1].strip(' :"') if "Subject" in line else "?"
-                found[f"{name} on {subject}"] += 1
-        if not found:
-            return "nats-server permission violations: none"
-        return "nats-server permission violations: " + ", ".join(f"{k} ({n})" for k, n in found.most_common(8))
+        late = 0
+        for node in range(len(self.nats_nodes)):
+            starts = 0
+            for line in self._server_log_since(0, node):
+                if "Server is ready" in line:
+                    starts += 1
+                elif "Violation" in line:
+                    name = line.split('"')[1].rsplit(":", 1)[-1] if line.count('"') >= 2 else "unnamed"
+                    subject = line.rsplit("Subject", 1)[-1].strip(' :"') if "Subject" in line else "?"
+                    if starts > 1 and subject.startswith("_INBOX_"):
+                        late += 1
+                        continue
+                    found[f"{name} on {subject}"] += 1
+        notes = [
+            "nats-server permission violations: "
+            + (", ".join(f"{k} ({n})" for k, n in found.most_common(8)) if found else "none")
+        ]
+        if late:
+            notes.append(
+                f"replies refused by a restarted nats-server (to requests delivered before the restart): {late}"
+            )
+        return notes
 
     def _server_log_size(self) -> int:
         path = self.nats_nodes[0].log_path
@@ -1071,7 +1092,7 @@ class Chaos:
         self.notes.insert(0, self._shape())
         if self.gateway_urls:
             self.notes.insert(1, self._gateway_shape())
-        self.notes.append(self._violations())
+        self.notes.extend(self._violations())
         self._score(results, audit)
         return results, audit
 

@@ -103,3 +103,25 @@ async def test_migration_service_survives_nats_restarts(tmp_path: Path) -> None:
             await asyncio.wait_for(service, 30)
         await engine.dispose()
         await asyncio.to_thread(nats.stop)
+
+
+def test_a_reply_refused_by_a_restarted_server_is_not_counted_as_a_violation() -> None:
+    """`Chaos._violations` over a server log: a reply to an inbox refused after the server's restart (its one-reply
+    permission went with the old process) is a note of its own; the same before a restart, or any other subject,
+    is a violation."""
+    from types import SimpleNamespace
+
+    ready, restart = "[1] [INF] Server is ready", "[2] [INF] Server is ready"
+    refused = '[2] [ERR] 127.0.0.1:5 - cid:9 - "v2.0:sim-fleet" - Publish Violation - User "sim-fleet", Subject '
+    inbox, other = refused + '"_INBOX_migration.a.b"', refused + '"sy.plan"'
+
+    def notes(*lines: str) -> list[str]:
+        fake = SimpleNamespace(nats_nodes=[None], _server_log_since=lambda _offset, _node: list(lines))
+        return Chaos._violations(fake)  # type: ignore[arg-type]
+
+    assert notes(ready, restart, inbox) == [
+        "nats-server permission violations: none",
+        "replies refused by a restarted nats-server (to requests delivered before the restart): 1",
+    ]
+    assert notes(ready, inbox) == ["nats-server permission violations: sim-fleet on _INBOX_migration.a.b (1)"]
+    assert notes(ready, restart, other) == ["nats-server permission violations: sim-fleet on sy.plan (1)"]
