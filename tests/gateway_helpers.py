@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from prometheus_client import REGISTRY
 
@@ -20,6 +20,16 @@ from switchyard.shared.settings import SwitchyardSettings
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def read_body(receive: Callable[[], Awaitable[dict]]) -> bytes:
+    """A test ASGI app's whole request body, however many messages it came in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

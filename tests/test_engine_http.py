@@ -14,7 +14,7 @@ from yarl import URL
 
 from switchyard.services.gateway.engine_http import HIGH_WATER, EngineHttp, EngineHttpError
 from switchyard.shared.embedded import free_port
-from tests.gateway_helpers import wait_for
+from tests.gateway_helpers import read_body, wait_for
 
 #: Only stops a broken test from hanging; nothing is asserted about it.
 HANG_GUARD_S = 15.0
@@ -33,12 +33,7 @@ class Engine:
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         self.seen.append((scope["client"][1], scope["method"], scope["path"], dict(scope["headers"]), body))
         if scope["path"] == "/stream":
             await send(

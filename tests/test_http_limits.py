@@ -17,19 +17,14 @@ from switchyard.services.http_limits import HttpLimits
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
-from tests.gateway_helpers import deployment
+from tests.gateway_helpers import deployment, read_body
 
 
 async def echo_length(scope, receive, send) -> None:
     """Answers with the length of the body it was given (what the wrapped app sees)."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     payload = json.dumps({"received": len(body)}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -215,7 +215,7 @@ class EngineHttp:
 
     def __init__(self, connect_timeout_s: float, max_connections: int, idle_s: float = 4.0) -> None:
         self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
-        self.loop = self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
@@ -265,7 +265,7 @@ class EngineHttp:
         idle = self._idle.get(_key(url))
         if not idle:
             return None
-        oldest_kept = self._loop.time() - self.idle_s
+        oldest_kept = self.loop.time() - self.idle_s
         while idle:
             connection = idle.pop()  # the newest first
             connection.idle_in = None
@@ -280,11 +280,11 @@ class EngineHttp:
             self._tls = ssl.create_default_context()
         timeout = self.connect_timeout_s
         if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - self._loop.time()))
+            timeout = min(timeout, max(0.0, deadline - self.loop.time()))
         try:
             async with asyncio.timeout(timeout):
-                _, connection = await self._loop.create_connection(
-                    lambda: _Connection(self._loop, (host, port, tls)), host, port, ssl=self._tls if tls else None
+                _, connection = await self.loop.create_connection(
+                    lambda: _Connection(self.loop, (host, port, tls)), host, port, ssl=self._tls if tls else None
                 )
         except TimeoutError:
             raise EngineHttpError("timeout", f"no connection to {host}:{port} within {timeout:g} s") from None
@@ -297,7 +297,7 @@ class EngineHttp:
         if self._closed:
             connection.close()
             return
-        connection.idle_since = self._loop.time()
+        connection.idle_since = self.loop.time()
         idle = self._idle.setdefault(connection.key, [])
         idle.append(connection)
         connection.idle_in = idle
