@@ -121,8 +121,10 @@ async def _served_by(service: GatewayService, n: int) -> list[str]:
     """`n` requests with distinct prompts (the prefill choice hashes the prompt), by who answered each."""
     async with httpx.AsyncClient(base_url=service.url, timeout=30) as client:
         answers = [await client.post("/v1/completions", json={**BODY, "prompt": f"hello {i}"}) for i in range(n)]
-    return [a.json().get("served_by", f"status {a.status_code}") if a.status_code == 200 else f"status {a.status_code}"
-            for a in answers]
+    return [
+        a.json().get("served_by", f"status {a.status_code}") if a.status_code == 200 else f"status {a.status_code}"
+        for a in answers
+    ]
 
 
 async def test_a_dp_hello_does_not_switch_a_live_disaggregated_fleet(secured: SecuredNats, tmp_path: Path) -> None:

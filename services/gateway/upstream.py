@@ -129,4 +129,3 @@ class Upstream:
 
     async def close(self) -> None:
         await self.http.close()
-
