@@ -29,9 +29,15 @@ Set-up, every part in its own process (so no two share an event loop):
 - the client: this process, a raw HTTP/1.1 client on keep-alive sockets (so the client's own cost stays
   small next to what it measures).
 
-Latency: one streaming request at a time, the three targets alternating request by request (load drift on this
-shared machine hits all alike); TTFT is send → first chunk, inter-token latency the gaps between chunks. The
-added figures are a target's p50 minus direct's p50. After each round the client times one `sy.route.dp` round
+Latency: one streaming request at a time, the targets taking turns request by request (load drift on this shared
+machine hits all alike), in a new random order every round (`--order shuffled`, the default: its own seeded
+stream), each request after the same `--idle-ms` of quiet (10 ms). TTFT is send → first chunk, inter-token latency
+the gaps between chunks. The added figures are a target's p50 minus direct's p50. Why the order and the quiet:
+until 2026-12-03 the targets went in one fixed order back to back (`--order fixed --idle-ms 0`), so the in-process
+gateway always followed the remote one and started while that request's tail (its progress report, the router
+settling it, nats-server passing it on) still held the two cores; that cost the in-process gateway's TTFT
+~0.3-0.4 ms at p50 that was not its own, and never the proxy's, which always followed direct (docs/gateway.md,
+"What each costs"). After each round the client times one `sy.route.dp` round
 trip and one to a bare nats-py responder, each after the same 20 ms idle and in alternating order: the first
 NATS request after a pause costs ~0.3 ms more here than one right behind another (nats-server and the
 responder are still awake), and the gateway's own route request is always a first one. (Until 2026-12-02 the
@@ -59,6 +65,7 @@ cache, block keys, the thread hop).
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
                                                 [--profile PATH] [--profile-shape inprocess|remote]
                                                 [--prefix-requests 100] [--tokenizer PATH] [--compare PYTHON]
+                                                [--order shuffled|fixed] [--idle-ms 10]
 """
 
 from __future__ import annotations
@@ -85,6 +92,11 @@ HANDOFF_MODEL = "stub-pd"
 #: Idle time before each timed round trip: long enough for nats-server and the responder to fall asleep, as they
 #: have by the time the gateway's own route request comes (each streamed request to a target takes ~35 ms).
 IDLE_BEFORE_RTT_S = 0.02
+#: Quiet before each timed streaming request (`--idle-ms`): the previous request's tail work (another target's
+#: progress report, its router's bookkeeping) is over, so a target's TTFT is its own.
+IDLE_BEFORE_REQUEST_MS = 10.0
+#: The seed of the round orders' random stream (`--order shuffled`).
+ORDER_SEED = 27
 BODY = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
 #: Prompt shapes of the prefix-keys latency: (name, tokens, share of the prompt that is the same every request).
 SHAPES = (("1k-fresh", 1024, 0.0), ("8k-fresh", 8192, 0.0), ("1k-shared", 1024, 0.9), ("8k-shared", 8192, 0.9))
@@ -326,6 +338,26 @@ class Conn:
         return status
 
 
+class Turns:
+    """Who goes when: the round's order of the targets, and the quiet before each request (module docstring)."""
+
+    def __init__(
+        self, order: str = "shuffled", idle_ms: float = IDLE_BEFORE_REQUEST_MS, seed: int = ORDER_SEED
+    ) -> None:
+        self.shuffled, self.idle_s = order == "shuffled", idle_ms / 1e3
+        self.rng = np.random.default_rng(seed)
+
+    def order(self, names: list[str], i: int) -> list[str]:
+        """A new random order every round; `fixed`: as given on even rounds, reversed on odd ones."""
+        if self.shuffled:
+            return [names[k] for k in self.rng.permutation(len(names))]
+        return names if i % 2 == 0 else names[::-1]
+
+    async def quiet(self) -> None:
+        if self.idle_s > 0:
+            await asyncio.sleep(self.idle_s)
+
+
 async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool]:
     """TTFT and inter-chunk gaps of one streaming request; whether it ended with [DONE]."""
     start = time.perf_counter()
@@ -339,7 +371,7 @@ async def stream_once(conn: Conn, body: bytes) -> tuple[float, list[float], bool
     return times[0] - start, list(np.diff(times)), last.rstrip().endswith(b"[DONE]")
 
 
-async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[str, dict[str, float]]:
+async def latency(ports: dict[str, int], requests: int, nats_url: str, turns: Turns) -> dict[str, dict[str, float]]:
     """Streaming TTFT/ITL per target, and the bare `sy.route.dp` round trip the gateway makes per request."""
     from switchyard.shared.bus import Bus
     from switchyard.shared.codec import encode
@@ -364,8 +396,9 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
 
     round_trips = {"route": ask_router, "echo": ask_echo}
     for i in range(requests + 20):
-        for name, conn in conns.items():
-            first, gaps, done = await stream_once(conn, body)
+        for name in turns.order(list(conns), i) if turns.shuffled else list(conns):  # fixed: one order, as before
+            await turns.quiet()
+            first, gaps, done = await stream_once(conns[name], body)
             assert done, name
             if i >= 20:  # warm-up
                 ttft[name].append(first)
@@ -394,9 +427,12 @@ async def latency(ports: dict[str, int], requests: int, nats_url: str) -> dict[s
     return {**result, "router": router}
 
 
-async def handoff_latency(gateway_ports: dict[str, int], decode_port: int, requests: int) -> dict[str, object]:
+async def handoff_latency(
+    gateway_ports: dict[str, int], decode_port: int, requests: int, turns: Turns
+) -> dict[str, object]:
     """TTFT of a streaming request handed off through each gateway (prefill stub, the decode choice, decode stub)
-    against the same request sent straight to the decode stub; alternating, after a warm-up. The first shape's
+    against the same request sent straight to the decode stub; taking turns as the latency rounds do (`Turns`), after
+    a warm-up. The first shape's
     figures also sit at the top level under the names of the one-gateway bench (for older readers)."""
     body = json.dumps({**BODY, "model": HANDOFF_MODEL, "stream": True}).encode()
     conns = {name: Conn(port) for name, port in gateway_ports.items()} | {"direct": Conn(decode_port)}
@@ -404,8 +440,9 @@ async def handoff_latency(gateway_ports: dict[str, int], decode_port: int, reque
         await conn.open()
     ttft: dict[str, list[float]] = {name: [] for name in conns}
     for i in range(requests + 20):
-        for name, conn in conns.items() if i % 2 else reversed(conns.items()):
-            first, _gaps, done = await stream_once(conn, body)
+        for name in turns.order(list(conns), i + 1):  # fixed: reversed first, as before
+            await turns.quiet()
+            first, _gaps, done = await stream_once(conns[name], body)
             assert done, name
             if i >= 20:
                 ttft[name].append(first)
@@ -508,10 +545,11 @@ def decode_decision_figures(decoders: int = 8, calls: int = 2000) -> dict[str, d
     return out
 
 
-async def prefix_latency(ports: dict[str, int], prompts: Prompts, requests: int) -> dict[str, object]:
-    """Streaming TTFT per prompt shape and target (direct, proxy, gateway with prefix keys on, and off); shapes and
-    targets alternate request by request (drift on this shared machine hits all alike). Each shape's prompt is
-    made anew per round (a fresh one differs in full, a shared one in its last 10 %), and every target gets it."""
+async def prefix_latency(ports: dict[str, int], prompts: Prompts, requests: int, turns: Turns) -> dict[str, object]:
+    """Streaming TTFT per prompt shape and target (direct, proxy, gateway with prefix keys on, and off); shapes
+    alternate and targets take turns (`Turns`) request by request (drift on this shared machine hits all alike).
+    Each shape's prompt is made anew per round (a fresh one differs in full, a shared one in its last 10 %), and
+    every target gets it."""
     conns = {name: Conn(ports[name]) for name in PREFIX_TARGETS}
     for conn in conns.values():
         await conn.open()
@@ -524,7 +562,8 @@ async def prefix_latency(ports: dict[str, int], prompts: Prompts, requests: int)
             if i < 3:
                 tokens[name].append(prompts.count(prompt))
             body = json.dumps({**BODY, "prompt": prompt, "stream": True}).encode()
-            for target in PREFIX_TARGETS if (i // 2) % 2 == 0 else PREFIX_TARGETS[::-1]:
+            for target in turns.order(list(PREFIX_TARGETS), i // 2):
+                await turns.quiet()
                 first, _gaps, done = await stream_once(conns[target], body)
                 assert done, target
                 if i >= warm:
@@ -766,6 +805,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--order", choices=["shuffled", "fixed"], default="shuffled", help="The targets' order in each latency round."
+    )
+    parser.add_argument(
+        "--idle-ms", type=float, default=IDLE_BEFORE_REQUEST_MS, help="Quiet before each timed streaming request."
+    )
     parser.add_argument("--profile", type=Path, default=None, help="Run a gateway under cProfile, stats to PATH.")
     parser.add_argument("--profile-shape", choices=list(SHAPE_TARGETS), default="inprocess", help="... this one.")
     parser.add_argument("--prefix-requests", type=int, default=100, help="Rounds of the prefix-keys latency.")
@@ -871,10 +916,11 @@ def main() -> None:
                 wait_ready(ports[name])
             time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
-            lat = asyncio.run(latency(ports, args.requests, url))
+            turns = Turns(args.order, args.idle_ms)
+            lat = asyncio.run(latency(ports, args.requests, url, turns))
             shape_ports = {name: ports[name] for name in SHAPE_TARGETS.values()}
-            handoff = asyncio.run(handoff_latency(shape_ports, handoff_ports["d0"], args.requests))
-            prefix = asyncio.run(prefix_latency(ports, prompts, args.prefix_requests))
+            handoff = asyncio.run(handoff_latency(shape_ports, handoff_ports["d0"], args.requests, turns))
+            prefix = asyncio.run(prefix_latency(ports, prompts, args.prefix_requests, turns))
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             assert nats.process is not None
             others = {"router": procs["router"].pid, "nats": nats.process.pid}
