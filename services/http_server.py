@@ -53,7 +53,9 @@ class HeadWithBody:
     uvicorn writes a response's head and each body message separately: two sends, two segments with
     `TCP_NODELAY`, and the client woken twice, the first time for a head it cannot use yet. On a loaded host the
     woken client can take the CPU between the two writes; holding the head put a cold stream's first chunk
-    ~0.2 ms sooner here (`bench/bench_gateway.py`). Everything else is the connection's own transport.
+    ~0.2 ms sooner here (`bench/bench_gateway.py`). An interim `100 Continue` (uvicorn's, when the app first reads
+    the body of an `Expect: 100-continue` request) is such a first write: it goes out on the next turn, the real
+    head then unheld. Everything else is the connection's own transport.
     """
 
     __slots__ = ("_held", "_loop", "_started", "_transport")

@@ -404,3 +404,37 @@ async def test_a_real_server_sends_a_head_whose_body_waits_and_keeps_the_connect
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, HANG_GUARD_S)
+
+
+async def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() -> None:
+    """`Expect: 100-continue`: uvicorn writes `100 Continue` through the head-holding transport when the app first
+    reads the body; the client (waiting for it before it sends the body, as curl does) gets it, then the answer."""
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        message = await receive()  # type: ignore[operator]
+        start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        await send(start)  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"got " + message["body"]})  # type: ignore[operator]
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, port=port, http=front_protocol(5.0, 16, {"detail": "x"}), log_level="warning", lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        await wait_for(lambda: server.started, HANG_GUARD_S)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG_GUARD_S)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hello")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG_GUARD_S)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"got hello" in await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), HANG_GUARD_S)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, HANG_GUARD_S)
