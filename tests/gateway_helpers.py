@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
+import uvicorn
 from prometheus_client import REGISTRY
 
 from switchyard.engine_agents.stub import StubConfig, StubEngine
@@ -15,6 +17,7 @@ from switchyard.services.router.core import RouterCore
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
+from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
 
 
@@ -39,6 +42,21 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
             if condition():
                 return
             await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def serving_asgi(app: Any, timeout_s: float = 30.0, **config: Any) -> AsyncIterator[int]:
+    """A test ASGI app served by uvicorn on a free local port (yielded) until the block ends; `config` adds
+    `uvicorn.Config` options (`http=` a protocol class, say). `timeout_s` only stops a broken test hanging."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off", **config))
+    task = asyncio.ensure_future(server.serve())
+    try:
+        await wait_for(lambda: server.started, timeout_s)
+        yield port
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout_s)
 
 
 def router_knows(router: RouterService, engine_ids: Iterable[str]) -> bool:

@@ -9,12 +9,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-import uvicorn
 from yarl import URL
 
 from switchyard.services.gateway.engine_http import HIGH_WATER, EngineHttp, EngineHttpError
 from switchyard.shared.embedded import free_port
-from tests.gateway_helpers import read_body, wait_for
+from tests.gateway_helpers import read_body, serving_asgi, wait_for
 
 #: Only stops a broken test from hanging; nothing is asserted about it.
 HANG_GUARD_S = 15.0
@@ -59,15 +58,8 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def serving(app: Engine) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
-    task = asyncio.ensure_future(server.serve())
-    try:
-        await wait_for(lambda: server.started, HANG_GUARD_S)
+    async with serving_asgi(app, HANG_GUARD_S) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, HANG_GUARD_S)
 
 
 @contextlib.asynccontextmanager
@@ -105,7 +97,6 @@ async def test_a_post_sends_its_head_and_body_and_reads_a_whole_answer_on_one_ke
             )
             assert (response.status, response.content_type) == (201, "application/json")
             assert await response.read(deadline()) == b'{"ok": true}'
-            response.release()
         await http.close()
     ports = {port for port, *_ in engine.seen}
     assert len(ports) == 1  # one connection, kept alive and reused
@@ -143,7 +134,6 @@ async def test_a_large_answer_is_read_whole_past_the_read_ahead_bound() -> None:
         await wait_for(lambda: connection.paused or connection.complete, HANG_GUARD_S)
         assert connection.paused and connection.buffered > HIGH_WATER  # reading stopped ahead of the reader
         assert await response.read(deadline()) == b"x" * (1 << 20)
-        response.release()
         await http.close()
 
 
@@ -206,7 +196,6 @@ async def test_a_pooled_connection_the_engine_closed_is_replaced_and_the_request
         for settle in (0.05, 0.0, 0.0):  # the close arrived first; then sent right behind the answer (racing it)
             response = await http.request(URL(base + "/health"), "GET", {}, b"", deadline())
             assert await response.read(deadline()) == b"ok"
-            response.release()
             await asyncio.sleep(settle)
         await wait_for(lambda: not any(http._idle.values()), HANG_GUARD_S)  # the engine's close empties the pool
         await http.close()

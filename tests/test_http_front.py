@@ -11,8 +11,6 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import uvicorn
-
 from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.server import run_api
 from switchyard.services.api.settings import ApiSettings
@@ -22,7 +20,7 @@ from switchyard.services.http_server import HeadWithBody, front_protocol
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
-from tests.gateway_helpers import deployment, metric, wait_for
+from tests.gateway_helpers import deployment, metric, serving_asgi, wait_for
 from tests.test_http_limits import _exchange
 
 HEADER_TIMEOUT_S = 1.0
@@ -384,13 +382,7 @@ async def test_a_real_server_sends_a_head_whose_body_waits_and_keeps_the_connect
             await head_read.wait()  # never set, were the head held until the body
         await send({"type": "http.response.body", "body": b"hello", "more_body": False})  # type: ignore[operator]
 
-    port = free_port()
-    protocol = front_protocol(5.0, 16, {"detail": "x"})
-    config = uvicorn.Config(app, port=port, http=protocol, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    serving = asyncio.ensure_future(server.serve())
-    try:
-        await wait_for(lambda: server.started, HANG_GUARD_S)
+    async with serving_asgi(app, HANG_GUARD_S, http=front_protocol(5.0, 16, {"detail": "x"})) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG_GUARD_S)
@@ -401,9 +393,6 @@ async def test_a_real_server_sends_a_head_whose_body_waits_and_keeps_the_connect
         answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), HANG_GUARD_S)
         assert answer.startswith(b"HTTP/1.1 200") and b"hello" in answer
         writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, HANG_GUARD_S)
 
 
 async def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() -> None:
@@ -418,14 +407,7 @@ async def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() 
         await send(start)  # type: ignore[operator]
         await send({"type": "http.response.body", "body": b"got " + message["body"]})  # type: ignore[operator]
 
-    port = free_port()
-    config = uvicorn.Config(
-        app, port=port, http=front_protocol(5.0, 16, {"detail": "x"}), log_level="warning", lifespan="off"
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.ensure_future(server.serve())
-    try:
-        await wait_for(lambda: server.started, HANG_GUARD_S)
+    async with serving_asgi(app, HANG_GUARD_S, http=front_protocol(5.0, 16, {"detail": "x"})) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG_GUARD_S)
@@ -435,6 +417,3 @@ async def test_a_client_that_expects_100_continue_gets_it_and_then_the_answer() 
         assert head.startswith(b"HTTP/1.1 200")
         assert b"got hello" in await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), HANG_GUARD_S)
         writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, HANG_GUARD_S)

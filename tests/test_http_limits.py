@@ -8,16 +8,13 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
-import uvicorn
-
 from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.http_limits import HttpLimits
 from switchyard.shared.bus import Bus
-from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
-from tests.gateway_helpers import deployment, read_body
+from tests.gateway_helpers import deployment, read_body, serving_asgi
 
 
 async def echo_length(scope, receive, send) -> None:
@@ -33,21 +30,8 @@ async def echo_length(scope, receive, send) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(max_body_bytes: int = 1024, body_timeout_s: float = 0.5) -> AsyncIterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        HttpLimits(echo_length, max_body_bytes, body_timeout_s), host="127.0.0.1", port=port, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    try:
+    async with serving_asgi(HttpLimits(echo_length, max_body_bytes, body_timeout_s)) as port:
         yield port
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def _exchange(port: int, head: str, body_parts: list[bytes], pause_s: float = 0.0) -> tuple[int, bytes]:

@@ -27,7 +27,15 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.choice import pick_prefill
 from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import ClientGone, Context, ToClient, final_hop, hop_span, until_disconnect
+from switchyard.services.gateway.relay import (
+    ClientGone,
+    Context,
+    ToClient,
+    client_authorization,
+    final_hop,
+    hop_span,
+    until_disconnect,
+)
 from switchyard.services.gateway.routing import traced_route
 from switchyard.services.gateway.upstream import UpstreamError
 from switchyard.shared.errors import WireError
@@ -86,7 +94,7 @@ async def _prefill(
     by = "off" if prefix is None else "prefix" if cached and cached[order[0]] > 0 else "hash"
     metrics.PREFILL_CHOICES.labels(by).inc()
     content = json.dumps(prefill_body(parsed.body)).encode()
-    headers = ctx.upstream.headers(request_id, request.headers.get("authorization"))
+    headers = ctx.upstream.headers(request_id, client_authorization(request))
     tracing = ctx.tracing
     for attempt, index in enumerate(order[:2]):
         engine = engines[index]

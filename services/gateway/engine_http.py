@@ -9,8 +9,9 @@ that, on the same C parser uvicorn uses for the other side (`httptools`, a direc
 request, head and body, in one write.
 
 - A connection carries one request at a time; an answer read to its end on a connection the engine keeps alive
-  goes back to its engine's pool (`Response.release`), anything else is closed (`Response.close`: how a request
-  is aborted, since vLLM aborts a request whose connection closes).
+  goes back to its engine's pool (`Response.release`; `Response.read` reads an answer whole and releases it),
+  anything else is closed (`Response.close`: how a request is aborted, since vLLM aborts a request whose
+  connection closes).
 - Idle connections are reused newest first, dropped after `idle_s` (below the 5 s keep-alive uvicorn and vLLM
   default to) and at once when the engine closes them. A request on a pooled connection that closes before any
   byte of an answer (the engine's keep-alive ran out as it was sent: it never read the request) is sent again
@@ -182,10 +183,16 @@ class Response:
             yield data
 
     async def read(self, deadline: float | None) -> bytes:
-        """The whole body (by `deadline`, loop time)."""
+        """The whole body (by `deadline`, loop time), and done with the answer: released, or closed when reading
+        failed or was cancelled."""
         parts = []
-        while data := await self.chunk(deadline):
-            parts.append(data)
+        try:
+            while data := await self.chunk(deadline):
+                parts.append(data)
+        except BaseException:
+            self.close()
+            raise
+        self.release()
         return b"".join(parts)
 
     def release(self) -> None:

@@ -156,7 +156,7 @@ def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine 
     return others[index] if index >= 0 else None
 
 
-def _authorization(request: Request) -> str | None:
+def client_authorization(request: Request) -> str | None:
     """The client's `Authorization` header, forwarded to the engine (read from the ASGI scope, whose names are
     lower case: Starlette's `Request.headers` builds a mapping of every header for it)."""
     for name, value in request.scope["headers"]:
@@ -179,7 +179,7 @@ async def final_hop(
     request_id: str,
     started: float,
 ) -> ToClient:
-    headers = ctx.upstream.headers(request_id, _authorization(request))
+    headers = ctx.upstream.headers(request_id, client_authorization(request))
     tracing = ctx.tracing
     for attempt in (0, 1):
         span, sent = None, headers

@@ -70,12 +70,7 @@ class Upstream:
         deadline = http.loop.time() + (self.settings.first_byte_timeout_s if deadline_s is None else deadline_s)
         try:
             response = await http.request(engine.url(path), "POST", headers, content, deadline)
-            try:
-                body = await response.read(deadline)
-            except BaseException:
-                response.close()
-                raise
-            response.release()
+            body = await response.read(deadline)
         except EngineHttpError as exc:
             raise UpstreamError(engine, exc.reason, str(exc)) from None
         status, content_type = response.status, response.content_type or "application/json"
@@ -97,7 +92,6 @@ class Upstream:
                 raise UpstreamError(engine, f"http_{status}")
             if status >= 400:
                 body = await response.read(deadline)
-                response.release()
                 return Opened(status, response.content_type or "application/json", body, None, response)
             first = await response.chunk(deadline)
             if not first:
@@ -117,14 +111,9 @@ class Upstream:
         deadline = http.loop.time() + timeout_s
         try:
             response = await http.request(engine.url("/health"), "GET", {}, b"", deadline)
-        except EngineHttpError:
-            return False
-        try:
             await response.read(deadline)
         except EngineHttpError:
-            response.close()
             return False
-        response.release()
         return 200 <= response.status < 300
 
     async def close(self) -> None:
