@@ -15,3 +15,20 @@ def test_the_help_of_every_command_is_unchanged() -> None:
         difflib.unified_diff(recorded.splitlines(keepends=True), now.splitlines(keepends=True), "recorded", "now", n=2)
     )
     assert now == recorded, f"the CLI's help changed (rerun `python -m tests.cli_help` if intended):\n{diff[:6000]}"
+
+
+def test_version_and_short_help_work_everywhere() -> None:
+    """`switchyard --version` prints the installed version; `-h` is `--help` at the top and in every command."""
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from switchyard.services.cli import app
+
+    runner = CliRunner()
+    shown = runner.invoke(app, ["--version"])
+    assert shown.exit_code == 0 and shown.output.strip() == f"switchyard {version('switchyard')}"
+    for command in ([], ["router"], ["gateway"], ["db", "upgrade"], ["nats-config"]):
+        short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
+        assert short.exit_code == 0, (command, short.output)
+        assert short.output == long.output and "Usage:" in short.output

@@ -26,7 +26,32 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command's context
 )
+
+
+def _print_version(value: bool) -> None:
+    """`switchyard --version`: the installed package's version, as `vllm --version` prints its own."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("switchyard")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            installed = "unknown (not installed)"
+        typer.echo(f"switchyard {installed}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", "-V", help="Print the version and exit.", callback=_print_version, is_eager=True
+    ),
+) -> None:
+    """Expert-aware control plane for Mixture-of-Experts LLM serving."""
+
+
 app.command()(up)
 app.command()(migration)
 app.command()(placement)

@@ -16,9 +16,17 @@ import typer
 if TYPE_CHECKING:
     from switchyard.shared.settings import SwitchyardSettings
 
-NatsUrl = Annotated[
+#: For `up`, the one command that starts a bus of its own when given none.
+EmbeddedNatsUrl = Annotated[
     str | None,
     typer.Option("--nats-url", help="External NATS server(s), comma-separated; default: start an embedded one."),
+]
+#: For every command that joins a running bus (it starts none).
+NatsUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--nats-url", help="NATS server(s), comma-separated (required unless SWITCHYARD_NATS_SERVERS names them)."
+    ),
 ]
 DatabaseUrl = Annotated[
     str | None,

@@ -8,11 +8,18 @@ from typing import Annotated
 
 import typer
 
-from switchyard.services.cli.options import DatabaseUrl, DataDir, NatsUrl, load_settings, split_csv
+from switchyard.services.cli.options import (
+    DatabaseUrl,
+    DataDir,
+    EmbeddedNatsUrl,
+    NatsUrl,
+    load_settings,
+    split_csv,
+)
 
 
 def up(
-    nats_url: NatsUrl = None,
+    nats_url: EmbeddedNatsUrl = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     duration: Annotated[float, typer.Option(help="Seconds of simulated load (0: until Ctrl-C).")] = 60.0,

@@ -258,7 +258,7 @@ def report(
         typer.Option("--gimbal-results", help="Runs of bench/gimbal_seed.py (default: docs/results/gimbal_seed)."),
     ] = None,
 ) -> None:
-    """Regenerate the ELDR experiments (Fig. 2, 4, 11, 15, 16, Table 2, the cost-term bracket) as Markdown + PNG."""
+    """Regenerate the ELDR experiments as Markdown + PNG (figures 2, 4, 11, 15, 16, table 2, the cost-term bracket)."""
     from switchyard.simulator.offline.report import SECTIONS, ReportOptions, build_report
 
     settings = load_settings(data_dir=data_dir)
