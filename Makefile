@@ -4,7 +4,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint bench chaos takeover hostile clean check-wheel
+.PHONY: help run test test-vllm lint bench chaos takeover hostile clean check-wheel
+
+## help: this list of targets
+help:
+	@awk '/^## [a-z-]+: / { name = $$2; sub(/:$$/, "", name); sub(/^## [a-z-]+: /, ""); printf "  %-12s %s\n", name, $$0; next } \
+		/^## / { sub(/^## /, ""); printf "  %-12s %s\n", "", $$0 }' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
