@@ -364,6 +364,33 @@ async def test_bad_bodies_get_openai_errors_with_400(bus: Bus, settings: Switchy
     assert engines["a"].received == []
 
 
+async def test_the_surface_vllm_clients_probe(bus: Bus, settings: SwitchyardSettings) -> None:
+    """What a client of `vllm serve` probes answers as there: /health 200 with no body, /version, and every error
+    the gateway makes (404, 405, 501 for an OpenAI endpoint it does not serve) in OpenAI's error JSON."""
+    from importlib.metadata import version
+
+    async with (
+        deployment(settings, bus, [StubConfig("a")]) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        health, ver = await client.get("/health"), await client.get("/version")
+        missing, wrong_method = await client.get("/v1/nothing"), await client.delete("/v1/models")
+        embeddings = await client.post("/v1/embeddings", json={"model": "stub-model", "input": "x"})
+    assert (health.status_code, health.content) == (200, b"")
+    assert ver.status_code == 200 and ver.json() == {"version": version("switchyard")}
+    assert "GET" in wrong_method.headers["allow"]
+    for answer, status, kind in (
+        (missing, 404, "NotFoundError"),
+        (wrong_method, 405, "MethodNotAllowedError"),
+        (embeddings, 501, "NotImplementedError"),
+    ):
+        assert answer.status_code == status, answer.text
+        error = answer.json()["error"]
+        assert (error["code"], error["type"]) == (status, kind) and error["message"]
+    assert "/v1/embeddings" in embeddings.json()["error"]["message"]
+    assert engines["a"].received == []
+
+
 async def test_an_engine_that_stops_saying_hello_leaves(bus: Bus, settings: SwitchyardSettings) -> None:
     """An engine leaves after `hello_misses` of its own intervals without a hello. The engine that must stay
     says hello every 2 s (it stays through 6 s of scheduler lag on a loaded machine); only when it is its turn

@@ -1,4 +1,10 @@
-"""The HTTP front door (Starlette): OpenAI's completion endpoints, models, health, readiness and metrics."""
+"""The HTTP front door (Starlette): OpenAI's completion endpoints, models, health, readiness and metrics.
+
+Besides its own probes (`/healthz`, `/readyz`) it answers what clients of `vllm serve` probe: `GET /health`
+(200, empty body, as vLLM's; load harnesses such as GuideLLM check it before a run) and `GET /version`. Every error
+it makes itself is OpenAI's error JSON, 404 and 405 included; OpenAI endpoints it does not serve (embeddings,
+responses, ...) answer 501 saying so, not a bare 404.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -88,6 +95,41 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
 
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+#: OpenAI (and vLLM) endpoints a client may try that the gateway does not serve: 501 with OpenAI's error JSON.
+NOT_SERVED = (
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/moderations",
+    "/v1/images/generations",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/rerank",
+    "/v1/score",
+    "/tokenize",
+    "/detokenize",
+)
+#: Starlette's own refusals, named as OpenAI's clients expect them.
+_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("switchyard")
+    except PackageNotFoundError:  # a checkout run without installing it
+        return "unknown"
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    """Starlette's 404/405 (and any other HTTPException) as OpenAI's error JSON, headers (Allow) kept."""
+    if not isinstance(exc, HTTPException):  # registered for HTTPException only
+        raise exc
+    response = error_response(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "BadRequestError"))
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
 
 
 class _Completions:
@@ -142,6 +184,21 @@ def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
     async def healthz(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def health(_request: Request) -> Response:
+        return Response(status_code=200)  # vLLM's /health: 200 and no body while the server is up
+
+    version = {"version": _package_version()}
+
+    async def version_info(_request: Request) -> Response:
+        return JSONResponse(version)
+
+    async def not_served(request: Request) -> Response:
+        return error_response(
+            501,
+            f"{request.url.path} is not served by this gateway: it serves /v1/completions and /v1/chat/completions",
+            "NotImplementedError",
+        )
+
     async def readyz(_request: Request) -> Response:
         bus_up = is_connected() if callable(is_connected) else True
         engines = len(ctx.registry.live())
@@ -156,8 +213,12 @@ def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
             *(Route(path, handler, methods=["POST"]) for path, handler in completions.items()),
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/version", version_info, methods=["GET"]),
+            *(Route(path, not_served, methods=["GET", "POST"]) for path in NOT_SERVED),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
-        ]
+        ],
+        exception_handlers={HTTPException: _http_error},
     )
     return GatewayApp(completions, rest)
