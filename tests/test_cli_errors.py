@@ -42,6 +42,11 @@ CASES = {
         "cannot use the database",
     ),
     "missing calibration windows": (["calibrate", "--windows", "/nonexistent/windows.npz"], "/nonexistent"),
+    "api with an unreachable NATS": (["api", "--nats-url", "nats://127.0.0.1:1", "--port", "0"], "cannot reach NATS"),
+    **{
+        f"{command} without a bus": ([command], "no NATS server configured")
+        for command in ("placement", "migration", "api", "router", "gateway")
+    },
 }
 
 
@@ -55,6 +60,8 @@ def test_a_user_mistake_is_one_plain_line(case: str, tmp_path: Path) -> None:
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() and "WARNING" not in line]
     assert 1 <= len(errors) <= 2, done.stderr[-2000:]
     assert expected in done.stderr, done.stderr[-2000:]
+    if case.endswith("without a bus"):  # refused before any side effect: no state folder, no SQLite migrated
+        assert not (tmp_path / ".switchyard").exists()
 
 
 def test_only_input_errors_are_shortened() -> None:

@@ -11,6 +11,7 @@ from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.http_limits import HttpLimits
 from switchyard.services.http_server import front_protocol
+from switchyard.shared.bus import Bus
 from switchyard.shared.json_depth import MAX_DEPTH
 from switchyard.shared.settings import SwitchyardSettings
 
@@ -23,8 +24,13 @@ class _InProcessServer(uvicorn.Server):
 
 
 async def run_api(settings: SwitchyardSettings, stop: asyncio.Event, config: ApiSettings | None = None) -> None:
-    """Serve the API until `stop` is set; raises if it cannot start (e.g. NATS or the database is unreachable)."""
+    """Serve the API until `stop` is set; raises if it cannot start (e.g. NATS or the database is unreachable).
+
+    The bus is reached once before uvicorn starts, so an unreachable one is the plain `ConnectionError` the CLI
+    prints as one line, not a failed lifespan (uvicorn logs that as a traceback and exits with code 3)."""
     config = config or ApiSettings()
+    probe = await Bus.connect(settings, name="switchyard-api-probe", role="api")
+    await probe.close()
     server = _InProcessServer(
         uvicorn.Config(
             HttpLimits(

@@ -183,7 +183,7 @@ def calibrate(
         typer.Option(
             "--windows",
             help="Recorded windows: .npz / .msgpack files, or folders of SGLang expert-statistics JSONs. "
-            "Default: the SGLang DeepSeek-V3 statistics under SWITCHYARD_SHARED_DATA_DIR.",
+            "Default: the SGLang DeepSeek-V3 statistics shipped in the package (switchyard/data).",
         ),
     ] = None,
     database_url: DatabaseUrl = None,

@@ -45,9 +45,15 @@ RateOption = Annotated[
 
 
 def load_settings(
-    nats_url: str | None = None, database_url: str | None = None, data_dir: Path | None = None
+    nats_url: str | None = None,
+    database_url: str | None = None,
+    data_dir: Path | None = None,
+    *,
+    needs_bus: bool = False,
 ) -> SwitchyardSettings:
-    """Environment settings, overridden by command-line options."""
+    """Environment settings, overridden by command-line options. `needs_bus`: the command joins a running bus, so
+    a missing server is refused here, before the command touches a database or a port (one line, exit 2)."""
+    from switchyard.shared.errors import ConfigError
     from switchyard.shared.settings import SwitchyardSettings
 
     overrides: dict[str, object] = {}
@@ -58,7 +64,11 @@ def load_settings(
     if data_dir:
         overrides["data_dir"] = data_dir
     settings = SwitchyardSettings(**overrides)
+    if needs_bus and not settings.nats_servers:
+        raise ConfigError("no NATS server configured: set SWITCHYARD_NATS_SERVERS or pass --nats-url")
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # schema upgrades say what they did at debug only
+        logging.getLogger("alembic").setLevel(logging.WARNING)
     return settings
 
 

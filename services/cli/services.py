@@ -95,7 +95,7 @@ def migration(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_d
     from switchyard.services.migration.service import run_migration
     from switchyard.services.runtime import run_until_signalled
 
-    settings = load_settings(nats_url, database_url, data_dir)
+    settings = load_settings(nats_url, database_url, data_dir, needs_bus=True)
     run_until_signalled(lambda stop: run_migration(settings, stop))
 
 
@@ -104,7 +104,7 @@ def placement(nats_url: NatsUrl = None, database_url: DatabaseUrl = None, data_d
     from switchyard.services.placement.service import run_placement
     from switchyard.services.runtime import run_until_signalled
 
-    settings = load_settings(nats_url, database_url, data_dir)
+    settings = load_settings(nats_url, database_url, data_dir, needs_bus=True)
     run_until_signalled(lambda stop: run_placement(settings, stop))
 
 
@@ -120,7 +120,7 @@ def api(
     from switchyard.services.api.settings import ApiSettings
     from switchyard.services.runtime import run_until_signalled
 
-    settings = load_settings(nats_url, database_url, data_dir)
+    settings = load_settings(nats_url, database_url, data_dir, needs_bus=True)
     config = ApiSettings(**{k: v for k, v in {"host": host, "port": port}.items() if v is not None})
     run_until_signalled(lambda stop: run_api(settings, stop, config))
 
@@ -137,7 +137,7 @@ def router(
     from switchyard.services.router.settings import RouterSettings
     from switchyard.services.runtime import run_until_signalled
 
-    settings = load_settings(nats_url)
+    settings = load_settings(nats_url, needs_bus=True)
     overrides = {k: v for k, v in {"policy": policy, "dp_rule": dp_rule}.items() if v}
     router_settings = RouterSettings(**overrides)
     _fast_event_loop()
@@ -179,7 +179,7 @@ def gateway(
 
     if router is not None and router not in ("inprocess", "remote"):
         raise typer.BadParameter(f"--router must be inprocess or remote, not {router!r}")
-    settings = load_settings(nats_url)
+    settings = load_settings(nats_url, needs_bus=True)
     fields = {"host": host, "port": port, "mode": mode, "router": router}
     overrides = {k: v for k, v in fields.items() if v is not None}
     _fast_event_loop()
