@@ -130,6 +130,7 @@ def test_cli_fit_prints_the_report_contract_and_writes_the_artifact(tmp_path: Pa
     assert artifact.version == report["version"] == 1 and artifact.layer_mask == report["layer_mask"]
     text = CliRunner().invoke(app, ["fit", "--trace", str(trace), "--decoders", "3", "--layers", "0,2"])
     assert text.exit_code == 0 and "layers [0, 2]" in text.stdout
+    assert "nothing written" in text.stdout  # no --out, database or bus: the user is told the fit was not kept
 
 
 @pytest.mark.parametrize(

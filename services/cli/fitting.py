@@ -157,6 +157,8 @@ def fit(
     typer.echo(f"chose {report['representation']}, layers {report['layer_mask']}: ρ {report['rho_selected']:.4f}")
     typer.echo(f"cluster sizes {report['cluster_sizes']} (capacity {report['capacity']})")
     typer.echo(f"artifact v{artifact.version} {artifact.content_hash[:16]} in {report['fit_seconds']:.2f} s")
+    if out is None and database_url is None and nats_url is None:
+        typer.echo("nothing written: pass --out FILE, --database-url or --nats-url to keep the artifact")
 
 
 def _weights_summary(params: object, weights: object) -> dict:
