@@ -39,6 +39,10 @@ def test_sim_writes_the_contract_json_per_policy(tmp_path: Path) -> None:
     )
     assert code == 0, output
     assert set(payload["policies"]) == {"rr", "jsq", "domain"}
+    header = next(line for line in output.splitlines() if line.startswith("policy"))
+    assert "TPOT p50 ms" in header and "tok/s" in header  # the table names its units
+    jsq = next(line for line in output.splitlines() if line.startswith("jsq ")).split()
+    assert float(jsq[1]) == round(payload["policies"]["jsq"]["tpot_p50"] * 1e3, 2)  # ms, two decimals
     for summary in payload["policies"].values():
         for key in CONTRACT:
             assert isinstance(summary[key], float) and summary[key] > 0, key

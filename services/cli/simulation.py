@@ -92,11 +92,30 @@ def sim(
         payload = run_sim(opts, json_path=json_out, out_dir=out)
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "throughput", "mean_distinct_experts", "prefix_hit_rate")
     typer.echo(json.dumps(payload["config"]))
-    typer.echo(f"{'policy':14s} " + " ".join(f"{k:>22s}" for k in keys))
-    for name, s in payload["policies"].items():  # type: ignore[union-attr]
-        typer.echo(f"{name:14s} " + " ".join(f"{s[k]:22.6g}" for k in keys))
+    for line in _sim_table(payload["policies"]):  # type: ignore[arg-type]
+        typer.echo(line)
+
+
+#: `sim`'s table: (column, key, scale, format); latencies in ms, throughput in tokens/s.
+_SIM_COLUMNS = (
+    ("TPOT p50 ms", "tpot_p50", 1e3, ".2f"),
+    ("TPOT p99 ms", "tpot_p99", 1e3, ".2f"),
+    ("TTFT p50 ms", "ttft_p50", 1e3, ".1f"),
+    ("tok/s", "throughput", 1.0, ".0f"),
+    ("experts/step", "mean_distinct_experts", 1.0, ".1f"),
+    ("prefix hit", "prefix_hit_rate", 1.0, ".3f"),
+)
+
+
+def _sim_table(policies: dict[str, dict[str, float]]) -> list[str]:
+    """One line per policy with units in the header and a precision each figure can bear."""
+    head = f"{'policy':14s} " + " ".join(f"{name:>13s}" for name, *_ in _SIM_COLUMNS)
+    rows = [
+        f"{policy:14s} " + " ".join(f"{s[key] * scale:>13{fmt}}" for _, key, scale, fmt in _SIM_COLUMNS)
+        for policy, s in policies.items()
+    ]
+    return [head, *rows]
 
 
 def _name_weights(value: str | None) -> tuple[tuple[str, float], ...]:
