@@ -506,13 +506,17 @@ class Bus:
         schema: type[M],
         handler: Callable[[M, Msg], Awaitable[None] | None],
         queue: str = "",
+        admit: Callable[[Msg], bool] | None = None,
     ) -> Subscription:
-        """Deliver decoded messages to `handler`; malformed ones are counted and dropped."""
+        """Deliver decoded messages to `handler`; malformed ones are counted and dropped. `admit`, if given, sees
+        each message before it is decoded (a rate bound: a message it refuses costs no decoding)."""
         decode_one = self._decoder(schema, subject)
         is_async = inspect.iscoroutinefunction(handler)
         warn = _RateLimitedWarning(subject)
 
         async def _on_message(msg: Msg) -> None:
+            if admit is not None and not admit(msg):
+                return
             if _relayed(subject, msg):
                 REJECTED.labels(subject, Relayed.code).inc()
                 warn(Relayed("subject", f"a message stored on {msg.subject!r} relayed here; dropped"))

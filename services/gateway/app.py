@@ -26,6 +26,7 @@ from switchyard.services.gateway.dp import serve_dp
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.relay import Context, ToClient
 from switchyard.services.gateway.signatures import new_request_id
+from switchyard.services.router.prefix import key_block_size
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,25 @@ def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
     return error_response(503, "no live engine can serve this request", "ServiceUnavailableError")
 
 
+def _block_size(engines: list[Engine]) -> int:
+    """The block size most candidates announce (the router's core keys its match at the same one): one engine's
+    odd hello cannot turn prefix routing off for the rest (issue 37, item 7); odd engines are counted."""
+    first = engines[0].block_size
+    if all(e.block_size == first for e in engines):
+        return first
+    size = key_block_size([e.block_size for e in engines])
+    metrics.ODD_BLOCK_SIZE.inc(sum(e.block_size != size for e in engines))
+    return size
+
+
 async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[Engine]) -> None:
-    """The prompt's block keys at the engines' block size (their hellos'), and its exact token count when it was
+    """The prompt's block keys at the block size most candidates announce, and its exact token count when it was
     tokenized; a failure leaves the request without keys (counted), never fails it."""
     keyer = ctx.keyer
     if keyer is None:
         return
     try:
-        keys = await keyer.keys(parsed.body, chat, parsed.model, engines[0].block_size)
+        keys = await keyer.keys(parsed.body, chat, parsed.model, _block_size(engines))
     except Exception:
         metrics.PROMPT_KEYS_FAILED.inc()
         log.debug("no block keys for a request", exc_info=True)

@@ -7,6 +7,7 @@ import asyncio
 from starlette.requests import Request
 
 from switchyard.services.gateway.body import Parsed, error_response
+from switchyard.services.gateway.confirm import claims_of, unanswered, watch
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.relay import Context, Relayed, ToClient, final_hop
 from switchyard.services.gateway.routing import traced_route
@@ -29,6 +30,15 @@ async def serve_dp(
         engine = await traced_route(ctx.tracing, ctx.router, "dp", request_id, choice)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
+    claims = claims_of(ctx, request_id)  # the core credited a KV claim: the answer is to confirm it
+    if claims is not None:
+        try:
+            answer = await _relay(ctx, request, raw, path, candidates, request_id, started, parsed, engine)
+        except BaseException:
+            unanswered(claims, request_id)
+            ctx.router.progress.done(request_id)  # type: ignore[union-attr]  # in-process: it reports progress
+            raise
+        return _progressed(ctx, request_id, watch(claims, request_id, engine, answer))
     progress = ctx.router.progress
     if progress is None:
         return await _relay(ctx, request, raw, path, candidates, request_id, started, parsed, engine)
@@ -37,6 +47,13 @@ async def serve_dp(
     except BaseException:
         progress.done(request_id)
         raise
+    return _progressed(ctx, request_id, answer)
+
+
+def _progressed(ctx: Context, request_id: str, answer: ToClient) -> ToClient:
+    """The answer, reporting its first token and its end to the router's ledger (`progress`)."""
+    progress = ctx.router.progress
+    assert progress is not None
     if isinstance(answer, Relayed):  # the engine's first chunk is in hand: its first token
         # Reported once the chunk has gone to the client (the loop's next turn), not ahead of it.
         asyncio.get_running_loop().call_soon(progress.first, request_id)

@@ -3,10 +3,12 @@
 Two indexes, as the router keeps for DP dispatch (`solver.routing.prefix`):
 
 - a `BlockIndex` fed by the prefill engines' own KV events (`sy.engine.<id>.kv`, subscribed on the gateway's
-  ingest connection). A message is applied only from a known prefill engine (its hello), at its hello's block
-  size, and (as every bus message) only when the subject's engine is the message's `engine_id`; anything else is
-  dropped and counted (`switchyard_gateway_kv_events_total`). A gap in `seq` (events lost) or a restart clears
-  the engine's blocks before the message is applied: lost evictions must not leave blocks it no longer holds.
+  KV connection, its own). A message is applied only from a known prefill engine (its hello), at its hello's
+  block size, and (as every bus message) only when the subject's engine is the message's `engine_id`; anything
+  else is dropped and counted (`switchyard_gateway_kv_events_total`). A gap in `seq` (events lost) or a restart
+  clears the engine's blocks before the message is applied: lost evictions must not leave blocks it no longer
+  holds; so does a message the gateway dropped over the engine's rate (`dropped`). An engine's blocks never
+  exceed its hello's `kv_blocks` (its own oldest out, counted `over_capacity`).
 - a `RoutedIndex` of the gateway's own prefill choices, for engines that send no events and for text keys (no
   tokenizer for the model), which no engine's events can match.
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.registry import Engine, EngineRegistry
+from switchyard.services.router.prefix import key_block_size
 from switchyard.shared.schemas import KvEvents
 from switchyard.shared.sequence import Seq, classify
 from switchyard.solver.routing.prefix import BlockIndex, RoutedIndex
@@ -37,6 +40,7 @@ class PrefillPrefix:
         self.blocks = BlockIndex(max_blocks)
         self.routed = RoutedIndex(routed_blocks, ttl_s)
         self._seq: dict[str, int] = {}  # the last applied KvEvents seq, per reporting engine
+        self._over_capacity_seen = 0
 
     def reports(self, engine_id: str) -> bool:
         """Whether the engine's KV events have been applied (its token keys are then matched against them)."""
@@ -61,12 +65,22 @@ class PrefillPrefix:
         self._seq[engine_id] = events.seq
         for op in events.ops:
             if op.kind == "stored":
-                self.blocks.stored(engine_id, op.keys.tolist())
+                self.blocks.stored(engine_id, op.keys.tolist(), engine.kv_blocks)
             elif op.kind == "removed":
                 self.blocks.removed(engine_id, op.keys.tolist())
             else:
                 self.blocks.cleared(engine_id)
         metrics.KV_EVENTS.labels("applied").inc()
+        over = self.blocks.dropped_over_capacity
+        if over != self._over_capacity_seen:
+            metrics.KV_EVENTS.labels("over_capacity").inc()
+            self._over_capacity_seen = over
+
+    def dropped(self, engine_id: str) -> None:
+        """A message of the engine's was dropped (over its rate): its blocks may be stale, so they go, and its
+        next message starts afresh."""
+        if self._seq.pop(engine_id, None) is not None:
+            self.blocks.cleared(engine_id)
 
     def forget(self, engine_id: str) -> None:
         """The registry dropped the engine: so do both indexes."""
@@ -82,6 +96,8 @@ class PrefillPrefix:
         if kind != "tokens" or not any(self.reports(i) for i in ids):
             return routed.tolist()
         precise = self.blocks.match(keys, ids)
+        size = key_block_size([e.block_size for e in engines])  # the keys' (app._block_size): others name other blocks
+        precise[[e.block_size != size for e in engines]] = 0
         return [int(p) if self.reports(i) else int(r) for i, p, r in zip(ids, precise, routed, strict=True)]
 
     def chosen(self, engine_id: str, keys: np.ndarray, kind: str, now: float) -> None:

@@ -52,6 +52,31 @@ INFLIGHT_DROPPED = Counter(
     "Decisions dropped from an engine's in-flight count unsettled, because it held max_inflight_per_engine "
     "(an engine routed to that often without reporting).",
 )
+PEER_DECISIONS_DROPPED = Counter(
+    "switchyard_router_peer_decisions_dropped_total",
+    "Other replicas' shared decisions not counted here, by reason: rate (over peer_decisions_per_s for one "
+    "engine), inflight (peer_inflight_per_engine of that replica's decisions already counted on the engine), "
+    "unknown_engine; prompt_tokens: counted, but at the bound (peer_max_prompt_tokens, the engine's KV capacity).",
+    ["reason"],
+)
+PEER_MESSAGES_DROPPED = Counter(
+    "switchyard_router_peer_messages_dropped_total",
+    "Other replicas' decision messages dropped unread, by reason: bytes (the sender over "
+    "peer_decision_bytes_per_s), peers (more senders than the router tracks).",
+    ["reason"],
+)
+PROGRESS_REFUSED = Counter(
+    "switchyard_router_progress_refused_total",
+    "First-token and end reports not applied to the exact ledger, by reason: not_yours (the request was not "
+    "asked for by the reporting gateway, or is not open).",
+    ["reason"],
+)
+EXACT_EXPIRED = Counter(
+    "switchyard_router_exact_expired_total",
+    "Requests dropped from the exact ledger because their sender reported no progress within "
+    "progress_ttl_s (no first token) or progress_decode_ttl_s (no end), by stage.",
+    ["stage"],
+)
 TELEMETRY_GAPS = Counter("switchyard_router_telemetry_gaps_total", "Telemetry sequence gaps detected.")
 KV_EVENTS = Counter(
     "switchyard_router_kv_events_total",
@@ -76,6 +101,16 @@ PREFIX_BLOCKS = Gauge(
     "switchyard_router_prefix_blocks",
     "Blocks the prefix index holds, all engines, by index (precise, routed).",
     ["index"],
+)
+KV_TRUST = Counter(
+    "switchyard_router_kv_trust_total",
+    "What bounded an engine's KV claims (services.router.kv_trust), by outcome: rate (a message over the "
+    "engine's keys/s bucket, dropped; its blocks cleared), over_capacity (blocks past its hello's kv_blocks, its "
+    "oldest out), confirmed / unconfirmed (a routed claim's answer reported its cached tokens / far fewer: the "
+    "claim dropped) / unreported (no usage in the answer), probe_full (a claim not credited: its engine's probe "
+    "slots were taken), quarantined (repeated unconfirmed claims: blocks cleared, events ignored a while), "
+    "ignored (a message from a quarantined engine).",
+    ["outcome"],
 )
 PREFIX_DROPPED = Counter(
     "switchyard_router_prefix_dropped_total",

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from switchyard.services.router.kv_trust import DEFAULT_BURST_KEYS, DEFAULT_KEYS_PER_S, Claims
 from switchyard.solver.routing import profiles
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import GimbalParams
@@ -70,6 +71,22 @@ class RouterSettings(BaseSettings):
     max_inflight_per_engine: int = Field(default=1024, ge=1)
     #: A decision stops counting as in flight once a telemetry received this long after it arrives.
     inflight_grace_s: float = Field(default=DEFAULT_INFLIGHT_GRACE_S, ge=0)
+    #: Other replicas' shared decisions are believed only up to what an honest replica could decide (issue 37,
+    #: `services/router/decision_bounds.py`). Bytes per second per sender, checked before decoding: 2 MiB/s is
+    #: ~25,000 decisions/s of ~80 bytes, five times what one gateway process serves.
+    peer_decision_bytes_per_s: float = Field(default=2 * 1024 * 1024, gt=0)
+    #: Per (sender, engine): decisions per second, and decisions counted at once (until the engine's telemetry
+    #: settles them, ~0.1 s + inflight_grace_s). 1000/s and 256 (vLLM's default max_num_seqs, 1/4 s of 1000/s)
+    #: are far above what one replica sends one engine (tens to hundreds of requests a second).
+    peer_decisions_per_s: float = Field(default=1000.0, gt=0)
+    peer_inflight_per_engine: int = Field(default=256, ge=1)
+    #: Prompt tokens one shared decision counts at most (also at most the engine's kv_blocks × block_size).
+    peer_max_prompt_tokens: int = Field(default=1_048_576, ge=1)
+    #: A request in the exact ledger (routed with `progress`) with no first token after this long, or no end
+    #: after `progress_decode_ttl_s`, is dropped (counted): its gateway died or never reports. An honest gateway
+    #: reports an end when an engine's first byte is late (SWITCHYARD_GATEWAY_FIRST_BYTE_TIMEOUT_S, 120 s).
+    progress_ttl_s: float = Field(default=300.0, gt=0)
+    progress_decode_ttl_s: float = Field(default=3600.0, gt=0)
     #: Label -> traffic share, required by the oracle `domain` policy (a JSON object in the environment).
     domain_shares: dict[str, float] = Field(default_factory=dict)
     #: Decisions are shared with the other replicas (`sy.route.decided`) at the end of a burst of requests, in
@@ -85,6 +102,23 @@ class RouterSettings(BaseSettings):
     #: The approximate index: blocks per engine at most, and how long a routed block counts as cached.
     prefix_routed_max_blocks: int = Field(default=200_000, ge=1)
     prefix_routed_ttl_s: float = Field(default=600.0, gt=0)
+    #: Per engine, KV-event keys per second at most (a message costs 1 + its keys), and the bucket's depth: a
+    #: message past it is dropped and the engine's blocks cleared (`services.router.kv_trust`). An honest
+    #: engine stays under ~10K keys/s (docs/prefix-routing.md, "Trust in KV events").
+    kv_rate_keys_per_s: float = Field(default=DEFAULT_KEYS_PER_S, gt=0)
+    kv_rate_burst_keys: float = Field(default=DEFAULT_BURST_KEYS, ge=1)
+    #: Where the answers are seen (the in-process gateway): credit a KV claim only once an answer's
+    #: `usage.prompt_tokens_details.cached_tokens` confirms it (vLLM: `--enable-prompt-tokens-details`). Off:
+    #: claims are believed as sent.
+    prefix_confirm: bool = True
+    #: Requests riding on one engine's unconfirmed claims at a time, at most.
+    prefix_confirm_probes: int = Field(default=2, ge=1)
+    #: A claim is contradicted when the answer reports fewer than this share of the cached tokens it promised.
+    prefix_confirm_ratio: float = Field(default=0.5, gt=0, le=1)
+    #: Contradictions within `prefix_quarantine_s` that clear an engine's blocks and ignore its KV events for
+    #: `prefix_quarantine_s`.
+    prefix_confirm_strikes: int = Field(default=3, ge=1)
+    prefix_quarantine_s: float = Field(default=60.0, gt=0)
     #: Whether decoders the routing artifact does not name (added after the fit) serve every ELDR band. Off by
     #: default: they take a request only when its band has no live engine, so a phantom decoder announced on
     #: the bus cannot draw the traffic (finding 1 of issue 15). Turn on to give new capacity traffic at once.
@@ -115,6 +149,12 @@ class RouterSettings(BaseSettings):
         self.build_decode_profile()  # weights naming no scorer of the profile are refused here, not at first use
         self.build_dp_profile()
         return self
+
+    def claims(self) -> Claims:
+        """The confirmation of KV claims these settings configure."""
+        return Claims(
+            self.prefix_confirm_probes, self.prefix_confirm_ratio, self.prefix_confirm_strikes, self.prefix_quarantine_s
+        )
 
     def gimbal_params(self) -> GimbalParams:
         return GimbalParams(

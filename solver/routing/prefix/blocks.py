@@ -1,7 +1,8 @@
 """The precise prefix index: each engine's cached blocks as its own KV-cache events report them.
 
 Why bounded per engine: the events come from the engines, and an engine (or a credential speaking for one)
-could report blocks without end. Each engine holds at most `max_blocks` keys; past that its oldest stored key
+could report blocks without end. Each engine holds at most `max_blocks` keys, and at most the blocks its KV
+cache could hold at all (`stored(..., capacity)`: its hello's `kv_blocks`); past that its oldest stored key
 is dropped first, as if evicted. One engine can so fill only its own share: memory is at most
 `max_blocks` × engines, whatever one engine sends.
 
@@ -67,11 +68,14 @@ class BlockIndex(EngineSlots):
         self.max_blocks = max_blocks
         self._engines: dict[int, _EngineBlocks] = {}
         self.dropped_over_cap = 0  # keys dropped because an engine passed max_blocks (counter)
+        self.dropped_over_capacity = 0  # keys dropped because an engine passed its own KV capacity (counter)
 
     # -- events ---------------------------------------------------------------------------------------------
 
-    def stored(self, engine_id: str, keys: Iterable[int]) -> None:
-        """The engine cached these blocks (vLLM's BlockStored)."""
+    def stored(self, engine_id: str, keys: Iterable[int], capacity: int | None = None) -> None:
+        """The engine cached these blocks (vLLM's BlockStored). `capacity`: the blocks it could hold at all (its
+        hello's `kv_blocks`); past it, or past `max_blocks`, its own oldest blocks go first."""
+        cap = self.max_blocks if capacity is None else max(1, min(capacity, self.max_blocks))
         slot = self._slot_of(engine_id)
         bit = 1 << slot
         blocks = self._engines[slot]
@@ -85,9 +89,12 @@ class BlockIndex(EngineSlots):
                 self._make_room(slot, blocks)
             blocks.push(key)
             blocks.held += 1
-            if blocks.held > self.max_blocks:
+            if blocks.held > cap:
                 self._drop_oldest(slot, blocks)
-                self.dropped_over_cap += 1
+                if cap < self.max_blocks:
+                    self.dropped_over_capacity += 1
+                else:
+                    self.dropped_over_cap += 1
 
     def removed(self, engine_id: str, keys: Iterable[int]) -> None:
         """The engine evicted these blocks (vLLM's BlockRemoved); unknown keys are ignored."""
