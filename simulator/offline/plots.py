@@ -49,10 +49,14 @@ def plot_runs(results: Mapping[str, SimResult], out_dir: Path, title: str) -> li
     names: Sequence[str] = list(results)
     fig, ax = plt.subplots(figsize=(10, 3.5))
     width = 0.8 / max(len(names), 1)
+    engines = 0
     for i, name in enumerate(names):
         tokens = results[name].engine_tokens
+        engines = max(engines, len(tokens))
         ax.bar(np.arange(len(tokens)) + i * width, tokens / tokens.mean(), width, label=name)
     ax.axhline(1.0, color="k", lw=0.5)
+    # One tick per engine, under its group of bars, named as the simulator names decoders (d000, d001, ...).
+    ax.set_xticks(np.arange(engines) + width * (len(names) - 1) / 2, [f"d{e:03d}" for e in range(engines)])
     ax.set(xlabel="decode engine", ylabel="tokens / mean", title="per-engine decode load")
     ax.legend(fontsize=8, ncol=min(len(names), 4))
     paths.append(save(fig, out_dir / "engine_load.png"))
