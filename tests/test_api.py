@@ -372,6 +372,20 @@ async def test_schemathesis_finds_no_server_errors(
     assert len(set(fuzzed)) == 13  # every operation of the spec
 
 
+async def test_the_docs_pages_load_nothing_from_outside(db_settings: SwitchyardSettings) -> None:
+    """/docs and /redoc name only scripts the API serves itself (an air-gapped cluster has no CDN), and serves them."""
+    import re
+
+    async with api_server(db_settings) as api:
+        for page in ("/docs", "/redoc"):
+            html = (await api.get(page)).text
+            assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+            assert assets and not [a for a in assets if "://" in a or a.startswith("//")], (page, assets)
+            for asset in assets:
+                answer = await api.get(asset)
+                assert answer.status_code == 200 and len(answer.content) > 1000, (page, asset)
+
+
 async def test_engines_are_paged_and_requests_are_bounded(
     db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError
 
@@ -59,7 +60,8 @@ def create_app(settings: SwitchyardSettings, config: ApiSettings | None = None) 
             await bus.close()
             await engine.dispose()
 
-    app = FastAPI(title="Switchyard", version="1", description=DESCRIPTION, lifespan=lifespan)
+    # FastAPIOffline: FastAPI whose /docs and /redoc load their scripts from the package, not from a CDN.
+    app = FastAPIOffline(title="Switchyard", version="1", description=DESCRIPTION, lifespan=lifespan)
     app.include_router(history.router)
     app.include_router(live.router)
 
