@@ -88,8 +88,14 @@ KV_EVENTS = Counter(
     "switchyard_gateway_kv_events_total",
     "KvEvents messages from prefill engines, by outcome: applied, gap (events lost: the engine's blocks cleared "
     "first), late, unknown_engine (no hello), not_prefill (a DP or decode engine's: dropped), block_size (not its "
-    "hello's block size).",
+    "hello's block size), over_capacity (applied, but past its hello's kv_blocks: its oldest blocks out), rate "
+    "(any engine's message dropped before decoding: over its keys/s bucket; its blocks cleared).",
     ["outcome"],
+)
+ODD_BLOCK_SIZE = Counter(
+    "switchyard_gateway_odd_block_size_total",
+    "Candidate engines passed over by a prompt's block keys because their hello's block size is not the one most "
+    "candidates announce (the keys are taken at that one; an odd engine is credited no cached prefix).",
 )
 PROMPT_KEYS_FAILED = Counter(
     "switchyard_gateway_prompt_keys_failed_total",

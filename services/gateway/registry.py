@@ -63,6 +63,8 @@ class Engine:
     ejected: bool = False
     #: Tokens per KV block (its hello's `capacity.block_size`): the block size of its prefix-cache keys.
     block_size: int = 16
+    #: KV blocks it can hold at all (its hello's `capacity.kv_blocks`): the most its KV events may claim.
+    kv_blocks: int = 2**31
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def url(self, path: str) -> URL:
@@ -136,6 +138,7 @@ class EngineRegistry:
             engine._urls.clear()
         engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
         engine.block_size = hello.capacity.block_size
+        engine.kv_blocks = hello.capacity.kv_blocks
         engine.telemetry_interval_s = hello.telemetry_interval_s
         self._relive(engine)
         self.version += 1

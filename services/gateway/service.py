@@ -17,6 +17,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
 from switchyard.services.gateway.local_route import InProcessRouter
+from switchyard.services.gateway.kv_ingest import KvIngest
 from switchyard.services.gateway.prefix import PrefillPrefix
 from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import EngineRegistry
@@ -29,12 +30,13 @@ from switchyard.services.http_limits import HttpLimits
 from switchyard.services.http_server import front_protocol
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
+from switchyard.services.router.kv_trust import KvRate
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
 from switchyard.shared.nats_auth import Credentials, gateway_user
-from switchyard.shared.schemas import Announce, Hello, KvEvents, PrefillSignature, Telemetry
+from switchyard.shared.schemas import Announce, Hello, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import check_token
 from switchyard.shared.tracing import Tracing
@@ -113,6 +115,7 @@ class GatewayService:
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos, telemetry and prefill signatures, on a connection of their own
+        self.kv: KvIngest | None = None  # engines' KV events, on another
         self.ctx: Context | None = None
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
@@ -132,12 +135,6 @@ class GatewayService:
             metrics.ENGINES_REFUSED.inc()
         if self.feed is not None:
             self.feed.on_hello(hello)
-
-    def _on_kv(self, events: KvEvents, _msg: object) -> None:
-        if self.prefix is not None and self.gateway.mode != "dp":
-            self.prefix.on_kv(events)
-        if self.feed is not None and self.feed.core.ingests_kv:
-            self.feed.on_kv(events)
 
     def _forget(self, engine_id: str) -> None:
         metrics.forget_engine(engine_id)
@@ -214,10 +211,22 @@ class GatewayService:
         # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
         await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
-        # KV events: the prefill choice's index (prefill engines), and the in-process core's when a profile reads it
-        prefill_index = self.prefix is not None and g.mode != "dp"
-        if prefill_index or (self.core is not None and self.core.ingests_kv):
-            await ingest.subscribe(s.all_kv_events, KvEvents, self._on_kv)
+        # KV events: the prefill choice's index (prefill engines), and the in-process core's when a profile reads it;
+        # on a connection of their own, rate-bounded before decoding (`kv_ingest`: a flood cuts off only that one)
+        prefill_index = self.prefix if self.prefix is not None and g.mode != "dp" else None
+        core_kv = self.feed if self.core is not None and self.core.ingests_kv else None
+        if prefill_index is not None or core_kv is not None:
+            rs = self.core.settings if self.core is not None else RouterSettings()
+            if self.core is not None and rs.prefix_confirm:  # this gateway sees the answers: claims must confirm
+                self.core.prefix.confirm(rs.claims())
+            self.kv = KvIngest(prefill_index, core_kv, KvRate(rs.kv_rate_keys_per_s, rs.kv_rate_burst_keys))
+            try:
+                await self.kv.start(self.settings, f"{g.gateway_id}-kv", servers, role)
+            except BaseException:
+                sock.close()
+                await ingest.close()
+                await bus.close()
+                raise
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         router: Routes = Router(bus, g.route_timeout_s, self.tracing)
         if self.core is not None and self.feed is not None:
@@ -285,6 +294,8 @@ class GatewayService:
             await self.bus.close()
         if self.ingest is not None:
             await self.ingest.close()
+        if self.kv is not None:
+            await self.kv.close()
         if self.keyer is not None:
             self.keyer.close()
         if self.tracing is not None:

@@ -318,6 +318,8 @@ class RouterCore:
             settings.prefix_max_blocks,
             settings.prefix_routed_max_blocks,
             settings.prefix_routed_ttl_s,
+            settings.kv_rate_keys_per_s,
+            settings.kv_rate_burst_keys,
         )
         self._dp_reads_cached = "cached_tokens" in self.dp_profile.needs
         self._reads_blocks = "indexed_blocks" in (*self._dp_columns, *self._decode_columns)
@@ -388,10 +390,10 @@ class RouterCore:
         elif events.block_size != f.block_size[row]:
             reason = "block_size"
         else:
-            self.prefix.apply(events)
+            applied = self.prefix.apply(events, int(f.kv_blocks[row]), now)  # counts a drop itself
             if self._reads_blocks:
                 f.touch()
-            return None
+            return None if applied else "dropped"
         metrics.KV_REJECTED.labels(reason).inc()
         return reason
 
@@ -545,7 +547,8 @@ class RouterCore:
         work = request.prompt_tokens - int(cached[index]) if cached is not None else request.prompt_tokens
         self.fleet.on_decision_row(row, work, now, request.request_id if request.progress else None)
         self._record(row, work)
-        if keyed and self.prefix.record(engine_id, request, now) and self._reads_blocks:
+        credited = float(cached[index]) if cached is not None else 0.0
+        if keyed and self.prefix.record(engine_id, request, now, credited) and self._reads_blocks:
             self.fleet.touch()
         elapsed = time.perf_counter() - start
         self._count("dp", profile.name, "")
