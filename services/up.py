@@ -55,6 +55,7 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.engine import upgrade
 from switchyard.shared.embedded import EmbeddedNats, free_port
+from switchyard.shared.engine_manifest import write_listing
 from switchyard.shared.local_nats import GATEWAY_ID, secured_embedded
 from switchyard.shared.schemas import RoutingArtifact
 from switchyard.shared.settings import SwitchyardSettings
@@ -417,6 +418,11 @@ async def run_up(settings: SwitchyardSettings, options: UpOptions | None = None)
     try:
         fleet = _fleet_config(options)
         simulated = [*fleet.prefill_ids(), *fleet.decode_ids()]
+        known = [*([] if options.services_only else simulated), *options.engines]
+        if settings.engine_manifest is None and known:  # strict mode takes the engines it starts or is told of
+            settings = settings.model_copy(
+                update={"engine_manifest": write_listing(settings.data_dir / "engines.json", known)}
+            )
         async with infrastructure(settings, simulated, options.engines) as infra:
             await _run(settings, options, infra, stop)
     finally:
@@ -507,6 +513,8 @@ async def _start_gateway(
     env = {"SWITCHYARD_ROUTER_POLICY": options.policy, "SWITCHYARD_ROUTER_SEED": str(options.seed)}
     if infra.embedded_nats is not None:
         env["SWITCHYARD_GATEWAY_GATEWAY_ID"] = GATEWAY_ID
+    if settings.engine_manifest is not None:
+        env["SWITCHYARD_ENGINE_MANIFEST"] = str(settings.engine_manifest.resolve())
     gateway = GatewayProcess(
         infra.nats_url, options.gateway_host, port, settings.data_dir / "gateway.log", infra.nats_credentials, env
     )

@@ -5,7 +5,8 @@ a hello claims. So with one engine's password one could announce `role: "dp"` an
 take every client request of a disaggregated fleet. The manifest binds each listed engine's role, model, base
 URL, EP group and DP rank (each optional: an absent field is not bound); the gateway, the router, placement,
 migration and the API believe a hello only when it matches what its engine's entry lists, and a hello from an
-engine the manifest does not list is refused.
+engine the manifest does not list is refused. In strict mode (`SWITCHYARD_ENGINE_STRICT`, on by default with
+per-role credentials) a process without a manifest holds an empty one: every engine is unlisted, so refused.
 
 The file is JSON, `{engine_id: {"role", "model", "base_url", "ep_group", "dp_rank"}}`, as `switchyard
 nats-config --engines` writes it (`SWITCHYARD_ENGINE_MANIFEST`).
@@ -14,6 +15,7 @@ nats-config --engines` writes it (`SWITCHYARD_ENGINE_MANIFEST`).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Literal
@@ -22,6 +24,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from switchyard.shared.schemas import Hello
 from switchyard.shared.subjects import check_token
+
+log = logging.getLogger(__name__)
+
+#: Engine ids whose refusal is logged at most once each per manifest (ids are the senders' word: bounded).
+MAX_LOGGED_IDS = 4096
 
 #: Why a hello was refused, as counted (`reason` label): one value per bound field, and `unlisted`.
 REFUSALS = ("unlisted", "role", "model", "base_url", "ep_group", "dp_rank")
@@ -70,12 +77,23 @@ class EngineManifest:
 
     def __init__(self, entries: dict[str, EngineEntry]) -> None:
         self.entries = entries
+        self._logged: set[str] = set()
 
     def refusal(self, hello: Hello) -> str | None:
+        """Why `hello` is not believed (None: believed); the first refusal of each engine id is logged once."""
         entry = self.entries.get(hello.engine_id)
-        if entry is None:
-            return "unlisted"
-        return entry.refusal(hello)
+        reason = "unlisted" if entry is None else entry.refusal(hello)
+        if reason is not None and hello.engine_id not in self._logged:
+            self._note(hello.engine_id, reason)
+        return reason
+
+    def _note(self, engine_id: str, reason: str) -> None:
+        """One warning per refused engine (later refusals are only counted by the caller)."""
+        if len(self._logged) >= MAX_LOGGED_IDS:
+            self._logged.clear()
+        self._logged.add(engine_id)
+        listed = "not listed" if reason == "unlisted" else f"claims another {reason} than listed"
+        log.warning("engine %s refused: %s in the engine manifest (SWITCHYARD_ENGINE_MANIFEST)", engine_id, listed)
 
     @classmethod
     def parse(cls, raw: object, source: str = "engine manifest") -> EngineManifest:
@@ -110,8 +128,8 @@ _SPEC = re.compile(
 def parse_engine_specs(text: str) -> tuple[list[str], EngineManifest | None]:
     """`nats-config --engines`: comma-separated `ID`, `ID:GROUP:RANK`, `ID:ROLE:URL` or `ID:ROLE:URL:GROUP:RANK`.
 
-    Returns the engine ids and, when any spec binds something, the manifest listing every engine (an engine
-    given as a bare `ID` is listed with nothing bound: a manifest refuses engines it does not list)."""
+    Returns the engine ids and, when any engine is given, the manifest listing every one (an engine given as a
+    bare `ID` is listed with nothing bound: a manifest, or strict mode, refuses engines it does not list)."""
     ids: list[str] = []
     entries: dict[str, EngineEntry] = {}
     for spec in (s.strip() for s in text.split(",")):
@@ -132,5 +150,18 @@ def parse_engine_specs(text: str) -> tuple[list[str], EngineManifest | None]:
             raise ValueError(f"{spec!r}: engine {engine} given twice")
         ids.append(engine)
         entries[engine] = entry
-    bound = any(entry != EngineEntry() for entry in entries.values())
-    return ids, EngineManifest(entries) if bound else None
+    return ids, EngineManifest(entries) if entries else None
+
+
+def partial_bindings(manifest: EngineManifest) -> list[str]:
+    """Engines whose entry binds no role or no URL: a hello from them may still name any role or base URL
+    (where clients' prompts go), so `nats-config` warns about each."""
+    return [engine for engine, entry in manifest.entries.items() if entry.role is None or entry.base_url is None]
+
+
+def write_listing(path: Path, engine_ids: list[str]) -> Path:
+    """A manifest listing `engine_ids` with nothing bound: what `switchyard up` knows of the engines it starts or
+    is told of, so that strict mode takes exactly those (on its embedded bus only they have credentials anyway)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(EngineManifest(dict.fromkeys(engine_ids, EngineEntry())).to_json() + "\n")
+    return path

@@ -7,6 +7,7 @@ working directory.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +17,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from switchyard.data import trace_path
 from switchyard.shared.engine_manifest import EngineManifest
 from switchyard.shared.subjects import Subjects, check_token
+
+log = logging.getLogger(__name__)
 
 
 class SwitchyardSettings(BaseSettings):
@@ -54,6 +57,11 @@ class SwitchyardSettings(BaseSettings):
     #: believe a hello only from a listed engine and only for what its entry lists (bus permissions prove who
     #: an engine is, not what it serves or where).
     engine_manifest: Path | None = None
+    #: Refuse every engine no manifest lists, also when there is no manifest (then every engine is refused: route
+    #: nothing rather than prompts to whoever holds an engine password). Unset: on exactly when per-role NATS
+    #: credentials are in use (`SWITCHYARD_NATS_CREDENTIALS`, the production shape of `nats-config`); `false` is
+    #: the operator's explicit opt-out. `switchyard up` lists the engines it starts itself.
+    engine_strict: bool | None = None
     #: A secret shared by the fit job (signs routing artifacts) and the routers (refuse unsigned or wrongly
     #: signed ones). Unset: artifacts are neither signed nor checked beyond their content hash.
     artifact_key_file: Path | None = None
@@ -154,9 +162,24 @@ class SwitchyardSettings(BaseSettings):
     def sqlite_path(self) -> Path:
         return self.data_dir / "switchyard.sqlite"
 
+    @property
+    def strict_engines(self) -> bool:
+        """Whether an engine no manifest lists is refused (`engine_strict`, else per-role credentials in use)."""
+        return self.engine_strict if self.engine_strict is not None else self.nats_credentials is not None
+
     def engine_manifest_entries(self) -> EngineManifest | None:
-        """The engine manifest (`shared.engine_manifest`), or None when there is none."""
-        return None if self.engine_manifest is None else EngineManifest.load(self.engine_manifest)
+        """The engine manifest (`shared.engine_manifest`); in strict mode without one, an empty manifest (every
+        engine unlisted, so refused: one warning here, one line per refused engine); else None."""
+        if self.engine_manifest is not None:
+            return EngineManifest.load(self.engine_manifest)
+        if not self.strict_engines:
+            return None
+        log.warning(
+            "no engine manifest and SWITCHYARD_ENGINE_STRICT is on (per-role NATS credentials): every engine's hello "
+            "is refused; set SWITCHYARD_ENGINE_MANIFEST (switchyard nats-config --engines writes one), or "
+            "SWITCHYARD_ENGINE_STRICT=false to take any engine whose credentials the bus accepts"
+        )
+        return EngineManifest({})
 
     def artifact_key(self) -> bytes | None:
         """The artifact signing key (the key file's bytes, surrounding whitespace removed), or None."""

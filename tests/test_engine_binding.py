@@ -299,10 +299,10 @@ def test_engine_specs_are_checked(spec: str, error: str) -> None:
         parse_engine_specs(spec)
 
 
-def _nats_config(tmp_path: Path, engines: str) -> subprocess.CompletedProcess[str]:
+def _nats_config(tmp_path: Path, engines: str, *more: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     argv = [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(tmp_path / "conf")]
-    return subprocess.run([*argv, "--engines", engines], capture_output=True, text=True, env=env)
+    return subprocess.run([*argv, "--engines", engines, *more], capture_output=True, text=True, env=env)
 
 
 def test_nats_config_binds_role_and_url_and_refuses_a_bad_spec_in_one_line(tmp_path: Path) -> None:
@@ -313,5 +313,21 @@ def test_nats_config_binds_role_and_url_and_refuses_a_bad_spec_in_one_line(tmp_p
     d0 = EngineEntry(role="decode", base_url="http://10.0.0.6:8200", ep_group="g1", dp_rank=3)
     assert manifest.entries["d0"] == d0
     assert manifest.entries["x"] == EngineEntry()  # listed, nothing bound
+    warned = [line for line in done.stderr.splitlines() if line.startswith("warning: engine ")]
+    assert len(warned) == 1 and "engine x is given without ROLE:URL" in warned[0], done.stderr  # d0, p0 bound
     bad = _nats_config(tmp_path, "p0:gpu:http://x")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--engines" in bad.stderr
+
+
+def test_nats_config_lists_every_engine_it_is_given_and_warns_on_bare_ids(tmp_path: Path) -> None:
+    """Issue 37, item 12: bare ids (and a simulated fleet's ids) are listed too, so strict mode takes exactly
+    them; each `--engines` id without ROLE:URL gets a warning (it binds nothing but the id). On the old code
+    no engines.json was written for bare ids: every service then either took any engine or, strict, none."""
+    done = _nats_config(tmp_path, "a,b:g0:1", "--fleet-engines", "sim-p0,sim-d0")
+    assert done.returncode == 0, done.stderr
+    manifest = EngineManifest.load(tmp_path / "conf" / "engines.json")
+    assert set(manifest.entries) == {"a", "b", "sim-p0", "sim-d0"}
+    assert manifest.entries["b"] == EngineEntry(ep_group="g0", dp_rank=1)
+    assert manifest.entries["sim-p0"] == EngineEntry()
+    warned = sorted(line.split()[2] for line in done.stderr.splitlines() if line.startswith("warning: engine "))
+    assert warned == ["a", "b"], done.stderr

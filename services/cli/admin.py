@@ -35,12 +35,17 @@ def nats_config(
         str | None,
         typer.Option(
             help="Engines, comma-separated, as ID, ID:EP_GROUP:DP_RANK, ID:ROLE:URL or ID:ROLE:URL:EP_GROUP:DP_RANK "
-            "(ROLE: dp, prefill or decode; URL: its OpenAI base URL): one NATS user each; with any binding, also an "
-            "engines.json manifest that binds each engine to what it lists (SWITCHYARD_ENGINE_MANIFEST)."
+            "(ROLE: dp, prefill or decode; URL: its OpenAI base URL): one NATS user each, and an engines.json "
+            "manifest that binds each engine to what it lists (SWITCHYARD_ENGINE_MANIFEST); a warning for each "
+            "engine given without ROLE:URL."
         ),
     ] = None,
     fleet_engines: Annotated[
-        str | None, typer.Option(help="Engine ids of a simulated fleet process (user `fleet`), comma-separated.")
+        str | None,
+        typer.Option(
+            help="Engine ids of a simulated fleet process (user `fleet`), comma-separated; listed in engines.json "
+            "by id."
+        ),
     ] = None,
     gateways: Annotated[
         str | None,
@@ -57,7 +62,7 @@ def nats_config(
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the clients' certificates.")] = None,
 ) -> None:
     """Write a nats-server config with one user per role and each role's permissions (docs/security.md)."""
-    from switchyard.shared.engine_manifest import parse_engine_specs
+    from switchyard.shared.engine_manifest import EngineEntry, EngineManifest, parse_engine_specs, partial_bindings
     from switchyard.shared.nats_auth import (
         SERVICE_ROLES,
         Credentials,
@@ -108,7 +113,15 @@ def nats_config(
     credentials.save(out / "credentials.json")
     typer.echo(f"wrote {conf_path} ({len(roles)} users) and {out / 'credentials.json'}")
     if manifest is not None:
-        (out / "engines.json").write_text(manifest.to_json() + "\n")
+        for engine in partial_bindings(manifest):
+            typer.echo(
+                f"warning: engine {engine} is given without ROLE:URL: its entry binds no role or base URL, so its "
+                f"credentials may send clients' prompts anywhere (give {engine}:ROLE:URL)",
+                err=True,
+            )
+    listed = {**dict.fromkeys(fleet_ids, EngineEntry()), **(manifest.entries if manifest is not None else {})}
+    if listed:
+        (out / "engines.json").write_text(EngineManifest(listed).to_json() + "\n")
         typer.echo(f"wrote {out / 'engines.json'}: SWITCHYARD_ENGINE_MANIFEST for every service and the gateway")
     typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
     for gateway_id in gateway_ids:
