@@ -97,6 +97,11 @@ def sim(
         typer.echo(line)
 
 
+def _print_progress(done: int, total: int, label: str, wall_s: float) -> None:
+    """One line per finished run on stderr (stdout keeps the results), so a long grid is never silent."""
+    typer.echo(f"[{done}/{total}] {label} simulated in {wall_s:.1f} s", err=True)
+
+
 #: `sim`'s table: (column, key, scale, format); latencies in ms, throughput in tokens/s.
 _SIM_COLUMNS = (
     ("TPOT p50 ms", "tpot_p50", 1e3, ".2f"),
@@ -205,6 +210,7 @@ def sim_dp(
         int, typer.Option("--ep-ranks-per-node", min=1, help="GPUs per NVLink node (with --placement).")
     ] = 8,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
+    progress: Annotated[bool, typer.Option(help="A line on stderr as each run finishes.")] = True,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
     from switchyard.simulator.offline.dp_run import DPSimOptions, run_sim_dp
@@ -240,7 +246,7 @@ def sim_dp(
         ep_ranks_per_node=ep_ranks_per_node,
     )
     try:
-        payload = run_sim_dp(opts, json_path=json_out)
+        payload = run_sim_dp(opts, json_path=json_out, on_run=_print_progress if progress else None)
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc)) from None
     ms = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")

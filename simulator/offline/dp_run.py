@@ -32,6 +32,7 @@ Metrics (seconds, tokens/s):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -233,9 +234,15 @@ def workload_for(sc: Scenario, opts: DPSimOptions, fleet: DPFleetConfig) -> Work
 
 
 def run_sim_dp(
-    opts: DPSimOptions, json_path: Path | None = None, scenario: Scenario | None = None
+    opts: DPSimOptions,
+    json_path: Path | None = None,
+    scenario: Scenario | None = None,
+    on_run: Callable[[int, int, str, float], None] | None = None,
 ) -> dict[str, object]:
-    """Every (dispatch, order) pair on one workload; returns (and writes) {config, runs: {"d+o": summary}}."""
+    """Every (dispatch, order) pair on one workload; returns (and writes) {config, runs: {"d+o": summary}}.
+
+    `on_run(done, total, label, wall_s)` is called after each run (the CLI prints progress with it: a grid of
+    runs takes minutes)."""
     if opts.requests is None and opts.rate is None:
         raise ValueError("give either --requests TRACE (with --time-scale) or --rate (or both: Poisson, CSV lengths)")
     for d in opts.dispatch:
@@ -267,6 +274,7 @@ def run_sim_dp(
     wl = workload_for(sc, opts, fleet)
     prefill_counts = sc.counts.prefill[sc.replay]
     runs: dict[str, dict[str, object]] = {}
+    total = len(opts.dispatch) * len(opts.orders) * max(1, len(opts.placements))
     for d in opts.dispatch:
         for o in opts.orders:
             for p in opts.placements or ("off",):
@@ -276,6 +284,8 @@ def run_sim_dp(
                 summary = summarize_dp(res, opts.window_s)
                 summary["wall_s"] = time.perf_counter() - t0
                 runs[res.label] = summary
+                if on_run is not None:
+                    on_run(len(runs), total, res.label, float(summary["wall_s"]))
     config = {
         "trace": str(opts.trace),
         "requests": str(opts.requests) if opts.requests else None,
