@@ -173,7 +173,7 @@ class FaultResult:
     resume_s: float = 0.0
     resumed: bool = True  # a probe succeeded after the last failed one, within the window
     misrouted: int = 0
-    api_failed: int = 0  # API probes unanswered (refused connection, timeout)
+    api_failed: int = 0  # API probes not answered 2xx (refused connection, timeout, any 5xx: 503 too)
     api_500: int = 0  # API probes answered with a 5xx other than 503 (an outage must say 503)
     api_resume_s: float = 0.0  # seconds until the API answered again (its own restart)
     gw_sent: int = 0  # requests through the gateway
@@ -1382,22 +1382,24 @@ class Chaos:
                 r.note += "; failed probes: " + ", ".join(f"{k} {v}" for k, v in why.most_common())
                 r.resumed = bool(after)
             api = [(t, code) for t, code in self.api_probes if r.start <= t < r.end]
-            r.api_failed = sum(code is None for _, code in api)
+            r.api_failed = sum(not answered_2xx(code) for _, code in api)
             r.api_500 = sum(code is not None and code >= 500 and code != 503 for _, code in api)
             if r.name == "api":  # its own restart, however long it takes (later windows included)
-                answered = [t for t, code in self.api_probes if t > r.injected and code is not None]
+                answered = [t for t, code in self.api_probes if t > r.injected and answered_2xx(code)]
                 last = self.api_probes[-1][0] if self.api_probes else r.end
                 r.api_resume_s = (answered[0] if answered else last) - r.injected
                 r.resumed = r.resumed and bool(answered)
                 r.note += f"; the API answered again {r.api_resume_s:.2f} s after its SIGKILL"
             else:  # an outage that began in this window (one carried over from an earlier fault is not its own)
-                up = [t for t, code in api if code is not None]
-                was_down = [code for t, code in self.api_probes if t < r.start][-1:] == [None]
-                down = [t for t, code in api if code is None and (not was_down or (up and t > up[0]))]
-                if down:  # the first answer after the last refused connection
-                    after = [t for t, code in api if code is not None and t > down[-1]]
+                up = [t for t, code in api if answered_2xx(code)]
+                before = [code for t, code in self.api_probes if t < r.start][-1:]
+                was_down = bool(before) and not answered_2xx(before[0])
+                down = [t for t, code in api if not answered_2xx(code) and (not was_down or (up and t > up[0]))]
+                if down:  # the first 2xx after the last refused connection or 5xx (a 503 is an outage too)
+                    after = [t for t, code in api if answered_2xx(code) and t > down[-1]]
                     r.api_resume_s = (after[0] if after else r.end) - r.injected
                     r.resumed = r.resumed and bool(after)
+                    r.note += f"; the API did not answer 2xx to {r.api_failed} probes, again {r.api_resume_s:.2f} s in"
             gw = [(first, ok) for t, first, ok in self.gw_requests if r.start <= t < r.end]
             r.gw_sent, r.gw_failed = len(gw), sum(not first for first, _ in gw)
             r.gw_lost = sum(not ok for _, ok in gw)
@@ -1429,6 +1431,12 @@ class Chaos:
                     setattr(r, attr, getattr(r, attr) + 1)
         if audit.layout_mismatches and results:
             results[-1].duplicated += len(audit.layout_mismatches)
+
+
+def answered_2xx(code: int | None) -> bool:
+    """An API probe answered: a 2xx. A refused connection (None) and any 5xx, 503 included, are an outage: an
+    API that answers 503 to every request for 15 s while PostgreSQL is down is down for its clients."""
+    return code is not None and 200 <= code < 300
 
 
 def gateway_user_of(process: str) -> str:

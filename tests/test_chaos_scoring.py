@@ -56,3 +56,21 @@ def test_attacks_count_as_misrouted_stuck_and_lost(tmp_path: Path) -> None:
     assert closing_line(results, Audit()) == (
         "chaos: 3 faults, lost 2, duplicated 0, stuck 1, misrouted 6, max resume 0.0 s"
     )
+
+
+def test_an_api_answering_503_is_down_until_its_first_2xx(tmp_path: Path) -> None:
+    """Issue 37, item 11: during a 15 s PostgreSQL crash the API answered 503 to 59 of 59 probes for 15.2 s, and
+    chaos reported resume 0.00 s (it counted a 503 as answered). A 5xx, 503 included, is not an answer."""
+    chaos = _chaos(tmp_path)
+    t0 = 3000.0
+    crash = FaultResult("postgres", t0, t0 + 1, t0 + 20)
+    # 200 until the crash at t0 + 1, 503 for 15.2 s, then 200 again.
+    chaos.api_probes = [(t0 + 0.25 * i, 503 if t0 + 1 < t0 + 0.25 * i < t0 + 16.2 else 200) for i in range(80)]
+    chaos.probes = [Probe(t0 + 0.05 * i, True, "sim-d0", t0 + 0.05 * i) for i in range(400)]
+    chaos.telemetry = {"sim-d0": [t0 + 0.1 * i for i in range(200)]}
+    chaos._score([crash], Audit())
+    assert crash.api_failed == 60, crash  # every 503 probe, none taken as answered
+    assert abs(crash.api_resume_s - 15.25) < 0.3, crash  # from the crash to the first 2xx
+    assert crash.api_500 == 0  # a 503 is the honest outage answer: not the "other 5xx" note
+    assert totals([crash], Audit())["max_resume_s"] == crash.api_resume_s
+    assert re.search(r"max resume 15\.[23] s$", closing_line([crash], Audit()))
