@@ -22,7 +22,7 @@ Without a recorded placement, x⁰ is the engines' default layout (expert e on G
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,13 +159,14 @@ def run_calibration(
     objective_tolerance: float = DEFAULT_OBJECTIVE_TOLERANCE,
     layers: int | None = None,
     experts: int | None = None,
+    on_solve: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
-    """Build each window's problem and calibrate on all of them together."""
+    """Build each window's problem and calibrate on all of them together (`on_solve`: `calibrate`'s progress)."""
     problems = [
         window_problem(w, num_gpus, migration_cost=migration_cost, weights=weights, layers=layers, experts=experts)
         for w in windows
     ]
-    return calibrate(problems, options, objective_tolerance=objective_tolerance)
+    return calibrate(problems, options, objective_tolerance=objective_tolerance, on_solve=on_solve)
 
 
 def calibration_row(result: CalibrationResult, *, engine_group: str | None, extra: dict) -> Calibration:

@@ -26,7 +26,12 @@ FAST = ["--time-limit", "0.2", "--parallel-layers", "2", "--json"]
 def _run(*args: str) -> dict:
     result = CliRunner().invoke(app, ["calibrate", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    # progress on stderr: one line per MINLP solve, two per window, ending at the total
+    progress = [line.split()[0] for line in result.stderr.splitlines() if line.startswith("[")]
+    total = 2 * summary["num_windows"]
+    assert progress == [f"[{i}/{total}]" for i in range(1, total + 1)], result.stderr
+    return summary
 
 
 def test_calibrate_on_recorded_windows_persists_one_row(database_url: str, tmp_path: Path) -> None:

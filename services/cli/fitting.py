@@ -246,6 +246,7 @@ def calibrate(
             objective_tolerance=objective_tolerance,
             layers=layers,
             experts=experts,
+            on_solve=lambda done, total: typer.echo(f"[{done}/{total}] MINLP solves done", err=True),
         )
     except (WindowError, PlacementError) as exc:
         typer.echo(f"switchyard calibrate: error: {exc}", err=True)

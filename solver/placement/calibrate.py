@@ -22,7 +22,7 @@ that method (`calibrate`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +31,7 @@ from scipy.optimize import linear_sum_assignment
 from switchyard.shared.placement_terms import DEFAULT_OBJECTIVE_TOLERANCE
 from switchyard.solver.placement.eplb_baseline import eplb_global
 from switchyard.solver.placement.greedy import SEED_PARAMS, GreedyParams, greedy_hosts, resolve_replicas
-from switchyard.solver.placement.minlp import MinlpOptions, solve_minlp
+from switchyard.solver.placement.minlp import MinlpOptions, MinlpResult, solve_minlp
 from switchyard.solver.placement.objective import objective_of_hosts
 from switchyard.solver.placement.problem import PlacementError, PlacementProblem, contiguous_slots, hosts_from_slots
 from switchyard.solver.placement.refine import place
@@ -181,8 +181,12 @@ def calibrate(
     *,
     alpha: float = 1.0,
     objective_tolerance: float = DEFAULT_OBJECTIVE_TOLERANCE,
+    on_solve: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
     """Solve each window's MINLP, fit the greedy's weights to it, and measure every method against it.
+
+    `on_solve(done, total)` is called after each MINLP solve (two per window; each may take its time limit), so a
+    caller can show progress.
 
     No method is judged against a MINLP that started from it: the main reference is warm-started from the
     current layout (keep-layout), which the greedy, `place` and EPLB are judged against and the weights are
@@ -202,12 +206,18 @@ def calibrate(
     # second start: EPLB where it applies; else the unit-weight greedy
     second_start = [("eplb", e) if e is not None else ("greedy_unit", u) for e, u in zip(eplb, unit, strict=True)]
     began = time.perf_counter()
-    solutions = [
-        solve_minlp(p, options, replicas=c, hint=h) for p, c, (_, h) in zip(problems, copies, main_start, strict=True)
-    ]
-    others = [
-        solve_minlp(p, options, replicas=c, hint=h) for p, c, (_, h) in zip(problems, copies, second_start, strict=True)
-    ]
+    total = 2 * len(problems)
+
+    def solved(start: Sequence[tuple[str, np.ndarray]], before: int) -> list[MinlpResult]:
+        out = []
+        for p, c, (_, h) in zip(problems, copies, start, strict=True):
+            out.append(solve_minlp(p, options, replicas=c, hint=h))
+            if on_solve is not None:
+                on_solve(before + len(out), total)
+        return out
+
+    solutions = solved(main_start, 0)
+    others = solved(second_start, len(problems))
     minlp_seconds = time.perf_counter() - began
     references = [hosts_from_slots(s.slot_map, p.num_experts) for p, s in zip(problems, solutions, strict=True)]
     second = [hosts_from_slots(s.slot_map, p.num_experts) for p, s in zip(problems, others, strict=True)]
