@@ -206,3 +206,112 @@ async def test_a_header_with_a_line_break_is_refused() -> None:
     http = EngineHttp(2.0, 8)
     with pytest.raises(ValueError, match="line break"):
         await http.request(URL("http://127.0.0.1:1/x"), "POST", {"authorization": "a\r\nx-evil: 1"}, b"", deadline())
+
+
+# --- issue 37: what an engine answers is bounded (bytes of a whole answer, bytes and time of a head) ---
+
+
+class _Sent:
+    """What a hostile raw server managed to write before the client closed the connection."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.closed = asyncio.Event()
+
+    async def write(self, writer: asyncio.StreamWriter, data: bytes, limit: int) -> None:
+        """Write `data` until `limit` bytes went out or the client closed; then wait for the close."""
+        writer.transport.set_write_buffer_limits(high=0)  # drain waits for the kernel: counts what left
+        try:
+            while self.bytes < limit:
+                writer.write(data)
+                await writer.drain()
+                self.bytes += len(data)
+            await asyncio.sleep(HANG_GUARD_S)
+        finally:
+            self.closed.set()
+
+
+async def test_an_answer_declaring_more_than_the_bound_fails_at_its_head() -> None:
+    sent = _Sent()
+
+    async def declares(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1073741824\r\n\r\n")
+        await sent.write(writer, b"x" * 65536, 64 << 20)
+
+    async with raw_server(declares) as base:
+        http = EngineHttp(2.0, 8)
+        response = await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+        with pytest.raises(EngineHttpError) as failed:
+            await response.read(deadline(), max_bytes=1 << 20)
+        await asyncio.wait_for(sent.closed.wait(), HANG_GUARD_S)
+    assert failed.value.reason == "too_large"
+    assert response._connection.lost  # closed, not pooled
+    assert sent.bytes < 16 << 20  # the kernel's buffers at most: 64 MiB before (read to the deadline)
+
+
+async def test_an_undeclared_answer_fails_once_its_bytes_pass_the_bound_and_one_at_it_is_read() -> None:
+    sent = _Sent()
+
+    async def chunked(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        await sent.write(writer, b"10000\r\n" + b"x" * 65536 + b"\r\n", 64 << 20)
+
+    async def exact(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 65536\r\n\r\n" + b"y" * 65536)
+        await writer.drain()
+
+    http = EngineHttp(2.0, 8)
+    async with raw_server(chunked) as base:
+        response = await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+        with pytest.raises(EngineHttpError) as failed:
+            await response.read(deadline(), max_bytes=1 << 20)
+        await asyncio.wait_for(sent.closed.wait(), HANG_GUARD_S)
+    assert failed.value.reason == "too_large"
+    assert sent.bytes < 16 << 20
+    async with raw_server(exact) as base:
+        response = await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+        assert await response.read(deadline(), max_bytes=65536) == b"y" * 65536
+
+
+async def test_a_never_ending_header_fails_at_the_head_bound_and_is_not_parsed_further() -> None:
+    """`x-a: aaaa...` in 64 KiB writes: the client closes once the head passes its bound (before: it read, and
+    httptools concatenated, until the deadline)."""
+    sent = _Sent()
+
+    async def endless(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-a: ")
+        await sent.write(writer, b"a" * 65536, 32 << 20)
+
+    async with raw_server(endless) as base:
+        http = EngineHttp(2.0, 8, max_head_bytes=64 * 1024)
+        with pytest.raises(EngineHttpError) as failed:
+            await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+        await asyncio.wait_for(sent.closed.wait(), HANG_GUARD_S)
+    assert failed.value.reason == "head_too_large"
+    assert sent.bytes < 16 << 20
+
+
+async def test_a_trickling_head_fails_at_the_head_deadline_but_a_late_whole_answer_does_not() -> None:
+    """The head deadline runs from the head's first byte: a head sent a line at a time fails; an answer whose
+    head comes late (a non-streaming answer, sent when ready) but whole is read."""
+
+    async def trickle(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for n in range(int(HANG_GUARD_S / 0.05)):
+            writer.write(b"x-%d: a\r\n" % n)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async def late(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.6)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    http = EngineHttp(2.0, 8, head_timeout_s=0.3)
+    async with raw_server(trickle) as base:
+        with pytest.raises(EngineHttpError) as failed:
+            await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+    assert failed.value.reason == "head_timeout"
+    async with raw_server(late) as base:
+        response = await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
+        assert await response.read(deadline(), max_bytes=1024) == b"ok"

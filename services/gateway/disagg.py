@@ -37,7 +37,8 @@ from switchyard.services.gateway.relay import (
     until_disconnect,
 )
 from switchyard.services.gateway.routing import traced_route
-from switchyard.services.gateway.upstream import UpstreamError
+from switchyard.services.gateway.upstream import Answer, UpstreamError
+from switchyard.shared import json_depth
 from switchyard.shared.errors import WireError
 from switchyard.shared.signature_json import SIGNATURE_KEY, signature_from_json
 
@@ -77,6 +78,17 @@ def signature_in(kv_params: dict[str, Any]) -> np.ndarray | None:
         return None
 
 
+def _prefill_answer(engine: Engine, answer: Answer) -> Any:
+    """The prefill answer's JSON, parsed with the nesting bound (`shared.json_depth`): an answer that is not
+    JSON, or nests deeper than any OpenAI answer does, is a hostile hop failure, never a RecursionError."""
+    try:
+        return json_depth.loads(answer.content)
+    except json_depth.TooDeep:
+        raise UpstreamError(engine, "too_deep") from None
+    except ValueError:
+        raise UpstreamError(engine, "not_json") from None
+
+
 async def _prefill(
     ctx: Context, request: Request, engines: list[Engine], parsed: Parsed, path: str, request_id: str
 ) -> tuple[Engine, dict[str, Any]] | Response:
@@ -104,16 +116,19 @@ async def _prefill(
         if tracing is not None:
             span, sent = hop_span(tracing, engine, path, "prefill", headers)
         engine.inflight += 1
+        ctx.registry.hop_begun(engine)
         try:
             call = ctx.upstream.post(engine, path, content, sent, ctx.settings.prefill_timeout_s)
             answer = await until_disconnect(request, call)
+            data = _prefill_answer(engine, answer) if answer.status < 400 else None
         except UpstreamError as exc:
-            ctx.registry.hop_failed(engine)
+            ctx.registry.hop_failed(engine, exc.hostile)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", exc.reason).inc()
             if span is not None:
                 tracing.end(span, exc.reason)  # type: ignore[union-attr]
             continue
         except BaseException as exc:
+            ctx.registry.hop_abandoned(engine)
             if span is not None:
                 tracing.end(span, type(exc).__name__)  # type: ignore[union-attr]
             raise
@@ -126,12 +141,6 @@ async def _prefill(
         if answer.status >= 400:  # the engine refused the request itself: the client's answer
             metrics.REQUESTS.labels("disagg", "client_error").inc()
             return Response(answer.content, answer.status, media_type=answer.content_type)
-        try:
-            data = json.loads(answer.content)
-        except ValueError:
-            ctx.registry.hop_failed(engine)
-            metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "prefill", "not_json").inc()
-            continue
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
         usage = data.get("usage") if isinstance(data, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):

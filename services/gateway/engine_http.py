@@ -19,9 +19,19 @@ request, head and body, in one write.
 - `max_connections` bounds the connections in use at once (a request waits for one to free up).
 - Every failure is an `EngineHttpError` with a short `reason`: "connect" (refused, unreachable), "timeout" (the
   connect, the answer's head, or a read outlived its deadline), "closed" (the engine closed the connection or
-  sent what is not HTTP).
+  sent what is not HTTP), and three for an answer no honest engine sends (issue 37), each closing the
+  connection at once: "head_too_large" (its status line and headers pass `max_head_bytes`), "head_timeout"
+  (its head, once begun, has not ended `head_timeout_s` later) and "too_large" (an answer read whole, by
+  `Response.read`, declares or sends more than its `max_bytes`).
 - Bodies are buffered per connection up to `HIGH_WATER` bytes ahead of the reader; past that the socket stops
-  being read until the reader catches up (a slow client does not make the gateway hold a whole stream).
+  being read until the reader catches up (a slow client does not make the gateway hold a whole stream). A body
+  piece is at most what one socket read returns (asyncio reads 256 KiB at most), so neither a stream relayed
+  chunk by chunk nor one of its chunks can grow without bound.
+- A head is fed to the parser only up to `max_head_bytes`: httptools grows a header's name or value by
+  concatenating each piece (quadratic, with no limit of its own), so a never-ending header is cut where it
+  passes the bound, never parsed further. The head deadline runs from the head's first byte, not from the
+  request: vLLM sends a non-streaming answer's head only once the whole answer is ready, which may honestly take
+  up to `first_byte_timeout_s`, but it writes the head in one go; one that trickles on is cut.
 """
 
 from __future__ import annotations
@@ -39,10 +49,13 @@ __all__ = ["EngineHttp", "EngineHttpError", "Response"]
 
 #: Bytes of an answer's body read ahead of its reader before the socket is paused, and resumed below.
 HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
+#: Defaults of the head's bounds (the gateway passes its settings, `max_answer_head_bytes` and `head_timeout_s`).
+MAX_HEAD_BYTES, HEAD_TIMEOUT_S = 64 * 1024, 10.0
 
 
 class EngineHttpError(Exception):
-    """A call that failed; `reason` is "connect", "timeout" or "closed" (see the module docstring)."""
+    """A call that failed; `reason` is "connect", "timeout", "closed", "head_too_large", "head_timeout" or
+    "too_large" (see the module docstring)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -52,8 +65,16 @@ class EngineHttpError(Exception):
 class _Connection(asyncio.Protocol):
     """One connection to an engine and the answer being read on it (httptools calls the `on_*` methods)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int, bool]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: tuple[str, int, bool],
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
         self.loop, self.key = loop, key
+        self.max_head_bytes, self.head_timeout_s = max_head_bytes, head_timeout_s
+        self.head_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
@@ -65,7 +86,10 @@ class _Connection(asyncio.Protocol):
         """Ready for the next answer on this connection."""
         self.status = 0
         self.content_type = ""
+        self.content_length: int | None = None  # as the head declares it
         self.heard = False  # any byte of this answer
+        self.head_bytes = 0  # of this answer's head, fed to the parser so far
+        self._stop_head_timer()
         self.headed = self.complete = self.keep_alive = self.paused = False
         self.failure: EngineHttpError | None = None
         self.body: deque[bytes] = deque()
@@ -80,13 +104,46 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.heard = True
         try:
-            self.parser.feed_data(data)
+            if not self.headed:
+                data = self._feed_head(data)
+            if data:
+                self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self.fail(EngineHttpError("closed", f"the engine's answer is not HTTP/1.1: {exc}"))
             self.close()
 
+    def _feed_head(self, data: bytes) -> bytes:
+        """Feed the head, at most `max_head_bytes` of it in all; what follows its end (body) is returned to be fed.
+        Past the bound the answer fails and the connection closes, nothing more parsed. The head's first byte
+        starts its deadline."""
+        if self.head_bytes == 0 and self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+        room = self.max_head_bytes - self.head_bytes
+        piece = data if len(data) <= room else data[:room]
+        self.head_bytes += len(piece)
+        self.parser.feed_data(piece)
+        if self.headed:
+            return data[len(piece) :]
+        if self.head_bytes >= self.max_head_bytes:
+            detail = f"the engine's answer head passed {self.max_head_bytes} bytes"
+            self.fail(EngineHttpError("head_too_large", detail))
+            self.close()
+        return b""
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if not self.headed:
+            self.fail(EngineHttpError("head_timeout", f"the answer's head did not end {self.head_timeout_s:g} s on"))
+            self.close()
+
+    def _stop_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._stop_head_timer()
         if self.idle_in is not None:  # closed by the engine while pooled: out of the pool at once
             with contextlib.suppress(ValueError):
                 self.idle_in.remove(self)
@@ -97,10 +154,14 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ---
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type":
             self.content_type = value.decode("latin-1")
+        elif name == b"content-length" and value.strip().isdigit():  # else httptools refuses the answer
+            self.content_length = int(value)
 
     def on_headers_complete(self) -> None:
+        self._stop_head_timer()
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headed = True
@@ -146,6 +207,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.lost = True
+        self._stop_head_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -182,18 +244,27 @@ class Response:
         while data := await self.chunk(loop.time() + read_timeout_s):
             yield data
 
-    async def read(self, deadline: float | None) -> bytes:
+    async def read(self, deadline: float | None, max_bytes: int | None = None) -> bytes:
         """The whole body (by `deadline`, loop time), and done with the answer: released, or closed when reading
-        failed or was cancelled."""
-        parts = []
+        failed or was cancelled. An answer that declares, or sends, more than `max_bytes` fails ("too_large") as
+        soon as it does: what is held is then at most `max_bytes` plus the read-ahead (`HIGH_WATER` and one
+        socket read), and twice `max_bytes` while the pieces are joined (one piece, the usual case, is not)."""
+        declared = self._connection.content_length
+        parts: list[bytes] = []
+        size = 0
         try:
+            if max_bytes is not None and declared is not None and declared > max_bytes:
+                raise EngineHttpError("too_large", f"the answer declares {declared} bytes, over {max_bytes}")
             while data := await self.chunk(deadline):
+                size += len(data)
+                if max_bytes is not None and size > max_bytes:
+                    raise EngineHttpError("too_large", f"the answer passed {max_bytes} bytes")
                 parts.append(data)
         except BaseException:
             self.close()
             raise
         self.release()
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if the body was read to its end and the
@@ -220,8 +291,16 @@ class Response:
 class EngineHttp:
     """The pooled client. Create inside the running event loop."""
 
-    def __init__(self, connect_timeout_s: float, max_connections: int, idle_s: float = 4.0) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        max_connections: int,
+        idle_s: float = 4.0,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
         self.connect_timeout_s, self.idle_s = connect_timeout_s, idle_s
+        self.max_head_bytes, self.head_timeout_s = max_head_bytes, head_timeout_s
         self.loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
@@ -291,7 +370,10 @@ class EngineHttp:
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await self.loop.create_connection(
-                    lambda: _Connection(self.loop, (host, port, tls)), host, port, ssl=self._tls if tls else None
+                    lambda: _Connection(self.loop, (host, port, tls), self.max_head_bytes, self.head_timeout_s),
+                    host,
+                    port,
+                    ssl=self._tls if tls else None,
                 )
         except TimeoutError:
             raise EngineHttpError("timeout", f"no connection to {host}:{port} within {timeout:g} s") from None

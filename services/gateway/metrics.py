@@ -63,10 +63,18 @@ HELLOS_REFUSED = Counter(
     ["reason"],
 )
 EJECTIONS = Counter(
-    "switchyard_gateway_engine_ejections_total", "Engines taken out of rotation after failing hops in a row."
+    "switchyard_gateway_engine_ejections_total",
+    "Engines taken out of rotation after failing hops in a row, an answer no honest engine sends, or a failed trial.",
 )
 RESTORATIONS = Counter(
-    "switchyard_gateway_engine_restorations_total", "Ejected engines put back in rotation by their health check."
+    "switchyard_gateway_engine_restorations_total",
+    "Ejected engines fully back in rotation: their health check passed, then a real request on trial succeeded.",
+)
+TRIALS = Counter(
+    "switchyard_gateway_engine_trials_total",
+    "Ejected engines on trial (one real request at a time) by outcome: started (its health check passed), passed "
+    "(a request succeeded: back in rotation), failed (ejected again, its next check backed off).",
+    ["outcome"],
 )
 MODE_SWITCHES = Counter(
     "switchyard_gateway_mode_switches_total",

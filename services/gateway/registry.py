@@ -8,8 +8,9 @@ liveness is computed on read). Telemetry never makes an engine known (its hello 
 telemetry that came before the hello counts once it comes; as for the router and the fleet view, a message
 older than the engine's last one does not count. With
 an engine manifest, a hello is believed only when it matches its engine's entry (role, model, base URL): an
-engine's credentials prove its id, not where clients' prompts may go. An engine whose hops keep failing is
-ejected until its own `/health` answers (the gateway's prober), whatever hellos it sends. The registry also
+engine's credentials prove its id, not where clients' prompts may go. An engine whose hops keep failing (or that
+sends one answer no honest engine sends: `upstream.HOSTILE`) is ejected, whatever hellos it sends, until its own
+`/health` answers (the gateway's prober), and then only on trial: see `hop_failed`. The registry also
 counts the gateway's own requests in flight per engine, which is what the local fallback choice and the prefill
 load bound read, and keeps each model's fleet mode (`mode`). Engine ids are the senders' word (on a bus without
 credentials anyone can name new ones), so it holds at most `max_engines`: a new id beyond that takes the place
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 #: How a request is served: by one data-parallel engine, or by a prefill and then a decode engine.
 MODES = ("dp", "disagg")
+#: After a failed trial an ejected engine's next health check waits this long, doubled by each failed trial
+#: in a row up to the maximum (`EngineRegistry.hop_failed`).
+TRIAL_BACKOFF_S, MAX_TRIAL_BACKOFF_S = 1.0, 60.0
 
 
 @dataclass
@@ -61,6 +65,13 @@ class Engine:
     #: Hops failed in a row; at `eject_after_failures` the engine is ejected until its health check passes.
     failures: int = 0
     ejected: bool = False
+    #: Back on trial after its health check passed: in rotation while no trial request is in flight (`trial_busy`),
+    #: fully back once one succeeds. Ejected engines are checked from `check_at` on; `backoff_s` is the wait
+    #: after its last failed trial (doubled by each).
+    trial: bool = False
+    trial_busy: bool = False
+    backoff_s: float = 0.0
+    check_at: float = 0.0
     #: Tokens per KV block (its hello's `capacity.block_size`): the block size of its prefix-cache keys.
     block_size: int = 16
     #: KV blocks it can hold at all (its hello's `capacity.kv_blocks`): the most its KV events may claim.
@@ -207,36 +218,76 @@ class EngineRegistry:
             self.on_forget(engine_id)
 
     def alive(self, engine: Engine, now: float) -> bool:
-        return not engine.ejected and self._fresh(engine, now)
+        return not engine.ejected and not engine.trial_busy and self._fresh(engine, now)
 
     # ----- failures and health -----
 
-    def hop_failed(self, engine: Engine) -> None:
-        """A hop to `engine` failed; at `eject_after_failures` in a row it leaves rotation (counted, logged)."""
-        engine.failures += 1
-        if not engine.ejected and engine.failures >= self.eject_after_failures:
-            engine.ejected = True
+    def hop_begun(self, engine: Engine) -> None:
+        """A request goes to `engine`: on trial, it leaves the live lists until that request has its verdict."""
+        if engine.trial and not engine.trial_busy:
+            engine.trial_busy = True
             self.version += 1
-            metrics.EJECTIONS.inc()
-            log.warning(
-                "engine %s ejected after %d failed hops; back when its /health answers",
-                engine.engine_id,
-                engine.failures,
-            )
+
+    def hop_failed(self, engine: Engine, hostile: bool = False, now: float | None = None) -> None:
+        """A hop to `engine` failed. It leaves rotation (counted, logged) at `eject_after_failures` in a row, at once
+        for a `hostile` answer (one past a bound, or not JSON: no honest engine sends one), and at once on trial.
+
+        Re-admission: an ejected engine's health is checked (`due_for_check`); when it answers, the engine is put
+        on trial (`put_on_trial`), not back: one real request at a time goes to it (a request already routed there
+        may still go), and only a success (`hop_succeeded`) puts it fully back. A failed trial ejects it again, and
+        its next health check waits `TRIAL_BACKOFF_S`, doubled by each failed trial up to `MAX_TRIAL_BACKOFF_S`:
+        an engine that answers `/health` but not requests costs a request now and then, ever less often."""
+        engine.failures += 1
+        if engine.ejected or not (engine.trial or hostile or engine.failures >= self.eject_after_failures):
+            return
+        now = time.monotonic() if now is None else now
+        if engine.trial:
+            engine.backoff_s = min(max(2 * engine.backoff_s, TRIAL_BACKOFF_S), MAX_TRIAL_BACKOFF_S)
+            metrics.TRIALS.labels("failed").inc()
+        engine.ejected, engine.trial, engine.trial_busy = True, False, False
+        engine.check_at = now + engine.backoff_s
+        self.version += 1
+        metrics.EJECTIONS.inc()
+        log.warning(
+            "engine %s ejected after %d failed hop(s)%s; on trial when its /health answers (checked in %.0f s)",
+            engine.engine_id,
+            engine.failures,
+            " (an answer no honest engine sends)" if hostile else "",
+            engine.backoff_s,
+        )
 
     def hop_succeeded(self, engine: Engine) -> None:
+        """A hop to `engine` succeeded: on trial, it is fully back."""
         engine.failures = 0
+        if engine.trial:
+            engine.trial = engine.trial_busy = False
+            engine.backoff_s = 0.0
+            self.version += 1
+            metrics.TRIALS.labels("passed").inc()
+            metrics.RESTORATIONS.inc()
+            log.warning("engine %s back in rotation: a request on trial succeeded", engine.engine_id)
+
+    def hop_abandoned(self, engine: Engine) -> None:
+        """A hop to `engine` ended without a verdict (the client left): on trial, it may take the next request."""
+        if engine.trial_busy:
+            engine.trial_busy = False
+            self.version += 1
 
     def ejected(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.ejected]
 
-    def restore(self, engine: Engine) -> None:
-        """Its health check passed: back in rotation (while its hellos keep it fresh)."""
+    def due_for_check(self, now: float | None = None) -> list[Engine]:
+        """Ejected engines whose health is to be checked now (past their backoff)."""
+        now = time.monotonic() if now is None else now
+        return [e for e in self.engines.values() if e.ejected and e.check_at <= now]
+
+    def put_on_trial(self, engine: Engine) -> None:
+        """Its health check passed: on trial (see `hop_failed`), in rotation for one request at a time."""
         if engine.ejected:
-            engine.ejected, engine.failures = False, 0
+            engine.ejected, engine.trial, engine.failures = False, True, 0
             self.version += 1
-            metrics.RESTORATIONS.inc()
-            log.warning("engine %s back in rotation: its /health answered", engine.engine_id)
+            metrics.TRIALS.labels("started").inc()
+            log.warning("engine %s on trial: its /health answered", engine.engine_id)
 
     def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[Engine]:
         """Live engines, optionally of one role and serving one model, in engine-id order (deterministic).

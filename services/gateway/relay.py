@@ -151,7 +151,8 @@ def _failed(tracing: Tracing | None, span: Span | None, error: str) -> None:
 
 
 def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine | None:
-    others = [e for e in candidates if e is not failed]
+    """The least loaded candidate but `failed`, among those still in rotation (not ejected nor busy on trial)."""
+    others = [e for e in candidates if e is not failed and not e.ejected and not e.trial_busy]
     index = least_loaded([e.inflight for e in others], turn)
     return others[index] if index >= 0 else None
 
@@ -186,6 +187,7 @@ async def final_hop(
         if tracing is not None:
             span, sent = hop_span(tracing, engine, path, hop, headers)
         engine.inflight += 1
+        ctx.registry.hop_begun(engine)
         try:
             if stream:
                 opened = await until_disconnect(request, ctx.upstream.open_stream(engine, path, content, sent))
@@ -194,7 +196,7 @@ async def final_hop(
         except UpstreamError as exc:
             engine.inflight -= 1
             _failed(tracing, span, exc.reason)
-            ctx.registry.hop_failed(engine)
+            ctx.registry.hop_failed(engine, exc.hostile)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, hop, exc.reason).inc()
             retry = other_engine(engine, candidates, attempt) if attempt == 0 else None
             if retry is None:
@@ -205,12 +207,14 @@ async def final_hop(
             continue
         except ClientGone:
             engine.inflight -= 1
+            ctx.registry.hop_abandoned(engine)
             _failed(tracing, span, "client_gone")
             metrics.CLIENT_ABORTS.labels(kind).inc()
             metrics.REQUESTS.labels(kind, "aborted").inc()
             return Response(status_code=499)
         except BaseException as exc:
             engine.inflight -= 1
+            ctx.registry.hop_abandoned(engine)
             _failed(tracing, span, type(exc).__name__)
             raise
         ctx.registry.hop_succeeded(engine)

@@ -152,15 +152,18 @@ class GatewayService:
             self.registry.forget_dead()
 
     async def _check_ejected(self) -> None:
-        """Put an ejected engine back when its own health check passes (never on a hello alone)."""
+        """Put an ejected engine on trial when its own health check passes (never on a hello alone): `/health`
+        answering says little (an engine sending hostile answers may answer it every second), so it is fully back
+        only once a real request on trial succeeds, and a failed trial backs its next check off
+        (`EngineRegistry.hop_failed`)."""
         g = self.gateway
         while True:
             await asyncio.sleep(g.health_check_interval_s)
             if self.ctx is None:
                 continue
-            for engine in self.registry.ejected():
+            for engine in self.registry.due_for_check():
                 if await self.ctx.upstream.healthy(engine, g.health_timeout_s):
-                    self.registry.restore(engine)
+                    self.registry.put_on_trial(engine)
 
     def _listen(self) -> socket.socket:
         """Bind the listening socket first: a busy port is one plain error before anything else starts."""

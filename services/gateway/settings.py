@@ -41,6 +41,19 @@ class GatewaySettings(BaseSettings):
     #: How long the handoff waits for a `PrefillSignature` on the bus when the prefill response carried none.
     signature_wait_s: float = Field(default=0.2, ge=0)
 
+    # --- bounds on what an engine answers (issue 37; services/gateway/engine_http.py) ---
+    #: An answer the gateway reads whole (a non-streaming completion, a prefill's, an engine's 4xx body) larger
+    #: than this fails the hop (`too_large`, the engine ejected), at its declared content-length or as soon as
+    #: its bytes pass it. An OpenAI completion answer is far smaller: its text plus usage, a few KiB per 1,000
+    #: tokens (n choices with logprobs of a long answer a few MiB); streams are relayed chunk by chunk instead.
+    max_answer_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    #: An answer's status line and headers larger than this fail the hop (`head_too_large`); vLLM's are ~200 B.
+    max_answer_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    #: An answer's head must end within this many seconds of its first byte (`head_timeout`). Not the time to
+    #: the first byte (`first_byte_timeout_s` bounds that: vLLM sends a non-streaming answer's head only when the
+    #: whole answer is ready), but a head that trickles: an honest engine writes its head at once.
+    head_timeout_s: float = Field(default=10.0, gt=0)
+
     # --- engines ---
     #: Liveness is the one rule every service applies (`shared/liveness.py`, `SWITCHYARD_LIVENESS_MISSES` and
     #: `_MAX_SILENCE_S`, which these two names also set for every service). Unset: those settings. Set here
@@ -51,10 +64,13 @@ class GatewaySettings(BaseSettings):
     #: announced (the interval is the sender's word: a dead engine that claimed 60 s must not keep clients'
     #: requests for 3 min).
     stale_after_s: float | None = Field(default=None, gt=0)
-    #: An engine whose hops fail this many times in a row leaves rotation at once ...
+    #: An engine whose hops fail this many times in a row (once: an answer past a bound above, or not JSON) leaves
+    #: rotation at once ...
     eject_after_failures: int = Field(default=2, ge=1)
-    #: ... until its own `GET /health` answers 2xx; ejected engines are checked this often, each check bounded
-    #: by `health_timeout_s`. A hello does not bring it back (anyone with its credentials can send one).
+    #: ... until its own `GET /health` answers 2xx, and then only on trial: one real request at a time until one
+    #: succeeds (a failed trial ejects it again, its next check backed off; `registry.py`). Ejected engines are
+    #: checked this often, each check bounded by `health_timeout_s`. A hello does not bring one back (anyone
+    #: with its credentials can send one).
     health_check_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)
     #: Prefill choice: rendezvous hash of the prompt's first this-many characters (prefix-cache affinity) ...

@@ -6,6 +6,11 @@ here until issue 27: `engine_http`'s docstring says why.
 
 Failures that happen before the engine's first byte reaches the client raise `UpstreamError` (the caller may
 retry on another engine); an engine's own 4xx answer is not a failure of the engine and is passed back.
+
+Every answer read whole (a non-streaming one, a prefill's, an engine's 4xx body, `/health`) is bounded in bytes
+(`max_answer_bytes`; `HEALTH_MAX_BYTES`), every head in bytes and time (`max_answer_head_bytes`,
+`head_timeout_s`): an answer past a bound is a failure whose reason is in `HOSTILE`, and the caller ejects the
+engine at once (`EngineRegistry.hop_failed`), since no honest engine sends one.
 """
 
 from __future__ import annotations
@@ -17,11 +22,22 @@ from switchyard.services.gateway.engine_http import EngineHttp, EngineHttpError,
 from switchyard.services.gateway.registry import Engine
 from switchyard.services.gateway.settings import GatewaySettings
 
+#: Failure reasons no honest engine causes: an answer past a bound (`engine_http`) or one that is not the JSON it
+#: must be (`disagg`, nested deeper than `shared.json_depth` allows). Each ejects its engine at once.
+HOSTILE = frozenset({"too_large", "head_too_large", "head_timeout", "not_json", "too_deep"})
+#: An engine's `/health` answer is empty (vLLM); more than this is not a health answer.
+HEALTH_MAX_BYTES = 64 * 1024
+
 
 class UpstreamError(Exception):
     def __init__(self, engine: Engine, reason: str, detail: str = "") -> None:
         super().__init__(f"{engine.engine_id}: {reason}{': ' + detail if detail else ''}")
         self.engine, self.reason = engine, reason
+
+    @property
+    def hostile(self) -> bool:
+        """The answer broke a bound no honest engine breaks (`HOSTILE`)."""
+        return self.reason in HOSTILE
 
 
 @dataclass
@@ -53,7 +69,12 @@ class Upstream:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.http = EngineHttp(settings.connect_timeout_s, settings.max_connections)
+        self.http = EngineHttp(
+            settings.connect_timeout_s,
+            settings.max_connections,
+            max_head_bytes=settings.max_answer_head_bytes,
+            head_timeout_s=settings.head_timeout_s,
+        )
 
     @staticmethod
     def headers(request_id: str, authorization: str | None) -> dict[str, str]:
@@ -70,7 +91,7 @@ class Upstream:
         deadline = http.loop.time() + (self.settings.first_byte_timeout_s if deadline_s is None else deadline_s)
         try:
             response = await http.request(engine.url(path), "POST", headers, content, deadline)
-            body = await response.read(deadline)
+            body = await response.read(deadline, self.settings.max_answer_bytes)
         except EngineHttpError as exc:
             raise UpstreamError(engine, exc.reason, str(exc)) from None
         status, content_type = response.status, response.content_type or "application/json"
@@ -91,7 +112,7 @@ class Upstream:
             if status >= 500:
                 raise UpstreamError(engine, f"http_{status}")
             if status >= 400:
-                body = await response.read(deadline)
+                body = await response.read(deadline, self.settings.max_answer_bytes)
                 return Opened(status, response.content_type or "application/json", body, None, response)
             first = await response.chunk(deadline)
             if not first:
@@ -111,7 +132,7 @@ class Upstream:
         deadline = http.loop.time() + timeout_s
         try:
             response = await http.request(engine.url("/health"), "GET", {}, b"", deadline)
-            await response.read(deadline)
+            await response.read(deadline, HEALTH_MAX_BYTES)
         except EngineHttpError:
             return False
         return 200 <= response.status < 300
