@@ -24,7 +24,6 @@ from switchyard.engine_agents.sim.live.migration import MigrationCost, SimExpert
 from switchyard.services.migration.planner import plan_steps
 from switchyard.services.migration.service import run_migration
 from switchyard.services.migration.settings import MigrationSettings
-from switchyard.services.placement.decide import Policy, decide
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, create_async_db, upgrade
 from switchyard.shared.embedded import EmbeddedNats
@@ -32,6 +31,7 @@ from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerm
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
 from switchyard.solver.placement.layouts import default_layout
+from switchyard.solver.placement.policy import Policy, decide
 
 LAYERS, EXPERTS, GPUS = 48, 128, 8
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.services.placement.decide import Policy, decide, distance_matrix
-from switchyard.services.placement.window import DecayedLoad, drift
 from switchyard.shared.schemas import ExpertLoad
 from switchyard.solver.placement import DEFAULT_PARAMS
 from switchyard.solver.placement.layouts import default_layout
+from switchyard.solver.placement.policy import Policy, decide, distance_matrix
+from switchyard.solver.placement.window import DecayedLoad, drift
 
 
 def _window(end: float, counts: list[list[int]], sources: np.ndarray | None = None, engine: str = "e0") -> ExpertLoad:

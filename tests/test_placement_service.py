@@ -207,8 +207,8 @@ async def test_identical_rejections_are_coalesced_and_a_group_without_engines_wr
     db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     """Finding 6: a `rejected` row per group per tick, even for groups with no live engine (2,834 in an hour)."""
-    from switchyard.services.placement.window import DecayedLoad
     from switchyard.shared.schemas import ExpertLoad
+    from switchyard.solver.placement.window import DecayedLoad
 
     service = PlacementService(db_settings, QUICK.model_copy(update={"gain_threshold": 1e9}))
     service.sessions = sessions
@@ -349,9 +349,9 @@ async def test_a_group_stays_blocked_while_its_migration_is_unfinished_and_is_fr
     """Issue 29: placement let a plan block its group for `inflight_timeout_s` (600 s) whatever its migration
     did, then planned again over a migration still running. Now an unfinished migration blocks the group however
     old its plan is, and the group is planned again as soon as the migration is final."""
-    from switchyard.services.placement.window import DecayedLoad
     from switchyard.shared.db import Migration
     from switchyard.shared.schemas import ExpertLoad
+    from switchyard.solver.placement.window import DecayedLoad
 
     await bus.ensure_streams()
     service = PlacementService(db_settings, QUICK.model_copy(update={"inflight_timeout_s": 600.0}))

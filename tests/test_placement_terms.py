@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from switchyard.services.placement.decide import Policy
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.shared import placement_terms
 from switchyard.shared.codec import decode, encode
@@ -29,6 +28,7 @@ from switchyard.solver.placement import (
     objective_of_hosts,
     solve_minlp,
 )
+from switchyard.solver.placement.policy import Policy
 from switchyard.solver.placement.terms import linear_constants, linear_cost, linear_terms
 from tests.placement_cases import random_problem
 

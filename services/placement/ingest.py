@@ -20,10 +20,10 @@ from prometheus_client import Counter
 
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.placement.settings import PlacementSettings
-from switchyard.services.placement.window import DecayedLoad
 from switchyard.services.runtime import decode_stream_message
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import ExpertLoad
+from switchyard.solver.placement.window import DecayedLoad
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from switchyard.services.calibration import Window, calibration_row, run_calibration
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import applied_placement, calibrated_params, load_layout
-from switchyard.services.placement.decide import Policy
-from switchyard.services.placement.window import DecayedLoad
 from switchyard.services.runtime import FETCH_WHILE_NATS_RECOVERS, decode_stream_message
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Calibration
 from switchyard.shared.schemas import CalibrationRequest
 from switchyard.solver.placement import MinlpCancelled, MinlpOptions, PlacementError
 from switchyard.solver.placement.calibrate import REFERENCE_SOLVES
+from switchyard.solver.placement.policy import Policy
+from switchyard.solver.placement.window import DecayedLoad
 
 log = logging.getLogger(__name__)
 #: Deliveries of one request (crashes, database outages; a shutdown's cancellation counts too).

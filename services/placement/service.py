@@ -47,12 +47,10 @@ from switchyard.services.history import (
 )
 from switchyard.services.layout_now import GroupShape, layout_now, recorded
 from switchyard.services.lease import GroupLeases
-from switchyard.services.placement.decide import Decision, Policy, decide
 from switchyard.services.placement.engine_registry import EngineRegistry
 from switchyard.services.placement.ingest import ExpertLoadIngest
 from switchyard.services.placement.recalibrate import CalibrationContext, serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
-from switchyard.services.placement.window import DecayedLoad
 from switchyard.services.runtime import ensure_schema, metrics_endpoint, supervised
 from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, Placement, create_async_db
@@ -60,7 +58,8 @@ from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
-from switchyard.solver.placement.policy import TriggerRule, trigger
+from switchyard.solver.placement.policy import Decision, Policy, TriggerRule, decide, trigger
+from switchyard.solver.placement.window import DecayedLoad
 
 log = logging.getLogger(__name__)
 
