@@ -315,3 +315,30 @@ async def test_a_trickling_head_fails_at_the_head_deadline_but_a_late_whole_answ
     async with raw_server(late) as base:
         response = await http.request(URL(base + "/v1/completions"), "POST", {}, b"{}", deadline())
         assert await response.read(deadline(), max_bytes=1024) == b"ok"
+
+
+async def test_one_huge_stream_chunk_comes_in_pieces_of_one_socket_read_with_the_read_ahead_bounded() -> None:
+    """A streamed answer is relayed piece by piece: one 4 MiB chunk of chunked encoding (or one SSE event without
+    its blank line) reaches the reader as pieces of at most one socket read (asyncio's 256 KiB), and no more than
+    `HIGH_WATER` plus one read is ever held ahead of a slow reader."""
+    size = 4 << 20
+
+    async def one_chunk(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n" % size + b"d" * size + b"\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_server(one_chunk) as base:
+        http = EngineHttp(2.0, 8)
+        response = await http.request(URL(base + "/stream"), "POST", {}, b"{}", deadline())
+        connection = response._connection
+        pieces, most_held = [], 0
+        while piece := await response.chunk(deadline()):
+            pieces.append(len(piece))
+            most_held = max(most_held, connection.buffered + len(piece))
+            await asyncio.sleep(0.001)  # a slow client
+        response.release()
+        await http.close()
+    assert sum(pieces) == size
+    assert max(pieces) <= 256 * 1024
+    assert most_held <= HIGH_WATER + 256 * 1024
