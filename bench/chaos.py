@@ -40,6 +40,10 @@ Then, in turn:
   stream-flood: with the attacker's credentials, near-limit payloads on its own `sy.engine.attacker.expert_load`
   (captured by the expert-load stream) for the window; the note gives the stream's size before and after and
   whether the other engines' latest windows are still in it (an evicted one is lost);
+  nats-quorum (only with --nats-cluster 3 and --faults nats-quorum): SIGKILL 2 of 3 nodes (no stream has a
+  quorum), restart both after --node-down-s (`chaos_outages.py`);
+  postgres-long (only with --faults postgres-long): PostgreSQL crashed and down --pg-down-s (60 s), restarted;
+  both windows run --fault-s past the recovery;
   flood (only with --faults flood): near-limit payloads on the attacker's hello and telemetry subjects, as fast
   as one client can send them; the note counts nats-server's slow consumer cut-offs by connection name.
 
@@ -85,6 +89,7 @@ from chaos_infra import (
     gateway_available,
     service_env,
 )
+from chaos_outages import kill_quorum, postgres_outage
 
 log = logging.getLogger("chaos")
 
@@ -97,7 +102,8 @@ FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow
 #: wildcard subjects.
 #: `nats-node` (with --nats-cluster): SIGKILL the cluster node leading the plans' stream, restart it after
 #: `--node-down-s` (issue 28: a NATS cluster loses one node under load and nothing stored is lost).
-EXTRA_FAULTS = ("flood", "nats-node")
+#: `nats-quorum` and `postgres-long` (issue 37): 2 of 3 NATS nodes killed, PostgreSQL down --pg-down-s.
+EXTRA_FAULTS = ("flood", "nats-node", "nats-quorum", "postgres-long")
 GHOST = "ghost-d0"
 GHOST_MODEL = "deepseek-v2-lite"
 #: Stub engines (engine_agents/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
@@ -147,6 +153,8 @@ class ChaosOptions:
     nats_cluster: int = 0
     #: How long the `nats-node` fault leaves its node down.
     node_down_s: float = 4.0
+    #: How long the `postgres-long` fault leaves PostgreSQL down.
+    pg_down_s: float = 60.0
 
 
 @dataclass
@@ -652,6 +660,8 @@ class Chaos:
             )
         if fault == "nats-node":
             return await self._kill_nats_node()
+        if fault in ("nats-quorum", "postgres-long"):
+            return await self._long_outage(fault)
         if fault == "postgres":
             assert self.pg is not None
             await asyncio.to_thread(self.pg.crash)
@@ -677,6 +687,19 @@ class Chaos:
             ghost.start()
             return "ghost decoder back, telemetry every 1.5 s (limit 1 s)"
         raise ValueError(f"unknown fault {fault!r}")
+
+    async def _long_outage(self, fault: str) -> str:
+        """`nats-quorum` or `postgres-long` (bench/chaos_outages.py); the window runs `fault_s` past recovery."""
+        if fault == "nats-quorum":
+            leader = None
+            if self.cluster is not None:
+                info = await self.bus.js.stream_info(self.bus.subjects.placement_stream)
+                leader = info.cluster.leader if info.cluster is not None else None
+            note = await kill_quorum(self.cluster, leader, self.o.node_down_s)
+        else:
+            note = await postgres_outage(self.pg, self.o.pg_down_s)
+        self._attack["until"] = time.time() + self.o.fault_s
+        return note
 
     async def _after(self, fault: str) -> tuple[str, dict[str, int]]:
         """Undo the fault; returns what to add to its note, and the fault's own counts (FaultResult fields)."""
@@ -1025,7 +1048,7 @@ class Chaos:
         for fault in self.o.faults:
             if fault in ("gateway", "role-claim") and "gateway" not in self.procs:
                 self.notes.append(f"{fault} fault skipped: switchyard.services.gateway is not installed")
-            elif fault == "postgres" and self.pg is None:
+            elif fault in ("postgres", "postgres-long") and self.pg is None:
                 continue
             else:
                 enabled.append(fault)
@@ -1584,7 +1607,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="run NATS as a JetStream cluster of N nodes (streams and buckets with N replicas); nats-node needs it",
     )
-    parser.add_argument("--node-down-s", type=float, default=ChaosOptions.node_down_s, help="nats-node: seconds down")
+    parser.add_argument(
+        "--node-down-s", type=float, default=ChaosOptions.node_down_s, help="nats-node, nats-quorum: seconds down"
+    )
+    parser.add_argument("--pg-down-s", type=float, default=ChaosOptions.pg_down_s, help="postgres-long: seconds down")
     parser.add_argument("--workdir", type=Path, help="keep logs and stores here (default: a temp dir, removed)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
@@ -1600,8 +1626,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"chaos: unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}", file=sys.stderr)
         return 2
-    if "nats-node" in faults and args.nats_cluster < 3:
-        print("chaos: the nats-node fault needs --nats-cluster 3 (or more)", file=sys.stderr)
+    if {"nats-node", "nats-quorum"} & set(faults) and args.nats_cluster < 3:
+        print("chaos: the nats-node and nats-quorum faults need --nats-cluster 3 (or more)", file=sys.stderr)
         return 2
     options = ChaosOptions(
         faults=faults,
@@ -1616,6 +1642,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway_router=args.gateway_router,
         nats_cluster=max(args.nats_cluster, 0),
         node_down_s=args.node_down_s,
+        pg_down_s=args.pg_down_s,
     )
     for name in ("switchyard", "nats"):
         logging.getLogger(name).setLevel(logging.WARNING)

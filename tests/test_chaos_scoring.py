@@ -74,3 +74,23 @@ def test_an_api_answering_503_is_down_until_its_first_2xx(tmp_path: Path) -> Non
     assert crash.api_500 == 0  # a 503 is the honest outage answer: not the "other 5xx" note
     assert totals([crash], Audit())["max_resume_s"] == crash.api_resume_s
     assert re.search(r"max resume 15\.[23] s$", closing_line([crash], Audit()))
+
+
+def test_the_quorum_fault_kills_the_plans_leader_and_one_more() -> None:
+    """`nats-quorum` takes 2 of 3 nodes, the plans' stream leader among them: no stream keeps a quorum."""
+    from chaos_outages import quorum_victims
+
+    class Node:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Cluster:
+        def __init__(self) -> None:
+            self.nodes = [Node("n1"), Node("n2"), Node("n3")]
+
+        def node(self, name: str) -> Node:
+            return next(n for n in self.nodes if n.name == name)
+
+    victims = [n.name for n in quorum_victims(Cluster(), "n3")]  # type: ignore[arg-type]
+    assert victims[0] == "n3" and len(set(victims)) == 2
+    assert len(quorum_victims(Cluster(), None)) == 2  # type: ignore[arg-type]
