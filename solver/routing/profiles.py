@@ -47,7 +47,7 @@ artifact comes from, a τ override; `solver.routing.experiments`), and asking fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from switchyard.solver.routing.decode import eldr_kernel
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
@@ -171,6 +171,137 @@ def _exact_terms(params: GimbalParams, recent: bool = True) -> tuple[Weighted, .
     )
 
 
+def _dp_gimbal(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "gimbal",
+        (_ALIVE, KvFirst(params)),
+        _gimbal_terms(params),
+        FirstMin(),
+        kernel=GimbalKernel(params),
+        doc="Gimbal's pressure score (prefill-token units), KV-first when caches are nearly full and uneven",
+    )
+
+
+def _dp_switchyard(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "switchyard",
+        (_ALIVE, KvFirst(params)),
+        (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+        FirstMin(),
+        kernel=GimbalKernel(params, PREFIX_WEIGHT),
+        doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
+    )
+
+
+def _dp_gimbal_exact(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "gimbal-exact",
+        (_ALIVE, KvFirst(params)),
+        _exact_terms(params),
+        FirstMin(),
+        doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + requests just "
+        "sent + P_kv + P_moe",
+    )
+
+
+def _dp_switchyard_exact(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "switchyard-exact",
+        (_ALIVE, KvFirst(params)),
+        (*_exact_terms(params, recent=False), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
+        FirstMin(),
+        doc="gimbal-exact (without its recent_sends term, as measured) plus the request's uncached prompt on "
+        "each engine (prefix locality)",
+    )
+
+
+def _dp_llm_d(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "llm-d",
+        (_ALIVE,),
+        (
+            Weighted(LlmdQueue(), LLMD_WEIGHTS["llmd_queue"]),
+            Weighted(LlmdKvUtilization(), LLMD_WEIGHTS["llmd_kv_utilization"]),
+            Weighted(LlmdPrefix(), LLMD_WEIGHTS["llmd_prefix"]),
+        ),
+        LeastCost(),
+        doc="llm-d's default EPP: queue (2), KV utilisation (2) and prefix-cache (3) scores, max-score picker",
+    )
+
+
+def _dp_dynamo(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "dynamo",
+        (_ALIVE,),
+        (Weighted(DynamoPrefill(), DYNAMO_OVERLAP_WEIGHT), Weighted(DynamoDecode(), 1.0)),
+        SoftmaxSample(DYNAMO_TEMPERATURE),
+        doc="Dynamo's KV router: overlap_score_weight x prefill blocks not cached + decode blocks, temperature 0",
+    )
+
+
+def _dp_sglang_cache(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "sglang-cache",
+        (_ALIVE,),
+        (Weighted(SglangCacheAware(), 1.0),),
+        FirstMin(),
+        doc="SGLang's cache-aware policy: shortest queue if imbalanced, else longest prefix over the cache "
+        "threshold, else the smallest tree",
+    )
+
+
+def _dp_vllm(params: GimbalParams, client_count: int) -> Profile:
+    scorers = (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0))
+    return Profile(
+        "vllm",
+        (_ALIVE,),
+        scorers,
+        FirstMin(),
+        kernel=ColumnsKernel.of(scorers),
+        doc="vLLM's DP load balancer: 4·waiting + running, first minimum",
+    )
+
+
+def _dp_vllm_main(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "vllm-main",
+        (_ALIVE,),
+        (Weighted(VllmMainLoad(client_count), 1.0), Weighted(VllmMainKv(), 1.0)),
+        FirstMin(rotate=True),
+        doc="vLLM main's DP load balancer, scan start rotating",
+    )
+
+
+def _dp_jsq(params: GimbalParams, client_count: int) -> Profile:
+    scorers = (Weighted(Column("outstanding"), 1.0),)
+    return Profile(
+        "jsq", (_ALIVE,), scorers, FirstMin(), kernel=ColumnsKernel.of(scorers), doc="fewest outstanding requests"
+    )
+
+
+def _dp_rr(params: GimbalParams, client_count: int) -> Profile:
+    return Profile("rr", (_ALIVE,), (), RoundRobin(), doc="round robin over live engines")
+
+
+#: Each DP profile's builder, by name (checked against `DISPATCH_POLICIES` at import: a name without a builder, or a
+#: builder without a name, is a bug).
+_DP_BUILDERS: dict[str, Callable[[GimbalParams, int], Profile]] = {
+    "gimbal": _dp_gimbal,
+    "switchyard": _dp_switchyard,
+    "gimbal-exact": _dp_gimbal_exact,
+    "switchyard-exact": _dp_switchyard_exact,
+    "llm-d": _dp_llm_d,
+    "dynamo": _dp_dynamo,
+    "sglang-cache": _dp_sglang_cache,
+    "vllm": _dp_vllm,
+    "vllm-main": _dp_vllm_main,
+    "jsq": _dp_jsq,
+    "rr": _dp_rr,
+}
+if set(_DP_BUILDERS) != set(DISPATCH_POLICIES):
+    raise RuntimeError(f"DP profile builders {sorted(_DP_BUILDERS)} differ from DISPATCH_POLICIES {DISPATCH_POLICIES}")
+
+
 def dp_profile(
     name: str,
     params: GimbalParams | None = None,
@@ -178,97 +309,9 @@ def dp_profile(
     client_count: int = 1,
 ) -> Profile:
     """The named DP profile with Gimbal's parameters (`gimbal`) and vLLM's client count (`vllm-main`)."""
-    params = params or GimbalParams()
-    if name == "gimbal":
-        profile = Profile(
-            "gimbal",
-            (_ALIVE, KvFirst(params)),
-            _gimbal_terms(params),
-            FirstMin(),
-            kernel=GimbalKernel(params),
-            doc="Gimbal's pressure score (prefill-token units), KV-first when caches are nearly full and uneven",
-        )
-    elif name == "switchyard":
-        profile = Profile(
-            "switchyard",
-            (_ALIVE, KvFirst(params)),
-            (*_gimbal_terms(params), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
-            FirstMin(),
-            kernel=GimbalKernel(params, PREFIX_WEIGHT),
-            doc="Gimbal's pressure score plus the request's uncached prompt on each engine (prefix locality)",
-        )
-    elif name == "gimbal-exact":
-        profile = Profile(
-            "gimbal-exact",
-            (_ALIVE, KvFirst(params)),
-            _exact_terms(params),
-            FirstMin(),
-            doc="Algorithm 1 on the dispatcher's exact ledger: prefill still owed + decode load + requests just "
-            "sent + P_kv + P_moe",
-        )
-    elif name == "switchyard-exact":
-        profile = Profile(
-            "switchyard-exact",
-            (_ALIVE, KvFirst(params)),
-            (*_exact_terms(params, recent=False), Weighted(UncachedPrompt(), PREFIX_WEIGHT)),
-            FirstMin(),
-            doc="gimbal-exact (without its recent_sends term, as measured) plus the request's uncached prompt on "
-            "each engine (prefix locality)",
-        )
-    elif name == "llm-d":
-        profile = Profile(
-            "llm-d",
-            (_ALIVE,),
-            (
-                Weighted(LlmdQueue(), LLMD_WEIGHTS["llmd_queue"]),
-                Weighted(LlmdKvUtilization(), LLMD_WEIGHTS["llmd_kv_utilization"]),
-                Weighted(LlmdPrefix(), LLMD_WEIGHTS["llmd_prefix"]),
-            ),
-            LeastCost(),
-            doc="llm-d's default EPP: queue (2), KV utilisation (2) and prefix-cache (3) scores, max-score picker",
-        )
-    elif name == "dynamo":
-        profile = Profile(
-            "dynamo",
-            (_ALIVE,),
-            (Weighted(DynamoPrefill(), DYNAMO_OVERLAP_WEIGHT), Weighted(DynamoDecode(), 1.0)),
-            SoftmaxSample(DYNAMO_TEMPERATURE),
-            doc="Dynamo's KV router: overlap_score_weight x prefill blocks not cached + decode blocks, temperature 0",
-        )
-    elif name == "sglang-cache":
-        profile = Profile(
-            "sglang-cache",
-            (_ALIVE,),
-            (Weighted(SglangCacheAware(), 1.0),),
-            FirstMin(),
-            doc="SGLang's cache-aware policy: shortest queue if imbalanced, else longest prefix over the cache "
-            "threshold, else the smallest tree",
-        )
-    elif name == "vllm":
-        scorers = (Weighted(Column("waiting"), 4.0), Weighted(Column("running"), 1.0))
-        profile = Profile(
-            "vllm",
-            (_ALIVE,),
-            scorers,
-            FirstMin(),
-            kernel=ColumnsKernel.of(scorers),
-            doc="vLLM's DP load balancer: 4·waiting + running, first minimum",
-        )
-    elif name == "vllm-main":
-        profile = Profile(
-            "vllm-main",
-            (_ALIVE,),
-            (Weighted(VllmMainLoad(client_count), 1.0), Weighted(VllmMainKv(), 1.0)),
-            FirstMin(rotate=True),
-            doc="vLLM main's DP load balancer, scan start rotating",
-        )
-    elif name == "jsq":
-        scorers = (Weighted(Column("outstanding"), 1.0),)
-        profile = Profile(
-            "jsq", (_ALIVE,), scorers, FirstMin(), kernel=ColumnsKernel.of(scorers), doc="fewest outstanding requests"
-        )
-    elif name == "rr":
-        profile = Profile("rr", (_ALIVE,), (), RoundRobin(), doc="round robin over live engines")
-    else:
-        raise ValueError(f"unknown DP profile {name!r}; choose one of {', '.join(DP_PROFILES)}")
+    try:
+        build = _DP_BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown DP profile {name!r}; choose one of {', '.join(DP_PROFILES)}") from None
+    profile = build(params or GimbalParams(), client_count)
     return profile.weighted(weights) if weights else profile
