@@ -92,6 +92,7 @@ def _prefill_answer(engine: Engine, answer: Answer) -> Any:
 async def _prefill(
     ctx: Context, request: Request, engines: list[Engine], parsed: Parsed, path: str, request_id: str
 ) -> tuple[Engine, dict[str, Any]] | Response:
+    engines = [e for e in engines if not (e.ejected or e.trial_busy)] or engines  # out since the list was taken
     keys, prefix = parsed.keys, ctx.prefix
     cached = None
     if keys is not None and prefix is not None and len(keys.keys):

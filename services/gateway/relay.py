@@ -182,6 +182,8 @@ async def final_hop(
 ) -> ToClient:
     headers = ctx.upstream.headers(request_id, client_authorization(request))
     tracing = ctx.tracing
+    if engine.ejected or engine.trial_busy:  # out since it was chosen (a list taken earlier): not this one
+        engine = other_engine(engine, candidates, 0) or engine
     for attempt in (0, 1):
         span, sent = None, headers
         if tracing is not None:
