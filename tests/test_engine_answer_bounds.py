@@ -266,3 +266,34 @@ async def test_an_ejected_engine_whose_health_answers_is_back_only_once_a_real_r
         assert metric("switchyard_gateway_engine_restorations_total") == restorations + 1
         assert not e0.trial and not e0.ejected
     assert set(served) <= {"e0", "e1"} and "e0" in served  # every client answered 200, e0's honest answer too
+
+
+def test_the_trial_rule_one_request_at_a_time_and_a_backoff_doubling_per_failed_trial() -> None:
+    """The registry's rule itself (pure): a hostile answer ejects at once; a passing health check puts the engine
+    on trial, in the live list until a request to it starts; a failed trial ejects it again with its next check
+    1 s, then 2 s, 4 s later; an abandoned trial request frees it for the next; a success puts it fully back."""
+    from switchyard.services.gateway.registry import EngineRegistry
+    from tests.test_engine_binding import _attacker_hello
+
+    registry = EngineRegistry(hello_misses=3.0, stale_after_s=1e9)
+    registry.on_hello(_attacker_hello("dp", "http://e0", interval_s=60.0), now=0.0)
+    e0 = registry.engines["e0"]
+    registry.hop_failed(e0, hostile=True, now=1.0)
+    assert e0.ejected and registry.due_for_check(now=1.0) == [e0]
+    waits = []
+    for now in (2.0, 10.0, 20.0):
+        registry.put_on_trial(e0)
+        assert registry.live(now=now) == [e0]
+        registry.hop_begun(e0)
+        assert registry.live(now=now) == []  # its one trial request is in flight
+        registry.hop_failed(e0, now=now)
+        assert e0.ejected and registry.due_for_check(now=now) == []
+        waits.append(e0.check_at - now)
+    assert waits == [1.0, 2.0, 4.0]
+    registry.put_on_trial(e0)
+    registry.hop_begun(e0)
+    registry.hop_abandoned(e0)  # the client left: no verdict, the next request may try
+    assert registry.live(now=30.0) == [e0] and e0.trial
+    registry.hop_begun(e0)
+    registry.hop_succeeded(e0)
+    assert not e0.trial and not e0.ejected and e0.backoff_s == 0.0 and registry.live(now=30.0) == [e0]
