@@ -3,9 +3,10 @@
 Nothing here can pull or run images, so what can drift is checked instead: every file parses; every `switchyard`
 command and option they run exists in the CLI; every environment variable they set for a Switchyard process is a
 real setting (the pydantic-settings classes' names and aliases) and its value validates; every port and probe path
-is one the code serves; the NATS cluster configs pass `nats-server -t`; the chart renders (tests/gotemplate.py, a
-strict renderer of the template subset it uses) to Kubernetes objects whose probes, ports, Secrets and selectors
-fit together. Each check is a function that returns the problems it finds, and is also run on a broken copy.
+is one the code serves; the NATS cluster configs pass `nats-server -t`; the chart passes Helm's own lint and renders
+(Helm itself, through the `helm-python-sdk` package: Helm's Go SDK, no binary) to Kubernetes objects that validate
+against Kubernetes' schemas (`kubernetes-validate`) and whose probes, ports, Secrets and selectors fit together.
+Each check is a function that returns the problems it finds, and is also run on a broken copy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import helm_python as helm
+import kubernetes_validate
 import pytest
 import typer.main
 import yaml
@@ -29,7 +32,6 @@ from typer.testing import CliRunner
 from switchyard.services.cli import app
 from switchyard.shared.embedded import find_nats_server
 from switchyard.shared.nats_auth import gateway_user
-from tests.gotemplate import TemplateError, render_chart
 
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
@@ -327,6 +329,34 @@ def test_compose_nats_cluster_configs_are_valid(compose: dict[str, Any], tmp_pat
 # Helm
 
 
+#: The Kubernetes version the rendered objects are validated against (kubernetes-validate's schemas).
+KUBE_VERSION = "1.33"
+
+
+def render_chart(chart: Path, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart rendered by Helm (release `switchyard`), as objects; `values` replace the chart's defaults."""
+    loaded = helm.Chart.load(str(chart))
+    try:
+        files = loaded.render(values, name="switchyard", namespace="default", is_install=True)
+    finally:
+        loaded.close()
+    return [obj for text in files.values() for obj in yaml.safe_load_all(text) if obj]
+
+
+def schema_problems(objects: list[dict[str, Any]]) -> list[str]:
+    """Objects Kubernetes' own schemas refuse (strict: unknown fields too); custom resources are not checked."""
+    problems = []
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            if "." not in obj["apiVersion"].split("/")[0]:  # a core kind without a schema is a typo, not a CRD
+                problems.append(f"{obj['kind']} {obj['apiVersion']}: no such Kubernetes kind")
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{obj['kind']} {obj['metadata']['name']}: {exc.message}")
+    return problems
+
+
 def check_chart(
     objects: list[dict[str, Any]], values: dict[str, Any], names: set[str], commands: dict[str, set[str]]
 ) -> list[str]:
@@ -342,8 +372,10 @@ def check_chart(
         name, pod = workload["metadata"]["name"], workload["spec"]["template"]
         if workload["spec"]["selector"]["matchLabels"].items() - pod["metadata"]["labels"].items():
             problems.append(f"{name}: selector does not match its pods")
-        if workload["kind"] == "StatefulSet" and workload["spec"].get("serviceName") not in services:
-            problems.append(f"{name}: serviceName is no Service")
+        if workload["kind"] == "StatefulSet":
+            governing = services.get(workload["spec"].get("serviceName"))
+            if governing is None or governing["spec"].get("clusterIP") != "None":
+                problems.append(f"{name}: serviceName is no headless Service")
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         for container in pod["spec"]["containers"]:
             args, command = container["args"], container["args"][0]
@@ -373,12 +405,22 @@ def check_chart(
                 volume = mounts.get(str(path.parent))
                 if volume is None or volume.get("secret", {}).get("secretName") not in secrets:
                     problems.append(f"{name}: {key}={path} is not in a mounted Secret")
+            if container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                for writable in ("/tmp", "/var/lib/switchyard"):  # the state folder (the image's data dir) and /tmp
+                    if "emptyDir" not in (mounts.get(writable) or {}):
+                        problems.append(f"{name}: read-only root filesystem but {writable} is not writable")
         service = services.get(name)
         if service is None:
             problems.append(f"{name}: no Service")
         elif service["spec"]["selector"].items() - pod["metadata"]["labels"].items():
             problems.append(f"{name}: its Service selects other pods")
-    return problems
+    return problems + schema_problems(objects)
+
+
+def test_helm_lints_the_chart() -> None:
+    """Helm's own `helm lint --strict`: no error and no warning (an info, such as 'icon is recommended', may stay)."""
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
 
 
 def test_chart_renders_valid_objects(
@@ -387,14 +429,16 @@ def test_chart_renders_valid_objects(
     objects = render_chart(CHART, values)
     assert check_chart(objects, values, names, commands) == []
     for obj in objects:
-        for container in obj["spec"].get("template", {}).get("spec", {}).get("containers", []):
+        for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
             assert check_values(env, monkeypatch) == [], obj["metadata"]["name"]
     workloads = {
-        o["spec"]["template"]["spec"]["containers"][0]["args"][0]: o for o in objects if "template" in o["spec"]
+        o["spec"]["template"]["spec"]["containers"][0]["args"][0]: o for o in objects if "template" in o.get("spec", {})
     }
     assert set(workloads) == set(SERVICES)  # the fleet is off by default
-    assert sum(o["kind"] == "Service" for o in objects) == len(SERVICES)
+    # one Service per component, and the gateway's headless governing Service
+    assert sum(o["kind"] == "Service" for o in objects) == len(SERVICES) + 1
+    assert {o["kind"] for o in objects} == {"Deployment", "StatefulSet", "Service", "ServiceAccount"}
     # the API reads its token from a Secret; the database users its URL
     for command, secret_env in (
         ("api", {"SWITCHYARD_API_TOKEN", "SWITCHYARD_DATABASE_URL"}),
@@ -409,12 +453,34 @@ def test_chart_renders_valid_objects(
     assert gateway_user(f"{gateway['metadata']['name']}-{gateway['spec']['replicas'] - 1}")
 
 
+def test_chart_values_follow_the_usual_knobs(values: dict[str, Any]) -> None:
+    """Per-component image, scheduling and resources override the global ones; a ServiceMonitor per component when
+    asked for; no ServiceAccount created when told not to."""
+    tuned = copy.deepcopy(values)
+    router = tuned["components"]["router"]
+    router["image"] = {"tag": "9.9.9"}
+    router["nodeSelector"] = {"pool": "cpu"}
+    tuned["tolerations"] = [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+    tuned["serviceMonitor"]["enabled"] = True
+    tuned["serviceAccount"] = {**tuned["serviceAccount"], "create": False, "name": "existing"}
+    objects = render_chart(CHART, tuned)
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if "template" in o.get("spec", {})}
+    assert pods["switchyard-router"]["containers"][0]["image"] == "switchyard:9.9.9"
+    assert pods["switchyard-api"]["containers"][0]["image"] == "switchyard:0.1.0"
+    assert pods["switchyard-router"]["nodeSelector"] == {"pool": "cpu"} and "nodeSelector" not in pods["switchyard-api"]
+    assert all(pod["tolerations"] == tuned["tolerations"] for pod in pods.values())
+    assert {pod["serviceAccountName"] for pod in pods.values()} == {"existing"}
+    monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert len(monitors) == len(SERVICES) and "ServiceAccount" not in {o["kind"] for o in objects}
+    assert schema_problems(objects) == []
+
+
 def test_chart_renders_the_fleet_when_enabled(
     values: dict[str, Any], names: set[str], commands: dict[str, set[str]]
 ) -> None:
     with_fleet = copy.deepcopy(values)
-    for svc in with_fleet["services"]:
-        svc["enabled"] = True
+    for component in with_fleet["components"].values():
+        component["enabled"] = True
     objects = render_chart(CHART, with_fleet)
     assert check_chart(objects, with_fleet, names, commands) == []
     assert "switchyard-fleet" in {o["metadata"]["name"] for o in objects}
@@ -422,20 +488,22 @@ def test_chart_renders_the_fleet_when_enabled(
 
 def test_chart_checks_can_fail(values: dict[str, Any], names: set[str], commands: dict[str, set[str]]) -> None:
     broken = copy.deepcopy(values)
-    router = next(s for s in broken["services"] if s["name"] == "router")
+    router = broken["components"]["router"]
     router["env"]["SWITCHYARD_ROUTER_METRIX_PORT"] = "9101"
     router["readiness"] = "/readyz"
-    api = next(s for s in broken["services"] if s["name"] == "api")
-    api["port"] = 8081
+    broken["components"]["api"]["port"] = 8081
+    broken["components"]["migration"]["replicas"] = "two"  # Kubernetes' schema refuses it
     problems = check_chart(render_chart(CHART, broken), broken, names, commands)
     assert problems == [
+        "switchyard-api: listens on 8080, container port http is 8081",
         "SWITCHYARD_ROUTER_METRIX_PORT: not a Switchyard setting",
         "switchyard-router: readinessProbe /readyz on http is not served",
-        "switchyard-api: listens on 8080, container port http is 8081",
+        "Deployment switchyard-migration: 'two' is not of type 'integer', 'null'",
     ]
-    # the renderer refuses to print a value that is missing (Helm would print nothing)
-    del broken["image"]["tag"]
-    with pytest.raises(TemplateError, match="missing value"):
+    # Helm refuses to render without an image tag (`required`), rather than printing an image without one (null in
+    # the given values removes the chart's default, as `--set image.tag=null` does)
+    broken["image"]["tag"] = None
+    with pytest.raises(helm.HelmError, match=r"image\.tag is required"):
         render_chart(CHART, broken)
 
 

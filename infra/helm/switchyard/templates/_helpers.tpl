@@ -9,4 +9,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "switchyard.selector" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* The ServiceAccount every component runs as. */}}
+{{- define "switchyard.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{ default .Release.Name .Values.serviceAccount.name }}
+{{- else -}}
+{{ default "default" .Values.serviceAccount.name }}
+{{- end -}}
 {{- end }}
