@@ -238,6 +238,29 @@ def test_compose_runs_the_whole_shape(compose: dict[str, Any]) -> None:
     assert set(SERVICES) | {"fleet"} <= run
 
 
+def test_compose_provisions_prometheus_and_the_dashboard(compose: dict[str, Any]) -> None:
+    """Grafana starts with the Prometheus data source and the Switchyard dashboard: every file its volumes mount
+    exists, the dashboard provider reads the folder the dashboard is mounted into, and the dashboard's data source
+    variable is Prometheus."""
+    import json
+
+    grafana = compose["services"]["grafana"]
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target = volume.split(":")[:2]
+        assert (COMPOSE_DIR / source).resolve().is_file(), source
+        mounts[target] = (COMPOSE_DIR / source).resolve()
+    provider_file = mounts["/etc/grafana/provisioning/dashboards/dashboards.yml"]
+    (provider,) = yaml.safe_load(provider_file.read_text())["providers"]
+    dashboards = [path for target, path in mounts.items() if target.startswith(provider["options"]["path"] + "/")]
+    assert [p.name for p in dashboards] == ["switchyard-dashboard.json"]
+    dashboard = json.loads(dashboards[0].read_text())
+    assert dashboard["uid"] == "switchyard-overview"
+    datasources = yaml.safe_load(mounts["/etc/grafana/provisioning/datasources/datasources.yml"].read_text())
+    assert [d["type"] for d in datasources["datasources"]] == ["prometheus"]
+    assert "prometheus" in compose["services"]
+
+
 def test_compose_commands_exist(compose: dict[str, Any], commands: dict[str, set[str]]) -> None:
     problems = []
     for svc in switchyard_services(compose).values():
