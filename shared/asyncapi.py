@@ -30,6 +30,8 @@ _PLACEHOLDER = re.compile(r"__([a-z_]+?)__")
 _PARAMETERS = {
     "engine_id": "An engine's id (`Hello.engine_id`): [A-Za-z0-9_-]{1,64}.",
     "replica_id": "The deciding replica's id (`RouteDecisions.replica_id`, checked against it): [A-Za-z0-9_-]{1,64}.",
+    "reporter": "The reporting gateway's NATS user (`gateway-<id>`, or the shared `gateway`), named by its asks "
+    "(`RouteDpRequest.reporter`).",
 }
 _ENGINE_READERS = ("router", "gateway", "placement", "migration", "fit", "api", "readonly")
 _ANNOUNCERS = ("router", "gateway", "placement", "migration", "fit", "api", "readonly")
@@ -241,11 +243,14 @@ def _channels(s: Subjects) -> list[_Channel]:
         ),
         _Channel(
             "routeProgress",
-            s.route_progress,
+            s.progress(_param("reporter")),
             ("RouteProgress",),
-            "First tokens and ends of the requests a gateway routed with `progress`: the routers' exact ledger.",
+            "First tokens and ends of the requests a gateway routed with `progress`: the routers' exact ledger. Each "
+            "gateway user reports on its own subject; a router applies a report only to requests asked in that "
+            "reporter's name.",
             senders=("gateway",),
             receivers=("router",),
+            subscribe=s.route_progress,
             carrier=core,
         ),
         _Channel(

@@ -298,13 +298,13 @@ class RouteDecisions(WireModel):
 
 
 class RouteProgress(WireModel):
-    """`sy.route.progress`: requests a sender (the gateway) routed with ``progress`` whose first token it relayed
+    """`sy.route.progress.<reporter>`: requests a gateway routed with ``progress`` whose first token it relayed
     (`first`) or that ended, done, failed or cancelled (`done`), since its previous message (≤ a few ms' worth).
 
     The routers settle their exact ledger from these (`solver.routing.exact_ledger.ExactLedger`): what an engine
     still owes is then known, not guessed from telemetry timing. An id may be in both lists (a one-token answer,
     or a batch that spans its first token and its end); the first token is applied first. Ids a router does
-    not hold (another replica's decisions, a restart) are ignored there.
+    not hold (another replica's decisions, a restart), or holds for another reporter, are ignored there.
     """
 
     first: Annotated[list[RequestId], Field(max_length=MAX_SHARED_DECISIONS)]
@@ -345,6 +345,9 @@ class RouteDpRequest(WireModel):
     #: router then counts it in its exact ledger (`solver.routing.exact_ledger`) until those reports. False (a
     #: client that never reports, or one from before the field): counted in flight until telemetry shows it.
     progress: bool = False
+    #: Who reports that progress: the sender's NATS user, on `sy.route.progress.<reporter>` (only that user may
+    #: publish there). None (a sender from before the field): `progress` is not believed.
+    reporter: EngineId | None = None
 
 
 class RouteDpReply(WireModel):

@@ -161,9 +161,21 @@ class Subjects:
 
     @property
     def route_progress(self) -> str:
-        """The gateway's progress of requests it routed with ``progress`` (`RouteProgress`): routers settle their
-        exact ledgers from it."""
-        return f"{self.prefix}.route.progress"
+        """Every gateway's progress of requests it routed with ``progress`` (`RouteProgress`): routers settle
+        their exact ledgers from it (a subscription; each gateway publishes on its own `progress`)."""
+        return f"{self.prefix}.route.progress.*"
+
+    def progress(self, reporter: str) -> str:
+        """Where one gateway publishes its progress: `<prefix>.route.progress.<reporter>`, its NATS user (only that
+        user may publish there), so a router settles only the requests that gateway asked for (`reporter_of`)."""
+        return f"{self.prefix}.route.progress.{check_token(reporter, 'reporter')}"
+
+    def reporter_of(self, subject: str) -> str | None:
+        """The reporter of a `<prefix>.route.progress.<reporter>` subject (None for any other subject)."""
+        parts = subject.split(".")
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1:3] == ["route", "progress"]:
+            return parts[3]
+        return None
 
     @property
     def router_queue(self) -> str:

@@ -28,7 +28,7 @@ COMMITTED = REPO / "infra" / "asyncapi.json"
 SCHEMA = REPO / "infra" / "schemas" / "asyncapi-3.0.0.json"
 REGENERATE = "switchyard asyncapi --out infra/asyncapi.json"
 #: Example ids for a channel's parameters.
-IDS = {"engine_id": "e1", "replica_id": "r1"}
+IDS = {"engine_id": "e1", "replica_id": "r1", "reporter": "gateway-r1"}
 
 #: Every public member of `Subjects`, by what the document must show of it.
 ENGINE_SUBJECTS = {"hello", "telemetry", "signature", "kv_events", "expert_load", "migrate", "layout", "sim_submit"}
@@ -40,10 +40,10 @@ FIXED_SUBJECTS = {
     "calibration_request",
     "route_decode",
     "route_dp",
-    "route_progress",
     "sim_completed",
 }
 WILDCARDS = {"all_hello", "all_telemetry", "all_kv_events", "all_signatures", "all_expert_load", "route_decided"}
+WILDCARDS |= {"route_progress"}
 NAMES = {
     "router_queue",
     "expert_load_stream",
@@ -56,6 +56,7 @@ NAMES = {
 }
 #: Members that build or parse subjects already covered above, or list names checked through them.
 OTHERS = {"prefix", "decided", "all_decided_by", "engine_of", "decider_of", "streams", "durables"}
+OTHERS |= {"progress", "reporter_of"}
 OTHERS |= {"migration_plans", "calibration_requests"}
 
 

@@ -75,7 +75,7 @@ async def test_decisions_naming_another_replica_than_their_subject_are_refused(
     subjects = bus.subjects
     decided = RouteDecisions(replica_id="g2", kinds=["dp"], request_ids=["r1"], engine_ids=["e0"], prompt_tokens=[9])
     counted: list[RouteDecisions] = []
-    feed.core.on_decisions = lambda message, now: counted.append(message)  # type: ignore[method-assign]
+    feed.core.on_decisions = lambda message, now, sender=None: counted.append(message)  # type: ignore[method-assign]
     before = rejected_count(subjects.route_decided, "replica_id_mismatch")
     try:
         await bus.nc.publish(subjects.decided("gateway", "g1"), encode(decided))  # g1's subject, g2's name

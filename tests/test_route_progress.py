@@ -93,17 +93,17 @@ def _columns(core: RouterCore, engine_id: str) -> tuple[float, float, float]:
 
 def test_the_router_core_counts_reported_requests_until_their_end_and_others_until_telemetry() -> None:
     core = _core()
-    reply, _ = core.route_dp(s.RouteDpRequest(request_id="a", prompt_tokens=500, progress=True), 1.0)
+    reply, _ = core.route_dp(s.RouteDpRequest(request_id="a", prompt_tokens=500, progress=True, reporter="gw"), 1.0)
     first = reply.engine_id  # type: ignore[union-attr]
     assert _columns(core, first) == (500.0, 1.0, 0.0)
     other = "e1" if first == "e0" else "e0"
-    reply, _ = core.route_dp(s.RouteDpRequest(request_id="b", prompt_tokens=300, progress=True), 1.0)
+    reply, _ = core.route_dp(s.RouteDpRequest(request_id="b", prompt_tokens=300, progress=True, reporter="gw"), 1.0)
     assert reply.engine_id == other, "the 500 tokens still owed on the first engine"  # type: ignore[union-attr]
     core.on_telemetry(_telemetry(first, 1), 2.0)  # a report: the exact ledger does not settle by telemetry
     assert _columns(core, first) == (500.0, 1.0, 0.0)
-    core.on_progress(s.RouteProgress(first=["a"], done=[]))
+    core.on_progress(s.RouteProgress(first=["a"], done=[]), "gw", 2.0)
     assert _columns(core, first) == (0.0, 0.0, 1.0), "past its first token: decode load"
-    core.on_progress(s.RouteProgress(first=[], done=["a", "never-sent"]))
+    core.on_progress(s.RouteProgress(first=[], done=["a", "never-sent"]), "gw", 2.0)
     assert _columns(core, first) == (0.0, 0.0, 0.0)
     assert core.fleet.exact.unknown == 1
     # a client that never reports: counted until a telemetry report after it (today's settlement), never decoding
@@ -117,7 +117,7 @@ def test_the_router_core_counts_reported_requests_until_their_end_and_others_unt
     snap = core.dp.prepare(5.0, 60.0, ("decoding", "pending", "pending_prefill"))
     i = snap.engine_ids.index(other)
     assert snap.columns["pending_prefill"][i] == 300.0
-    core.on_progress(s.RouteProgress(first=["b"], done=[]))
+    core.on_progress(s.RouteProgress(first=["b"], done=[]), "gw", 5.0)
     snap = core.dp.prepare(5.0, 60.0, ("decoding", "pending", "pending_prefill"))
     assert snap.columns["pending_prefill"][i] == 0.0 and snap.columns["decoding"][i] == 1.0
 
@@ -127,7 +127,7 @@ def test_the_router_core_counts_recent_sends_of_every_decision_decaying_with_tim
     weighing exp(-age / 20 ms) when a later decision reads the column."""
     core = _core()
     names = ("decoding", "pending", "pending_prefill", "recent_sends")
-    reply, _ = core.route_dp(s.RouteDpRequest(request_id="a", prompt_tokens=500, progress=True), 1.0)
+    reply, _ = core.route_dp(s.RouteDpRequest(request_id="a", prompt_tokens=500, progress=True, reporter="gw"), 1.0)
     first = reply.engine_id  # type: ignore[union-attr]
     other = s.RouteDecisions(replica_id="r2", kinds=["dp"], request_ids=["x"], engine_ids=[first], prompt_tokens=[10])
     core.on_decisions(other, 1.0)
@@ -209,10 +209,10 @@ async def test_only_the_gateway_may_publish_progress(secured: SecuredNats) -> No
         fleet = service.core.fleet
         await wait_for(lambda: "e0" in fleet.index and fleet.last_seq[fleet.index["e0"]] >= 0)
         for rid in ("kept", "ended"):
-            request = s.RouteDpRequest(request_id=rid, prompt_tokens=100, progress=True)
+            request = s.RouteDpRequest(request_id=rid, prompt_tokens=100, progress=True, reporter="gateway")
             await gateway.request(gateway.subjects.route_dp, request, s.RouteDpReply, timeout=5)
         forged = encode(s.RouteProgress(first=[], done=["kept"]))
-        await engine_nc.publish(secured.subjects.route_progress, forged)
+        await engine_nc.publish(secured.subjects.progress("gateway"), forged)
         await engine_nc.flush()
         reporter = ProgressReporter(gateway)  # the gateway's own report, after the forged one
         reporter.done("ended")
@@ -224,8 +224,8 @@ async def test_only_the_gateway_may_publish_progress(secured: SecuredNats) -> No
         await service.stop()
         await gateway.close()
         await engine_nc.close()
-    assert any(secured.subjects.route_progress in line for line in secured.violations())
-    assert not [line for line in secured.violations() if "route.progress" in line and "gateway" in line]
+    assert any(secured.subjects.progress("gateway") in line for line in secured.violations())
+    assert not [line for line in secured.violations() if "route.progress" in line and "user:gateway" in line]
 
 
 async def test_through_the_gateway_every_routed_request_leaves_the_ledger(

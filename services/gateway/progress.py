@@ -1,5 +1,9 @@
-"""The gateway's progress reports to the routers (`sy.route.progress`, `RouteProgress`): which requests it routed
-with ``progress`` reached their first token, and which ended.
+"""The gateway's progress reports to the routers (`sy.route.progress.<reporter>`, `RouteProgress`): which requests
+it routed with ``progress`` reached their first token, and which ended.
+
+`reporter` is the gateway's NATS user (`gateway-<id>`, or the shared `gateway`): only that user may publish on its
+subject, and the gateway's asks name it (`RouteDpRequest.reporter`), so a router settles a request only from the
+reports of the gateway that asked for it (issue 37, item 8: a forged end for every request emptied the ledgers).
 
 The gateway relays every answer, so it knows both facts exactly; a router that has them keeps an exact ledger of
 what each engine still owes (`solver.routing.exact_ledger`) instead of guessing it from telemetry timing
@@ -23,8 +27,9 @@ __all__ = ["ProgressReporter"]
 class ProgressReporter:
     """Collects first tokens and ends, publishes them as `RouteProgress` once per loop turn (split at the cap)."""
 
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
+    def __init__(self, bus: Bus, reporter: str = "gateway") -> None:
+        self.bus, self.reporter = bus, reporter
+        self.subject = bus.subjects.progress(reporter)
         self.first_ids: list[str] = []
         self.done_ids: list[str] = []
         self.batches = 0
@@ -60,7 +65,7 @@ class ProgressReporter:
         for start in range(0, max(len(first), len(done)), cap):
             fields = {"first": first[start : start + cap], "done": done[start : start + cap]}
             with contextlib.suppress(Exception):  # a bus hiccup loses a report, never a request
-                await self.bus.nc.publish(self.bus.subjects.route_progress, encode_unchecked(RouteProgress, fields))
+                await self.bus.nc.publish(self.subject, encode_unchecked(RouteProgress, fields))
                 self.batches += 1
 
     async def close(self) -> None:

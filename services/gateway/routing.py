@@ -111,14 +111,17 @@ class Chooser:
 class Router(Chooser):
     """The remote shape: ask a router replica over the bus (`--router remote`)."""
 
-    def __init__(self, bus: Bus | None, timeout_s: float, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self, bus: Bus | None, timeout_s: float, tracing: Tracing | None = None, reporter: str = "gateway"
+    ) -> None:
         super().__init__()
         self.bus, self.timeout_s = bus, timeout_s
         #: Tracing on: each question carries the current span's `traceparent` in its NATS headers.
         self.tracing = tracing
         #: The gateway reports each routed DP request's first token and end (`sy.route.progress`), so it asks
-        #: with ``progress``: the router counts the request exactly until those reports.
-        self.progress = ProgressReporter(bus) if bus is not None else None
+        #: with ``progress``: the router counts the request exactly until those reports. `reporter` (its NATS user)
+        #: names the subject it reports on, the only one whose reports settle its requests.
+        self.progress = ProgressReporter(bus, reporter) if bus is not None else None
 
     async def _ask(self, subject: str, payload: bytes, reply: type[WireModel]) -> tuple[str | None, str]:
         """The chosen engine id (checked by the caller against its candidates), or None and the reason."""
@@ -159,7 +162,7 @@ class Router(Chooser):
         # Unchecked: the id is ours, the count a positive int, the model one a live engine's hello named.
         fields = {"request_id": request_id, "prompt_tokens": prompt_tokens, "model": model}
         if self.progress is not None:
-            fields["progress"] = True
+            fields["progress"], fields["reporter"] = True, self.progress.reporter
         if keys is not None and len(keys.keys):  # uint64 keys we computed, at most MAX_PROMPT_BLOCKS of them
             fields["block_keys"] = array_to_wire(keys.keys)
             fields["key_kind"] = keys.kind

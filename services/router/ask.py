@@ -12,7 +12,11 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["DpAsk", "LocalDpAsk"]
+__all__ = ["LOCAL_REPORTER", "DpAsk", "LocalDpAsk"]
+
+#: The reporter of an in-process gateway's own asks: its progress settles the core directly
+#: (`CoreFeed.settle`). No bus subject token is empty, so no report from the bus can name it.
+LOCAL_REPORTER = ""
 
 
 class DpAsk(Protocol):
@@ -30,12 +34,15 @@ class DpAsk(Protocol):
     def key_kind(self) -> Literal["tokens", "text"]: ...
     @property
     def progress(self) -> bool: ...
+    @property
+    def reporter(self) -> str | None: ...
 
 
 class LocalDpAsk:
     """A `DpAsk` made in-process (see the module docstring: no validation, so only for values the caller made)."""
 
     __slots__ = ("block_keys", "key_kind", "model", "progress", "prompt_tokens", "request_id")
+    reporter = LOCAL_REPORTER  # its progress comes from this process, never the bus
 
     def __init__(
         self,

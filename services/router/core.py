@@ -19,6 +19,7 @@ import numpy as np
 
 from switchyard.services.router import metrics
 from switchyard.services.router.ask import DpAsk
+from switchyard.services.router.decision_bounds import DecisionBounds, PeerLimits
 from switchyard.services.router.prefix import PrefixState
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import ROLES, TelemetryView
@@ -336,7 +337,17 @@ class RouterCore:
         self._seconds = {kind: metrics.Batched(metrics.DECISION_SECONDS.labels(kind)) for kind in ("decode", "dp")}
         self._band = metrics.Batched(metrics.BAND_SIZE)
         self._counted: dict[tuple[str, str], metrics.BatchedCount] = {}
-        self._refused_seen = self._dropped_seen = 0  # the fleet's counts already exported
+        self._refused_seen = self._dropped_seen = self._foreign_seen = 0  # the fleet's counts already exported
+        #: What other replicas' shared decisions may make this replica count (`decision_bounds`, issue 37).
+        self.bounds = DecisionBounds(
+            PeerLimits(
+                decision_bytes_per_s=settings.peer_decision_bytes_per_s,
+                decisions_per_s=settings.peer_decisions_per_s,
+                inflight_per_engine=settings.peer_inflight_per_engine,
+                max_prompt_tokens=settings.peer_max_prompt_tokens,
+                inflight_grace_s=settings.inflight_grace_s,
+            )
+        )
 
     def refresh_views(self, now: float) -> None:
         """Bring both role views up to date with the fleet, with the columns their profiles read: what a
@@ -402,15 +413,27 @@ class RouterCore:
         if self._reads_blocks:
             self.fleet.touch()
 
-    def on_decisions(self, decisions: RouteDecisions, now: float) -> None:
-        """Another replica's decisions: count them in flight here too (our own are counted when made)."""
-        if decisions.replica_id != self.settings.replica_id:
-            for engine_id, prompt_tokens in zip(decisions.engine_ids, decisions.prompt_tokens, strict=True):
-                self._record(self.fleet.on_decision(engine_id, prompt_tokens, now), prompt_tokens)
+    def on_decisions(self, decisions: RouteDecisions, now: float, sender: str | None = None) -> None:
+        """Another replica's decisions: count them in flight here too (our own are counted when made), within what
+        that replica could honestly decide (`self.bounds`; `sender`: its subject's kind and id)."""
+        if decisions.replica_id == self.settings.replica_id:
+            return
+        admitted = self.bounds.admit(
+            sender or decisions.replica_id,
+            decisions.engine_ids,
+            decisions.prompt_tokens,
+            now,
+            self.fleet,
+            self.settings.inflight_grace_s,
+        )
+        for row, prompt_tokens in admitted:
+            self.fleet.on_decision_row(row, prompt_tokens, now)
+            self._record(row, prompt_tokens)
 
-    def on_progress(self, progress: RouteProgress) -> None:
-        """The gateway's first tokens and ends of requests routed with ``progress``: the exact ledger settles."""
-        self.fleet.on_progress(progress.first, progress.done)
+    def on_progress(self, progress: RouteProgress, reporter: str, now: float) -> None:
+        """A gateway's first tokens and ends of requests it routed with ``progress`` (`reporter`: the user its
+        subject names): the exact ledger settles those it asked for; reports on others' are ignored, counted."""
+        self.fleet.on_progress(progress.first, progress.done, reporter, now)
 
     def _record(self, row: int, prompt_tokens: int) -> None:
         """Keep the role views in step with a decision the fleet just counted (row -1: unknown engine)."""
@@ -437,6 +460,7 @@ class RouterCore:
         metrics.ENGINES_REFUSED.inc(counters.engines_refused - self._refused_seen)
         metrics.INFLIGHT_DROPPED.inc(ledger.dropped - self._dropped_seen)
         self._refused_seen, self._dropped_seen = counters.engines_refused, ledger.dropped
+        self._expire_exact(now)
         self.fleet.forget(now, self.settings.forget_after_s)
         index, live_until = self.fleet.index, self.fleet.live_until
         for engine_id in self.prefix.engines():  # dead by the liveness rule, or forgotten: its blocks go
@@ -448,6 +472,19 @@ class RouterCore:
         for role in ("prefill", "decode", "dp"):
             metrics.LIVE_ENGINES.labels(role).set(int(self.fleet.alive(role, now).sum()))
         self.export_engines(now)
+
+    def _expire_exact(self, now: float) -> None:
+        """Drop exact-ledger requests whose gateway stopped reporting (`progress_ttl_s`, `progress_decode_ttl_s`),
+        export the reports refused for naming another gateway's requests, and forget bounds of gone engines."""
+        exact, settings = self.fleet.exact, self.settings
+        pending, decoding = exact.expire(now - settings.progress_ttl_s, now - settings.progress_decode_ttl_s)
+        if pending or decoding:
+            metrics.EXACT_EXPIRED.labels("pending").inc(pending)
+            metrics.EXACT_EXPIRED.labels("decoding").inc(decoding)
+            self.fleet.touch()
+        metrics.PROGRESS_REFUSED.labels("not_yours").inc(exact.foreign - self._foreign_seen)
+        self._foreign_seen = exact.foreign
+        self.bounds.forget_engines(set(self.fleet.index))
 
     def export_engines(self, now: float) -> None:
         """Publish the live engines' load columns for the per-engine gauges (`metrics.EngineState`)."""
@@ -545,7 +582,9 @@ class RouterCore:
         row = view.row_of[index]
         # In flight on that engine: the prefill it will compute, i.e. the prompt less what it holds cached
         work = request.prompt_tokens - int(cached[index]) if cached is not None else request.prompt_tokens
-        self.fleet.on_decision_row(row, work, now, request.request_id if request.progress else None)
+        # Counted exactly only when a reporter will settle it (an ask from before `reporter`: by telemetry)
+        reported = request.progress and request.reporter is not None
+        self.fleet.on_decision_row(row, work, now, request.request_id if reported else None, request.reporter)
         self._record(row, work)
         credited = float(cached[index]) if cached is not None else 0.0
         if keyed and self.prefix.record(engine_id, request, now, credited) and self._reads_blocks:

@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 
 from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
 from switchyard.services.router import metrics
+from switchyard.services.router.ask import LOCAL_REPORTER
 from switchyard.services.router.core import Decided, RouterCore
 from switchyard.services.runtime import supervised
 from switchyard.shared.bus import Bus
@@ -182,14 +183,31 @@ class CoreFeed:
     def on_kv(self, events: KvEvents, _msg: Msg | None = None) -> None:
         self.core.on_kv(events, time.monotonic())
 
-    def on_decisions(self, decisions: RouteDecisions, _msg: Msg | None = None) -> None:
-        self.core.on_decisions(decisions, time.monotonic())
+    def admit_decisions(self, msg: Msg) -> bool:
+        """Before decoding: our own batches are skipped, and a sender over its byte rate is dropped unread
+        (`DecisionBounds.admit_message`: the subject names the sender, which may publish only under its own)."""
+        sender = self._sender(msg.subject)
+        if sender is None:
+            return True  # not a replica's subject: the decoder's sender check deals with it
+        if sender.endswith("." + self.replica_id):
+            return False  # our own, counted when made
+        return self.core.bounds.admit_message(sender, len(msg.data), time.monotonic())
+
+    def _sender(self, subject: str) -> str | None:
+        """`<kind>.<id>` of a `sy.route.decided.<kind>.<id>` subject (None for another subject)."""
+        if self._bus is None or (replica := self._bus.subjects.decider_of(subject)) is None:
+            return None
+        return f"{subject.rsplit('.', 2)[1]}.{replica}"
+
+    def on_decisions(self, decisions: RouteDecisions, msg: Msg | None = None) -> None:
+        sender = self._sender(msg.subject) if msg is not None else None
+        self.core.on_decisions(decisions, time.monotonic(), sender)
         self.refresh_soon()  # in step in place when it can be; else re-read here, not on the next request
 
     def settle(self, first: Sequence[str], done: Sequence[str]) -> None:
         """This process's own progress reports (an in-process gateway's first tokens and ends): the exact ledger
         settles now, and the views are re-read off the request path."""
-        self.core.fleet.on_progress(first, done)
+        self.core.fleet.on_progress(list(first), list(done), LOCAL_REPORTER, time.monotonic())
         self.refresh_soon()
 
     def refresh_soon(self) -> None:
@@ -221,7 +239,8 @@ class CoreFeed:
             await ingest.subscribe(s.all_telemetry, Telemetry, self.on_telemetry)
         if kv_ingest is not None and self.core.ingests_kv:
             await kv_ingest.subscribe(s.all_kv_events, KvEvents, self.on_kv)
-        await bus.subscribe(s.route_decided, RouteDecisions, self.on_decisions)  # our own are skipped by id
+        # our own are skipped by subject before decoding; others' bounded before decoding and after
+        await bus.subscribe(s.route_decided, RouteDecisions, self.on_decisions, admit=self.admit_decisions)
         reader = self._watch_artifact if self.artifact_poll_s is None else self._poll_artifact
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact reader", reader)),

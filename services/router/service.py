@@ -66,8 +66,12 @@ class RouterService:
         #: OpenTelemetry (`shared.tracing`; None: off, the default): a server span per route request.
         self.tracing: Tracing | None = None
 
-    def _on_progress(self, progress: RouteProgress, _msg: Msg) -> None:
-        self.core.on_progress(progress)
+    def _on_progress(self, progress: RouteProgress, msg: Msg) -> None:
+        """A gateway's report on `sy.route.progress.<reporter>` (only that user may publish there): it settles
+        only the requests asked in that reporter's name."""
+        reporter = self.bus.subjects.reporter_of(msg.subject) if self.bus is not None else None
+        if reporter is not None:
+            self.core.on_progress(progress, reporter, time.monotonic())
 
     def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
         reply, decided = self.core.route_decode(request, time.monotonic())
@@ -118,7 +122,7 @@ class RouterService:
                 self.settings, name=f"{self.router.replica_id}-kv", servers=servers, role="router"
             )
         t1 = time.monotonic()
-        # the gateway's progress, on the connection its route requests come in on (their order kept)
+        # the gateways' progress (each on its own subject), on the connection their route requests come in on
         await bus.subscribe(s.route_progress, RouteProgress, self._on_progress)
         await self.feed.start(bus, ingest, self.kv_ingest)
         t2 = time.monotonic()

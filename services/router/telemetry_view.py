@@ -230,25 +230,28 @@ class TelemetryView:
         self.on_decision_row(row, prompt_tokens, now)
         return row
 
-    def on_decision_row(self, row: int, prompt_tokens: float, now: float, request_id: str | None = None) -> None:
+    def on_decision_row(
+        self, row: int, prompt_tokens: float, now: float, request_id: str | None = None, owner: str | None = None
+    ) -> None:
         """`on_decision` for a known row: one more request in flight (`data_version` + 1 exactly). With a
-        `request_id` (its sender reports progress) it enters the exact ledger, else `unreported`; an id already
-        open there (a sender reusing ids) is counted as unreported too."""
+        `request_id` (its sender, `owner`, reports progress) it enters the exact ledger, else `unreported`; an id
+        already open there (a sender reusing ids) is counted as unreported too."""
         self.ledger.add(row, now, prompt_tokens)
         if self.tracks_recent:
             self.recent.sent(row, now)
         if request_id is not None and request_id not in self.exact:
-            self.exact.sent(request_id, row, prompt_tokens)
+            self.exact.sent(request_id, row, prompt_tokens, owner, now)
         else:
             self.unreported.add(row, now, prompt_tokens)
         self.data_version += 1
 
-    def on_progress(self, first: list[str], done: list[str]) -> None:
-        """A sender's progress report: first tokens, then ends, settle the exact ledger (ids not held: ignored)."""
+    def on_progress(self, first: list[str], done: list[str], owner: str | None = None, now: float = 0.0) -> None:
+        """A sender's progress report: first tokens, then ends, settle the exact ledger (ids not held, or held for
+        another owner: ignored)."""
         for request_id in first:
-            self.exact.first_token(request_id)
+            self.exact.first_token(request_id, owner, now)
         for request_id in done:
-            self.exact.finished(request_id)
+            self.exact.finished(request_id, owner)
         self.data_version += 1
 
     def touch(self) -> None:

@@ -13,9 +13,11 @@ instead, exactly:
 - ``decoding``: requests past their first token and not finished: the engine's decode load.
 
 Columns are float64 (exact for integer counts) so a profile adds them to other columns without a cast; the
-caller passes ids, never times. A first token or end for an id the ledger does not hold (never sent, or sent
-before a restart cleared the row) is ignored and counted in `unknown`, so a late or duplicated report cannot
-drive a count negative. No I/O.
+caller passes ids and, where entries must expire, times. A first token or end for an id the ledger does not hold
+(never sent, or sent before a restart cleared the row) is ignored and counted in `unknown`, so a late or
+duplicated report cannot drive a count negative. Each entry has an `owner`, the sender that will report it (the
+router's: the gateway that asked); a report from another owner is ignored and counted in `foreign`, so one
+gateway cannot settle another's requests. `expire` drops entries whose owner stopped reporting. No I/O.
 
 `RecentSends` is the one clocked column beside it: ``recent_sends``, the requests sent to each engine, each
 counting exp(-age / tau) (`RECENT_TAU_S`). The exact ledger forgets a prompt the moment it has its first token;
@@ -47,7 +49,9 @@ class ExactLedger:
         self.pending_prefill = np.zeros(rows)  # their prompt tokens
         self.decoding = np.zeros(rows)  # past the first token, not finished (requests)
         self.unknown = 0  # progress reports for ids the ledger does not hold
-        self._req: dict[Hashable, tuple[int, float, bool]] = {}  # id -> (row, prompt tokens, decoding)
+        self.foreign = 0  # progress reports for ids another owner asked for
+        #: id -> (row, prompt tokens, decoding, owner, when it was sent or reached its first token)
+        self._req: dict[Hashable, tuple[int, float, bool, str | None, float]] = {}
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -60,40 +64,68 @@ class ExactLedger:
         """Requests sent and not finished, all rows."""
         return len(self._req)
 
-    def sent(self, rid: Hashable, row: int, prompt_tokens: float) -> None:
-        """Request `rid` (`prompt_tokens` to prefill) went to `row`. An id already open is an error."""
+    def sent(self, rid: Hashable, row: int, prompt_tokens: float, owner: str | None = None, now: float = 0.0) -> None:
+        """Request `rid` (`prompt_tokens` to prefill) went to `row`, to be reported by `owner`. An id already
+        open is an error."""
         if rid in self._req:
             raise ValueError(f"request {rid!r} is already in the ledger")
         if not 0 <= row < len(self.pending):
             raise ValueError(f"row {row} out of range 0..{len(self.pending) - 1}")
-        self._req[rid] = (row, float(prompt_tokens), False)
+        self._req[rid] = (row, float(prompt_tokens), False, owner, now)
         self.pending[row] += 1
         self.pending_prefill[row] += prompt_tokens
 
-    def first_token(self, rid: Hashable) -> None:
-        """`rid` produced its first token: its prefill is done, it decodes now. Repeats are no-ops."""
+    def _owned(self, rid: Hashable, owner: str | None) -> tuple[int, float, bool, str | None, float] | None:
+        """`rid`'s entry when `owner` may report it (counted in `unknown` or `foreign` when not)."""
         entry = self._req.get(rid)
         if entry is None:
             self.unknown += 1
+        elif entry[3] != owner:
+            self.foreign += 1
+            return None
+        return entry
+
+    def first_token(self, rid: Hashable, owner: str | None = None, now: float = 0.0) -> None:
+        """`rid` produced its first token: its prefill is done, it decodes now. Repeats are no-ops."""
+        entry = self._owned(rid, owner)
+        if entry is None:
             return
-        row, tokens, decoding = entry
+        row, tokens, decoding, _, _ = entry
         if decoding:
             return
-        self._req[rid] = (row, tokens, True)
+        self._req[rid] = (row, tokens, True, owner, now)
         self._unpend(row, tokens)
         self.decoding[row] += 1
 
-    def finished(self, rid: Hashable) -> None:
+    def finished(self, rid: Hashable, owner: str | None = None) -> None:
         """`rid` ended (done, failed or cancelled, with or without a first token): it leaves the ledger."""
-        entry = self._req.pop(rid, None)
+        entry = self._owned(rid, owner)
         if entry is None:
-            self.unknown += 1
             return
-        row, tokens, decoding = entry
+        del self._req[rid]
+        self._settle(entry)
+
+    def _settle(self, entry: tuple[int, float, bool, str | None, float]) -> None:
+        row, tokens, decoding, _, _ = entry
         if decoding:
             self.decoding[row] -= 1
         else:
             self._unpend(row, tokens)
+
+    def expire(self, pending_before: float, decoding_before: float) -> tuple[int, int]:
+        """Drop requests sent before `pending_before` with no first token, and those past their first token
+        before `decoding_before` with no end (their owner stopped reporting); returns how many of each."""
+        stale = [
+            rid
+            for rid, (_, _, decoding, _, at) in self._req.items()
+            if at < (decoding_before if decoding else pending_before)
+        ]
+        counts = [0, 0]
+        for rid in stale:
+            entry = self._req.pop(rid)
+            counts[entry[2]] += 1
+            self._settle(entry)
+        return counts[0], counts[1]
 
     def row_of(self, rid: Hashable) -> int | None:
         """The row `rid` was sent to, while it is open."""
@@ -102,7 +134,7 @@ class ExactLedger:
 
     def clear(self, row: int) -> None:
         """Forget every open request on `row` (its engine restarted: none of them will report)."""
-        for rid in [r for r, (i, _, _) in self._req.items() if i == row]:
+        for rid in [r for r, entry in self._req.items() if entry[0] == row]:
             del self._req[rid]
         self.pending[row] = self.pending_prefill[row] = self.decoding[row] = 0.0
 
@@ -117,7 +149,7 @@ class ExactLedger:
     def compact(self, keep: np.ndarray) -> None:
         """Keep only rows `keep` (in that order) at the front, renumbering open requests; other rows' requests go."""
         new_of = {int(old): new for new, old in enumerate(keep)}
-        self._req = {r: (new_of[i], t, d) for r, (i, t, d) in self._req.items() if i in new_of}
+        self._req = {r: (new_of[e[0]], *e[1:]) for r, e in self._req.items() if e[0] in new_of}
         n = len(keep)
         for col in (self.pending, self.pending_prefill, self.decoding):
             col[:n] = col[keep]
