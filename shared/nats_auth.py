@@ -185,11 +185,13 @@ class Roles:
         reads: engines' hellos, telemetry, signatures and KV events, every replica's decisions, and the routing
         artifact by single-message reads of its bucket (never a consumer, which could relay the stored artifact
         onto a subject of its choosing). Only a replica's own user may publish decisions, and only under its own
-        id: no gateway can make the others count work it did not send.
+        id: no gateway can make the others count work it did not send. Each user reports progress only on its own
+        `sy.route.progress.<user>`, which settles only the requests asked in that user's name: the shared user
+        cannot end a replica's requests in the routers' ledgers.
         """
         s = self.s
         user = "gateway" if replica_id is None else gateway_user(replica_id)
-        publish = [s.route_dp, s.route_decode, s.route_progress, s.announce]
+        publish = [s.route_dp, s.route_decode, s.progress(user), s.announce]
         publish += _stream_read(self.kv_stream, own=[], ephemeral=False)
         if replica_id is not None:
             publish.append(s.decided("gateway", replica_id))

@@ -231,7 +231,7 @@ class GatewayService:
                 await bus.close()
                 raise
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
-        router: Routes = Router(bus, g.route_timeout_s, self.tracing)
+        router: Routes = Router(bus, g.route_timeout_s, self.tracing, reporter=role)
         if self.core is not None and self.feed is not None:
             if shares:
                 decided = s.decided("gateway", g.gateway_id)
