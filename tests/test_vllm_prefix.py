@@ -103,6 +103,8 @@ async def _start_engine(
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4"]
     command += ["--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK), "--enable-prefix-caching"]
+    # answers report their cached tokens, which the gateway's in-process core needs to confirm KV claims
+    command += ["--enable-prompt-tokens-details"]
     if kv_events:
         endpoint = f"tcp://*:{free_port()}"
         command += [
