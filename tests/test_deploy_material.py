@@ -423,7 +423,7 @@ def check_chart(
                 if ref and ref["name"] not in secrets:
                     problems.append(f"{name}: {e['name']} from unknown Secret {ref['name']}")
             mounts = {m["mountPath"]: volumes.get(m["name"]) for m in container["volumeMounts"]}
-            for key in ("SWITCHYARD_NATS_CREDENTIALS", "SWITCHYARD_ARTIFACT_KEY_FILE"):
+            for key in ("SWITCHYARD_NATS_CREDENTIALS", "SWITCHYARD_ARTIFACT_KEY_FILE", "SWITCHYARD_ENGINE_MANIFEST"):
                 path = Path(env.get(key) or "")
                 volume = mounts.get(str(path.parent))
                 if volume is None or volume.get("secret", {}).get("secretName") not in secrets:
