@@ -75,6 +75,11 @@ def gateway_user(replica_id: str) -> str:
     return f"gateway-{check_token(replica_id, 'gateway id')}"
 
 
+def epp_user(replica_id: str) -> str:
+    """One endpoint picker's own user (`switchyard epp`): the only one that may publish that picker's decisions."""
+    return f"epp-{check_token(replica_id, 'picker id')}"
+
+
 def _stream_read(stream: str, *, own: list[str], ephemeral: bool) -> list[str]:
     """JetStream API subjects to read a stream: its info and single messages; consumers of the reader's own.
 
@@ -198,6 +203,18 @@ class Roles:
         engines = [s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events]
         return Permissions(publish=publish, subscribe=[*engines, s.route_decided, f"{inbox_prefix(user)}.>"])
 
+    def epp(self, replica_id: str) -> Permissions:
+        """An endpoint picker (`epp-<id>`, `nats-config --epps`): it decides in-process as a gateway replica does, so
+        it reads what a gateway reads, and publishes only its own decisions (`sy.route.decided.gateway.<id>`; a picker
+        id may not also be a gateway id) and announce requests (asking a silent engine for its hello). It asks no
+        router and reports no progress (its core settles its own requests)."""
+        s = self.s
+        publish = [s.decided("gateway", replica_id), s.announce]
+        publish += _stream_read(self.kv_stream, own=[], ephemeral=False)
+        engines = [s.all_hello, s.all_telemetry, s.all_signatures, s.all_kv_events]
+        inbox = f"{inbox_prefix(epp_user(replica_id))}.>"
+        return Permissions(publish=publish, subscribe=[*engines, s.route_decided, inbox])
+
     def fleet(self, engine_ids: list[str]) -> Permissions:
         """The simulated fleet (one process for many engines): its engines' rights plus the sim subjects."""
         s = self.s
@@ -303,6 +320,8 @@ def render_authorization(
             permissions = roles.engine(role.removeprefix("engine-"))
         elif role.startswith("gateway-"):
             permissions = roles.gateway(role.removeprefix("gateway-"))
+        elif role.startswith("epp-"):
+            permissions = roles.epp(role.removeprefix("epp-"))
         elif role == "fleet":
             permissions = roles.fleet(fleet_engines or [])
         else:

@@ -1,0 +1,215 @@
+"""`switchyard epp`: the endpoint picker's process: the bus side (hellos, telemetry, KV events, other replicas'
+decisions, the routing artifact) feeding the router's core, and the ext_proc gRPC server asking it.
+
+It is wired as the in-process gateway is (`services.gateway.service`), from the same pieces, without the HTTP
+front door: Envoy (or any GIE gateway) moves the bytes, the picker only decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from switchyard.services.epp.picker import Picker
+from switchyard.services.epp.server import ExternalProcessor, Health, build_server
+from switchyard.services.epp.settings import EppSettings
+from switchyard.services.gateway.kv_ingest import KvIngest
+from switchyard.services.gateway.local_route import InProcessRouter
+from switchyard.services.gateway.prompt_keys import PromptKeyer
+from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.upstream import Upstream
+from switchyard.services.router.core import RouterCore
+from switchyard.services.router.feed import CoreFeed, DecisionSharer
+from switchyard.services.router.kv_trust import KvRate
+from switchyard.services.router.settings import RouterSettings
+from switchyard.services.runtime import metrics_endpoint
+from switchyard.shared.bus import Bus
+from switchyard.shared.errors import ConfigError
+from switchyard.shared.liveness import LivenessSettings
+from switchyard.shared.nats_auth import Credentials, epp_user
+from switchyard.shared.schemas import Announce, Hello, Telemetry
+from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import check_token
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+#: The subject kind of the picker's decisions: it decides in-process as a gateway replica does.
+DECIDER_KIND = "gateway"
+
+
+def bus_role(settings: SwitchyardSettings, epp_id: str) -> tuple[str, bool]:
+    """The NATS user the picker connects as, and whether it may publish its decisions: its own `epp-<id>` when the
+    per-role credentials file has one (`switchyard nats-config --epps`), else the shared `gateway` user, which may
+    not (its decisions then go unshared). Without per-role credentials: `gateway`, sharing."""
+    if settings.nats_credentials is None:
+        return "gateway", True
+    own = epp_user(epp_id)
+    try:
+        users = Credentials.load(settings.nats_credentials).users
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return (own, True) if own in users else ("gateway", False)
+
+
+class EppService:
+    def __init__(
+        self, settings: SwitchyardSettings, epp: EppSettings | None = None, router: RouterSettings | None = None
+    ) -> None:
+        self.settings = settings
+        self.epp = e = epp or EppSettings()
+        try:
+            check_token(e.epp_id, "picker id")
+        except ValueError as exc:
+            raise ConfigError(f"SWITCHYARD_EPP_EPP_ID: {exc}") from None
+        g = e.gateway()
+        routing = (router or RouterSettings()).model_copy(update={"replica_id": e.epp_id})
+        manifest = settings.engine_manifest_entries()
+        self.core = RouterCore(routing, manifest=manifest)
+        self.feed = CoreFeed(self.core, settings, e.epp_id, artifact_poll_s=e.artifact_poll_s)
+        liveness = LivenessSettings()
+        self.registry = EngineRegistry(liveness.misses, liveness.max_silence_s, manifest, e.eject_after_failures)
+        # Tokenizers load before anything connects: a bad path is one line at startup (ConfigError).
+        self.keyer = (
+            PromptKeyer(
+                g.tokenizers,
+                g.tokenize_inline_chars,
+                g.tokenize_threads,
+                g.tokenize_piece_chars,
+                g.tokenize_cache_pieces,
+                g.tokenize_all,
+                g.tokenize_seen_blocks,
+                g.prefix_routed_ttl_s,
+            )
+            if e.prefix_keys
+            else None
+        )
+        self.bus: Bus | None = None
+        self.ingest: Bus | None = None
+        self.kv: KvIngest | None = None
+        self.sharer: DecisionSharer | None = None
+        self.picker: Picker | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = Health(self.ready)
+        self.upstream = Upstream(g)  # ejected engines' health checks only
+        self.port: int | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: contextlib.ExitStack | None = None
+
+    def ready(self) -> bool:
+        """Readiness (gRPC health): the bus is up, the artifact was read once, and the fleet has a live engine."""
+        bus = self.bus
+        return bus is not None and bus.nc.is_connected and self.feed.ready.is_set() and bool(self.registry.live())
+
+    def _on_hello(self, hello: Hello, _msg: object) -> None:
+        self.registry.on_hello(hello)
+        self.feed.on_hello(hello)
+
+    def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
+        self.registry.on_telemetry(telemetry)
+        self.feed.on_telemetry(telemetry)
+
+    async def start(self, servers: list[str] | None = None) -> None:
+        e = self.epp
+        role, shares = bus_role(self.settings, e.epp_id)
+        self.bus = bus = await Bus.connect(self.settings, name=e.epp_id, servers=servers, role=role, no_echo=True)
+        try:
+            # Engine ingest on a connection of its own (a flood there cannot cut off the one sharing decisions).
+            self.ingest = ingest = await Bus.connect(
+                self.settings, name=f"{e.epp_id}-ingest", servers=servers, role=role
+            )
+            s = bus.subjects
+            await ingest.subscribe(s.all_hello, Hello, self._on_hello)
+            await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
+            if self.core.ingests_kv:
+                rs = self.core.settings
+                if rs.prefix_confirm:
+                    self.core.prefix.confirm(rs.claims())
+                self.kv = KvIngest(None, self.feed, KvRate(rs.kv_rate_keys_per_s, rs.kv_rate_burst_keys))
+                await self.kv.start(self.settings, f"{e.epp_id}-kv", servers, role)
+            await ingest.nc.flush()
+            if shares:
+                subject = s.decided(DECIDER_KIND, e.epp_id)
+                self.sharer = DecisionSharer(bus, e.epp_id, self.core.settings.share_interval_s, subject)
+            else:
+                log.warning(
+                    "endpoint picker %s connects as the shared `gateway` user, which may not publish decisions: other "
+                    "replicas will not count this one's (give it its own: switchyard nats-config --epps %s)",
+                    e.epp_id,
+                    e.epp_id,
+                )
+            await self.feed.start(bus, None, None)
+            router = InProcessRouter(self.feed, self.sharer)
+            self.picker = Picker(e, self.registry, self.feed, router, self.sharer, self.keyer)
+            await bus.publish(s.announce, Announce(requester=e.epp_id))
+            await bus.nc.flush()
+            processor = ExternalProcessor(self.picker, e.max_body_bytes)
+            self.server, self.port = build_server(e, processor, self.health)
+            await self.server.start()
+            await self.health.start()
+            self._metrics = contextlib.ExitStack()
+            if e.metrics_port:
+                self._metrics.enter_context(metrics_endpoint(e.metrics_port, e.host))
+        except BaseException:
+            await self.stop()
+            raise
+        self._tasks = [asyncio.create_task(self._tick()), asyncio.create_task(self._check_ejected())]
+        tls = " (TLS)" if e.tls_cert is not None else ""
+        log.info("endpoint picker %s serving ext_proc on %s:%s%s", e.epp_id, e.host, self.port, tls)
+
+    async def _tick(self) -> None:
+        """Readiness follows the fleet; dead engines leave the registry (bounded memory)."""
+        while True:
+            try:
+                await self.health.update()
+                self.registry.forget_dead()
+            except Exception:
+                log.exception("endpoint picker housekeeping failed")
+            await asyncio.sleep(TICK_S)
+
+    async def _check_ejected(self) -> None:
+        """An ejected engine goes on trial when its own `/health` answers (never on a hello alone), as the
+        gateway's prober does."""
+        e = self.epp
+        while True:
+            await asyncio.sleep(e.health_check_interval_s)
+            for engine in self.registry.due_for_check():
+                if await self.upstream.healthy(engine, e.health_timeout_s):
+                    self.registry.put_on_trial(engine)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop answering (Envoy's open streams get `grace_s` to end), then leave the bus."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.health.stopping()
+            await self.server.stop(grace_s)
+            self.server = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        await self.feed.stop()
+        if self.sharer is not None:
+            with contextlib.suppress(Exception):
+                await self.sharer.close()
+            self.sharer = None
+        for connection in (self.kv, self.ingest, self.bus):
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    await connection.close()
+        self.kv = self.ingest = self.bus = None
+        await self.upstream.close()
+        if self.keyer is not None:
+            self.keyer.close()
+
+    async def run(self, stop: asyncio.Event, servers: list[str] | None = None) -> None:
+        await self.start(servers)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

