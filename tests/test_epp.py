@@ -9,19 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import uuid
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
 from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.services.epp.picker import endpoint_of
-from switchyard.services.epp.service import DECIDER_KIND
+from switchyard.services.epp.service import DECIDER_KIND, bus_role
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
-from switchyard.shared.embedded import free_port
+from switchyard.shared.embedded import EmbeddedNats, free_port
+from switchyard.shared.nats_auth import (
+    SERVICE_ROLES,
+    Credentials,
+    engine_user,
+    epp_user,
+    gateway_user,
+    render_authorization,
+)
 from switchyard.shared.schemas import RouteDecisions
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.shared.subjects import Subjects
 from tests.epp_helpers import envoy_for, openai_error_of, picker
 from tests.gateway_helpers import metric, wait_for
 
@@ -286,3 +298,63 @@ async def wait_for_service(client: httpx.AsyncClient, url: str) -> None:
             if answer.status_code == 200:
                 return
             await asyncio.sleep(0.1)
+
+
+async def test_the_picker_runs_as_its_own_nats_user(tmp_path: Path) -> None:
+    """With per-role credentials the picker connects as `epp-<id>`: its decisions reach the other replicas, and
+    that user may publish nothing that steers the fleet (another replica's decisions, route questions)."""
+    subjects = Subjects("p" + uuid.uuid4().hex[:8])
+    credentials = Credentials.generate([*SERVICE_ROLES, engine_user("n0"), epp_user("x1"), gateway_user("g1")])
+    path = tmp_path / "credentials.json"
+    credentials.save(path)
+    server = EmbeddedNats(tmp_path / "nats", extra_config=render_authorization(subjects, credentials))
+    server.start()
+    engine: StubEngine | None = None
+    buses: list[Bus] = []
+    try:
+        settings = SwitchyardSettings(
+            nats_servers=[server.url],
+            subject_prefix=subjects.prefix,
+            nats_credentials=path,
+            nats_initial_connect_s=3.0,
+            engine_strict=False,
+        )
+        assert bus_role(settings, "x1") == ("epp-x1", True)
+        assert bus_role(settings, "x2") == ("gateway", False)  # no user of its own: it may not share
+        buses = [await Bus.connect(settings, name=n, role=r) for n, r in (("n0", engine_user("n0")), ("a", "admin"))]
+        decisions = Decisions()
+        await decisions.listen(buses[1], "x1")
+        engine = StubEngine(StubConfig(engine_id="n0"), buses[0])
+        await engine.start()
+        async with picker(settings, ["n0"], epp_id="x1") as epp:
+            assert epp.picker is not None
+            pick = await epp.picker.pick("/v1/completions", json.dumps(_completion("hi")).encode(), None)
+            epp.picker.finish(pick)
+            await wait_for(lambda: pick.request_id in decisions.engine_of)
+            user = credentials.users[epp_user("x1")]
+            raw = await nats.connect(
+                server.url, user=user["user"], password=user["password"], allow_reconnect=False, error_cb=_ignore
+            )
+            for subject in (subjects.decided(DECIDER_KIND, "g1"), subjects.route_dp):
+                await raw.publish(subject, b"{}")
+            await raw.flush()
+            await raw.close()
+        assert decisions.engine_of[pick.request_id] == "n0"
+
+        def violations() -> set[str]:
+            lines = [line for line in server.log_path.read_text().splitlines() if "epp-x1" in line]
+            return {m.group(1) for line in lines if (m := re.search(r'Violation.*Subject "([^"]*)"', line))}
+
+        # the two forged publications refused, and nothing the picker itself did
+        await wait_for(lambda: len(violations()) >= 2)
+        assert violations() == {subjects.decided(DECIDER_KIND, "g1"), subjects.route_dp}
+    finally:
+        if engine is not None:
+            await engine.stop()
+        for bus in buses:
+            await bus.close()
+        server.stop()
+
+
+async def _ignore(_exc: Exception) -> None:
+    pass

@@ -1,9 +1,10 @@
 """The service commands: the whole control plane at once (`up`) and each service on its own (`migration`,
-`placement`, `api`, `router`, `gateway`), each running until Ctrl-C / SIGTERM."""
+`placement`, `api`, `router`, `gateway`, `epp`), each running until Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -184,3 +185,51 @@ def gateway(
     overrides = {k: v for k, v in fields.items() if v is not None}
     _fast_event_loop()
     run_until_signalled(GatewayService(settings, GatewaySettings(**overrides)).run)
+
+
+def epp(
+    nats_url: NatsUrl = None,
+    host: Annotated[
+        str | None, typer.Option(help="gRPC listen address (default: SWITCHYARD_EPP_HOST, 127.0.0.1).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="gRPC listen port (default: SWITCHYARD_EPP_PORT, 9002).")] = None,
+    fallbacks: Annotated[
+        int | None,
+        typer.Option(
+            help="Endpoints sent after the chosen one (default: SWITCHYARD_EPP_FALLBACKS, 2; 0 for an ORIGINAL_DST "
+            "cluster, which reads one address)."
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate chain: serve TLS (with --tls-key; SWITCHYARD_EPP_TLS_CERT).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Its private key (SWITCHYARD_EPP_TLS_KEY).")] = None,
+) -> None:
+    """Run the endpoint picker: Envoy's ext_proc (Gateway API Inference Extension) answered by the router's core.
+
+    Envoy (or any GIE gateway: Istio, kgateway, Envoy Gateway) asks it where each OpenAI request goes; it answers
+    x-gateway-destination-endpoint (header and envoy.lb metadata) with the chosen engine's ip:port and fallbacks,
+    or an OpenAI error (400, 404, 413, 429, 503). It decides as the in-process gateway does (SWITCHYARD_ROUTER_*
+    profiles, prefix keys, every replica's decisions), serves data-parallel engines, and publishes its decisions
+    on sy.route.decided.gateway.<id> (as NATS user epp-<id>: nats-config --epps). docs/epp.md.
+
+    Other settings (environment): SWITCHYARD_EPP_METRICS_PORT (Prometheus /metrics, 9090; 0: none),
+    SWITCHYARD_EPP_SHED_LOAD (429 when every engine has this many requests outstanding; 0: never),
+    SWITCHYARD_EPP_MAX_BODY_BYTES (413 past it; the gateway's 16 MiB), SWITCHYARD_EPP_PREFIX_KEYS (name prompt
+    blocks for prefix routing; true), SWITCHYARD_EPP_TOKENIZERS (model=path,...), SWITCHYARD_EPP_ARTIFACT_POLL_S
+    (1), SWITCHYARD_EPP_EJECT_AFTER_FAILURES (2 failed answers in a row take an engine out until its /health
+    answers), SWITCHYARD_EPP_HEALTH_CHECK_INTERVAL_S (1), SWITCHYARD_EPP_HEALTH_TIMEOUT_S (1),
+    SWITCHYARD_EPP_MAX_STREAMS (4096 ext_proc streams at once), SWITCHYARD_EPP_EPP_ID (its id on the bus).
+    """
+    from switchyard.services.epp.service import EppService
+    from switchyard.services.epp.settings import EppSettings
+    from switchyard.services.runtime import run_until_signalled
+
+    settings = load_settings(nats_url, needs_bus=True)
+    fields = {"host": host, "port": port, "fallbacks": fallbacks, "tls_cert": tls_cert, "tls_key": tls_key}
+    try:
+        epp_settings = EppSettings(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).splitlines()[-1]) from None
+    # asyncio's own loop: grpc.aio supports it (uvloop only experimentally)
+    run_until_signalled(EppService(settings, epp_settings).run)
