@@ -81,18 +81,6 @@ def shuffled(layout: np.ndarray, seed: int) -> np.ndarray:
     return out
 
 
-async def eventually(probe: Callable[[], Awaitable[T]], timeout: float = 20.0, every: float = 0.05) -> T:  # noqa: ASYNC109
-    """Poll `probe` until it returns something truthy; fail with its last value after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s (last value {value!r})")
-        await asyncio.sleep(every)
-
-
 async def publish_load(
     bus: Bus,
     engine_id: str,

@@ -19,6 +19,7 @@ from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
+from tests.helpers import eventually
 
 
 def metric(name: str, **labels: str) -> float:
@@ -36,12 +37,8 @@ async def read_body(receive: Callable[[], Awaitable[dict]]) -> bytes:
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait for an event (not a timed assertion: the bound only stops a broken test from hanging)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.01)
+    """`eventually(condition)` with the gateway tests' finer poll and shorter bound."""
+    await eventually(condition, timeout_s, every=0.01)
 
 
 @contextlib.asynccontextmanager

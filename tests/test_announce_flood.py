@@ -32,7 +32,8 @@ from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user,
 from switchyard.shared.schemas import Announce, Hello
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
-from tests.fleet_helpers import eventually, hello
+from tests.fleet_helpers import hello
+from tests.helpers import eventually
 
 ENGINES = [f"e{i}" for i in range(8)]
 #: Far below nats-server's 64 MiB default, so that a flood of test size shows what a large one does to a

@@ -31,7 +31,8 @@ from switchyard.shared.schemas import CalibrationRequest, ModelShape, PlacementP
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
 from switchyard.solver.placement.moves import apply_moves
-from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running, shuffled
+from tests.fleet_helpers import announcing, hello, plan, publish_load, running, shuffled
+from tests.helpers import eventually
 
 TOKEN = "s3cret-token"
 

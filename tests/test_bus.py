@@ -20,12 +20,13 @@ from switchyard.shared.embedded import EmbeddedNats, find_nats_server, free_port
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Durable
+from tests.helpers import telemetry
 
 
 def _telemetry(seq: int) -> s.Telemetry:
-    return s.Telemetry(
-        engine_id="e1",
-        seq=seq,
+    return telemetry(
+        "e1",
+        seq,
         ts=1.0,
         kv_usage=0.25,
         num_running=3,
@@ -396,7 +397,8 @@ async def test_stored_bytes_relayed_by_a_jetstream_consumer_are_refused(bus: Bus
     a routing sample arrived on e1's hello subject as a hello in e1's name, and on a served subject as a
     request. Subscriptions now refuse (and count) a message whose subject is not theirs (a delivery keeps the
     subject it was stored under)."""
-    from tests.fleet_helpers import eventually, hello
+    from tests.fleet_helpers import hello
+    from tests.helpers import eventually
 
     await bus.ensure_streams()
     subjects = bus.subjects

@@ -67,7 +67,8 @@ async def test_migration_service_survives_nats_restarts(tmp_path: Path) -> None:
     from switchyard.shared.embedded import EmbeddedNats
     from switchyard.shared.settings import SwitchyardSettings
     from switchyard.solver.placement.layouts import default_layout
-    from tests.fleet_helpers import eventually, plan
+    from tests.fleet_helpers import plan
+    from tests.helpers import eventually
 
     nats = EmbeddedNats(tmp_path / "nats")
     url = await asyncio.to_thread(nats.start)

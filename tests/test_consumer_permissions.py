@@ -25,7 +25,8 @@ from switchyard.shared.codec import encode
 from switchyard.shared.nats_auth import SERVICE_ROLES, engine_user
 from switchyard.shared.subjects import Durable
 from tests import test_nats_permissions as permissions
-from tests.fleet_helpers import eventually, hello
+from tests.fleet_helpers import hello
+from tests.helpers import eventually
 from tests.test_nats_permissions import SecuredNats
 
 #: The module's own secured nats-server (the generated per-role configuration) and admin connection.

@@ -33,7 +33,8 @@ from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
 from tests.conftest import fresh_postgres_database
-from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.fleet_helpers import announcing, hello, plan, shuffled
+from tests.helpers import eventually
 from tests.test_api import api_server
 
 pytestmark = pytest.mark.postgres

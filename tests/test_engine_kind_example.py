@@ -20,7 +20,7 @@ from switchyard.shared.codec import decode
 from switchyard.shared.errors import RemoteError
 from switchyard.shared.schemas import ExpertLoad, MigrateReply, MigrateRequest, RouteDpReply, RouteDpRequest
 from switchyard.shared.settings import SwitchyardSettings
-from tests.fleet_helpers import eventually
+from tests.helpers import eventually
 
 DOCS = Path(__file__).parents[1] / "docs"
 

@@ -25,8 +25,8 @@ from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
-from tests.fleet_helpers import eventually
 from tests.gateway_helpers import wait_for
+from tests.helpers import eventually
 from tests.migration_processes import start_service
 
 pytestmark = pytest.mark.slow

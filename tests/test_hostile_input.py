@@ -47,7 +47,8 @@ from switchyard.shared.schemas import (
 )
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import eventually, hello, plan
+from tests.fleet_helpers import hello, plan
+from tests.helpers import eventually
 from tests.hostile import over_limit, take
 
 LAYERS, EXPERTS, GPUS = 4, 8, 2

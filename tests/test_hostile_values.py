@@ -14,6 +14,7 @@ from switchyard.shared.codec import decode, encode
 from switchyard.shared.errors import WireError
 from switchyard.shared.schemas import Hello, PlacementPlan, Telemetry
 from tests.fleet_helpers import hello, plan
+from tests.helpers import telemetry
 
 
 def _with(message: object, **fields: object) -> bytes:
@@ -24,17 +25,7 @@ def _with(message: object, **fields: object) -> bytes:
 
 
 def _telemetry(seq: int) -> Telemetry:
-    return Telemetry(
-        engine_id="e0",
-        seq=seq,
-        ts=1.0,
-        kv_usage=0.0,
-        num_running=0,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.0,
-    )
+    return telemetry("e0", seq, ts=1.0, kv_usage=0.0, step_time_ema=0.0)
 
 
 @pytest.mark.parametrize(

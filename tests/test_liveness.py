@@ -28,6 +28,7 @@ from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from tests.gateway_helpers import deployment, wait_for
+from tests.helpers import telemetry
 
 SHAPE = ModelShape(name="m", num_layers=2, num_experts=8, top_k=2)
 IDS = ("e0", "e1", "e2")
@@ -47,20 +48,6 @@ def hello(engine_id: str, role: str = "decode", hello_s: float = 5.0, telemetry_
         base_url=f"http://{engine_id}.invalid:8000",
         hello_interval_s=hello_s,
         telemetry_interval_s=telemetry_s,
-    )
-
-
-def telemetry(engine_id: str, seq: int) -> Telemetry:
-    return Telemetry(
-        engine_id=engine_id,
-        seq=seq,
-        ts=0.0,
-        kv_usage=0.1,
-        num_running=0,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.01,
     )
 
 

@@ -32,8 +32,9 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode_reply, encode
 from switchyard.shared.db import Engine, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings
-from tests.fleet_helpers import eventually, hello
+from tests.fleet_helpers import hello
 from tests.gateway_helpers import deployment
+from tests.helpers import eventually, telemetry
 from tests.test_nats_permissions import SecuredNats, secured  # noqa: F401  (the module-scoped fixture)
 
 #: The fleet view's default bounds (`services.fleet_view`), as the API, placement and migration build it.
@@ -46,17 +47,7 @@ def _refused_hellos(reason: str = "max_engines") -> float:
 
 
 def _telemetry(engine_id: str, seq: int = 1) -> s.Telemetry:
-    return s.Telemetry(
-        engine_id=engine_id,
-        seq=seq,
-        ts=time.time(),
-        kv_usage=0.1,
-        num_running=0,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.01,
-    )
+    return telemetry(engine_id, seq, ts=time.time())
 
 
 async def _flood(nc: nats.NATS, messages: list[tuple[str, bytes]]) -> None:

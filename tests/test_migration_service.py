@@ -22,7 +22,8 @@ from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import LayoutReply, LayoutRequest, MigrateReply, MigrateRequest
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.fleet_helpers import announcing, hello, plan, shuffled
+from tests.helpers import eventually
 
 FAST = MigrationSettings(step_timeout_s=2.0, retry_backoff_s=0.05, engine_wait_s=5.0)
 LAYERS, EXPERTS, GPUS = 4, 8, 2

@@ -25,7 +25,8 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.db import Migration, MigrationMove, Placement, create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.fleet_helpers import announcing, hello, plan, shuffled
+from tests.helpers import eventually
 from tests.migration_processes import HeldStep, start_migration
 
 LAYERS, EXPERTS, GPUS = 6, 8, 2

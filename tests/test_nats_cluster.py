@@ -35,7 +35,8 @@ from switchyard.shared.schemas import PlacementPlan, RoutingSample
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from tests.conftest import SHIPPED_DATA
-from tests.fleet_helpers import eventually, plan, shuffled
+from tests.fleet_helpers import plan, shuffled
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.slow
 

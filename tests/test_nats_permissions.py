@@ -30,7 +30,8 @@ from switchyard.shared.embedded import EmbeddedNats, find_nats_server
 from switchyard.shared.nats_auth import SERVICE_ROLES, Credentials, engine_user, gateway_user, render_authorization
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
-from tests.fleet_helpers import eventually, hello
+from tests.fleet_helpers import hello
+from tests.helpers import eventually
 
 FLEET = ["sim-p0", "sim-p1", "sim-d0", "sim-d1", "sim-d2", "sim-d3"]
 
@@ -673,7 +674,8 @@ async def test_without_a_manifest_an_engine_cannot_take_a_live_groups_coordinato
     from switchyard.services.migration.settings import MigrationSettings
     from switchyard.shared.db import Migration, create_async_db, upgrade
     from switchyard.solver.placement.layouts import default_layout
-    from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+    from tests.fleet_helpers import announcing, hello, plan, shuffled
+    from tests.helpers import eventually
 
     database_url = f"sqlite+aiosqlite:///{tmp_path / 'history.db'}"
     upgrade(database_url)

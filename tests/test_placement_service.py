@@ -28,7 +28,8 @@ from switchyard.shared.schemas import PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import announcing, eventually, hello, plan, publish_load, running
+from tests.fleet_helpers import announcing, hello, plan, publish_load, running
+from tests.helpers import eventually
 
 LAYERS, EXPERTS = 4, 8
 QUICK = PlacementSettings(period_s=3600, min_interval_s=0, tick_s=0.05, warmup_s=3600)

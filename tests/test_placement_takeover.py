@@ -31,7 +31,8 @@ from switchyard.shared.db import Migration, Placement, create_async_db, upgrade
 from switchyard.shared.schemas import PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import announcing, eventually, hello, publish_load, running
+from tests.fleet_helpers import announcing, hello, publish_load, running
+from tests.helpers import eventually
 from tests.migration_processes import HeldStep, start_service
 
 LAYERS, EXPERTS = 4, 8

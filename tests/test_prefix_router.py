@@ -36,6 +36,7 @@ from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import Subjects
 from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 from tests.gateway_helpers import deployment, metric, wait_for
+from tests.helpers import telemetry
 
 BLOCK = 16
 PROMPT = np.arange(1024) % 5000 + 7  # a 1024-token prompt: 64 blocks of 16
@@ -299,20 +300,6 @@ def _hello(engine_id: str, block_size: int = BLOCK) -> s.Hello:
     )
 
 
-def _telemetry(engine_id: str, seq: int) -> s.Telemetry:
-    return s.Telemetry(
-        engine_id=engine_id,
-        seq=seq,
-        ts=0.0,
-        kv_usage=0.1,
-        num_running=0,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.01,
-    )
-
-
 def _events(engine_id: str, seq: int, keys: np.ndarray = KEYS, block_size: int = BLOCK) -> s.KvEvents:
     op = s.KvOp(kind="stored", keys=keys)
     return s.KvEvents(engine_id=engine_id, seq=seq, ts=0.0, block_size=block_size, ops=[op])
@@ -322,14 +309,14 @@ def test_a_dead_engine_is_forgotten_and_a_restarted_one_starts_empty() -> None:
     core = _core()
     for engine_id in ("e0", "e1"):
         core.on_hello(_hello(engine_id), 0.0)
-        core.on_telemetry(_telemetry(engine_id, 100), 0.0)
+        core.on_telemetry(telemetry(engine_id, 100), 0.0)
     assert core.on_kv(_events("e0", 0), 0.0) is None and core.on_kv(_events("e1", 0), 0.0) is None
     # e1 restarts: its telemetry numbers from 0 again (a new process, an empty cache)
-    core.on_telemetry(_telemetry("e1", 0), 1.0)
+    core.on_telemetry(telemetry("e1", 0), 1.0)
     assert core.prefix.blocks.blocks("e1") == 0 and core.prefix.blocks.blocks("e0") == len(KEYS)
     # e0 goes silent: dead by the liveness rule (3 × 0.1 s of telemetry, 3 × 5 s of hello) and forgotten
     core.on_hello(_hello("e1"), 20.0)
-    core.on_telemetry(_telemetry("e1", 1), 20.0)
+    core.on_telemetry(telemetry("e1", 1), 20.0)
     core.housekeeping(20.0)
     assert core.prefix.blocks.blocks("e0") == 0 and "e0" not in core.prefix.engines()
     assert core.on_kv(_events("e0", 1), 20.0) == "unknown_engine"  # dead: refused until it says hello again
@@ -339,7 +326,7 @@ def test_a_dead_engine_is_forgotten_and_a_restarted_one_starts_empty() -> None:
 def test_a_hello_changing_the_block_size_drops_the_engines_blocks() -> None:
     core = _core()
     core.on_hello(_hello("e0"), 0.0)
-    core.on_telemetry(_telemetry("e0", 0), 0.0)
+    core.on_telemetry(telemetry("e0", 0), 0.0)
     assert core.on_kv(_events("e0", 0), 0.0) is None
     core.on_hello(_hello("e0", block_size=32), 0.1)
     assert core.prefix.blocks.blocks("e0") == 0
@@ -352,7 +339,7 @@ def test_indexed_blocks_is_gathered_from_the_index_in_use() -> None:
         core = _core(prefix_index=mode)
         for engine_id in ("e0", "e1"):
             core.on_hello(_hello(engine_id), 0.0)
-            core.on_telemetry(_telemetry(engine_id, 0), 0.0)
+            core.on_telemetry(telemetry(engine_id, 0), 0.0)
         if mode == "precise":
             core.on_kv(_events("e1", 0, KEYS[:5]), 0.0)
         else:
@@ -392,7 +379,7 @@ def test_with_a_manifest_only_the_engines_it_binds_are_indexed() -> None:
     core = RouterCore(router_settings(), manifest=manifest)
     for engine_id in ("e0", "e1", "e2"):
         core.on_hello(_hello(engine_id), 0.0)
-        core.on_telemetry(_telemetry(engine_id, 0), 0.0)
+        core.on_telemetry(telemetry(engine_id, 0), 0.0)
     assert core.on_kv(_events("e0", 0), 0.0) is None
     assert core.on_kv(_events("e1", 0), 0.0) == "unknown_engine"
     assert core.on_kv(_events("e2", 0), 0.0) == "unknown_engine"
@@ -420,7 +407,7 @@ def test_a_cached_prompt_counts_in_flight_only_for_what_it_leaves_to_compute() -
     core = _core()  # the switchyard profile
     for engine_id in ("e0", "e1"):
         core.on_hello(_hello(engine_id), 0.0)
-        core.on_telemetry(_telemetry(engine_id, 0), 0.0)
+        core.on_telemetry(telemetry(engine_id, 0), 0.0)
     core.on_kv(_events("e1", 0, KEYS[:48]), 0.0)  # e1 holds the first 768 of the prompt's 1,024 tokens
     routed = core.route_dp(s.RouteDpRequest(request_id="r", prompt_tokens=1024, block_keys=KEYS), 0.01)
     assert routed.reply.engine_id == "e1"
@@ -440,7 +427,7 @@ def test_a_prompt_no_engine_holds_skips_the_match_and_decides_as_the_full_match_
         core = cores[how] = _core()
         for i, engine_id in enumerate(("e0", "e1", "e2")):
             core.on_hello(_hello(engine_id), 0.0)
-            core.on_telemetry(_telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
+            core.on_telemetry(telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
         core.on_kv(_events("e0", 0, KEYS[:8]), 0.0)
         if how == "full":  # the match the fast path skips: every engine reports 0 cached
             core.prefix.fresh = lambda request, engine_ids: False  # type: ignore[method-assign]
@@ -452,7 +439,7 @@ def test_a_prompt_no_engine_holds_skips_the_match_and_decides_as_the_full_match_
     local = _core()
     for i, engine_id in enumerate(("e0", "e1", "e2")):
         local.on_hello(_hello(engine_id), 0.0)
-        local.on_telemetry(_telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
+        local.on_telemetry(telemetry(engine_id, 0).model_copy(update={"num_waiting": 2 - i}), 0.0)
     local.on_kv(_events("e0", 0, KEYS[:8]), 0.0)
     for n, keys in enumerate([fresh_keys, KEYS, fresh_keys, fresh_keys, KEYS[:4], fresh_keys]):
         request = s.RouteDpRequest(request_id=f"r{n}", prompt_tokens=len(keys) * BLOCK, block_keys=keys, progress=True)

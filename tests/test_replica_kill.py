@@ -27,7 +27,7 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import RouteDecisions, RouteDecodeReply, RouteDecodeRequest
 from switchyard.shared.settings import SwitchyardSettings
-from tests.fleet_helpers import eventually
+from tests.helpers import eventually
 from tests.migration_processes import start_service
 from tests.test_router_service import Engines
 

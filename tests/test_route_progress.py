@@ -27,6 +27,7 @@ from switchyard.shared.nats_auth import engine_user
 from switchyard.shared.settings import SwitchyardSettings
 from tests import test_nats_permissions
 from tests.gateway_helpers import wait_for
+from tests.helpers import telemetry
 from tests.test_nats_permissions import SecuredNats
 from tests.test_prefix_router import FakeEngine
 
@@ -60,17 +61,7 @@ def _hello(engine_id: str) -> s.Hello:
 
 
 def _telemetry(engine_id: str, seq: int) -> s.Telemetry:
-    return s.Telemetry(
-        engine_id=engine_id,
-        seq=seq,
-        ts=time.time(),
-        kv_usage=0.1,
-        num_running=0,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.01,
-    )
+    return telemetry(engine_id, seq, ts=time.time())
 
 
 def _core(dp_profile: str = "gimbal-exact") -> RouterCore:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from switchyard.services.router.core import COLUMNS, RoleView
 from switchyard.services.router.telemetry_view import TelemetryView
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, Telemetry
+from tests.helpers import telemetry as _telemetry
 
 SHAPE = ModelShape(name="m", num_layers=2, num_experts=8, top_k=2)
 
@@ -27,17 +28,7 @@ def hello(engine_id: str, role: str = "decode") -> Hello:
 
 
 def telemetry(engine_id: str, seq: int, running: int = 0, kv: float = 0.1) -> Telemetry:
-    return Telemetry(
-        engine_id=engine_id,
-        seq=seq,
-        ts=0.0,
-        kv_usage=kv,
-        num_running=running,
-        num_waiting=0,
-        waiting_prefill_tokens=0,
-        remaining_prefill_tokens=0,
-        step_time_ema=0.01,
-    )
+    return _telemetry(engine_id, seq, num_running=running, kv_usage=kv)
 
 
 def test_engines_drop_out_when_silent_and_return_when_heard() -> None:

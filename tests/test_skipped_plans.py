@@ -26,7 +26,8 @@ from switchyard.shared.db import create_async_db, upgrade
 from switchyard.shared.schemas import PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.layouts import default_layout
-from tests.fleet_helpers import announcing, eventually, hello, plan, shuffled
+from tests.fleet_helpers import announcing, hello, plan, shuffled
+from tests.helpers import eventually
 from tests.test_migration_service import EXPERTS, FAST, GPUS, LAYERS, _finished, _migration, _status, db_settings
 
 __all__ = ["db_settings"]  # the fixture, for this module's tests

@@ -46,7 +46,7 @@ from switchyard.shared.schemas import (
 )
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.routing.dispatch import GimbalParams
-from tests.fleet_helpers import eventually
+from tests.helpers import eventually
 
 QWEN3_30B = SimpleNamespace(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1)
 DEEPSEEK_V2_LITE = SimpleNamespace(
