@@ -8,17 +8,23 @@ decisions the picker shared on the bus, so "the engine the picker chose" is read
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
+import grpc
 import httpx
 import nats
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.engine_agents.stub import StubConfig, StubEngine
 from switchyard.services.epp.picker import endpoint_of
+from switchyard.services.epp.server import EXT_PROC, LIVENESS, READINESS
 from switchyard.services.epp.service import DECIDER_KIND, bus_role
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
@@ -358,3 +364,142 @@ async def test_the_picker_runs_as_its_own_nats_user(tmp_path: Path) -> None:
 
 async def _ignore(_exc: Exception) -> None:
     pass
+
+
+async def _health(channel: grpc.aio.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)).status
+
+
+async def _until_serving(channel: grpc.aio.Channel, service: str) -> None:
+    """Until `service` says SERVING (the bound only stops a broken test)."""
+    async with asyncio.timeout(15):
+        for _ in itertools.count():
+            if await _health(channel, service) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_grpc_health_follows_the_fleet(bus: Bus, settings: SwitchyardSettings) -> None:
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    async with (
+        picker(settings, [], epp_id="epp9") as epp,
+        grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as channel,
+    ):
+        assert await _health(channel, LIVENESS) == serving
+        assert await _health(channel, READINESS) == not_serving  # no engine yet: nothing to pick
+        assert await _health(channel, EXT_PROC) == not_serving
+        engines = await _stubs(bus, [StubConfig(engine_id="g0")])
+        try:
+            await _until_serving(channel, READINESS)
+            await _until_serving(channel, EXT_PROC)
+        finally:
+            await _stop(engines)
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subject = ["-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            *subject,
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a test certificate")
+async def test_the_grpc_port_serves_tls(settings: SwitchyardSettings, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    async with picker(settings, [], epp_id="epp10", tls_cert=cert, tls_key=key) as epp:
+        trusted = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{epp.port}", trusted) as channel:
+            assert await _health(channel, LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as plain:  # plaintext is not served
+            with pytest.raises(grpc.aio.AioRpcError):
+                await _health(plain, LIVENESS)
+
+
+def _pool(engines: dict[str, StubEngine]) -> str:
+    """The override-host template's `lb_endpoints`: the pool's endpoints (JSON is YAML)."""
+    addresses = [endpoint_of(e.base_url).rsplit(":", 1) for e in engines.values()]
+    return json.dumps(
+        [{"endpoint": {"address": {"socket_address": {"address": a, "port_value": int(p)}}}} for a, p in addresses]
+    )
+
+
+async def test_envoy_walks_the_fallbacks_past_an_engine_refusing_connections(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    """override_host: the picker sends its choice and a fallback; a retry goes to the fallback, so no client sees a
+    failure, and the picker hears (upstream.address) that another endpoint served."""
+    engines = await _stubs(bus, [StubConfig(engine_id=f"f{i}") for i in range(2)])
+    served_elsewhere = metric("switchyard_epp_served_elsewhere_total")
+    try:
+        # eject_after_failures high: the picker keeps choosing the closed engine now and then; Envoy must cope
+        async with (
+            picker(settings, list(engines), epp_id="epp11", fallbacks=1, eject_after_failures=1000) as epp,
+            envoy_for(
+                tmp_path, epp.port, template="envoy-epp-override-host.yaml", lb_endpoints=_pool(engines), num_retries=2
+            ) as envoy,
+            httpx.AsyncClient() as client,
+        ):
+            dead = engines["f0"]
+            assert dead.server is not None
+            dead.server.should_exit = True  # its HTTP port closes; its hellos go on
+            await wait_for(lambda: dead._serving is not None and dead._serving.done())
+            statuses = []
+            for i in range(12):
+                answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(f"v{i}"))
+                statuses.append(answer.status_code)
+        assert statuses == [200] * 12
+        assert len(engines["f1"].received) == 12
+        assert metric("switchyard_epp_served_elsewhere_total") > served_elsewhere  # f0 was chosen, f1 served
+    finally:
+        await _stop(engines)
+
+
+async def test_with_failure_mode_allow_envoy_balances_while_the_picker_is_down(
+    bus: Bus, settings: SwitchyardSettings, tmp_path: Path
+) -> None:
+    engines = await _stubs(bus, [StubConfig(engine_id=f"m{i}") for i in range(2)])
+    try:
+        async with (
+            picker(settings, list(engines), epp_id="epp12") as epp,
+            envoy_for(
+                tmp_path,
+                epp.port,
+                template="envoy-epp-override-host.yaml",
+                lb_endpoints=_pool(engines),
+                num_retries=1,
+                failure_mode_allow=True,
+            ) as envoy,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            await epp.stop(grace_s=0.1)
+            statuses = []
+            for i in range(6):
+                answer = await client.post(f"{envoy.url}/v1/completions", json=_completion(f"u{i}"))
+                statuses.append(answer.status_code)
+        # Envoy balances by itself (every request answered, most served); a request whose ext_proc stream met the
+        # picker's closing connection may still get Envoy's empty 500 (seen in some runs; docs/epp.md)
+        assert set(statuses) <= {200, 500} and statuses.count(200) >= 4, statuses
+        assert all(len(e.received) >= 1 for e in engines.values())  # round robin, not one engine
+        assert all(not rid.startswith("syepp-") for e in engines.values() for _, rid, _ in e.received)
+    finally:
+        await _stop(engines)
