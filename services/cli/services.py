@@ -221,6 +221,8 @@ def epp(
     answers), SWITCHYARD_EPP_HEALTH_CHECK_INTERVAL_S (1), SWITCHYARD_EPP_HEALTH_TIMEOUT_S (1),
     SWITCHYARD_EPP_MAX_STREAMS (4096 ext_proc streams at once), SWITCHYARD_EPP_EPP_ID (its id on the bus).
     """
+    from pydantic import ValidationError
+
     from switchyard.services.epp.service import EppService
     from switchyard.services.epp.settings import EppSettings
     from switchyard.services.runtime import run_until_signalled
@@ -229,7 +231,7 @@ def epp(
     fields = {"host": host, "port": port, "fallbacks": fallbacks, "tls_cert": tls_cert, "tls_key": tls_key}
     try:
         epp_settings = EppSettings(**{k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc).splitlines()[-1]) from None
+    except ValidationError as exc:  # one line naming what is wrong, not pydantic's report
+        raise typer.BadParameter("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     # asyncio's own loop: grpc.aio supports it (uvloop only experimentally)
     run_until_signalled(EppService(settings, epp_settings).run)
