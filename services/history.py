@@ -123,8 +123,11 @@ async def add_placement(
     window: tuple[float, float] | None = None,
     details: dict[str, Any] | None = None,
     store_layout: bool = True,
+    predicted: tuple[float, float] | None = None,
 ) -> Placement:
-    """Insert a placement row for `plan` (and its assignments unless `store_layout` is False); flushes."""
+    """Insert a placement row for `plan` (and its assignments unless `store_layout` is False); flushes.
+
+    `predicted`: the step time its layout should save and its migration cost (s), in the same transaction."""
     num_layers, num_gpus, slots = plan.placement.shape
     row = Placement(
         plan_id=plan.plan_id,
@@ -146,6 +149,8 @@ async def add_placement(
         slots_per_gpu=slots,
         gpus=list(plan.gpus),
         details={**(details or {}), "layout_stored": store_layout},
+        predicted_saving_s=predicted[0] if predicted is not None else None,
+        predicted_cost_s=predicted[1] if predicted is not None else None,
     )
     session.add(row)
     await session.flush()

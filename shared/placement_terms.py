@@ -88,3 +88,22 @@ def greek_to_terms(values: dict[str, Any]) -> dict[str, Any]:
 MIGRATION_FIRST_S = 1.08
 MIGRATION_LATER_S = 0.72
 MIGRATION_SLOWDOWN = 2.0
+
+#: Migrations priced by the bytes they move (issue 40 item 2). Each GPU receives and sends expert weights over
+#: NVLink inside its node and over the network across nodes, at DeepEP's measured kernel bandwidths (153 GB/s,
+#: 43 GB/s: `simulator.core.ep.EpTopology`) scaled by one efficiency. That efficiency is calibrated so that a
+#: full later rearrangement of the seed's deployment (Qwen3-30B-A3B at EP 4 on one NVLink node: every GPU
+#: receives all of its 48 layers x 32 slots of 3 x 2048 x 768 BF16 weights, 14.5 GB) takes the seed's 0.72 s;
+#: the first one adds 1.08 - 0.72 = 0.36 s. Linearity in bytes and the network/NVLink ratio are assumptions.
+MIGRATION_NVLINK_BYTES_PER_S = 153e9
+MIGRATION_NETWORK_BYTES_PER_S = 43e9
+MIGRATION_REFERENCE_BYTES_PER_GPU = 48 * 32 * 3 * 2048 * 768 * 2
+MIGRATION_EFFICIENCY = MIGRATION_REFERENCE_BYTES_PER_GPU / MIGRATION_NVLINK_BYTES_PER_S / MIGRATION_LATER_S
+
+#: The step-time publish rule (issue 40 item 1): publish only when the predicted step time the new layout saves
+#: over the horizon exceeds what its migration costs by this fraction of that cost (0.25: a quarter more).
+DEFAULT_PAYOFF_MARGIN = 0.25
+#: Step time assumed when the group's engines report none (telemetry `step_time_ema`), in seconds.
+DEFAULT_STEP_S = 0.03
+#: GPUs per NVLink domain when the service prices links (H100/H200 HGX boards: 8).
+DEFAULT_RANKS_PER_NODE = 8

@@ -235,3 +235,35 @@ def test_switching_a_busy_sqlite_file_to_wal_waits_instead_of_failing(tmp_path: 
         release.join()
         other.close()
         holder.close()
+
+
+def test_placements_from_before_the_payoff_columns_read_with_nulls_and_downgrade_back(database_url: str) -> None:
+    """Revision 0005 adds the step-time predictions and the measured saving as nullable columns."""
+    upgrade(database_url, "0004")
+    engine = create_engine(sync_url(database_url))
+    old_placement = (
+        "INSERT INTO placements (plan_id, engine_group, version, created_at, source, status, params, "
+        "objective_terms, objective_total, predicted_gain, num_layers, num_gpus, slots_per_gpu, gpus, details) "
+        "VALUES ('old', 'g0', 1, '2026-03-01 12:00:00', 'greedy', 'applied', '{}', '{}', 1.0, 0.0, 1, 2, 2, "
+        "'[\"a\", \"b\"]', '{}')"
+    )
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql(old_placement)
+        upgrade(database_url)
+        with Session(engine) as session:
+            placement = session.scalars(select(Placement)).one()
+            assert (placement.predicted_saving_s, placement.predicted_cost_s, placement.measured_saving_s) == (
+                None,
+                None,
+                None,
+            )
+            placement.predicted_saving_s, placement.measured_saving_s = 1.5, 0.75
+            session.commit()
+        downgrade(database_url, "0004")
+        with engine.connect() as connection:
+            columns = {c["name"] for c in inspect(connection).get_columns("placements")}
+            assert "measured_saving_s" not in columns and "predicted_saving_s" not in columns
+            assert connection.exec_driver_sql("SELECT plan_id FROM placements").one()[0] == "old"
+    finally:
+        engine.dispose()

@@ -10,7 +10,11 @@
   while its last published plan is still being migrated (the rule: `solver.placement.policy.trigger`).
 - **Decision**: `decide.decide` (`solver.placement.policy`) runs the solver's greedy from the group's current
   layout (what its engines report, else the last `applied` placement, else vLLM's contiguous default:
-  `solver.placement.layouts`, the rule the migration service follows too) with the latest calibrated (α, β, γ).
+  `solver.placement.layouts`, the rule the migration service follows too) with the latest calibrated (α, β, γ),
+  and publishes only a migration that pays in step time (`solver.placement.payoff`, priced with the simulator's
+  physics: `placement.payoff`). Both predictions go into the plan's row; the saving measured on the windows
+  after a published plan is written to its row when the group is next planned (kept in memory until then: a
+  restart skips that one measurement, never a plan or a row).
 - **Outbox**: a plan worth publishing is stored `proposed` (with its layout), then published to JetStream with
   msg-id = plan_id, then marked `published`; each tick republishes `proposed` rows (also the API's
   rollbacks), so a crash between the two never loses a plan. Rejected plans are stored `rejected` with
@@ -49,6 +53,7 @@ from switchyard.services.layout_now import GroupShape, layout_now, recorded
 from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.engine_registry import EngineRegistry
 from switchyard.services.placement.ingest import ExpertLoadIngest
+from switchyard.services.placement.payoff import model_spec, step_context
 from switchyard.services.placement.recalibrate import CalibrationContext, serve_calibration_requests
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.services.runtime import ensure_schema, metrics_endpoint, supervised
@@ -57,8 +62,11 @@ from switchyard.shared.db import Migration, Placement, create_async_db
 from switchyard.shared.db.types import utcnow
 from switchyard.shared.schemas import ObjectiveTerms, PlacementParams, PlacementPlan
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.simulator.core.physics import get_gpu
 from switchyard.solver.placement import GreedyParams, PlacementError, Weights
+from switchyard.solver.placement.payoff import StepContext, saving_per_step
 from switchyard.solver.placement.policy import Decision, Policy, TriggerRule, decide, trigger
+from switchyard.solver.placement.step_time import origin_matrix
 from switchyard.solver.placement.window import DecayedLoad
 
 log = logging.getLogger(__name__)
@@ -80,7 +88,10 @@ class PlacementService:
             migration_cost=self.config.migration_cost,
             redundant_slots=self.config.redundant_slots,
             weights=Weights(self.config.objective_weights()),
+            stage_bytes=self.config.stage_bytes,
         )
+        model_spec(self.config.step_model, self.config)  # a misnamed preset fails at start, not at the first plan
+        get_gpu(self.config.gpu)
         self.fleet = FleetView(manifest=settings.engine_manifest_entries())
         self.layouts: LayoutProbe | None = None  # set once connected
         self.registry: EngineRegistry | None = None  # set once connected
@@ -89,6 +100,10 @@ class PlacementService:
         #: The decayed expert load of every group, and whether its replay has caught up.
         self.expert_load = ExpertLoadIngest(self.config, self.fleet)
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
+        #: Groups whose last published plan was a prefix of its target: the rest is planned next ("continue").
+        self._unfinished: set[str] = set()
+        #: Published plans awaiting their measured saving: group -> (row id, layout before, after, duration).
+        self._checks: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
         self._static_groups: set[str] = set()
         self._last_prune = -PRUNE_EVERY_S
 
@@ -202,7 +217,8 @@ class PlacementService:
     def _trigger(self, group: str) -> str | None:
         """The rule lives in the solver (`policy.trigger`): the simulated placement loop triggers by it too."""
         rule = TriggerRule(self.config.period_s, self.config.drift_threshold, self.config.min_interval_s)
-        return trigger(rule, time.monotonic(), self._last_run.get(group), self.windows[group].distribution())
+        last, unfinished = self._last_run.get(group), group in self._unfinished
+        return trigger(rule, time.monotonic(), last, self.windows[group].distribution(), unfinished)
 
     # ----- planning -----
 
@@ -268,10 +284,12 @@ class PlacementService:
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
             )
             return None
+        step = step_context(self.config, self.fleet.group(group), window.span_s, first=applied is None)
+        await self._measure(group, window, ranks, step)
         started = time.perf_counter()
         try:
             decision = await asyncio.to_thread(
-                decide, window.load, window.source_load, ranks, current, params, self.policy
+                decide, window.load, window.source_load, ranks, current, params, self.policy, None, step
             )
         except PlacementError as exc:
             PLANS.labels("error").inc()
@@ -287,9 +305,36 @@ class PlacementService:
         row, plan = await self._store(group, details, window, applied, gpus, params, calibration_id, decision)
         PLANS.labels("published" if decision.publish else "rejected").inc()
         log.info("group %s v%d (%s): %s", group, row.version, trigger, decision.reason)
+        self._unfinished.discard(group)
         if decision.publish:
+            if decision.partial:
+                self._unfinished.add(group)
+            if decision.payoff is not None:  # measure its saving on the windows that come after it
+                self._checks[group] = (row.id, current, decision.placement, decision.payoff.duration_s)
+                window.mark(time.time())
             await publish_plan(self.bus, self.sessions, plan, row.id)
         return row
+
+    async def _measure(
+        self, group: str, window: DecayedLoad, ranks: list[int | None], step: StepContext | None
+    ) -> None:
+        """Write the saving of the group's last published plan, measured on the windows since it, to its row."""
+        check = self._checks.get(group)
+        if check is None or step is None or window.recent is None or window.recent_span_s <= 0:
+            return
+        placement_id, before, after, duration = self._checks.pop(group)
+        sources = window.recent_sources if any(r is not None for r in ranks) else None
+        counts = sources if sources is not None else window.recent[:, None, :]
+        origin = origin_matrix(counts.shape[1], ranks if sources is not None else [None] * before.shape[1])
+        seen = StepContext(
+            step.cost, step.price, step.step_s, step.horizon_s, window.recent_span_s, step.first, step.margin
+        )
+        saving = await asyncio.to_thread(saving_per_step, counts, origin, before, after, seen)
+        measured = saving * max(step.horizon_s - duration, 0.0) / step.step_s
+        async with self.sessions() as session, session.begin():
+            row = await session.get(Placement, placement_id)
+            if row is not None:
+                row.measured_saving_s = measured
 
     async def _coalesce_rejected(self, group: str, applied: Placement | None, decision: Decision) -> Placement | None:
         """Count a rejected decision into the group's newest row when that is a rejection from the same base:
@@ -336,7 +381,11 @@ class PlacementService:
             "engines": sorted(window.engines),
             "roles": sorted({s.hello.role for s in self.fleet.group(group, live_only=False) if s.hello}),
             "source_aware": window.source_load is not None,
+            "payoff": decision.payoff.as_dict() if decision.payoff is not None else None,
+            "payoff_margin": self.config.payoff_margin,
+            "partial": decision.partial,
         }
+        predicted = (decision.payoff.gain_s, decision.payoff.cost_s) if decision.payoff is not None else None
         for attempt in range(3):  # versions race with the API's rollbacks: take the next one and retry
             try:
                 async with self.sessions() as session, session.begin():
@@ -362,6 +411,7 @@ class PlacementService:
                         window=(window.start or 0.0, window.end or 0.0),
                         details=details,
                         store_layout=decision.publish or self.config.store_rejected_layouts,
+                        predicted=predicted,
                     )
                     return row, plan
             except IntegrityError:

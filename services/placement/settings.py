@@ -16,8 +16,11 @@ from switchyard.shared.placement_terms import (
     DEFAULT_HALF_LIFE_S,
     DEFAULT_MIGRATION_COST,
     DEFAULT_MIN_INTERVAL_S,
+    DEFAULT_PAYOFF_MARGIN,
     DEFAULT_PERIOD_S,
+    DEFAULT_RANKS_PER_NODE,
     DEFAULT_REDUNDANT_SLOTS,
+    DEFAULT_STEP_S,
     DEFAULT_WEIGHTS,
     MAX_TERMS,
     TERM_NAME_PATTERN,
@@ -43,6 +46,22 @@ class PlacementSettings(BaseSettings):
     warmup_s: float = Field(default=1800.0, ge=0)
     #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.
     gain_threshold: float = Field(default=DEFAULT_GAIN_THRESHOLD, ge=0)
+    #: The step-time rule (issue 40): publish only when the step time the new layout is predicted to save over the
+    #: horizon exceeds its migration's predicted cost by this fraction of that cost.
+    payoff_margin: float = Field(default=DEFAULT_PAYOFF_MARGIN, ge=0)
+    #: The horizon a layout is credited for, in seconds (None: `period_s`, the time until the next plan).
+    horizon_s: float | None = Field(default=None, gt=0)
+    #: Step time assumed when the group's engines report none in telemetry (`step_time_ema`), in seconds.
+    step_s: float = Field(default=DEFAULT_STEP_S, gt=0)
+    #: The simulator's model preset the rule prices with when the announced model is not one it knows.
+    step_model: str = "deepseek-v2-lite"
+    #: The GPU the rule prices expert reads and compute on (a `simulator.core.physics.GPUS` name).
+    gpu: str = "H100"
+    #: GPUs per NVLink domain: a group's GPU g sits on node g // ranks_per_node (links priced apart).
+    ranks_per_node: int = Field(default=DEFAULT_RANKS_PER_NODE, ge=1)
+    #: Most bytes one plan may have any GPU receive (None: the whole target at once); the rest follows in the
+    #: next plans, each as soon as `min_interval_s` allows, the hottest experts first.
+    stage_bytes: float | None = Field(default=None, gt=0)
     #: Migration cost of changing whether one GPU hosts one expert, in the solver's canonical units
     #: (mean GPU load = 1 per layer); charged at both ends of a move. Same default as `switchyard calibrate`.
     migration_cost: float = Field(default=DEFAULT_MIGRATION_COST, ge=0)

@@ -105,6 +105,12 @@ class Placement(Base):
     objective_terms: Mapped[dict[str, Any]]
     objective_total: Mapped[float] = mapped_column(Float)
     predicted_gain: Mapped[float] = mapped_column(Float, default=0.0)
+    #: Step time (s) the plan's layout was predicted to save over the horizon until the next plan, and what its
+    #: migration was predicted to cost (issue 40's publish rule); null without a step-time prediction.
+    predicted_saving_s: Mapped[float | None] = mapped_column(Float)
+    predicted_cost_s: Mapped[float | None] = mapped_column(Float)
+    #: The same saving measured on the expert-load windows after the plan (null until the group is next planned).
+    measured_saving_s: Mapped[float | None] = mapped_column(Float)
     window_start: Mapped[datetime | None]
     window_end: Mapped[datetime | None]
     num_layers: Mapped[int]

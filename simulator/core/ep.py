@@ -35,8 +35,19 @@ import numpy as np
 
 from switchyard.simulator.core.physics import CostModel
 from switchyard.solver.placement.problem import hosts_from_slots
+from switchyard.solver.placement.step_time import StepCost, a2a_seconds, expert_seconds, rank_tokens
 
-__all__ = ["EpTopology", "Placed", "StepTraffic", "busiest", "placed", "rank_work", "selections", "step_traffic"]
+__all__ = [
+    "EpTopology",
+    "Placed",
+    "StepTraffic",
+    "busiest",
+    "placed",
+    "rank_work",
+    "selections",
+    "step_cost",
+    "step_traffic",
+]
 
 #: Stand-in for log(0) in the replica-miss product: exp(-1e4) is 0 in float64, and 0 × it stays 0.
 _LOG_ZERO = -1e4
@@ -96,6 +107,25 @@ class EpTopology:
         """`[G]` the DP engine whose tokens rank g dispatches."""
         return np.arange(self.ranks) // self.tp
 
+    @cached_property
+    def origin(self) -> np.ndarray:
+        """`[S, G]`: engine s dispatches 1/tp of its tokens from each of its own ranks."""
+        return (np.arange(self.engines)[:, None] == self.source_engine[None, :]) / self.tp
+
+
+def step_cost(cost: CostModel, topo: EpTopology) -> StepCost:
+    """The layout-dependent step-time constants (`solver.placement.step_time`) of this engine on this group:
+    what the simulator prices every step with and the placement loop predicts with."""
+    return StepCost(
+        expert_read_s=cost.b,
+        pair_s=cost.expert_pair_flops_s,
+        token_bytes=topo.hidden * (topo.dispatch_bytes + topo.combine_bytes),
+        top_k=cost.model.top_k,
+        ranks_per_node=topo.ranks_per_node,
+        nvlink_bytes_per_s=topo.nvlink_bytes_per_s,
+        network_bytes_per_s=topo.network_bytes_per_s,
+    )
+
 
 @dataclass(frozen=True)
 class Placed:
@@ -147,12 +177,14 @@ def rank_work(counts: np.ndarray, pl: Placed) -> tuple[np.ndarray, np.ndarray]:
 def busiest(cost: CostModel, distinct: np.ndarray, pairs: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
     """MoE seconds of a step and, per layer, the busiest rank's (distinct experts, pairs): `[L]`, `[L]`.
 
-    ``Σ_ℓ a + max_g (b·U_ℓg + pairs_ℓg · expert FLOPs)`` — `DPCost.moe_time` with the even spread replaced.
+    ``Σ_ℓ a + max_g (b·U_ℓg + pairs_ℓg · expert FLOPs)`` — `DPCost.moe_time` with the even spread replaced; the
+    max is `solver.placement.step_time.expert_seconds`, the formula the placement loop predicts with.
     """
     per = cost.b * distinct + pairs * cost.expert_pair_flops_s  # [L, G]
     g = per.argmax(axis=1)
     rows = np.arange(per.shape[0])
-    seconds = per.shape[0] * cost.moe_overhead_s + float(per[rows, g].sum())
+    terms = StepCost(cost.b, cost.expert_pair_flops_s, 0.0, cost.model.top_k)
+    seconds = per.shape[0] * cost.moe_overhead_s + float(expert_seconds(terms, distinct, pairs).sum())
     return seconds, distinct[rows, g], pairs[rows, g]
 
 
@@ -218,23 +250,22 @@ def step_traffic(
 
 
 def _a2a(topo: EpTopology, dest: np.ndarray) -> tuple[float, float, float]:
-    """`dest[S, L, G]` tokens from each engine to each rank → (NVLink bytes, network bytes, seconds)."""
-    tp = topo.tp
-    # tokens[L, r, g] from source rank r (1/tp of its engine's tokens) to rank g, never to itself
-    tokens = np.repeat(dest, tp, axis=0).transpose(1, 0, 2) / tp
-    idx = np.arange(topo.ranks)
-    tokens[:, idx, idx] = 0.0
-    nv = np.where(topo.same_node, tokens, 0.0)
-    net = tokens - nv
-    per_token = topo.hidden * (topo.dispatch_bytes + topo.combine_bytes)
+    """`dest[S, L, G]` tokens from each engine to each rank → (NVLink bytes, network bytes, seconds).
 
-    def phase_tokens(m: np.ndarray) -> np.ndarray:  # [L] the busiest rank's tokens (sent or received)
-        return np.maximum(m.sum(axis=2), m.sum(axis=1)).max(axis=1)
-
-    # the two links run in parallel (DeepEP forwards RDMA and NVLink traffic concurrently): the slower sets a phase
-    busy = np.maximum(phase_tokens(nv) / topo.nvlink_bytes_per_s, phase_tokens(net) / topo.network_bytes_per_s)
-    layers_net = net.sum(axis=(1, 2)) > 0
-    layers_nv = ~layers_net & (nv.sum(axis=(1, 2)) > 0)
+    The busy time is `solver.placement.step_time.a2a_seconds`, the formula the placement loop predicts with."""
+    terms = StepCost(
+        0.0,
+        0.0,
+        topo.hidden * (topo.dispatch_bytes + topo.combine_bytes),
+        1,
+        topo.ranks_per_node,
+        topo.nvlink_bytes_per_s,
+        topo.network_bytes_per_s,
+    )
+    tokens = rank_tokens(dest, topo.origin)
+    busy, nv_bytes, net_bytes = a2a_seconds(terms, tokens)
+    near = topo.same_node
+    layers_net = np.where(near, 0.0, tokens).sum(axis=(1, 2)) > 0
+    layers_nv = ~layers_net & (np.where(near, tokens, 0.0).sum(axis=(1, 2)) > 0)
     latency = 2 * (layers_net.sum() * topo.network_latency_s + layers_nv.sum() * topo.nvlink_latency_s)
-    seconds = float((busy * per_token).sum() + latency)
-    return float(nv.sum() * per_token), float(net.sum() * per_token), seconds
+    return nv_bytes, net_bytes, float(busy.sum() + latency)

@@ -9,7 +9,10 @@ by source DP engine and asks, every telemetry tick, whether to move:
   half-life 300 s); it plans on the service's trigger (`solver.placement.policy.trigger`: start, every 30 s,
   or on a drift of 0.1 after at least 5 s: `shared.placement_terms`), runs the service's decision
   (`solver.placement.policy.decide`: the online greedy with the calibrated `DEFAULT_PARAMS`, source-aware
-  communication, migration cost, gain threshold) and moves only when the decision publishes.
+  communication, migration cost, gain threshold, and with a fleet's `step_cost` the step-time payoff: the step
+  time the layout saves until the next plan against its migration's, `solver.placement.payoff`) and moves only
+  when the decision publishes. Each published plan's prediction is checked against the saving measured on the
+  windows after it (`checks`).
   "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`); "gimbal-load-only" the same
   loop without the source counts (placement blind to dispatch: the uncoordinated variant).
 - `EplbLoop` ("eplb"): vLLM's EPLB as deployed (vllm/distributed/eplb/eplb_state.py and
@@ -30,16 +33,17 @@ the fleet gives the nodes, else 1; 1 across nodes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from switchyard.shared.placement_terms import DEFAULT_HALF_LIFE_S
+from switchyard.shared.placement_terms import DEFAULT_HALF_LIFE_S, DEFAULT_PAYOFF_MARGIN
 from switchyard.simulator.core.placement_control import PlacementControl, StaticPlacement
 from switchyard.solver.placement import DEFAULT_PARAMS, SEED_PARAMS, GreedyParams, PlacementError
 from switchyard.solver.placement.eplb_baseline import eplb_global, eplb_hierarchical
 from switchyard.solver.placement.layouts import default_layout
+from switchyard.solver.placement.payoff import MigrationPrice, StepContext, saving_per_step
 from switchyard.solver.placement.policy import (
     Decision,
     LastRun,
@@ -50,6 +54,7 @@ from switchyard.solver.placement.policy import (
     trigger,
 )
 from switchyard.solver.placement.problem import hosts_from_slots, slots_from_hosts
+from switchyard.solver.placement.step_time import StepCost, origin_matrix
 from switchyard.solver.placement.window import DecayedLoad
 
 __all__ = ["PLACEMENT_CONTROLS", "EplbLoop", "GimbalLoop", "PlanRecord"]
@@ -93,6 +98,20 @@ def _check_shape(num_layers: int, num_experts: int, num_gpus: int, tp: int) -> i
     return num_gpus // tp
 
 
+@dataclass
+class PlanCheck:
+    """A published plan's predicted saving and, once the windows after it are in, the saving measured on them
+    (the same formula on the load that came, so the two differ only by what the prediction could not know)."""
+
+    at: float
+    predicted_gain_s: float
+    predicted_cost_s: float
+    before: np.ndarray
+    after: np.ndarray
+    duration_s: float
+    measured_gain_s: float | None = None
+
+
 class _Loop:
     """What both loops share: the layout in force, the one migration in flight, the record of plans."""
 
@@ -111,6 +130,7 @@ class _Loop:
     def applied(self, now: float, layout: np.ndarray) -> None:
         self._layout = np.asarray(layout).astype(np.int32)
         self.in_flight = False
+        self._migrated = True
 
     def _propose(self, now: float, why: str, new: np.ndarray | None, reason: str) -> np.ndarray | None:
         moved = new is not None and not np.array_equal(new, self._layout)
@@ -143,6 +163,11 @@ class GimbalLoop(_Loop):
         name: str | None = None,
         ranks_per_node: int | None = None,
         nvlink_cost: float = 1.0,
+        step_cost: StepCost | None = None,
+        migration: MigrationPrice | None = None,
+        margin: float = DEFAULT_PAYOFF_MARGIN,
+        horizon_s: float | None = None,
+        stage_bytes: float | None = None,
     ) -> None:
         super().__init__(num_layers, num_experts, num_gpus, tp, layout)
         if half_life_s <= 0 or report_interval_s <= 0:
@@ -157,6 +182,16 @@ class GimbalLoop(_Loop):
         nodes = None if ranks_per_node is None else [g // ranks_per_node for g in range(num_gpus)]
         self.distance = distance_matrix(self.num_sources, self.gpu_ranks, nodes, nvlink_cost)
         self.last_decision: Decision | None = None
+        # The step-time rule (the fleet passes its step cost and migration price; without them the screen alone)
+        self.step_cost, self.migration, self.margin = step_cost, migration, margin
+        self.horizon_s = horizon_s if horizon_s is not None else self.rule.period_s
+        if stage_bytes is not None:
+            self.policy = replace(self.policy, stage_bytes=stage_bytes)
+        self.step_s: float | None = None  # EMA of the step length, from successive `observe` times
+        self._last_observe: float | None = None
+        self._migrated = False
+        self._unfinished = False
+        self.checks: list[PlanCheck] = []
         self._last: LastRun | None = None
         self._pending: np.ndarray | None = None  # [L, S, E] of the report window being filled
         self._pending_index = 0
@@ -165,6 +200,10 @@ class GimbalLoop(_Loop):
 
     def observe(self, now: float, load: np.ndarray) -> None:
         load = _check_load(load, self.num_layers, self.num_sources, self.num_experts)
+        if self._last_observe is not None and now > self._last_observe:  # the engines' step_time_ema, in effect
+            dt = now - self._last_observe
+            self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+        self._last_observe = now
         index = int(np.floor(now / self.report_interval_s))
         self._flush(index)
         if self._pending is None:
@@ -187,10 +226,12 @@ class GimbalLoop(_Loop):
         self._flush(int(np.floor(now / self.report_interval_s)))
         if self.window.load is None:
             return None
-        why = trigger(self.rule, now, self._last, self.window.distribution())
+        why = trigger(self.rule, now, self._last, self.window.distribution(), self._unfinished)
         if why is None:
             return None
         self._last = (now, self.window.distribution())
+        step = self._step_context()
+        self._measure(step)
         try:
             decision = decide(
                 self.window.load,
@@ -200,11 +241,48 @@ class GimbalLoop(_Loop):
                 self.params,
                 self.policy,
                 self.distance,
+                step,
             )
         except PlacementError as exc:
             return self._propose(now, why, None, f"cannot place this window: {exc}")
         self.last_decision = decision
+        self._unfinished = decision.publish and decision.partial
+        if decision.publish and decision.payoff is not None:
+            p = decision.payoff
+            self.checks.append(
+                PlanCheck(now, p.gain_s, p.cost_s, self._layout.copy(), decision.placement, p.duration_s)
+            )
+            self.window.mark(now)
         return self._propose(now, why, decision.placement if decision.publish else None, decision.reason)
+
+    def _step_context(self) -> StepContext | None:
+        """What the step-time rule needs now (None without a step cost, or before a step time or a window)."""
+        if self.step_cost is None or self.migration is None or self.step_s is None or self.window.span_s <= 0:
+            return None
+        return StepContext(
+            self.step_cost,
+            self.migration,
+            self.step_s,
+            self.horizon_s,
+            self.window.span_s,
+            not self._migrated,
+            self.margin,
+        )
+
+    def _measure(self, step: StepContext | None) -> None:
+        """Fill in the last check's measured saving from the windows tallied since its plan."""
+        check = self.checks[-1] if self.checks else None
+        if step is None or check is None or check.measured_gain_s is not None or self.window.recent is None:
+            return
+        span = self.window.recent_span_s
+        if span <= 0:
+            return
+        sources = self.window.recent_sources if self.source_aware else None
+        counts = sources if sources is not None else self.window.recent[:, None, :]
+        origin = origin_matrix(counts.shape[1], self.gpu_ranks if sources is not None else [None] * self.num_gpus)
+        seen = replace(step, window_s=span)
+        saving = saving_per_step(counts, origin, check.before, check.after, seen)
+        check.measured_gain_s = saving * max(self.horizon_s - check.duration_s, 0.0) / step.step_s
 
 
 class EplbLoop(_Loop):
@@ -226,6 +304,8 @@ class EplbLoop(_Loop):
         ranks_per_node: int = RANKS_PER_NODE,
         layout: np.ndarray | None = None,
         nvlink_cost: float = 1.0,  # accepted for a common signature; EPLB prices no communication
+        step_cost: StepCost | None = None,  # likewise: vLLM's EPLB rearranges on its step counter alone
+        migration: MigrationPrice | None = None,
     ) -> None:
         if window_size < 1 or step_interval < 1 or redundant_slots < 0 or num_groups < 1 or ranks_per_node < 1:
             raise ValueError("window_size, step_interval, num_groups and ranks_per_node must be positive")
@@ -275,8 +355,8 @@ class EplbLoop(_Loop):
 def _static(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
     """``none``: the layout never moves (``layout=[L, G, slots]`` may give one; the links do not matter)."""
     _check_shape(num_layers, num_experts, num_gpus, tp)
-    options.pop("ranks_per_node", None)
-    options.pop("nvlink_cost", None)
+    for link_option in ("ranks_per_node", "nvlink_cost", "step_cost", "migration"):
+        options.pop(link_option, None)
     return StaticPlacement(num_layers, num_experts, num_gpus, **options)
 
 

@@ -60,13 +60,14 @@ from switchyard.simulator.core.dp_engine import (
     MixedStep,
     QueueOrder,
 )
+from switchyard.simulator.core.ep import step_cost
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.placement_control import PlacementControl
 from switchyard.simulator.core.placements import make_placement
 from switchyard.simulator.core.prefix_cache import PrefixCache, hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
-from switchyard.simulator.offline.dp_ep import EpRun
+from switchyard.simulator.offline.dp_ep import EpRun, migration_price
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
 from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
@@ -500,6 +501,8 @@ def _ep_run(
         links = {
             "ranks_per_node": topo.ranks_per_node,
             "nvlink_cost": topo.network_bytes_per_s / topo.nvlink_bytes_per_s,
+            "step_cost": step_cost(fleet.cost, topo),  # the step-time publish rule prices with the fleet's physics
+            "migration": migration_price(fleet.cost, topo),
         }
         control = make_placement(fleet.placement, m.moe_layers, m.num_experts, topo.ranks, topo.tp, **links)
     return EpRun(fleet.cost, topo, bank, control, prefill_counts, fleet.telemetry_interval_s)

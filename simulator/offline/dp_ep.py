@@ -11,12 +11,14 @@ whether to move (`replan`), executes a returned layout as `solver.placement.move
 moves, and calls `applied` when the migration's priced time has passed; the layout in force changes then
 (the engines keep the old layout while the weights are copied, as vLLM's EPLB rearrangement does).
 
-Migration price (`MigrationPricing`): the Gimbal paper's measurement on its 4×H100 testbed (seed 003:
-"Expert migration costs average 1.08s for first rearrangement and 0.72s for subsequent ones"), the figures
-the live simulated engines also use (both read `shared.placement_terms.MIGRATION_*`): a rearrangement of
-every layer takes 0.72 s, so one touching n of L layers takes 0.72·n/L s; the first a group ever does adds
-0.36 s (1.08 − 0.72: buffer allocation, warm-up). While it runs, steps take `slowdown` (2.0) times as long:
-weight copies share HBM and links with the serving kernels. The 2.0 is that module's assumption, not a
+Migration price (`solver.placement.payoff.MigrationPrice`, the price the placement loop predicts with): each
+GPU that gains an expert copy receives the expert's bytes (`ModelSpec.expert_bytes`) from a GPU holding it,
+over NVLink inside a node and the network across, at DeepEP's measured kernel bandwidths (`EpTopology`) times
+one efficiency calibrated so that a full rearrangement of the seed's deployment (Qwen3-30B-A3B, EP 4, one node)
+takes the Gimbal paper's measured 0.72 s (seed 003: "Expert migration costs average 1.08s for first
+rearrangement and 0.72s for subsequent ones"); the busiest GPU sets the duration, and a group's first
+migration adds 0.36 s (1.08 − 0.72: buffer allocation, warm-up). While it runs, steps take `slowdown` (2.0)
+times as long: weight copies share HBM and links with the serving kernels. The 2.0 is an assumption, not a
 measurement; `bench/migration_overhead.py` measures only the control plane's cost (≈ ms), not the engines'.
 
 Expert pressure (what each engine's telemetry reports, what Gimbal's dispatch reads): every step's expert
@@ -33,38 +35,28 @@ all-to-all's share of step time, and the busiest rank's expert load over the mea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from switchyard.shared.placement_terms import MIGRATION_FIRST_S, MIGRATION_LATER_S, MIGRATION_SLOWDOWN
 from switchyard.simulator.core.dp_engine import MixedEngine, MixedStep
 from switchyard.simulator.core.ep import EpTopology, Placed, busiest, placed, rank_work, selections, step_traffic
 from switchyard.simulator.core.experts import ReplayBank
 from switchyard.simulator.core.physics import CostModel
 from switchyard.simulator.core.placement_control import PlacementControl
 from switchyard.solver.placement.moves import plan_moves
+from switchyard.solver.placement.payoff import MigrationPrice, migration_bytes, migration_seconds
 
-__all__ = ["EpRun", "MigrationPricing"]
+__all__ = ["EpRun", "migration_price"]
 
 
-@dataclass(frozen=True)
-class MigrationPricing:
-    """What a migration costs the engines (the module docstring gives the sources)."""
-
-    first_s: float = MIGRATION_FIRST_S
-    later_s: float = MIGRATION_LATER_S
-    slowdown: float = MIGRATION_SLOWDOWN
-
-    def __post_init__(self) -> None:
-        if self.later_s < 0 or self.first_s < self.later_s or self.slowdown < 1:
-            raise ValueError("need 0 <= later_s <= first_s and slowdown >= 1")
-
-    def seconds(self, layers_touched: int, num_layers: int, first: bool) -> float:
-        """Seconds to rearrange `layers_touched` of `num_layers` layers (0 when nothing moves)."""
-        if layers_touched == 0:
-            return 0.0
-        return self.later_s * layers_touched / num_layers + (self.first_s - self.later_s if first else 0.0)
+def migration_price(cost: CostModel, topo: EpTopology) -> MigrationPrice:
+    """What moving this model's experts over this group's links costs (the module docstring)."""
+    return MigrationPrice(
+        expert_bytes=cost.model.expert_bytes,
+        ranks_per_node=topo.ranks_per_node,
+        nvlink_bytes_per_s=topo.nvlink_bytes_per_s,
+        network_bytes_per_s=topo.network_bytes_per_s,
+    )
 
 
 class EpRun:
@@ -78,7 +70,7 @@ class EpRun:
         control: PlacementControl,
         prefill_counts: np.ndarray | None,
         replan_interval_s: float,
-        pricing: MigrationPricing | None = None,
+        price: MigrationPrice | None = None,
     ) -> None:
         self.cost = cost
         self.topo = topo
@@ -86,7 +78,7 @@ class EpRun:
         self.control = control
         self.prefill_counts = prefill_counts
         self.replan_interval_s = replan_interval_s
-        self.pricing = pricing or MigrationPricing()
+        self.price = price or migration_price(cost, topo)
         self.num_experts = bank.num_experts
         self.placed: Placed = placed(control.layout(), self.num_experts)
         self._migration: tuple[float, np.ndarray] | None = None  # (end time, target layout)
@@ -96,6 +88,7 @@ class EpRun:
         self.migrations = 0
         self.moves = 0
         self.migration_s = 0.0
+        self.migration_bytes = 0.0
         self.slowed_s = 0.0
         self.steps = 0
         self.tokens = 0
@@ -124,14 +117,15 @@ class EpRun:
 
     def _start(self, now: float, target: np.ndarray) -> None:
         moves = plan_moves(self.placed.layout, target, buffer=True)
-        seconds = self.pricing.seconds(len(np.unique(moves[:, 0])), target.shape[0], first=self.migrations == 0)
-        if seconds == 0.0:  # nothing to move: in force at once
+        seconds = migration_seconds(self.placed.layout, target, self.price, first=self.migrations == 0)
+        if seconds == 0.0:  # no GPU gains an expert (slots shuffled at most): in force at once
             self.placed = placed(target, self.num_experts)
             self.control.applied(now, target)
             return
         self.migrations += 1
         self.moves += len(moves)
         self.migration_s += seconds
+        self.migration_bytes += float(migration_bytes(self.placed.layout, target, self.price)[1].sum())
         self._migration = (now + seconds, target)
 
     def step_seconds(
@@ -148,7 +142,7 @@ class EpRun:
         distinct, pairs = rank_work(counts, self.placed)
         moe_s, _, _ = busiest(self.cost, distinct, pairs)
         base = nonmoe_s + moe_s + traffic.a2a_s
-        factor = self.pricing.slowdown if self._migration is not None else 1.0
+        factor = self.price.slowdown if self._migration is not None else 1.0
         duration = base * factor
         self.control.observe(now, traffic.load)
         if engines is not self._bound:  # once per fleet: each engine reports the EP ranks on its own GPUs
@@ -199,10 +193,18 @@ class EpRun:
             "ep_migrations": float(self.migrations),
             "ep_moves": float(self.moves),
             "ep_migration_s": self.migration_s,
+            "ep_migration_bytes": self.migration_bytes,
             "ep_slowed_s": self.slowed_s,
             "ep_a2a_nvlink_bytes_per_token": self.nvlink_bytes / tokens,
             "ep_a2a_network_bytes_per_token": self.network_bytes / tokens,
             "ep_a2a_fraction": self.a2a_s / self.step_s if self.step_s > 0 else 0.0,
             "ep_load_max_mean": self._load_ratio / self.steps if self.steps else 1.0,
         }
+        # the step-time rule's published predictions and the savings measured after them (`GimbalLoop.checks`)
+        checks = getattr(self.control, "checks", [])
+        measured = [c for c in checks if c.measured_gain_s is not None]
+        out["ep_predicted_gain_s"] = sum(c.predicted_gain_s for c in checks)
+        out["ep_predicted_cost_s"] = sum(c.predicted_cost_s for c in checks)
+        out["ep_measured_gain_s"] = sum(c.measured_gain_s for c in measured)
+        out["ep_predicted_gain_checked_s"] = sum(c.predicted_gain_s for c in measured)
         return {k: float(v) for k, v in out.items()}

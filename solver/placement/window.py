@@ -5,6 +5,10 @@ end time, so replaying the stream after a restart rebuilds the same state). `B[L
 count per expert; `A[L, S, E]` the same split by source DP rank, where the engines report it. The placement
 service folds its engines' `ExpertLoad` messages in (`add`); a simulated fleet folds arrays (`add_counts`),
 so both plan from the same state. `drift` is the distance the service's early trigger measures.
+
+`span_s` is the window's length in decayed seconds (what its counts are a rate over, for the step-time rule);
+`mark(t)` starts an undecayed tally of the windows that start at or after t (`recent`, `recent_sources`,
+`recent_span_s`): the load after a plan, on which its saving is measured.
 """
 
 from __future__ import annotations
@@ -27,6 +31,28 @@ class DecayedLoad:
         self.windows = 0
         self.engines: set[str] = set()
         self._sources_complete = True
+        self.mark(None)
+
+    def mark(self, at: float | None) -> None:
+        """Tally the windows starting at or after `at` afresh (None: stop tallying)."""
+        self._mark = at
+        self.recent: np.ndarray | None = None  # B[L, E] since the mark
+        self.recent_sources: np.ndarray | None = None  # A[L, S, E] since the mark (None if any window lacks it)
+        self._recent_range: tuple[float, float] | None = None
+        self._recent_complete = True
+
+    @property
+    def recent_span_s(self) -> float:
+        """Seconds the windows tallied since the mark cover (first start to last end; 0 if none)."""
+        return 0.0 if self._recent_range is None else self._recent_range[1] - self._recent_range[0]
+
+    @property
+    def span_s(self) -> float:
+        """The window's length in decayed seconds: ∫ 0.5^(age / half-life) over [start, end] (0 when empty)."""
+        if self.start is None or self.end is None:
+            return 0.0
+        h = self.half_life_s
+        return float(h / np.log(2.0) * (1.0 - 0.5 ** ((self.end - self.start) / h)))
 
     def _fade(self, age: float) -> float:
         return float(0.5 ** (max(age, 0.0) / self.half_life_s))
@@ -63,6 +89,23 @@ class DecayedLoad:
             self.start = min(self.start or start, start)
         self.windows += 1
         self.engines.add(engine_id)
+        if self._mark is not None and start >= self._mark:
+            self._tally(counts, sources, start, end)
+
+    def _tally(self, counts: np.ndarray, sources: np.ndarray | None, start: float, end: float) -> None:
+        if self.recent is not None and self.recent.shape != counts.shape:
+            self.mark(self._mark)
+        first = self.recent is None
+        self.recent = counts.copy() if first else self.recent + counts
+        lo, hi = (start, end) if self._recent_range is None else self._recent_range
+        self._recent_range = (min(lo, start), max(hi, end))
+        if sources is None or not self._recent_complete:
+            self._recent_complete, self.recent_sources = False, None
+        elif first or self.recent_sources is None:
+            self.recent_sources = sources.copy()
+        else:
+            num_sources = max(self.recent_sources.shape[1], sources.shape[1])
+            self.recent_sources = _pad(self.recent_sources, num_sources) + _pad(sources, num_sources)
 
     def _add_sources(self, sources: np.ndarray | None, fade_old: float, fade_new: float) -> None:
         if sources is None or not self._sources_complete or self.source_load is None:
