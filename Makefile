@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help run test test-vllm lint bench chaos takeover hostile clean check-wheel
+.PHONY: help run test test-fast test-vllm lint bench chaos takeover hostile clean check-wheel
 
 ## help: this list of targets
 help:
@@ -33,6 +33,10 @@ run: $(RUN_STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## test-fast: the tests that start no server or process (solver, simulator, policies, parsers), in a minute or two
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not infra" -q $(PYTEST_ARGS)
 
 ## test-vllm: the vLLM agent inside a real (CPU) vLLM engine (every tests/test_vllm_*.py, none may skip there);
 ## its own 3.5 GB environment, not part of `test`

@@ -27,6 +27,9 @@ class SwitchyardSettings(BaseSettings):
     #: NATS servers; a comma-separated list in the environment. Empty means "start an embedded server"
     #: for `switchyard up`, and is an error for a service started on its own.
     nats_servers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    #: One NATS identity for every component (user and password, a token, an nkey seed file or a JWT `.creds`
+    #: file), for a bus without per-role users; `nats_credentials` below gives each role its own.
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
@@ -36,12 +39,17 @@ class SwitchyardSettings(BaseSettings):
     #: role (router, placement, migration, fit, api, readonly, fleet, loadgen, admin, engine-<id>).
     #: Overrides nats_user/nats_password for a component whose role is in the file.
     nats_credentials: Path | None = None
+
+    #: TLS to the NATS servers: the CA that signed them, and a client certificate and key where they ask for one.
     nats_tls_ca: Path | None = None
     nats_tls_cert: Path | None = None
     nats_tls_key: Path | None = None
+    #: Seconds one connection attempt may take.
     nats_connect_timeout_s: float = Field(default=5.0, gt=0)
     #: Give up on the first connection after this long (reconnects after a successful one never give up).
     nats_initial_connect_s: float = Field(default=30.0, gt=0)
+    #: The first token of every subject (`sy.engine.<id>.hello`, ...): deployments sharing one NATS account keep
+    #: apart by it.
     subject_prefix: str = "sy"
 
     #: SQLAlchemy URL. `postgresql://...` and `sqlite:///path` are accepted as-is and given async drivers.
@@ -71,6 +79,7 @@ class SwitchyardSettings(BaseSettings):
     #: in between get one trailing hello): an announce flood costs each engine ~1 hello/s, not one per announce.
     #: A service that waits for hellos after announcing should wait longer than this.
     announce_min_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: Python logging level of every component (DEBUG also shows the schema upgrades Alembic runs).
     log_level: str = "INFO"
 
     #: Copies JetStream keeps of every stream and KV bucket (its `num_replicas`): 1 on a single server (the

@@ -48,6 +48,27 @@ def _postgres_admin_url() -> str | None:
     return None
 
 
+#: Fixtures that start a server or reach one: a test using any of them is marked `infra`.
+INFRA_FIXTURES = frozenset(
+    {"nats_server", "nats_url", "settings", "bus", "database_url", "postgres_admin_url", "secured"}
+)
+#: A test module whose source names one of these starts processes of its own: all its tests are marked `infra`.
+PROCESS_WORDS = ("subprocess", "create_subprocess_exec", "Popen", "EmbeddedNats(", "uvicorn", "serving_asgi")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that starts servers or processes `infra`, so `make test-fast` (`-m "not infra"`) runs the
+    pure ones: solver, simulator, policies, parsers."""
+    spawning: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in spawning:
+            source = path.read_text(errors="replace") if path.is_file() else ""
+            spawning[path] = any(word in source for word in PROCESS_WORDS)
+        if spawning[path] or INFRA_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.infra)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     """Under CI=true a skip is a failure: CI must exercise every test (data and servers are its job).

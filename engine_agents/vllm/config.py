@@ -43,7 +43,11 @@ class AgentSettings(BaseSettings):
     #: The engine's OpenAI base URL as the gateway reaches it (e.g. `http://10.0.0.5:8000`); vLLM's engine core
     #: does not know its API server's address, so it is said here. Unset: the gateway does not route to it.
     base_url: str | None = None
-    hello_interval_s: float = Field(default=5.0, gt=0, le=60)  # Hello allows at most 60 s (issue 15)
+
+    #: Seconds between hellos (the engine's announcement; at most 60, what `Hello` allows): services count an
+    #: engine gone after missing a few (`SWITCHYARD_LIVENESS_MISSES`).
+    hello_interval_s: float = Field(default=5.0, gt=0, le=60)
+    #: Seconds between telemetry messages (load, KV usage, queue): what the router's pressure scores read.
     telemetry_interval_s: float = Field(default=0.1, gt=0, le=60)
     #: Expert-load windows (`sy.engine.<id>.expert_load`) are flushed this often.
     expert_load_interval_s: float = Field(default=1.0, gt=0)

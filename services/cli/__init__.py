@@ -4,19 +4,19 @@ This module is the command table: the app, its commands in the order `switchyard
 (the console script). The commands live by family:
 
 - `options`: the options several commands share (NATS, database, state folder) and `load_settings`
-- `services`: `up`, `migration`, `placement`, `api`, `router`, `gateway`
+- `services`: `up`, `migration`, `placement`, `api`, `router`, `gateway`, `epp`
 - `fitting`: `fit`, `calibrate`
 - `simulation`: `sim`, `sim-dp`, `report`, `fleet`, `loadgen`
-- `admin`: `db upgrade`, `db downgrade`, `nats-config`, `asyncapi`
+- `admin`: `db upgrade`, `db downgrade`, `nats-config`, `asyncapi`, `settings`
 """
 
 from __future__ import annotations
 
 import typer
 
-from switchyard.services.cli.admin import asyncapi, db_downgrade, db_upgrade, nats_config
+from switchyard.services.cli.admin import asyncapi, db_downgrade, db_upgrade, nats_config, settings
 from switchyard.services.cli.fitting import calibrate, fit
-from switchyard.services.cli.services import api, gateway, migration, placement, router, up
+from switchyard.services.cli.services import api, epp, gateway, migration, placement, router, up
 from switchyard.services.cli.simulation import fleet, loadgen, report, sim, sim_dp
 
 app = typer.Typer(
@@ -59,8 +59,10 @@ app.command()(api)
 app.command()(fit)
 app.command()(router)
 app.command()(gateway)
+app.command()(epp)
 app.command("nats-config")(nats_config)
 app.command()(asyncapi)
+app.command()(settings)
 app.command()(fleet)
 app.command()(loadgen)
 app.command()(calibrate)

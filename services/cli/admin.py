@@ -54,6 +54,13 @@ def nats_config(
             "publish that replica's routing decisions; run each with SWITCHYARD_GATEWAY_GATEWAY_ID=<id>."
         ),
     ] = None,
+    epps: Annotated[
+        str | None,
+        typer.Option(
+            help="Endpoint picker ids (`switchyard epp`), comma-separated: one NATS user each (`epp-<id>`), reading "
+            "the fleet and publishing only that picker's decisions; run each with SWITCHYARD_EPP_EPP_ID=<id>."
+        ),
+    ] = None,
     listen: Annotated[str, typer.Option(help="Client listen address.")] = "127.0.0.1:4222",
     monitor: Annotated[str, typer.Option(help="Monitoring listen address ('' for none).")] = "127.0.0.1:8222",
     store_dir: Annotated[str, typer.Option(help="JetStream store folder.")] = "/var/lib/nats/jetstream",
@@ -67,6 +74,7 @@ def nats_config(
         SERVICE_ROLES,
         Credentials,
         engine_user,
+        epp_user,
         gateway_user,
         render_server_config,
     )
@@ -83,11 +91,19 @@ def nats_config(
         gateway_users = [gateway_user(g) for g in gateway_ids]
     except ValueError as exc:
         raise typer.BadParameter(f"--gateways: {exc}") from None
+    epp_ids = list(dict.fromkeys(split_csv(epps) or []))
+    if both := sorted(set(epp_ids) & set(gateway_ids)):  # a picker shares decisions as a gateway replica does
+        raise typer.BadParameter(f"--epps: {', '.join(both)} also named in --gateways (one id, one replica)")
+    try:
+        epp_users = [epp_user(e) for e in epp_ids]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--epps: {exc}") from None
     roles = [
         *SERVICE_ROLES,
         *(["fleet"] if fleet_ids else []),
         *[engine_user(e) for e in engine_ids],
         *gateway_users,
+        *epp_users,
     ]
     tls = None
     if tls_cert or tls_key or tls_ca:
@@ -126,6 +142,8 @@ def nats_config(
     typer.echo(f"run: nats-server -c {conf_path}; services: SWITCHYARD_NATS_CREDENTIALS={out / 'credentials.json'}")
     for gateway_id in gateway_ids:
         typer.echo(f"gateway {gateway_id}: SWITCHYARD_GATEWAY_GATEWAY_ID={gateway_id} (user gateway-{gateway_id})")
+    for epp_id in epp_ids:
+        typer.echo(f"endpoint picker {epp_id}: SWITCHYARD_EPP_EPP_ID={epp_id} (user epp-{epp_id})")
 
 
 def asyncapi(
@@ -147,3 +165,31 @@ def asyncapi(
     else:
         out.write_text(text, encoding="utf-8")
         typer.echo(f"wrote {out}")
+
+
+def settings(
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="A Markdown reference (docs/settings.md is one).")
+    ] = False,
+) -> None:
+    """Print every SWITCHYARD_* setting with its default and what it does: by default as a commented .env file."""
+    import textwrap
+
+    from switchyard.services.settings_reference import markdown as render_markdown
+    from switchyard.services.settings_reference import reference
+
+    if markdown:
+        typer.echo(render_markdown(), nl=False)
+        return
+    for class_name, what, entries in reference():
+        typer.echo(f"# ===== {what} ({class_name}) =====")
+        previous = None
+        for entry in entries:
+            if entry.doc != previous:  # one comment for a group of settings documented together
+                typer.echo("")
+                for line in textwrap.wrap(entry.doc or "(undocumented)", 110):
+                    typer.echo(f"# {line}")
+            previous = entry.doc
+            value = "" if entry.default in ("unset", "empty", "(required)") else entry.default
+            typer.echo(f"# {entry.env}={value}")
+        typer.echo("")

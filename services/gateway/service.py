@@ -16,8 +16,8 @@ import uvicorn
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
-from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.kv_ingest import KvIngest
+from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prefix import PrefillPrefix
 from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import EngineRegistry

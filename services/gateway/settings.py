@@ -124,8 +124,9 @@ class GatewaySettings(BaseSettings):
     max_client_connections: int = Field(default=2048, ge=1)
 
     # --- upstream connection pool ---
+    #: Connections to engines open at once, all engines together (`engine_http`): a request waits for one to free
+    #: up past it. Idle ones are kept per engine and dropped after 4 s, below vLLM's 5 s keep-alive.
     max_connections: int = Field(default=1024, ge=1)
-    max_keepalive: int = Field(default=256, ge=0)
 
     #: Identifies this gateway on the bus (announce requests, connection name, the subject of its decisions and,
     #: with per-role credentials, its user `gateway-<id>` when the file has one; see `switchyard nats-config`).
