@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from switchyard.services.api import models as m
 from switchyard.services.api.deps import Session, State, Writer, as_utc, decode_cursor, encode_cursor
+from switchyard.services.expert_map import ExpertMapUnavailable, expert_map
 from switchyard.services.history import (
     add_placement,
     applied_placement,
@@ -160,6 +161,22 @@ async def get_placement(session: Session, placement_id: Id) -> m.PlacementDetail
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no placement {placement_id}")
     return await _detail(session, row)
+
+
+@router.get(
+    "/placements/{placement_id}/expert-map",
+    response_model=list[list[int]],
+    tags=["placements"],
+    responses={409: {"description": "no stored layout, or an empty slot vLLM cannot load"}},
+)
+async def placement_expert_map(session: Session, placement_id: Id) -> list[list[int]]:
+    """The placement as vLLM's proposed `eplb_config.initial_expert_map_path` JSON (vLLM PR #49572): one
+    physical→logical list per MoE layer, physical slots in EP-rank order (docs/vllm-agent.md)."""
+    try:
+        return await expert_map(session, placement_id)
+    except ExpertMapUnavailable as exc:
+        code = status.HTTP_404_NOT_FOUND if exc.missing else status.HTTP_409_CONFLICT
+        raise HTTPException(code, str(exc)) from None
 
 
 @router.post(

@@ -59,6 +59,19 @@ class PlacementSummary(_Out):
     params: Params
     objective: Objective
     predicted_gain: float
+    predicted_saving_s: float | None = Field(
+        default=None,
+        description="Step time (s) the layout was predicted to save over the horizon until the next plan "
+        "(the step-time publish rule); null without a prediction (manual, rollback, older rows).",
+    )
+    predicted_cost_s: float | None = Field(
+        default=None, description="Step time (s) its migration was predicted to cost (duration x slowdown share)."
+    )
+    measured_saving_s: float | None = Field(
+        default=None,
+        description="The same saving measured on the expert-load windows after the plan (null until the group "
+        "is next planned): compare with predicted_saving_s.",
+    )
     window_start: datetime | None
     window_end: datetime | None
     num_layers: int

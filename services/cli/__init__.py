@@ -7,6 +7,7 @@ This module is the command table: the app, its commands in the order `switchyard
 - `services`: `up`, `migration`, `placement`, `api`, `router`, `gateway`, `epp`
 - `fitting`: `fit`, `calibrate`
 - `simulation`: `sim`, `sim-dp`, `report`, `fleet`, `loadgen`
+- `placement_export`: `placement-export` (a recorded placement as vLLM's initial expert map)
 - `admin`: `db upgrade`, `db downgrade`, `nats-config`, `asyncapi`, `settings`
 """
 
@@ -16,6 +17,7 @@ import typer
 
 from switchyard.services.cli.admin import asyncapi, db_downgrade, db_upgrade, nats_config, settings
 from switchyard.services.cli.fitting import calibrate, fit
+from switchyard.services.cli.placement_export import placement_export
 from switchyard.services.cli.services import api, epp, gateway, migration, placement, router, up
 from switchyard.services.cli.simulation import fleet, loadgen, report, sim, sim_dp
 
@@ -55,6 +57,7 @@ def _root(
 app.command()(up)
 app.command()(migration)
 app.command()(placement)
+app.command("placement-export")(placement_export)
 app.command()(api)
 app.command()(fit)
 app.command()(router)
