@@ -157,6 +157,8 @@ class UpOptions:
 
 def _describe(infra: Infrastructure, settings: SwitchyardSettings, api_url: str | None) -> Table:
     table = Table(title="Switchyard control plane", show_header=False)
+    table.add_column()
+    table.add_column(overflow="fold")  # a long path folds onto the next line, never cut with an ellipsis
     nats_kind = "embedded" if infra.embedded_nats else "external"
     table.add_row("NATS", f"{infra.nats_url} ({nats_kind})")
     if infra.embedded_nats:
@@ -463,6 +465,8 @@ async def _run(settings: SwitchyardSettings, options: UpOptions, infra: Infrastr
             log.warning("stopping with %d migration(s) unfinished; the migration service resumes them", left)
 
     console.print(_describe(infra, settings, f"http://{api.host}:{api.port}"))
+    if infra.nats_credentials:  # on a line of its own too, whole, to copy (a table cell may fold it)
+        console.print(f"SWITCHYARD_NATS_CREDENTIALS={infra.nats_credentials.resolve()}", soft_wrap=True)
     try:
         if options.services_only:
             console.print("[green]up[/green] - control plane only; Ctrl-C to stop")

@@ -49,6 +49,8 @@ def test_up_runs_the_whole_loop_and_keeps_its_state_across_restarts(tmp_path: Pa
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout
     assert "embedded" in out and "stopped cleanly" in out
+    # off a terminal the credentials path users copy is printed whole (the table may fold it, never cut it)
+    assert f"SWITCHYARD_NATS_CREDENTIALS={(data / 'nats' / 'credentials.json').resolve()}\n" in out
     assert "routing artifact v1 (fitted now)" in out
     sent, completed = re.search(r"(\d+) sent, (\d+) completed", out).groups()  # type: ignore[union-attr]
     assert int(sent) > 15 and completed == sent  # every request of the load came back (through the gateway)
