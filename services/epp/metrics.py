@@ -40,3 +40,14 @@ DECISION_SECONDS = Histogram(
     buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
 STREAMS = Gauge("switchyard_epp_streams", "ext_proc streams open now (one per HTTP request in flight).")
+SELECTIONS = Counter(
+    "switchyard_epp_selections_total",
+    "POST /v1/select answers (AIBrix's external routing), by outcome: selected, no_decision (Advisory, no live "
+    "candidate), denied (Authoritative, no live candidate), bad_request (400), too_large (413).",
+    ["outcome"],
+)
+SELECT_BAD_REQUESTS = Counter(
+    "switchyard_epp_select_bad_requests_total",
+    "POST /v1/select bodies refused with 400, by reason: not_json, too_deep, not_object, invalid (a field).",
+    ["reason"],
+)

@@ -12,8 +12,11 @@ import contextlib
 import logging
 
 import grpc
+from aiohttp import web
 
+from switchyard.services.epp.http import start_http
 from switchyard.services.epp.picker import Picker
+from switchyard.services.epp.select import Selector
 from switchyard.services.epp.server import ExternalProcessor, Health, build_server
 from switchyard.services.epp.settings import EppSettings
 from switchyard.services.gateway.kv_ingest import KvIngest
@@ -25,7 +28,6 @@ from switchyard.services.router.core import RouterCore
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
 from switchyard.services.router.kv_trust import KvRate
 from switchyard.services.router.settings import RouterSettings
-from switchyard.services.runtime import metrics_endpoint
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
@@ -97,7 +99,7 @@ class EppService:
         self.upstream = Upstream(g)  # ejected engines' health checks only
         self.port: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._metrics: contextlib.ExitStack | None = None
+        self.http: web.AppRunner | None = None  # /metrics and POST /v1/select
 
     def ready(self) -> bool:
         """Readiness (gRPC health): the bus is up, the artifact was read once, and the fleet has a live engine."""
@@ -150,9 +152,8 @@ class EppService:
             self.server, self.port = build_server(e, processor, self.health)
             await self.server.start()
             await self.health.start()
-            self._metrics = contextlib.ExitStack()
             if e.metrics_port:
-                self._metrics.enter_context(metrics_endpoint(e.metrics_port, e.host))
+                self.http = await start_http(Selector(self.picker), e.host, e.metrics_port)
         except BaseException:
             await self.stop()
             raise
@@ -190,9 +191,9 @@ class EppService:
                 await self.health.stopping()
             await self.server.stop(grace_s)
             self.server = None
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        if self.http is not None:
+            await self.http.cleanup()
+            self.http = None
         await self.feed.stop()
         if self.sharer is not None:
             with contextlib.suppress(Exception):

@@ -24,7 +24,8 @@ class EppSettings(BaseSettings):
     #: The ext_proc gRPC listener (and its gRPC health service). 9002 is the port GIE's pickers use.
     host: str = "127.0.0.1"
     port: int = Field(default=9002, ge=0, le=65535)
-    #: Prometheus metrics over HTTP (`/metrics`) on this port of `host`; 0: none.
+    #: The picker's HTTP port on `host`: Prometheus `/metrics`, and `POST /v1/select` (AIBrix's external routing
+    #: request, for proxies that are not Envoy: docs/epp.md); 0: none.
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     #: TLS on the gRPC port: a PEM certificate chain and its private key (both, or neither: plaintext).
     tls_cert: Path | None = None
