@@ -143,6 +143,26 @@ async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str, shape: str)
     assert SIGNATURE_KEY not in kv and decode_body["stream"] is True and decode_body["max_tokens"] == 4
 
 
+async def test_n_above_one_is_refused_plainly_on_a_disaggregated_fleet(bus: Bus, settings: SwitchyardSettings) -> None:
+    """A prefill->decode handoff carries one sequence: `n > 1` gets a 400 naming `n`, and no engine sees it; a
+    data-parallel fleet passes `n` to the engine, which serves (or refuses) it itself."""
+    stubs = [StubConfig("p0", role="prefill"), StubConfig("d0", role="decode", tokens=3)]
+    async with (
+        deployment(settings, bus, stubs) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        answer = await client.post("/v1/completions", json={**BODY, "n": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
+    assert "one request per choice" in answer.json()["error"]["message"]
+    assert engines["p0"].received == [] and engines["d0"].received == []
+    async with (
+        deployment(settings, bus, [StubConfig("a")]) as (gw, engines),
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        answer = await client.post("/v1/completions", json={**BODY, "n": 2})
+    assert answer.status_code == 200 and engines["a"].received[0][2]["n"] == 2
+
+
 @pytest.mark.parametrize("shape", ["remote", "inprocess"])
 async def test_handoff_with_the_signature_in_the_prefill_response(
     bus: Bus, settings: SwitchyardSettings, shape: str

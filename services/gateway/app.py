@@ -66,6 +66,12 @@ async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[E
         parsed.prompt_tokens = max(1, keys.tokens)
 
 
+def _choices(parsed: Parsed) -> int:
+    """The request's `n` (choices to generate); a malformed one is the engine's to refuse."""
+    n = parsed.body.get("n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 1
+
+
 async def _body(receive: Receive) -> bytes:
     """The request body; `HttpLimits` has buffered it into one message (Starlette's `Request.body` iterates an
     async generator for it)."""
@@ -99,6 +105,14 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
             return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started)
     elif mode == "disagg":
         prefills, decoders = registry.live("prefill", parsed.model), registry.live("decode", parsed.model)
+        if _choices(parsed) > 1:  # vLLM's P/D connectors hand one sequence's KV to the decoder, not n of them
+            metrics.BAD_REQUESTS.labels("n").inc()
+            return error_response(
+                400,
+                "n > 1 is not served on a prefill->decode fleet (each choice would need its own handoff); "
+                "send one request per choice",
+                param="n",
+            )
         if prefills and decoders:
             await _name_blocks(ctx, parsed, chat, prefills)
             return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)
