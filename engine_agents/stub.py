@@ -235,7 +235,7 @@ class StubEngine:
             model=ModelShape(name=cfg.model, num_layers=2, num_experts=4, top_k=1),
             ep_group=cfg.engine_id,
             gpus=["0"],
-            capacity=Capacity(max_running=256, kv_blocks=1000, block_size=16),
+            capacity=Capacity(max_running=256, kv_blocks=1000, block_size=16, max_model_len=4096),
             ts=time.time(),
             agent="sim",
             hello_interval_s=cfg.hello_interval_s,

@@ -139,6 +139,9 @@ class Capacity(_Part):
     max_running: Positive
     kv_blocks: Positive
     block_size: Positive
+    #: The longest prompt plus output the engine accepts (vLLM's `max_model_len`); the gateway's `/v1/models`
+    #: reports it. None: the engine does not say.
+    max_model_len: Positive | None = None
 
 
 class Hello(WireModel):

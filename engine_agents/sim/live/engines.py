@@ -116,6 +116,7 @@ class LiveFleet:
                 max_running=self.config.max_running,
                 kv_blocks=max(cost.kv_capacity_blocks, 1),
                 block_size=cost.block_size,
+                max_model_len=self.max_tokens,
             ),
             ts=time.time(),
             agent="sim",
