@@ -20,3 +20,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ default "default" .Values.serviceAccount.name }}
 {{- end -}}
 {{- end }}
+
+{{/* The InferencePool's name (the HTTPRoute's backendRef names it too). */}}
+{{- define "switchyard.poolName" -}}
+{{ default (printf "%s-pool" .Release.Name) .Values.inferencePool.name }}
+{{- end }}
