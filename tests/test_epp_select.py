@@ -3,7 +3,11 @@ answered from the engines the picker knows (stub engines saying hello on a real 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import sys
 from typing import Any
 
 import httpx
@@ -17,6 +21,7 @@ from switchyard.shared.embedded import free_port
 from switchyard.shared.settings import SwitchyardSettings
 from tests.epp_helpers import picker
 from tests.gateway_helpers import metric
+from tests.helpers import eventually
 
 
 def port_of(engine: StubEngine) -> int:
@@ -163,4 +168,42 @@ async def test_bad_input_is_400_with_a_reason_and_counted(
             scraped = (await client.get(f"http://127.0.0.1:{http}/metrics")).text
             assert 'switchyard_epp_selections_total{outcome="selected"}' in scraped
     finally:
+        await engine.stop()
+
+
+async def test_the_picker_process_serves_select_and_health(bus: Bus, settings: SwitchyardSettings) -> None:
+    """`switchyard epp` as its own process (the CLI's path: the service made inside the event loop) answers gRPC
+    health and `/v1/select`, and exits cleanly on SIGTERM."""
+    from grpc import aio
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    engine = StubEngine(StubConfig(engine_id="cli0"), bus)
+    await engine.start()
+    grpc_port, http = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env |= {"SWITCHYARD_SUBJECT_PREFIX": settings.subject_prefix, "SWITCHYARD_EPP_METRICS_PORT": str(http)}
+    args = ["-m", "switchyard.services.cli", "epp", "--nats-url", settings.nats_servers[0], "--port", str(grpc_port)]
+    process = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, httpx.AsyncClient() as client:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def ready() -> bool:
+                if process.returncode is not None:
+                    raise AssertionError(f"switchyard epp exited with {process.returncode}")
+                try:
+                    answer = await health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+                except aio.AioRpcError:
+                    return False
+                return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+            await eventually(ready, 60)  # the bound only stops a broken test (a cold start imports a lot)
+            answer = await post(client, http, selection([candidate(engine)]))
+            assert answer.json()["status"]["target"] == {"id": "default/cli0", "port": port_of(engine)}
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0  # the bound only stops a broken test
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
         await engine.stop()

@@ -233,5 +233,6 @@ def epp(
         epp_settings = EppSettings(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:  # one line naming what is wrong, not pydantic's report
         raise typer.BadParameter("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-    # asyncio's own loop: grpc.aio supports it (uvloop only experimentally)
-    run_until_signalled(EppService(settings, epp_settings).run)
+    # asyncio's own loop: grpc.aio supports it (uvloop only experimentally). The service is made inside the loop: its
+    # HTTP client for ejected engines' health checks binds to the running loop.
+    run_until_signalled(lambda stop: EppService(settings, epp_settings).run(stop))
