@@ -62,10 +62,15 @@ gateway's added TTFT p50 with prefix keys on, over the same run with them off, â
 at 8K, tokenization included. Where the time goes is measured in this process too (`tokenize`: encode, pieces,
 cache, block keys, the thread hop).
 
+Envoy (issue 39): `envoy` (plain Envoy to the stub), `envoy-noop` (Envoy asking a do-nothing ext_proc processor:
+the protocol's floor) and `envoy-epp` (Envoy asking `switchyard epp`) take their turns in the same rounds and
+throughput windows as every target (bench/envoy_targets.py; "epp" in the JSON: the picker's budgets, met or not);
+`--floor-attempts` adds two noop targets that try to lower the floor (a BUFFERED body; no body at all).
+
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
                                                 [--profile PATH] [--profile-shape inprocess|remote]
                                                 [--prefix-requests 100] [--tokenizer PATH] [--compare PYTHON]
-                                                [--order shuffled|fixed] [--idle-ms 10]
+                                                [--order shuffled|fixed] [--idle-ms 10] [--floor-attempts]
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ import timeit
 from pathlib import Path
 
 import _single_core
+import envoy_targets
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -793,7 +799,7 @@ def shape_figures(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx", "echo"], default="main")
+    parser.add_argument("--role", choices=["main", "stub", "proxy", "proxy-httpx", "echo", "noop"], default="main")
     parser.add_argument("--url", default="")
     parser.add_argument("--engine-id", default="stub0")
     parser.add_argument("--engine-role", choices=["dp", "prefill", "decode"], default="dp")
@@ -821,7 +827,13 @@ def main() -> None:
         default=None,
         help="Also time an in-process gateway run by this Python (another checkout's venv): before and after, one run.",
     )
+    parser.add_argument(
+        "--floor-attempts", action="store_true", help="Also time the Envoy floor attempts (bench/envoy_targets.py)."
+    )
     args = parser.parse_args()
+    if args.role == "noop":  # the do-nothing ext_proc processor, naming --upstream (ip:port)
+        asyncio.run(envoy_targets.run_noop(args.port, args.upstream))
+        return
     if args.role == "stub":
         interval = args.token_interval_ms / 1e3
         asyncio.run(run_stub(args.url, args.port, args.tokens, interval, args.engine_id, args.engine_role))
@@ -857,6 +869,8 @@ def main() -> None:
         }
         if args.compare:
             ports[COMPARE] = free_port()
+        envoys = envoy_targets.EnvoyTargets(Path(tmp), url, ports["direct"], args.floor_attempts)
+        ports |= envoys.ports
         words = Words()
         if args.tokenizer is not None:
             tokenizer_dir = args.tokenizer if args.tokenizer.is_dir() else args.tokenizer.parent
@@ -910,10 +924,12 @@ def main() -> None:
                     cli = ["-m", "cProfile", "-o", str(args.profile), *cli]
                 python = str(args.compare) if name == COMPARE else sys.executable
                 procs[name] = subprocess.Popen([python, *cli], env=gateway_env)
+            envoys.start(procs, here, keyed)  # the picker decides under the in-process gateway's environment
             for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
             for name in gateways:
                 wait_ready(ports[name])
+            envoys.wait_ready()
             time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
             turns = Turns(args.order, args.idle_ms)
@@ -924,8 +940,11 @@ def main() -> None:
             pids = {name: procs["stub" if name == "direct" else name].pid for name in ports}
             assert nats.process is not None
             others = {"router": procs["router"].pid, "nats": nats.process.pid}
+            processors = envoys.processor_pids(procs)  # an Envoy target's ext_proc processor, beside Envoy's CPU
             tput = {
-                name: asyncio.run(throughput(port, args.duration, args.concurrency, pids[name], others))
+                name: asyncio.run(
+                    throughput(port, args.duration, args.concurrency, pids[name], others | processors.get(name, {}))
+                )
                 for name, port in ports.items()
             }
             load_after = os.getloadavg()
@@ -946,6 +965,7 @@ def main() -> None:
     direct = lat["direct"]
     proxy_added = {q: lat["proxy"][f"ttft_{q}_ms"] - direct[f"ttft_{q}_ms"] for q in ("p50", "p99")}
     shapes = shape_figures(lat, tput, handoff, proxy_added)
+    epp = envoy_targets.figures(lat, tput)
     report = {
         "machine": _single_core.machine(),
         "load_avg_1m_before_after": [load_before[0], load_after[0]],
@@ -968,6 +988,7 @@ def main() -> None:
         "proxy_added_ttft_p50_ms": proxy_added["p50"],
         "proxy_added_ttft_p99_ms": proxy_added["p99"],
         "shapes": shapes,
+        "epp": epp,
         # --compare: the same in-process shape from another checkout, timed in this run
         "compare": None
         if not args.compare
@@ -1037,6 +1058,7 @@ def main() -> None:
             f" {row['req_s']:6.0f} {row['handoff_added_ttft_p50_ms']:11.3f} {row['handoff_added_ttft_p99_ms']:6.2f}"
             f"  {', '.join(missed) or 'none'}"
         )
+    print("\n".join(envoy_targets.report_lines(epp)))
     print("in-process decode choice alone (8 decoders, 26x64 signature, warm loop): Âµs p50 (request + route_decode)")
     for name, row in decode_decision.items():
         print(
