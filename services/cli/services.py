@@ -213,7 +213,8 @@ def epp(
     profiles, prefix keys, every replica's decisions), serves data-parallel engines, and publishes its decisions
     on sy.route.decided.gateway.<id> (as NATS user epp-<id>: nats-config --epps). docs/epp.md.
 
-    Other settings (environment): SWITCHYARD_EPP_METRICS_PORT (Prometheus /metrics, 9090; 0: none),
+    Other settings (environment): SWITCHYARD_EPP_METRICS_PORT (HTTP: Prometheus /metrics and POST /v1/select, AIBrix's
+    external routing request; 9090; 0: none),
     SWITCHYARD_EPP_SHED_LOAD (429 when every engine has this many requests outstanding; 0: never),
     SWITCHYARD_EPP_MAX_BODY_BYTES (413 past it; the gateway's 16 MiB), SWITCHYARD_EPP_PREFIX_KEYS (name prompt
     blocks for prefix routing; true), SWITCHYARD_EPP_TOKENIZERS (model=path,...), SWITCHYARD_EPP_ARTIFACT_POLL_S
