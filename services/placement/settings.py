@@ -44,7 +44,8 @@ class PlacementSettings(BaseSettings):
     half_life_s: float = Field(default=DEFAULT_HALF_LIFE_S, gt=0)
     #: On start, rebuild the decayed window from this much of the expert-load stream.
     warmup_s: float = Field(default=1800.0, ge=0)
-    #: Publish only when (load+comm improvement − migration cost) exceeds this fraction of the current objective.
+    #: The first screen: a plan goes on to the payoff rule (`payoff_margin`: predicted step time saved against the
+    #: migration's) only when (load+comm improvement − migration cost) exceeds this fraction of the objective.
     gain_threshold: float = Field(default=DEFAULT_GAIN_THRESHOLD, ge=0)
     #: The step-time rule (issue 40): publish only when the step time the new layout is predicted to save over the
     #: horizon exceeds its migration's predicted cost by this fraction of that cost.
