@@ -120,8 +120,11 @@ def main() -> None:
 
     cols = {
         name: rng.integers(0, 4000, d).astype(np.float64)
-        for name in ("remaining_prefill", "waiting_prefill", "inflight_tokens", "waiting", "running")
-    }
+        for name in (
+            "remaining_prefill", "waiting_prefill", "inflight_tokens", "waiting", "running", "pending_prefill",
+            "pending", "decoding", "recent_sends",
+        )
+    }  # fmt: skip
     cols["expert_pressure"] = 1.0 + rng.random(d)
     cols["kv_blocks"] = np.full(d, 20_000.0)  # dynamo's decode blocks
     cols["indexed_blocks"] = rng.integers(0, 100_000, d).astype(np.float64)  # sglang-cache's tree size

@@ -1,6 +1,6 @@
 """Online routing decision in process (budget: K = 32 decoders, signature 48 × 128, ≤ 20 µs median).
 
-One decision = what the router service does per request: `Scorer.similarities` (select the artifact's
+One decision = what the router service does per request: `SignatureScorer.similarities` (select the artifact's
 masked rows of the request's [L, E] prefill counts, weight, cosine similarity to all K centroids), then the
 `eldr` policy of `solver.routing` (τ-band, least-loaded decoder in the band). The artifact is
 fitted on 1,000 SYNTHETIC 48 × 128 calibration requests resampled from ESFT (see eldr_data.py); the timed
@@ -36,12 +36,14 @@ from switchyard.shared.codec import decode, encode
 from switchyard.shared.schemas import Capacity, Hello, RouteDecodeRequest, RoutingArtifact, Telemetry
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from switchyard.solver.scoring import Scorer
+from switchyard.solver.scoring import SignatureScorer
 
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def time_decisions(scorer: Scorer, signatures: np.ndarray, loads: np.ndarray, layers: list[int] | None) -> dict:
+def time_decisions(
+    scorer: SignatureScorer, signatures: np.ndarray, loads: np.ndarray, layers: list[int] | None
+) -> dict:
     ids = [f"decode-{i:03d}" for i in range(scorer.num_decoders)]
     snap = FleetSnapshot.build(ids)
     tables = RoutingTables.build(snap.engine_ids, num_centroids=scorer.num_decoders, tau=scorer.tau)
@@ -164,9 +166,21 @@ def main() -> None:
     everything, _ = fit_routing_artifact(calibration, args.decoders, FitOptions(layer_mask=tuple(range(48))))
     mask = fitted.layer_mask
     cases = {
-        f"fitted mask ({len(mask)} layers), full 48x128 signature": (Scorer.from_artifact(fitted), requests, None),
-        f"fitted mask ({len(mask)} layers), masked rows only": (Scorer.from_artifact(fitted), requests[:, mask], mask),
-        "all 48 layers (worst case), full 48x128 signature": (Scorer.from_artifact(everything), requests, None),
+        f"fitted mask ({len(mask)} layers), full 48x128 signature": (
+            SignatureScorer.from_artifact(fitted),
+            requests,
+            None,
+        ),
+        f"fitted mask ({len(mask)} layers), masked rows only": (
+            SignatureScorer.from_artifact(fitted),
+            requests[:, mask],
+            mask,
+        ),
+        "all 48 layers (worst case), full 48x128 signature": (
+            SignatureScorer.from_artifact(everything),
+            requests,
+            None,
+        ),
     }
     results = {}
     for name, (scorer, signatures, layers) in cases.items():
@@ -184,7 +198,7 @@ def main() -> None:
         f"decode + route_decode + encode reply: median {service['handler_median_us']:.1f} µs, "
         f"p99 {service['handler_p99_us']:.1f} µs"
     )
-    batch = Scorer.from_artifact(fitted)
+    batch = SignatureScorer.from_artifact(fitted)
     start = time.perf_counter()
     batch.similarities_batch(requests)
     per_request = (time.perf_counter() - start) / args.calls * 1e6

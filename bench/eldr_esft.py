@@ -28,7 +28,7 @@ from switchyard.shared.trace_files import load_trace
 from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
 from switchyard.solver.representations import REPRESENTATIONS, features, idf_weights
 from switchyard.solver.rho import calibration_pairs, decode_target, rho
-from switchyard.solver.scoring import Scorer
+from switchyard.solver.scoring import SignatureScorer
 from switchyard.solver.signatures import request_counts
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -113,7 +113,7 @@ def co_location(decoders: int, batch: int, samples: int, folds: int = 5) -> dict
         groups: dict[str, list[np.ndarray]] = {"random": [held]}
         for name, balanced in (("eldr_balanced", True), ("eldr_vanilla", False)):
             artifact, _ = fit_routing_artifact(train, decoders, FitOptions(balanced=balanced))
-            home = Scorer.from_artifact(artifact).similarities_batch(counts.prefill[held]).argmax(axis=1)
+            home = SignatureScorer.from_artifact(artifact).similarities_batch(counts.prefill[held]).argmax(axis=1)
             groups[name] = [held[home == d] for d in range(decoders)]
         groups["same_task"] = [held[counts.label[held] == t] for t in range(len(counts.label_names or ()))]
         for name, members in groups.items():

@@ -33,7 +33,7 @@ from switchyard.shared.codec import decode, encode
 from switchyard.shared.schemas import Capacity, Hello, RouteDecodeReply, RouteDecodeRequest
 from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, get_policy
-from switchyard.solver.scoring import Scorer
+from switchyard.solver.scoring import SignatureScorer
 
 _JUNK = np.zeros(2_000_000 // 8)
 
@@ -68,9 +68,9 @@ def main() -> None:
     print("decision (solver)")
     for label, counts, k in (("ESFT, K = 16", esft, 16), ("48 x 128, K = 32", synthetic, 32)):
         artifact, _ = fit_routing_artifact(counts, k)
-        scorer = Scorer.from_artifact(artifact)
+        scorer = SignatureScorer.from_artifact(artifact)
         sig = counts.prefill[3].astype(np.uint16)
-        timed(f"Scorer.similarities, {label}", lambda scorer=scorer, sig=sig: scorer.similarities(sig))
+        timed(f"SignatureScorer.similarities, {label}", lambda scorer=scorer, sig=sig: scorer.similarities(sig))
         ids = [f"decode-{i:03d}" for i in range(k)]
         rng = np.random.default_rng(0)
         snap = FleetSnapshot.build(ids, load={e: float(rng.integers(0, 8)) for e in ids})

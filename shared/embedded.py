@@ -61,6 +61,8 @@ def _port_open(host: str, port: int) -> bool:
 class EmbeddedNats:
     """Start with `start()` (or `with EmbeddedNats(dir) as nats:`), connect to `nats.url`."""
 
+    process: subprocess.Popen[bytes] | None  # the running nats-server (None: stopped)
+
     def __init__(
         self,
         store_dir: Path,

@@ -29,7 +29,8 @@ class ClusterNode(EmbeddedNats):
 
     def kill(self) -> None:
         """SIGKILL: the node vanishes mid-write, as a crashed machine would (no leadership hand-off)."""
-        process, self.process = self.process, None
+        process = self.process
+        self.process = None
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -100,7 +100,7 @@ def load_npz(path: str | Path) -> RoutingTrace:
 
 def save_npz(trace: RoutingTrace, path: str | Path) -> None:
     """Write a trace in Switchyard's npz format (compressed); `load_npz` reads it back identically."""
-    arrays: dict[str, np.ndarray] = {
+    arrays: dict[str, Any] = {  # np.savez_compressed types its keyword arrays loosely
         "experts": trace.experts,
         "request": trace.request,
         "num_experts": np.asarray(trace.num_experts, dtype=np.int64),

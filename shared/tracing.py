@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from switchyard.shared.errors import ConfigError
 
@@ -94,7 +94,7 @@ def start(service: str) -> Tracing | None:
     name = os.environ.get("OTEL_SERVICE_NAME") or service
     provider = TracerProvider(resource=Resource.create({"service.name": name}))  # sampler: OTEL_TRACES_SAMPLER
     if from_test is not None:  # exported as each span ends, so a test sees it at once
-        provider.add_span_processor(SimpleSpanProcessor(_Unowned(from_test)))
+        provider.add_span_processor(SimpleSpanProcessor(cast("SpanExporter", _Unowned(from_test))))
     else:
         for exporter in names:
             provider.add_span_processor(BatchSpanProcessor(_exporter(exporter)))

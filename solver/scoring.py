@@ -1,9 +1,10 @@
 """Online ELDR scoring: a request's prefill counts -> similarity to every decoder's centroid (the seed's §4.3).
 
-The τ-band and the least-loaded pick are the ELDR policy in `solver.routing.decode`, shared by the router
-service and the simulator; this module only turns signatures into similarities.
+The τ-band and the least-loaded pick are the ELDR profile of `solver.routing.profiles` (its fused kernel:
+`solver.routing.eldr_kernel`), shared by the router service and the simulator; this module only turns signatures
+into similarities.
 
-Everything that depends only on the routing artifact is prepared once in a `Scorer` (mask as an index
+Everything that depends only on the routing artifact is prepared once in a `SignatureScorer` (mask as an index
 array, per-cell weights flattened, centroids contiguous float32), so a decision is a gather, a multiply,
 one [K, D] × [D] product. The router service and the simulator both call it.
 
@@ -24,7 +25,7 @@ from switchyard.shared.schemas import RoutingArtifact
 from switchyard.solver.representations import ONLINE_REPRESENTATIONS
 from switchyard.solver.routing.defaults import DEFAULT_TAU
 
-__all__ = ["Scorer", "ScoringError"]
+__all__ = ["ScoringError", "SignatureScorer"]
 
 
 class ScoringError(ValueError):
@@ -38,7 +39,7 @@ def _check_counts(counts: np.ndarray) -> None:
         raise ScoringError("signature counts must be non-negative")
 
 
-class Scorer:
+class SignatureScorer:
     """The per-artifact state of online scoring; immutable after construction, safe to share."""
 
     def __init__(
@@ -84,7 +85,7 @@ class Scorer:
         )
 
     @classmethod
-    def from_artifact(cls, artifact: RoutingArtifact) -> Scorer:
+    def from_artifact(cls, artifact: RoutingArtifact) -> SignatureScorer:
         return cls(
             artifact.layer_mask,
             artifact.idf,

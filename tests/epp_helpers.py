@@ -132,7 +132,7 @@ async def picker(
 ) -> AsyncIterator[EppService]:
     """`switchyard epp` in this process on `port` (0: a free one), once it can route every one of `engine_ids`."""
     fields = {"port": port, "metrics_port": 0, "fallbacks": 0, **epp}
-    service = EppService(settings, EppSettings(**fields), RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    service = EppService(settings, EppSettings(**fields), RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     await service.start()
     try:
         await wait_for(lambda: len(service.registry.live()) == len(engine_ids))

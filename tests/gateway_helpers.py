@@ -87,7 +87,7 @@ async def deployment(
         await engine.start()
     # Stale after 5 s (not 1 s): on a loaded test machine the stubs' telemetry can lag by seconds, and a router
     # that drops an engine mid-test turns a routing check into a fallback. No test here relies on staleness.
-    default_router = RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0)
+    default_router = RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0)
     replica = RouterService(settings, router_settings or default_router) if router else None
     if replica is not None:
         await replica.start()

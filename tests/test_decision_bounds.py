@@ -68,7 +68,7 @@ async def reporting_engines(secured: SecuredNats) -> AsyncIterator[list[FakeEngi
 async def gateway_core(secured: SecuredNats, **peer: float) -> AsyncIterator[tuple[RouterCore, CoreFeed]]:
     """Gateway g1's in-process core on its own user, fed from the bus, with the three engines live."""
     settings = secured.settings()
-    core = RouterCore(RouterSettings(replica_id="g1", stale_after_s=60.0, **peer))  # type: ignore[arg-type]
+    core = RouterCore(RouterSettings(replica_id="g1", fresh_load_s=60.0, **peer))  # type: ignore[arg-type]
     bus = await Bus.connect(settings, name="g1", role=gateway_user("g1"), no_echo=True)
     feed = CoreFeed(core, settings, "g1", artifact_poll_s=1.0)
     await feed.start(bus, bus, None)
@@ -181,7 +181,7 @@ async def test_the_shared_gateway_user_cannot_end_a_replicas_requests(secured: S
     it can name: the server refuses it the old shared subject and g1's, and its own subject settles nothing of
     g1's (ignored, counted). g1's own report still settles its request."""
     settings = secured.settings()
-    service = RouterService(settings, RouterSettings(stale_after_s=60.0))
+    service = RouterService(settings, RouterSettings(fresh_load_s=60.0))
     g1 = await Bus.connect(settings, name="g1", role=gateway_user("g1"))
     attacker = await secured.raw("gateway")
     seen: set[str] = set()
@@ -230,7 +230,7 @@ def test_a_request_whose_gateway_never_reports_expires_from_the_exact_ledger() -
     the exact ledger after `progress_ttl_s`, counted; an ask from before `reporter` is counted by telemetry."""
     from tests.test_route_progress import _hello, _telemetry
 
-    core = RouterCore(RouterSettings(stale_after_s=600.0, progress_ttl_s=30.0))
+    core = RouterCore(RouterSettings(fresh_load_s=600.0, progress_ttl_s=30.0))
     for engine_id in ENGINES:
         core.on_hello(_hello(engine_id), 0.0)
         core.on_telemetry(_telemetry(engine_id, 0), 0.0)

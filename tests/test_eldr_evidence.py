@@ -26,7 +26,7 @@ from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.representations import REPRESENTATIONS, features, idf_weights
 from switchyard.solver.rho import calibration_pairs, decode_target, rho
 from switchyard.solver.routing import DECODE_POLICIES, RouteQuery, get_policy
-from switchyard.solver.scoring import Scorer
+from switchyard.solver.scoring import SignatureScorer
 from switchyard.solver.signatures import request_counts
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
@@ -95,7 +95,7 @@ def test_the_decode_policy_sees_only_prefill_phase_information(
     assert len(queries) == REQUESTS
     order = np.lexsort((np.arange(REQUESTS), res.prefill_done))  # the order the policy was called in
     artifact, _ = esft.eldr_inputs("balanced", 8)
-    scorer = Scorer.from_artifact(artifact)  # type: ignore[arg-type]
+    scorer = SignatureScorer.from_artifact(artifact)  # type: ignore[arg-type]
     rows = esft.replay[wl.replay[order]]
     from_prefill = scorer.similarities_batch(esft.counts.prefill[rows])
     from_decode = scorer.similarities_batch(esft.counts.decode[rows])

@@ -30,6 +30,7 @@ from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
+from switchyard.shared.liveness import Liveness
 from switchyard.shared.nats_auth import engine_user
 from tests import test_nats_permissions
 from tests.gateway_helpers import core_knows, metric, wait_for
@@ -155,7 +156,7 @@ async def _fleet(
     await hostile.start()
     buses: list[Bus] = []
     engines: list[StubEngine] = []
-    service = GatewayService(settings, _gateway(), RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    service = GatewayService(settings, _gateway(), RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     try:
         for config in [*honest, StubConfig("e0", role=role)]:
             bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
@@ -272,10 +273,10 @@ def test_the_trial_rule_one_request_at_a_time_and_a_backoff_doubling_per_failed_
     """The registry's rule itself (pure): a hostile answer ejects at once; a passing health check puts the engine
     on trial, in the live list until a request to it starts; a failed trial ejects it again with its next check
     1 s, then 2 s, 4 s later; an abandoned trial request frees it for the next; a success puts it fully back."""
-    from switchyard.services.gateway.registry import EngineRegistry
+    from switchyard.services.gateway.registry import GatewayRegistry
     from tests.test_engine_binding import _attacker_hello
 
-    registry = EngineRegistry(hello_misses=3.0, stale_after_s=1e9)
+    registry = GatewayRegistry(liveness=Liveness(3.0, 1e9))
     registry.on_hello(_attacker_hello("dp", "http://e0", interval_s=60.0), now=0.0)
     e0 = registry.engines["e0"]
     registry.hop_failed(e0, hostile=True, now=1.0)

@@ -6,8 +6,8 @@ hellos that the server lets through (its own subjects). What must hold:
 
 - a hello announcing `role: "dp"` and the attacker's `base_url` does not switch a live disaggregated fleet to
   DP (no manifest: the fleet keeps its mode; with a manifest: the hello is refused by gateway and router);
-- an engine that announced a 60 s hello interval and died leaves the gateway after the gateway's own
-  `stale_after_s`, not after three of its own intervals;
+- an engine that announced a 60 s hello interval and died leaves the gateway after the operator's
+  `SWITCHYARD_LIVENESS_MAX_SILENCE_S`, not after three of its own intervals;
 - a fake prefill engine that black-holes its hops is ejected after `eject_after_failures` and comes back only
   when its own `/health` answers, whatever hellos it keeps sending.
 """
@@ -36,6 +36,7 @@ from switchyard.shared import schemas as s
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import encode
 from switchyard.shared.engine_manifest import EngineEntry, EngineManifest
+from switchyard.shared.liveness import Liveness
 from switchyard.shared.nats_auth import engine_user
 from tests import test_nats_permissions
 from tests.gateway_helpers import metric, router_knows, wait_for
@@ -96,7 +97,7 @@ async def _disaggregated_fleet(
         path = tmp_path / "engines.json"
         path.write_text(EngineManifest({**entries, "e0": manifest_for_e0}).to_json())
         settings = secured.settings(engine_manifest=path)
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     service = GatewayService(settings, gateway)
     try:
         await router.start()
@@ -179,10 +180,14 @@ async def test_with_a_manifest_a_hello_claiming_another_role_or_url_is_refused(
     assert served == ["d0"] * 12
 
 
-async def test_the_gateway_bounds_staleness_by_its_own_setting(secured: SecuredNats, tmp_path: Path) -> None:
-    """An engine that announced a 60 s hello interval and then went silent is dropped after the gateway's own
-    `stale_after_s` (here 1 s), not after 3 x 60 s of its own choosing (the old code kept it 181 s)."""
-    async with _disaggregated_fleet(secured, tmp_path, _gateway(stale_after_s=1.0)) as (service, _router, _engines):
+async def test_the_gateway_bounds_staleness_by_its_own_setting(
+    secured: SecuredNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that announced a 60 s hello interval and then went silent is dropped after the operator's
+    `max_silence_s` (`SWITCHYARD_LIVENESS_MAX_SILENCE_S`, here 1 s; the gateway's own override is gone), not
+    after 3 x 60 s of its own choosing (the old code kept it 181 s)."""
+    monkeypatch.setenv("SWITCHYARD_LIVENESS_MAX_SILENCE_S", "1")
+    async with _disaggregated_fleet(secured, tmp_path, _gateway()) as (service, _router, _engines):
         async with _attacker(secured) as nc:
             await _say(nc, secured, _attacker_hello("prefill", "http://127.0.0.1:9"))
             await wait_for(lambda: service.registry.get_live("e0") is not None)
@@ -267,12 +272,12 @@ async def _keep_saying(nc: nats.NATS, secured: SecuredNats, hello: s.Hello) -> N
 def test_a_fleet_keeps_its_mode_and_the_incumbents_win() -> None:
     """The mode rule itself (pure): a live fleet keeps its mode whatever joins; it changes only when the
     current mode has no live engines; where both can serve from the start, the longer-live engines win."""
-    from switchyard.services.gateway.registry import EngineRegistry
+    from switchyard.services.gateway.registry import GatewayRegistry
 
     def hello(engine_id: str, role: str) -> s.Hello:
         return _attacker_hello(role, f"http://{engine_id}", interval_s=1.0).model_copy(update={"engine_id": engine_id})
 
-    registry = EngineRegistry(hello_misses=3.0, stale_after_s=3.0)
+    registry = GatewayRegistry(liveness=Liveness(3.0, 3.0))
     registry.on_hello(hello("p0", "prefill"), now=0.0)
     registry.on_hello(hello("d0", "decode"), now=0.0)
     assert registry.mode("stub-model", now=0.1) == "disagg"
@@ -280,7 +285,7 @@ def test_a_fleet_keeps_its_mode_and_the_incumbents_win() -> None:
     assert registry.mode("stub-model", now=1.1) == "disagg"
     registry.on_hello(hello("x", "dp"), now=3.5)  # p0 and d0 went silent at 0: stale at 3
     assert registry.mode("stub-model", now=3.6) == "dp"
-    fresh = EngineRegistry(hello_misses=3.0, stale_after_s=3.0)
+    fresh = GatewayRegistry(liveness=Liveness(3.0, 3.0))
     fresh.on_hello(hello("x", "dp"), now=0.0)
     fresh.on_hello(hello("p0", "prefill"), now=0.5)
     fresh.on_hello(hello("d0", "decode"), now=0.5)

@@ -316,7 +316,7 @@ async def test_router_down_falls_back_locally_and_counts_it(
     ):
         answers = [await client.post("/v1/completions", json=BODY) for _ in range(4)]
         assert all(len(e.received) == 2 for e in engines.values())  # least loaded, ties rotating
-        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))  # it comes back
+        router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))  # it comes back
         await router.start()
         try:
             await wait_for(lambda: router_knows(router, engines))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from switchyard.services.gateway.body import BadBody, parse
 from switchyard.services.gateway.choice import least_loaded, pick_prefill, rendezvous_order
 from switchyard.services.gateway.disagg import decode_body, prefill_body, signature_in
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import (
@@ -27,6 +27,7 @@ from switchyard.services.gateway.signatures import (
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.errors import ConfigError
+from switchyard.shared.liveness import Liveness
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, PrefillSignature, RouteDpRequest, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.signature_json import ENGINE_KEY, SIGNATURE_KEY, signature_to_json
@@ -128,7 +129,7 @@ def _hot(ids: list[str], key: bytes) -> list[int]:
 
 
 def test_engines_leave_after_missed_hellos_and_need_a_base_url() -> None:
-    registry = EngineRegistry(hello_misses=3)
+    registry = GatewayRegistry(liveness=Liveness(3.0))
     registry.on_hello(hello("a", interval=1.0), now=0.0)
     registry.on_hello(hello("b", role="prefill", interval=2.0), now=0.0)
     registry.on_hello(hello("c", base_url=None), now=0.0)
@@ -157,7 +158,7 @@ def test_engines_leave_after_missed_hellos_and_need_a_base_url() -> None:
     )
 )
 def test_the_cached_live_list_is_what_a_fresh_scan_gives(events: list[tuple[str, str, float, float, bool]]) -> None:
-    registry, fresh, now = EngineRegistry(hello_misses=3), EngineRegistry(hello_misses=3), 0.0
+    registry, fresh, now = GatewayRegistry(liveness=Liveness(3.0)), GatewayRegistry(liveness=Liveness(3.0)), 0.0
     for engine_id, role, interval, step, says_hello in events:
         now += step
         if says_hello:
@@ -170,7 +171,7 @@ def test_the_cached_live_list_is_what_a_fresh_scan_gives(events: list[tuple[str,
 
 
 def test_an_engine_url_is_parsed_once_and_follows_its_hello() -> None:
-    registry = EngineRegistry()
+    registry = GatewayRegistry()
     registry.on_hello(hello("a", base_url="http://127.0.0.1:1/"), now=0.0)
     engine = registry.engines["a"]
     assert engine.url("/v1/completions") is engine.url("/v1/completions")

@@ -20,7 +20,7 @@ from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.gateway.choice import pick_prefill, rendezvous_order
 from switchyard.services.gateway.prefix import PrefillPrefix
 from switchyard.services.gateway.prompt_keys import PromptKeyer, parse_tokenizers
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
@@ -292,7 +292,7 @@ def _kv(engine_id: str, seq: int, *ops: tuple[str, list[int]], block_size: int =
 
 
 def test_kv_events_are_applied_only_from_known_prefill_engines() -> None:
-    registry = EngineRegistry()
+    registry = GatewayRegistry()
     for engine_id, role in (("p0", "prefill"), ("d0", "decode"), ("p1", "prefill")):
         registry.on_hello(_hello(engine_id, role))
     prefix = PrefillPrefix(registry)

@@ -36,7 +36,7 @@ async def replicas(settings: SwitchyardSettings, bus: Bus, n: int) -> AsyncItera
     stubs = [StubEngine(StubConfig(e, answer_delay_s=HOLD_S, telemetry_interval_s=1.0), bus) for e in ENGINES]
     for stub in stubs:
         await stub.start()
-    routing = RouterSettings(stale_after_s=10.0)
+    routing = RouterSettings(fresh_load_s=10.0)
     gateways = [GatewayService(settings, GatewaySettings(port=0, gateway_id=f"g{i}"), routing) for i in range(n)]
     for gateway in gateways:
         await gateway.start()

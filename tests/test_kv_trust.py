@@ -117,7 +117,7 @@ async def inprocess(
             stack.push_async_callback(nc.close)
             engines[engine_id] = engine = HttpEngine(FakeEngine(nc, secured.subjects, engine_id))
             ports[engine_id] = await stack.enter_async_context(serving_asgi(engine.app()))
-        routing = RouterSettings(dp_profile="switchyard", inflight_grace_s=0.0, stale_after_s=5.0, **router)
+        routing = RouterSettings(dp_profile="switchyard", inflight_grace_s=0.0, fresh_load_s=5.0, **router)
         gateway = GatewayService(
             secured.settings(), GatewaySettings(port=0, gateway_id="g1", router="inprocess"), routing
         )
@@ -216,7 +216,7 @@ async def test_a_claim_above_the_engines_kv_capacity_is_held_at_it(secured: Secu
         claimed = np.arange(1, 6001, dtype=np.uint64) * 7919
         await e0.kv(stored(claimed))
         prefix = fleet.router.core.prefix
-        await wait_for(lambda: prefix._seq.get("e0") == 0)
+        await wait_for(lambda: prefix.applier.last("e0") == 0)
         assert fleet.blocks("e0") == 4096
         assert prefix.blocks.match(claimed[-4096:].tolist(), ["e0"]).tolist() == [4096]
         fleet.router.core.housekeeping(asyncio.get_running_loop().time())

@@ -1,6 +1,6 @@
 """Issue 24, item 1: one liveness rule (`shared/liveness.py`), and every service agrees on it.
 
-The router (`TelemetryView`), the gateway (`EngineRegistry`) and the fleet view the API, placement and migration
+The router (`TelemetryView`), the gateway (`GatewayRegistry`) and the fleet view the API, placement and migration
 use (`FleetView`) are fed the same hellos and telemetry on one controllable clock; at every instant of a fine
 time grid (and at every engine's deadline, to the float) their live sets are equal, and the router's routing
 candidates (live, with fresh load data) are among them.
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.fleet_view import FleetView
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import ROLES, TelemetryView
@@ -113,8 +113,8 @@ class Services:
 
     def __init__(self, rule: Liveness) -> None:
         self.now = 0.0
-        self.router = TelemetryView(stale_after_s=1.0, liveness=rule)
-        self.gateway = EngineRegistry(rule.misses, rule.max_silence_s)
+        self.router = TelemetryView(fresh_load_s=1.0, liveness=rule)
+        self.gateway = GatewayRegistry(liveness=rule)
         self.fleet = FleetView(clock=lambda: self.now, liveness=rule)
 
     def hello(self, message: Hello) -> None:
@@ -219,7 +219,7 @@ def test_a_long_announced_interval_is_capped_for_every_service() -> None:
 
 def test_the_router_routes_by_fresh_load_data_within_the_live_ones() -> None:
     """Telemetry stopped, hellos go on: live for every service, but the router has no fresh load data after
-    `stale_after_s` and does not route there (the gateway counts it live; it is not dead)."""
+    `fresh_load_s` and does not route there (the gateway counts it live; it is not dead)."""
     services = Services(Liveness(3.0, 15.0))
     services.hello(hello("e0", hello_s=5.0, telemetry_s=0.1))
     services.now = 0.05
@@ -241,7 +241,7 @@ async def test_router_gateway_and_fleet_view_drop_a_silent_engine_together(
     migration's) subscribed as those services are: while both engines talk, all three count both live; when
     one falls silent (no hello, no telemetry) all three drop it, within delivery skew of each other, about
     3 of its 0.5 s hello intervals after its last hello, and keep the other."""
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     await router.start()
     view = FleetView()
     subscriptions = await view.subscribe(bus, "liveness-test")
@@ -278,7 +278,7 @@ async def test_router_gateway_and_fleet_view_drop_a_silent_engine_together(
 
 def test_the_gateway_service_reads_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A gateway built from the environment judges by `SWITCHYARD_LIVENESS_*`, as the router and the fleet view
-    do; `GatewaySettings(hello_misses=..., stale_after_s=...)` in code still overrides it for that gateway."""
+    do, and nothing overrides it for the gateway alone (its `hello_misses` / `stale_after_s` are gone)."""
     from switchyard.services.gateway.service import GatewayService
     from switchyard.services.gateway.settings import GatewaySettings
     from switchyard.services.router.core import RouterCore
@@ -291,19 +291,20 @@ def test_the_gateway_service_reads_the_same_settings(monkeypatch: pytest.MonkeyP
     assert GatewayService(settings, GatewaySettings()).registry.liveness == Liveness(2.0, 6.0)
     assert RouterCore(RouterSettings(policy="jsq")).fleet.liveness == Liveness(2.0, 6.0)
     assert FleetView().liveness == Liveness(2.0, 6.0)
-    overridden = GatewayService(settings, GatewaySettings(hello_misses=3.0, stale_after_s=1.0))
-    assert overridden.registry.liveness == Liveness(3.0, 1.0)
+    service = GatewayService(settings, GatewaySettings())
+    assert service.core is not None and service.core.book is service.registry.book  # one book in the process
+    assert not {"hello_misses", "stale_after_s"} & set(GatewaySettings.model_fields)
 
 
 def test_the_gateway_keeps_early_telemetry_bounded() -> None:
     """Telemetry before a hello is kept for it (the router and the fleet view count it), but ids are the senders'
     word: at most `max_engines` are kept, and none older than `max_silence_s` past housekeeping."""
-    registry = EngineRegistry(3.0, 15.0, max_engines=8)
+    registry = GatewayRegistry(liveness=Liveness(3.0, 15.0), max_engines=8)
     for i in range(100):
         registry.on_telemetry(telemetry(f"x{i}", 0), now=float(i) / 100)
-    assert len(registry._early) <= 8
+    assert len(registry.book) <= 8
     registry.forget_dead(now=100.0)
-    assert registry._early == {}
+    assert len(registry.book) == 0
     registry.on_telemetry(telemetry("e0", 5), now=200.0)
     registry.on_telemetry(telemetry("e0", 4), now=200.5)  # late: not newer news
     registry.on_hello(hello("e0", hello_s=0.1, telemetry_s=1.0), now=200.6)

@@ -23,7 +23,7 @@ from switchyard.engine_agents.stub import StubConfig
 from switchyard.services.api.app import create_app
 from switchyard.services.api.settings import ApiSettings
 from switchyard.services.fleet_view import FleetView
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
@@ -60,7 +60,7 @@ async def _flood(nc: nats.NATS, messages: list[tuple[str, bytes]]) -> None:
 
 @pytest.fixture
 async def router(settings: SwitchyardSettings) -> AsyncIterator[RouterService]:
-    service = RouterService(settings, RouterSettings(policy="jsq", max_engines=32, stale_after_s=1.0))
+    service = RouterService(settings, RouterSettings(policy="jsq", max_engines=32, fresh_load_s=1.0))
     await service.start()
     yield service
     await service.stop()
@@ -94,7 +94,7 @@ async def test_the_router_holds_at_most_max_engines_whatever_ids_arrive(bus: Bus
         subjects.route_dp, s.RouteDpRequest(request_id="after", prompt_tokens=1), s.RouteDpReply, timeout=2
     )
     assert reply.engine_id == "d0"
-    for seq in range(3, 9):  # the flood's ids go stale (stale_after_s 1 s) while d0 keeps reporting
+    for seq in range(3, 9):  # the flood's ids die (3 of their 0.2 s hello intervals) while d0 keeps reporting
         await bus.publish(subjects.telemetry("d0"), _telemetry("d0", seq))
         await asyncio.sleep(0.2)
     await bus.publish(subjects.hello("n0"), hello("n0", "g1", ["gpu1"], role="dp"))
@@ -109,7 +109,7 @@ async def test_an_engine_that_never_reports_holds_a_bounded_in_flight_count(
     Each decision waits in e0's in-flight FIFO until a report settles it; the FIFO holds at most
     `max_inflight_per_engine` (old code: all 3,000, for as long as the hellos keep coming)."""
     settings = secured.settings()
-    router = RouterService(settings, RouterSettings(policy="jsq", max_inflight_per_engine=100, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(policy="jsq", max_inflight_per_engine=100, fresh_load_s=5.0))
     await router.start()
     engine, gateway = await secured.raw("engine-e0"), await secured.raw("gateway")
     try:
@@ -314,7 +314,7 @@ async def test_the_gateways_engine_registry_holds_at_most_max_engines(bus: Bus) 
     """A bus without credentials: hellos with an HTTP base URL from 4,396 distinct ids, into the gateway's
     registry on its hello subscription. It holds at most 4,096 (old code: every id, for 10 minutes past its
     liveness) and refuses the rest while they are live; a real engine heard first keeps its place."""
-    registry = EngineRegistry()
+    registry = GatewayRegistry()
     await bus.subscribe(bus.subjects.all_hello, s.Hello, lambda message, _msg: registry.on_hello(message))
     await bus.nc.flush()
 

@@ -395,7 +395,7 @@ async def test_decisions_naming_another_replica_on_a_gateways_subject_are_refuse
     subjects = secured.subjects
     settings = secured.settings()
     # No telemetry follows the hello: nothing settles the decisions the core counts in flight.
-    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, fresh_load_s=5.0))
     e0 = await Bus.connect(settings, name="e0", role=engine_user("e0"))
     g1 = await Bus.connect(settings, name="g1", role=gateway_user("g1"))
     try:
@@ -464,7 +464,7 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
     for config in configs:
         bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
         engines.append(StubEngine(config, bus))
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=2.0))
     fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
     try:
@@ -518,7 +518,7 @@ async def test_an_inprocess_gateway_under_its_own_replica_user_shares_its_decisi
         bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
         engines.append(StubEngine(config, bus))
     # A long grace: the stubs' telemetry does not settle the shared decision before it is read here.
-    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=60.0, fresh_load_s=5.0))
     gateway = GatewayService(settings, GatewaySettings(gateway_id="g1", port=0))
     fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
     try:

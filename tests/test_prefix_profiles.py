@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.pickers import SoftmaxSample
 from switchyard.solver.routing.profiles import DP_PROFILES, PREFIX_WEIGHT, dp_profile
+from switchyard.solver.routing.query import RouteQuery, RouterState
 from switchyard.solver.routing.scorers import DynamoDecode, DynamoPrefill, SglangCacheAware
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables

@@ -118,7 +118,7 @@ async def route(bus: Bus, keys: np.ndarray | None = KEYS, kind: str = "tokens", 
 
 def router_settings(**extra: object) -> RouterSettings:
     # stale after 5 s: a loaded test machine can hold telemetry back; no test here relies on staleness
-    return RouterSettings(dp_profile="switchyard", inflight_grace_s=0.0, stale_after_s=5.0, **extra)  # type: ignore[arg-type]
+    return RouterSettings(dp_profile="switchyard", inflight_grace_s=0.0, fresh_load_s=5.0, **extra)  # type: ignore[arg-type]
 
 
 class Fleet:
@@ -268,7 +268,7 @@ async def test_text_keys_are_matched_against_what_was_routed(fleet: Fleet, bus: 
 
 async def test_a_profile_without_cached_tokens_reads_no_index(bus: Bus, settings: SwitchyardSettings) -> None:
     """Gimbal ignores the keys: no KV subscription, no query built from them."""
-    router = RouterSettings(dp_profile="gimbal", inflight_grace_s=0.0, stale_after_s=5.0)
+    router = RouterSettings(dp_profile="gimbal", inflight_grace_s=0.0, fresh_load_s=5.0)
     started = await start_fleet(bus, settings, router)
     try:
         assert not started.core.ingests_kv
@@ -357,7 +357,7 @@ async def test_the_switchyard_profile_serves_end_to_end(
     """`SWITCHYARD_ROUTER_DP_PROFILE=switchyard`: a gateway, the router and two stub DP engines (which send no KV
     events) serve client requests, by pressure, and the router counts its decisions under that profile."""
     monkeypatch.setenv("SWITCHYARD_ROUTER_DP_PROFILE", "switchyard")
-    router = RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0)
+    router = RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0)
     assert router.dp_rule == "switchyard"
     before = metric("switchyard_router_decisions_total", kind="dp", policy="switchyard", fallback="")
     stubs = [StubConfig("a", waiting_prefill_tokens=50_000), StubConfig("b")]

@@ -130,7 +130,7 @@ async def test_a_flood_of_stored_keys_stays_within_the_engines_share(secured: Se
             await e0.kv(stored(rng.integers(1, 2**63, size=4000, dtype=np.uint64)))
         last = e0.kv_seq - 1
         prefix = fleet.router.core.prefix
-        await wait_for(lambda: prefix._seq.get("e0") == last, timeout_s=30)
+        await wait_for(lambda: prefix.applier.last("e0") == last, timeout_s=30)
         assert fleet.blocks("e0") == 64 and fleet.blocks("e1") == len(KEYS)
         assert prefix.blocks.match(KEYS.tolist(), ["e0", "e1"]).tolist() == [0, len(KEYS)]
         assert len(prefix.blocks) == 128

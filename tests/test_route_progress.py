@@ -65,7 +65,7 @@ def _telemetry(engine_id: str, seq: int) -> s.Telemetry:
 
 
 def _core(dp_profile: str = "gimbal-exact") -> RouterCore:
-    core = RouterCore(RouterSettings(dp_profile=dp_profile, inflight_grace_s=0.0, stale_after_s=60.0))
+    core = RouterCore(RouterSettings(dp_profile=dp_profile, inflight_grace_s=0.0, fresh_load_s=60.0))
     for engine_id in ("e0", "e1"):
         core.on_hello(_hello(engine_id), 0.0)
         core.on_telemetry(_telemetry(engine_id, 0), 0.0)
@@ -147,9 +147,7 @@ async def test_after_the_gateway_reports_an_end_the_router_no_longer_counts_it(
     token and the end, and the router's exact ledger follows (pending → decoding → gone)."""
     from switchyard.services.gateway.routing import Router
 
-    service = RouterService(
-        settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, stale_after_s=5.0)
-    )
+    service = RouterService(settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, fresh_load_s=5.0))
     await service.start()
     try:
         engines = [FakeEngine(bus.nc, bus.subjects, e) for e in ("e0", "e1")]
@@ -187,9 +185,7 @@ async def test_only_the_gateway_may_publish_progress(secured: SecuredNats) -> No
     credential publishing a forged end for the same request is refused by the server (a violation logged),
     so the request stays counted."""
     settings = secured.settings()
-    service = RouterService(
-        settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, stale_after_s=5.0)
-    )
+    service = RouterService(settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, fresh_load_s=5.0))
     gateway = await Bus.connect(settings, name="gateway", role="gateway")
     engine_nc = await secured.raw(engine_user("e0"))
     await service.start()
@@ -231,7 +227,7 @@ async def test_through_the_gateway_every_routed_request_leaves_the_ledger(
 
     seen: list[s.RouteProgress] = []
     await bus.subscribe(bus.subjects.route_progress, s.RouteProgress, lambda message, _msg: seen.append(message))
-    router = RouterService(settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(dp_profile="gimbal-exact", inflight_grace_s=0.0, fresh_load_s=5.0))
     await router.start()
     body = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
     try:

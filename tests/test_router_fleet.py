@@ -32,7 +32,7 @@ def telemetry(engine_id: str, seq: int, running: int = 0, kv: float = 0.1) -> Te
 
 
 def test_engines_drop_out_when_silent_and_return_when_heard() -> None:
-    fleet = TelemetryView(stale_after_s=1.0)
+    fleet = TelemetryView(fresh_load_s=1.0)
     for i in range(3):
         fleet.on_hello(hello(f"d{i}"), now=0.0)
         fleet.on_telemetry(telemetry(f"d{i}", 0), now=0.0)
@@ -112,7 +112,7 @@ def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running
     """The router's cached decode view (re-read only on data changes, liveness re-checked only when an engine
     may have expired, its own decisions applied in place, to its load and to every gathered column) always
     shows what reading the fleet afresh shows."""
-    fleet = TelemetryView(stale_after_s=1.0, inflight_grace_s=0.05, capacity=2)
+    fleet = TelemetryView(fresh_load_s=1.0, inflight_grace_s=0.05, capacity=2)
     view = RoleView(fleet, "decode")
     now, seq = 10.0, dict.fromkeys(_ENGINES, 0)
     names = tuple(COLUMNS)
@@ -161,7 +161,7 @@ def test_role_view_kept_in_step_equals_a_fresh_read(events: list[tuple], running
 
 
 def test_gathered_columns_follow_decisions_in_place_and_are_re_read_after_a_report() -> None:
-    fleet = TelemetryView(stale_after_s=1.0, inflight_grace_s=0.05)
+    fleet = TelemetryView(fresh_load_s=1.0, inflight_grace_s=0.05)
     for engine_id in ("a", "b"):
         fleet.on_hello(hello(engine_id, "dp"), 0.0)
     view = RoleView(fleet, "dp")
@@ -181,7 +181,7 @@ def test_gathered_columns_follow_decisions_in_place_and_are_re_read_after_a_repo
 
 
 def test_role_view_liveness_at_the_deadline_and_when_the_clock_goes_back() -> None:
-    fleet = TelemetryView(stale_after_s=1.0)
+    fleet = TelemetryView(fresh_load_s=1.0)
     fleet.on_hello(hello("d0"), 10.0)
     view = RoleView(fleet, "decode")
     view.rebuild()

@@ -125,7 +125,7 @@ async def test_routing_follows_live_telemetry(bus: Bus, settings: SwitchyardSett
 async def test_silent_engine_receives_nothing_after_the_timeout(bus: Bus, settings: SwitchyardSettings) -> None:
     engines = Engines(bus, {"d0": "decode", "d1": "decode"})
     await engines.answer_announces()
-    router = await _start(settings, policy="rr", stale_after_s=0.4)
+    router = await _start(settings, policy="rr", fresh_load_s=0.4)
     try:
         await engines.report()
         await _settle()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import switchyard.solver.routing.decode as decode_policies
+import switchyard.solver.routing.eldr_kernel as decode_policies
 from switchyard.solver.routing import (
     DECODE_POLICIES,
     FleetSnapshot,

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from switchyard.solver.routing import FleetSnapshot, RouteQuery, RouterState, RoutingTables, dp_profile
-from switchyard.solver.routing.decode import LOOP_MAX_ENGINES
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
+from switchyard.solver.routing.eldr_kernel import LOOP_MAX_ENGINES
 from switchyard.solver.routing.framework import NonFiniteCost
 from switchyard.solver.routing.profiles import PREFIX_WEIGHT
 

@@ -7,17 +7,17 @@ import pytest
 
 from switchyard.solver.eldr_fit import fit_routing_artifact
 from switchyard.solver.representations import features, idf_weights, signature_vectors
-from switchyard.solver.scoring import Scorer, ScoringError
+from switchyard.solver.scoring import ScoringError, SignatureScorer
 from switchyard.solver.signatures import RequestCounts
 
 MASK = [1, 3, 4]
 
 
-def _scorer(representation: str, rng: np.random.Generator) -> tuple[Scorer, np.ndarray]:
+def _scorer(representation: str, rng: np.random.Generator) -> tuple[SignatureScorer, np.ndarray]:
     calibration = rng.poisson(2.0, (30, 6, 8))
     idf = idf_weights(calibration)[MASK] if representation == "count_idf" else np.ones((3, 8))
     centroids = rng.random((5, 24))
-    return Scorer(MASK, idf, centroids, num_layers=6, representation=representation), idf
+    return SignatureScorer(MASK, idf, centroids, num_layers=6, representation=representation), idf
 
 
 @pytest.mark.parametrize("representation", ["count", "count_idf", "binary"])
@@ -45,7 +45,7 @@ def test_scorer_from_a_fitted_artifact_sends_calibration_requests_to_their_own_c
     rate = (rng.random((3, 4, 12)) ** 4)[domain] * 10
     counts = RequestCounts(prefill=rng.poisson(rate), decode=rng.poisson(rate), top_k=1)
     artifact, report = fit_routing_artifact(counts, 3)
-    scorer = Scorer.from_artifact(artifact)
+    scorer = SignatureScorer.from_artifact(artifact)
     sims = scorer.similarities_batch(counts.prefill)
     # well-separated equal-size domains: balanced clusters are the domains, and τ = 0 routes home
     clusters = [np.bincount(sims[domain == d].argmax(axis=1), minlength=3).argmax() for d in range(3)]
@@ -73,8 +73,8 @@ def test_bad_signatures_raise_scoring_errors(counts: np.ndarray, layers: list[in
 
 def test_bad_artifacts_are_refused() -> None:
     with pytest.raises(ScoringError, match="gate_prob"):
-        Scorer([0], np.ones((1, 2)), np.ones((2, 2)), num_layers=1, representation="gate_prob")
+        SignatureScorer([0], np.ones((1, 2)), np.ones((2, 2)), num_layers=1, representation="gate_prob")
     with pytest.raises(ScoringError, match="layer mask"):
-        Scorer([2], np.ones((1, 2)), np.ones((2, 2)), num_layers=2)
+        SignatureScorer([2], np.ones((1, 2)), np.ones((2, 2)), num_layers=2)
     with pytest.raises(ScoringError, match="centroids"):
-        Scorer([0], np.ones((1, 2)), np.ones((2, 3)), num_layers=1)
+        SignatureScorer([0], np.ones((1, 2)), np.ones((2, 3)), num_layers=1)

@@ -60,7 +60,7 @@ async def _two_engines(secured: SecuredNats) -> AsyncIterator[dict[str, StubEngi
 @contextlib.asynccontextmanager
 async def _control_plane(settings: SwitchyardSettings) -> AsyncIterator[tuple[GatewayService, RouterService, Bus]]:
     """A router, a gateway and a fleet view (the API's, on the API's own user), each as its own user."""
-    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, stale_after_s=5.0))
+    router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
     service = GatewayService(settings, _gateway())
     api = await Bus.connect(settings, name="api", role="api")
     try:

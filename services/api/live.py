@@ -14,7 +14,8 @@ from sqlalchemy import select, text
 from switchyard.services.api import models as m
 from switchyard.services.api.deps import Session, State
 from switchyard.services.artifacts import ArtifactError, last_valid_artifact, load_artifact
-from switchyard.services.fleet_view import EngineState, FleetView
+from switchyard.services.engine_book import BookEntry
+from switchyard.services.fleet_view import FleetView
 from switchyard.shared.db import Engine
 
 router = APIRouter()
@@ -81,7 +82,7 @@ async def list_engines(
     ]
 
 
-def _live_engine(fleet: FleetView, s: EngineState) -> m.EngineOut:
+def _live_engine(fleet: FleetView, s: BookEntry) -> m.EngineOut:
     hello = s.hello
     return m.EngineOut(
         engine_id=s.engine_id,

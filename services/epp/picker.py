@@ -25,7 +25,7 @@ from switchyard.services.gateway import metrics as gateway_metrics
 from switchyard.services.gateway.body import BadBody, parse
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prompt_keys import PromptKeyer, PromptKeys
-from switchyard.services.gateway.registry import Engine, EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
 from switchyard.services.gateway.signatures import new_request_id
 from switchyard.services.router.ask import LOCAL_REPORTER
 from switchyard.services.router.core import Decided
@@ -50,7 +50,7 @@ class Pick:
     """One routed request, from its decision to its end."""
 
     request_id: str
-    engine: Engine
+    engine: HttpEngine
     #: The chosen endpoint first, then the fallbacks, as sent to the proxy.
     endpoints: list[str]
     answered: bool = False
@@ -65,11 +65,11 @@ def endpoint_of(base_url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Picker:
+class EndpointPicker:
     def __init__(
         self,
         settings: EppSettings,
-        registry: EngineRegistry,
+        registry: GatewayRegistry,
         feed: CoreFeed,
         router: InProcessRouter,
         sharer: DecisionSharer | None,
@@ -79,7 +79,7 @@ class Picker:
         self.sharer, self.keyer = sharer, keyer
         self._endpoints: dict[str, str] = {}  # base_url -> ip:port
 
-    def endpoint(self, engine: Engine) -> str:
+    def endpoint(self, engine: HttpEngine) -> str:
         endpoint = self._endpoints.get(engine.base_url)
         if endpoint is None:
             if len(self._endpoints) > 4 * self.registry.max_engines:
@@ -87,7 +87,7 @@ class Picker:
             endpoint = self._endpoints[engine.base_url] = endpoint_of(engine.base_url)
         return endpoint
 
-    def load(self, engine: Engine) -> float:
+    def load(self, engine: HttpEngine) -> float:
         """Requests outstanding on `engine` as the core counts them (running + waiting by its telemetry, plus every
         replica's decisions since), or this picker's own in-flight count before the core knows it."""
         fleet = self.feed.core.fleet
@@ -143,7 +143,7 @@ class Picker:
         self.registry.hop_begun(engine)
         return Pick(request_id, engine, [self.endpoint(engine), *self._fallbacks(engine, eligible)])
 
-    async def _keys(self, body: dict, chat: bool, model: str | None, engines: list[Engine]) -> PromptKeys | None:
+    async def _keys(self, body: dict, chat: bool, model: str | None, engines: list[HttpEngine]) -> PromptKeys | None:
         """The prompt's block keys at the block size most candidates announce; none (counted) if naming fails."""
         if self.keyer is None:
             return None
@@ -155,7 +155,7 @@ class Picker:
             log.debug("no block keys for a request", exc_info=True)
             return None
 
-    def _fallbacks(self, chosen: Engine, eligible: list[Engine]) -> list[str]:
+    def _fallbacks(self, chosen: HttpEngine, eligible: list[HttpEngine]) -> list[str]:
         """The other eligible endpoints, least outstanding first (then by id), at most `fallbacks` of them."""
         n = self.settings.fallbacks
         if n == 0 or len(eligible) < 2:
@@ -163,7 +163,7 @@ class Picker:
         rest = sorted((e for e in eligible if e is not chosen), key=lambda e: (self.load(e), e.engine_id))
         return [self.endpoint(e) for e in rest[:n]]
 
-    def _within(self, request_id: str, tokens: int, eligible: list[Engine]) -> Engine:
+    def _within(self, request_id: str, tokens: int, eligible: list[HttpEngine]) -> HttpEngine:
         """A choice narrower than the core's view (the proxy's subset): the least outstanding eligible engine,
         counted in the core (exact ledger, views, shared) as the core counts its own. The core's profiles choose
         over a model's whole fleet; a per-request candidate mask would be a core change (docs/epp.md)."""

@@ -26,8 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.services.epp import metrics
-from switchyard.services.epp.picker import Picker
-from switchyard.services.gateway.registry import Engine
+from switchyard.services.epp.picker import EndpointPicker
+from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.signatures import new_request_id
 from switchyard.services.router.ask import LocalDpAsk
 from switchyard.services.router.core import Decided
@@ -111,15 +111,15 @@ def owns(engine_id: str, pod: str) -> bool:
 class Selector:
     """`ReplicaSelectionRequest` in, `ReplicaSelectionResponse` out (the module docstring), on the picker's view."""
 
-    def __init__(self, picker: Picker) -> None:
+    def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
 
-    def _port(self, engine: Engine) -> int:
+    def _port(self, engine: HttpEngine) -> int:
         return int(self.picker.endpoint(engine).rsplit(":", 1)[1])
 
-    def matched(self, spec: Spec, live: list[Engine]) -> dict[str, tuple[Engine, Candidate]]:
+    def matched(self, spec: Spec, live: list[HttpEngine]) -> dict[str, tuple[HttpEngine, Candidate]]:
         """Engine id -> (engine, its candidate), for the live engines of the model that some candidate is."""
-        out: dict[str, tuple[Engine, Candidate]] = {}
+        out: dict[str, tuple[HttpEngine, Candidate]] = {}
         for candidate in spec.candidates:
             pod = candidate.id.rsplit("/", 1)[-1]
             ports = set(candidate.ports)
@@ -148,7 +148,7 @@ class Selector:
             decision_id,
         )
 
-    def _choose(self, decision_id: str, model: str, engines: list[Engine], whole_fleet: bool) -> str:
+    def _choose(self, decision_id: str, model: str, engines: list[HttpEngine], whole_fleet: bool) -> str:
         """The core's choice over the model's fleet, else (or when the core has none) the least outstanding
         candidate; counted in flight without an id (no end will be reported) and shared."""
         core = self.picker.feed.core

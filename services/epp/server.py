@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer  # `health.aio`: the asyncio servicer
 
 from switchyard.services.epp import metrics, protocol
-from switchyard.services.epp.picker import Pick, Picker, Refused
+from switchyard.services.epp.picker import EndpointPicker, Pick, Refused
 from switchyard.services.epp.settings import EppSettings
 from switchyard.services.gateway.body import openai_error
 from switchyard.shared.errors import ConfigError
@@ -51,7 +51,7 @@ class ProtocolError(Exception):
 class Exchange:
     """One HTTP request's ext_proc stream (see the module docstring)."""
 
-    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
         self.picker, self.max_body_bytes = picker, max_body_bytes
         self.path = ""
         self.subset: list[str] | None = None
@@ -150,7 +150,7 @@ def _refusal(refused: Refused) -> ProcessingResponse:
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
         self.picker, self.max_body_bytes = picker, max_body_bytes
 
     async def Process(  # the gRPC method's name
@@ -172,7 +172,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             exchange.close()
 
 
-class Health:
+class GrpcHealth:
     """The three health services; readiness (and the ext_proc service) follows `ready()`."""
 
     def __init__(self, ready: Callable[[], bool]) -> None:
@@ -198,7 +198,9 @@ class Health:
         await self.servicer.enter_graceful_shutdown()
 
 
-def build_server(settings: EppSettings, processor: ExternalProcessor, health: Health) -> tuple[grpc.aio.Server, int]:
+def build_server(
+    settings: EppSettings, processor: ExternalProcessor, health: GrpcHealth
+) -> tuple[grpc.aio.Server, int]:
     """The gRPC server bound to its port (returned; 0 asks for a free one): a busy port or unreadable TLS files are
     one `ConfigError`."""
     limit = settings.max_body_bytes + protocol.BODY_CHUNK  # one BUFFERED body in one message, and its envelope

@@ -14,15 +14,16 @@ import logging
 import grpc
 from aiohttp import web
 
+from switchyard.services.engine_book import EngineBook
 from switchyard.services.epp.http import start_http
-from switchyard.services.epp.picker import Picker
+from switchyard.services.epp.picker import EndpointPicker
 from switchyard.services.epp.select import Selector
-from switchyard.services.epp.server import ExternalProcessor, Health, build_server
+from switchyard.services.epp.server import ExternalProcessor, GrpcHealth, build_server
 from switchyard.services.epp.settings import EppSettings
 from switchyard.services.gateway.kv_ingest import KvIngest
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prompt_keys import PromptKeyer
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.upstream import Upstream
 from switchyard.services.router.core import RouterCore
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
@@ -69,11 +70,11 @@ class EppService:
             raise ConfigError(f"SWITCHYARD_EPP_EPP_ID: {exc}") from None
         g = e.gateway()
         routing = (router or RouterSettings()).model_copy(update={"replica_id": e.epp_id})
-        manifest = settings.engine_manifest_entries()
-        self.core = RouterCore(routing, manifest=manifest)
+        #: One engine book: the registry and the router core project it, fed each message once (`_on_hello`).
+        self.book = EngineBook(LivenessSettings().rule(), settings.engine_manifest_entries(), claims=False)
+        self.registry = GatewayRegistry(self.book, e.eject_after_failures)
+        self.core = RouterCore(routing, book=self.book)
         self.feed = CoreFeed(self.core, settings, e.epp_id, artifact_poll_s=e.artifact_poll_s)
-        liveness = LivenessSettings()
-        self.registry = EngineRegistry(liveness.misses, liveness.max_silence_s, manifest, e.eject_after_failures)
         # Tokenizers load before anything connects: a bad path is one line at startup (ConfigError).
         self.keyer = (
             PromptKeyer(
@@ -93,9 +94,9 @@ class EppService:
         self.ingest: Bus | None = None
         self.kv: KvIngest | None = None
         self.sharer: DecisionSharer | None = None
-        self.picker: Picker | None = None
+        self.picker: EndpointPicker | None = None
         self.server: grpc.aio.Server | None = None
-        self.health = Health(self.ready)
+        self.health = GrpcHealth(self.ready)
         self.upstream = Upstream(g)  # ejected engines' health checks only
         self.port: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -107,11 +108,9 @@ class EppService:
         return bus is not None and bus.nc.is_connected and self.feed.ready.is_set() and bool(self.registry.live())
 
     def _on_hello(self, hello: Hello, _msg: object) -> None:
-        self.registry.on_hello(hello)
-        self.feed.on_hello(hello)
+        self.feed.on_hello(hello)  # into the one book: registry and core both see it
 
     def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
-        self.registry.on_telemetry(telemetry)
         self.feed.on_telemetry(telemetry)
 
     async def start(self, servers: list[str] | None = None) -> None:
@@ -144,8 +143,8 @@ class EppService:
                     e.epp_id,
                 )
             await self.feed.start(bus, None, None)
-            router = InProcessRouter(self.feed, self.sharer)
-            self.picker = Picker(e, self.registry, self.feed, router, self.sharer, self.keyer)
+            router = InProcessRouter(self.feed, self.sharer, self.registry)
+            self.picker = EndpointPicker(e, self.registry, self.feed, router, self.sharer, self.keyer)
             await bus.publish(s.announce, Announce(requester=e.epp_id))
             await bus.nc.flush()
             processor = ExternalProcessor(self.picker, e.max_body_bytes)

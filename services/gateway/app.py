@@ -23,7 +23,7 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import BadBody, Parsed, error_response, parse
 from switchyard.services.gateway.disagg import serve_disagg
 from switchyard.services.gateway.dp import serve_dp
-from switchyard.services.gateway.registry import Engine
+from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.relay import Context, ToClient
 from switchyard.services.gateway.signatures import new_request_id
 from switchyard.services.router.prefix import key_block_size
@@ -38,7 +38,7 @@ def _fleet_unavailable(ctx: Context, model: str | None) -> Response:
     return error_response(503, "no live engine can serve this request", "ServiceUnavailableError")
 
 
-def _block_size(engines: list[Engine]) -> int:
+def _block_size(engines: list[HttpEngine]) -> int:
     """The block size most candidates announce (the router's core keys its match at the same one): one engine's
     odd hello cannot turn prefix routing off for the rest (issue 37, item 7); odd engines are counted."""
     first = engines[0].block_size
@@ -49,7 +49,7 @@ def _block_size(engines: list[Engine]) -> int:
     return size
 
 
-async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[Engine]) -> None:
+async def _name_blocks(ctx: Context, parsed: Parsed, chat: bool, engines: list[HttpEngine]) -> None:
     """The prompt's block keys at the block size most candidates announce, and its exact token count when it was
     tokenized; a failure leaves the request without keys (counted), never fails it."""
     keyer = ctx.keyer

@@ -6,7 +6,7 @@ what it really found cached: `usage.prompt_tokens_details.cached_tokens` (vLLM w
 the client asked `stream_options.include_usage`). `watch` reads it (a regex, `reported_cached_tokens`) and hands
 it to `PrefixState.answered`. Only requests the core expects an answer for are watched; the rest pay nothing.
 
-An answer counts as the claimed engine's only when that engine's hop succeeded (`Engine.failures` is 0 after
+An answer counts as the claimed engine's only when that engine's hop succeeded (`HttpEngine.failures` is 0 after
 it): a hop retried on another engine reports nothing of the claim (`unreported`).
 
 The remote-router shape has no such feedback (the router never sees answers): there claims are believed as
@@ -20,8 +20,8 @@ import time
 from starlette.responses import Response
 from starlette.types import Message, Send
 
-from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import Context, Relayed, ToClient
+from switchyard.services.gateway.registry import HttpEngine
+from switchyard.services.gateway.relay import Context, StreamedAnswer, ToClient
 from switchyard.services.router.kv_trust import reported_cached_tokens
 from switchyard.services.router.prefix import PrefixState
 
@@ -42,7 +42,7 @@ def unanswered(prefix: PrefixState, request_id: str) -> None:
     prefix.answered(request_id, None, time.monotonic())
 
 
-def watch(prefix: PrefixState, request_id: str, engine: Engine, answer: ToClient) -> ToClient:
+def watch(prefix: PrefixState, request_id: str, engine: HttpEngine, answer: ToClient) -> ToClient:
     """Report the answer's cached tokens once it is known: at once for a whole answer, at a stream's end."""
     if engine.failures or answer.status_code >= 400:
         unanswered(prefix, request_id)
@@ -53,7 +53,7 @@ def watch(prefix: PrefixState, request_id: str, engine: Engine, answer: ToClient
     return _watch_stream(prefix, request_id, answer)
 
 
-def _watch_stream(prefix: PrefixState, request_id: str, answer: Relayed) -> Relayed:
+def _watch_stream(prefix: PrefixState, request_id: str, answer: StreamedAnswer) -> StreamedAnswer:
     found = [reported_cached_tokens(answer.first)]
     relay, finish = answer.relay, answer.finish
 

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.choice import pick_prefill
-from switchyard.services.gateway.registry import Engine
+from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.relay import (
     ClientGone,
     Context,
@@ -78,7 +78,7 @@ def signature_in(kv_params: dict[str, Any]) -> np.ndarray | None:
         return None
 
 
-def _prefill_answer(engine: Engine, answer: Answer) -> Any:
+def _prefill_answer(engine: HttpEngine, answer: Answer) -> Any:
     """The prefill answer's JSON, parsed with the nesting bound (`shared.json_depth`): an answer that is not
     JSON, or nests deeper than any OpenAI answer does, is a hostile hop failure, never a RecursionError."""
     try:
@@ -90,8 +90,8 @@ def _prefill_answer(engine: Engine, answer: Answer) -> Any:
 
 
 async def _prefill(
-    ctx: Context, request: Request, engines: list[Engine], parsed: Parsed, path: str, request_id: str
-) -> tuple[Engine, dict[str, Any]] | Response:
+    ctx: Context, request: Request, engines: list[HttpEngine], parsed: Parsed, path: str, request_id: str
+) -> tuple[HttpEngine, dict[str, Any]] | Response:
     engines = [e for e in engines if not (e.ejected or e.trial_busy)] or engines  # out since the list was taken
     keys, prefix = parsed.keys, ctx.prefix
     cached = None
@@ -159,8 +159,8 @@ async def serve_disagg(
     request: Request,
     parsed: Parsed,
     path: str,
-    prefills: list[Engine],
-    decoders: list[Engine],
+    prefills: list[HttpEngine],
+    decoders: list[HttpEngine],
     request_id: str,
     started: float,
 ) -> ToClient:

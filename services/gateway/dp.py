@@ -8,8 +8,8 @@ from starlette.requests import Request
 
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.confirm import claims_of, unanswered, watch
-from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.relay import Context, Relayed, ToClient, final_hop
+from switchyard.services.gateway.registry import HttpEngine
+from switchyard.services.gateway.relay import Context, StreamedAnswer, ToClient, final_hop
 from switchyard.services.gateway.routing import traced_route
 
 
@@ -19,7 +19,7 @@ async def serve_dp(
     parsed: Parsed,
     raw: bytes,
     path: str,
-    candidates: list[Engine],
+    candidates: list[HttpEngine],
     request_id: str,
     started: float,
 ) -> ToClient:
@@ -54,7 +54,7 @@ def _progressed(ctx: Context, request_id: str, answer: ToClient) -> ToClient:
     """The answer, reporting its first token and its end to the router's ledger (`progress`)."""
     progress = ctx.router.progress
     assert progress is not None
-    if isinstance(answer, Relayed):  # the engine's first chunk is in hand: its first token
+    if isinstance(answer, StreamedAnswer):  # the engine's first chunk is in hand: its first token
         # Reported once the chunk has gone to the client (the loop's next turn), not ahead of it.
         asyncio.get_running_loop().call_soon(progress.first, request_id)
         finish = answer.finish
@@ -74,11 +74,11 @@ async def _relay(
     request: Request,
     raw: bytes,
     path: str,
-    candidates: list[Engine],
+    candidates: list[HttpEngine],
     request_id: str,
     started: float,
     parsed: Parsed,
-    engine: Engine,
+    engine: HttpEngine,
 ) -> ToClient:
     return await final_hop(
         ctx,

@@ -15,13 +15,12 @@ import time
 import numpy as np
 
 from switchyard.services.gateway.prompt_keys import PromptKeys
-from switchyard.services.gateway.registry import Engine
-from switchyard.services.gateway.routing import Chooser
-from switchyard.services.router.ask import LocalDpAsk
+from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
+from switchyard.services.gateway.routing import Chooser, dp_ask
+from switchyard.services.router.ask import LocalDecodeAsk
 from switchyard.services.router.core import Decided
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
 from switchyard.shared.errors import WireError
-from switchyard.shared.schemas import RouteDecodeRequest
 
 __all__ = ["CoreProgress", "InProcessRouter"]
 
@@ -44,9 +43,16 @@ class CoreProgress:
 
 
 class InProcessRouter(Chooser):
-    def __init__(self, feed: CoreFeed, sharer: DecisionSharer | None) -> None:
+    """The core's choice, taken as it is: the core and `registry` project one engine book, and the registry holds
+    every engine it would not send to (ejected, on trial and busy, serving no HTTP) in that book, so the core
+    chooses only among the live candidates the registry offers. Candidates are read only to choose locally when
+    the core has no answer."""
+
+    def __init__(self, feed: CoreFeed, sharer: DecisionSharer | None, registry: GatewayRegistry) -> None:
         super().__init__()
-        self.core, self.sharer = feed.core, sharer
+        if feed.core.book is not registry.book:
+            raise ValueError("the in-process router and the registry must project one engine book")
+        self.core, self.sharer, self.engines = feed.core, sharer, registry.engines
         self.progress = CoreProgress(feed)
 
     def trace_attributes(self, kind: str) -> dict[str, str]:
@@ -61,32 +67,29 @@ class InProcessRouter(Chooser):
             self.sharer.add(decided)
             self.sharer.idle()  # published on the loop's next turn at the earliest, batched with its neighbours
 
+    def _take(self, decided: Decided) -> HttpEngine:
+        """The core's engine (a registry engine by construction: see the class docstring), its decision shared."""
+        self._share(decided)
+        self._recovered()
+        self.fallback = ""
+        return self.engines[decided.engine_id]
+
     async def route_dp(
         self,
         request_id: str,
         prompt_tokens: int,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
         keys: PromptKeys | None = None,
-    ) -> Engine | None:
+    ) -> HttpEngine | None:
         """The core's choice among `candidates` (the live DP engines serving `model`)."""
         if not candidates:
             return None
-        keyed = keys is not None and len(keys.keys) > 0
-        # Unvalidated: every field is this gateway's own (the id, a positive count, uint64 keys it computed).
-        request = LocalDpAsk(
-            request_id,
-            prompt_tokens,
-            model,
-            keys.keys if keyed else None,  # type: ignore[union-attr]
-            keys.kind if keyed else "tokens",  # type: ignore[union-attr]
-            True,
-        )
-        reply, decided = self.core.route_dp(request, time.monotonic())
+        ask = dp_ask(request_id, prompt_tokens, model, keys, True)
+        reply, decided = self.core.route_dp(ask, time.monotonic())
         if decided is None:
             return self.local(candidates, "dp", f"error_{reply.error.code}")  # type: ignore[union-attr]
-        self._share(decided)
-        return self._follow(decided.engine_id, candidates, "dp")
+        return self._take(decided)
 
     async def route_decode(
         self,
@@ -94,26 +97,17 @@ class InProcessRouter(Chooser):
         prompt_tokens: int,
         signature: np.ndarray | None,
         prefill_engine_id: str | None,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
-    ) -> Engine | None:
+    ) -> HttpEngine | None:
         """The core's (ELDR's) choice among the live decoders `candidates` for this prefill signature."""
         if not candidates:
             return None
+        ask = LocalDecodeAsk(request_id, prompt_tokens, signature, prefill_engine_id, model)
         try:
-            request = RouteDecodeRequest(
-                request_id=request_id,
-                prompt_tokens=prompt_tokens,
-                signature=signature,
-                prefill_engine_id=prefill_engine_id,
-                model=model,
-            )
-            reply, decided = self.core.route_decode(request, time.monotonic())
+            reply, decided = self.core.route_decode(ask, time.monotonic())
         except WireError as exc:  # a signature of the wrong shape for the artifact
             return self.local(candidates, "decode", f"error_{exc.code}")
-        except ValueError:  # ... refused by the request's own validation
-            return self.local(candidates, "decode", "error_schema")
         if decided is None:
             return self.local(candidates, "decode", f"error_{reply.error.code}")  # type: ignore[union-attr]
-        self._share(decided)
-        return self._follow(decided.engine_id, candidates, "decode")
+        return self._take(decided)

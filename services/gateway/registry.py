@@ -1,21 +1,17 @@
-"""The engines the gateway can send requests to, learnt from their hellos on the bus.
+"""The gateway's projection of the engine book: the engines it can send requests to, their URLs, its requests in
+flight to each, and its ejections and trials.
 
-An engine is a candidate while its hello names an HTTP `base_url` and it is live by the one liveness rule
-(`shared/liveness.py`, the router's and the fleet view's too): heard from, by hello or telemetry, within
-`misses` of its own intervals, but never more than `max_silence_s` ago (a sender that announces a long interval
-cannot keep itself in rotation after it died); one that falls silent leaves by itself (nothing to clean up:
-liveness is computed on read). Telemetry never makes an engine known (its hello says where it serves), but
-telemetry that came before the hello counts once it comes; as for the router and the fleet view, a message
-older than the engine's last one does not count. With
-an engine manifest, a hello is believed only when it matches its engine's entry (role, model, base URL): an
-engine's credentials prove its id, not where clients' prompts may go. An engine whose hops keep failing (or that
-sends one answer no honest engine sends: `upstream.HOSTILE`) is ejected, whatever hellos it sends, until its own
-`/health` answers (the gateway's prober), and then only on trial: see `hop_failed`. The registry also
-counts the gateway's own requests in flight per engine, which is what the local fallback choice and the prefill
-load bound read, and keeps each model's fleet mode (`mode`). Engine ids are the senders' word (on a bus without
-credentials anyone can name new ones), so it holds at most `max_engines`: a new id beyond that takes the place
-of the least recently heard engine only if that one is dead and has nothing in flight, else its hello is ignored
-and counted (`refused`).
+An engine is a candidate while the book holds its hello, that hello names an HTTP `base_url`, it is live by the
+one liveness rule (the book's stamp, `shared/liveness.py`: the router's and the fleet view's too) and the gateway
+has not taken it out of rotation. The book (`services.engine_book`) admits engines (the manifest: a hello is
+believed only when it matches its engine's entry, since an engine's credentials prove its id, not where clients'
+prompts may go; the id cap), checks telemetry sequence numbers and keeps telemetry that came before a hello.
+An engine whose hops keep failing (or that sends one answer no honest engine sends: `upstream.HOSTILE`) is
+ejected, whatever hellos it sends, until its own `/health` answers (the gateway's prober), and then only on
+trial: see `hop_failed`. Ejected, on-trial-and-busy and URL-less engines are *held* in the book, so the router's
+core fed by the same book never chooses one. The registry counts the gateway's own requests in flight per engine,
+which is what the local fallback choice and the prefill load bound read (the book keeps an engine with requests
+in flight however long it is dead), and keeps each model's fleet mode (`mode`).
 """
 
 from __future__ import annotations
@@ -23,45 +19,36 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from yarl import URL
 
+from switchyard.services.engine_book import BookEntry, BookListenerBase, EngineBook, HelloChange
 from switchyard.services.gateway import metrics
-from switchyard.shared.engine_manifest import EngineManifest
-from switchyard.shared.liveness import DEFAULT_MAX_SILENCE_S, DEFAULT_MISSES, DEFAULT_TELEMETRY_INTERVAL_S, Liveness
+from switchyard.shared.engine_manifest import REFUSALS, EngineManifest
+from switchyard.shared.liveness import Liveness
 from switchyard.shared.schemas import Hello, Telemetry
-from switchyard.shared.sequence import Seq, classify
+from switchyard.shared.sequence import Seq
+
+__all__ = ["MAX_TRIAL_BACKOFF_S", "MODES", "TRIAL_BACKOFF_S", "GatewayRegistry", "HttpEngine"]
 
 log = logging.getLogger(__name__)
 
 #: How a request is served: by one data-parallel engine, or by a prefill and then a decode engine.
 MODES = ("dp", "disagg")
 #: After a failed trial an ejected engine's next health check waits this long, doubled by each failed trial
-#: in a row up to the maximum (`EngineRegistry.hop_failed`).
+#: in a row up to the maximum (`GatewayRegistry.hop_failed`).
 TRIAL_BACKOFF_S, MAX_TRIAL_BACKOFF_S = 1.0, 60.0
 
 
 @dataclass
-class Engine:
-    engine_id: str
-    role: str
-    model: str
-    base_url: str
-    hello_interval_s: float
-    last_hello: float
+class HttpEngine:
+    """An engine as the gateway reaches it: its book entry (who it is, its liveness) and the gateway's own state."""
+
+    entry: BookEntry
     inflight: int = 0
-    telemetry_interval_s: float = DEFAULT_TELEMETRY_INTERVAL_S
-    #: When its last telemetry arrived (-inf: none yet) and that telemetry's sequence number.
-    last_telemetry: float = -math.inf
-    last_seq: int | None = None
-    #: The liveness rule's answer for its last hello and telemetry (`_expiry`).
-    live_until: float = -math.inf
-    #: When its current stretch of liveness began (its first hello after being unknown or stale).
-    joined: float = 0.0
     #: Hops failed in a row; at `eject_after_failures` the engine is ejected until its health check passes.
     failures: int = 0
     ejected: bool = False
@@ -72,14 +59,76 @@ class Engine:
     trial_busy: bool = False
     backoff_s: float = 0.0
     check_at: float = 0.0
-    #: Tokens per KV block (its hello's `capacity.block_size`): the block size of its prefix-cache keys.
-    block_size: int = 16
-    #: KV blocks it can hold at all (its hello's `capacity.kv_blocks`): the most its KV events may claim.
-    kv_blocks: int = 2**31
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+    _base_url: str = ""
+
+    @property
+    def engine_id(self) -> str:
+        return self.entry.engine_id
+
+    @property
+    def role(self) -> str:
+        return self.entry.role or ""
+
+    @property
+    def model(self) -> str:
+        return self.entry.model
+
+    @property
+    def base_url(self) -> str:
+        return self.entry.base_url or ""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (its hello's `capacity.block_size`): the block size of its prefix-cache keys."""
+        return self.entry.block_size
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks it can hold at all (its hello's `capacity.kv_blocks`): the most its KV events may claim."""
+        return self.entry.kv_blocks
+
+    @property
+    def live_until(self) -> float:
+        return self.entry.live_until
+
+    @property
+    def joined(self) -> float:
+        """When its current stretch of liveness began (its first word after being unknown or dead)."""
+        return self.entry.live_since
+
+    @property
+    def hello_interval_s(self) -> float:
+        return self.entry.hello_interval_s
+
+    @property
+    def telemetry_interval_s(self) -> float:
+        return self.entry.telemetry_interval_s
+
+    @property
+    def last_hello(self) -> float:
+        at = self.entry.hello_at
+        return -math.inf if at is None else at
+
+    @property
+    def last_telemetry(self) -> float:
+        at = self.entry.telemetry_at
+        return -math.inf if at is None else at
+
+    @property
+    def last_seq(self) -> int | None:
+        return self.entry.last_seq
+
+    @property
+    def out(self) -> bool:
+        """Out of rotation: ejected, or on trial with its one request in flight."""
+        return self.ejected or self.trial_busy
 
     def url(self, path: str) -> URL:
         """`base_url + path`, parsed once (aiohttp would parse the string on every request)."""
+        if self._base_url != self.base_url:
+            self._urls.clear()
+            self._base_url = self.base_url
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = URL(self.base_url + path)
@@ -87,148 +136,115 @@ class Engine:
 
 
 class _Live(NamedTuple):
-    """One cached answer of `EngineRegistry.live`: valid for `version` until the first engine in it expires."""
+    """One cached answer of `GatewayRegistry.live`: valid for `version` until the first engine in it expires."""
 
-    engines: list[Engine]
+    engines: list[HttpEngine]
     valid_until: float
     version: int
 
 
-class EngineRegistry:
+class GatewayRegistry(BookListenerBase):
     def __init__(
         self,
-        hello_misses: float = DEFAULT_MISSES,
-        stale_after_s: float = DEFAULT_MAX_SILENCE_S,
-        manifest: EngineManifest | None = None,
+        book: EngineBook | None = None,
         eject_after_failures: int = 2,
+        *,
+        liveness: Liveness | None = None,
+        manifest: EngineManifest | None = None,
         max_engines: int = 4096,
     ) -> None:
-        #: The liveness rule: `hello_misses` and `stale_after_s` are its `misses` and `max_silence_s`.
-        self.liveness = Liveness(hello_misses, stale_after_s)
-        self.manifest = manifest
+        #: The engine book it projects (None: a book of its own, from `liveness`, `manifest` and `max_engines`).
+        self.book = book if book is not None else EngineBook(liveness, manifest, max_engines=max_engines, claims=False)
+        self.liveness = self.book.liveness
         self.eject_after_failures = eject_after_failures
-        self.max_engines = max_engines
         self.refused = 0  # hellos from a new id while every known engine was live or busy
         #: Called with each engine id the registry drops (the service removes its metric label sets).
         self.on_forget: Callable[[str], None] | None = None
-        #: Least recently heard first (each hello moves its engine to the end).
-        self.engines: OrderedDict[str, Engine] = OrderedDict()
+        #: Engines whose hello names a base URL, by id.
+        self.engines: dict[str, HttpEngine] = {}
         self.version = 0  # bumped by every hello, ejection and restoration: liveness may have changed
         self._live: dict[tuple[str | None, str | None], _Live] = {}
         self._modes: dict[str | None, str] = {}
-        #: engine id -> (arrival, seq) of the last telemetry from an engine that has not said hello yet.
-        self._early: dict[str, tuple[float, int]] = {}
+        for entry in self.book.entries.values():
+            if entry.hello is not None:
+                self.hello_accepted(entry, HelloChange.JOIN, None)
+        self.book.listen(self, keeps=self._busy)
+
+    # ----- the book's messages (a registry with a book of its own is fed here) -----
 
     def on_hello(self, hello: Hello, now: float | None = None) -> None:
-        """Add or refresh an engine; a hello without `base_url` (an engine serving no HTTP) is ignored, and one
-        the manifest contradicts is refused and counted."""
-        now = time.monotonic() if now is None else now
-        if hello.base_url is None:
-            return
-        if self.manifest is not None and (refused := self.manifest.refusal(hello)) is not None:
-            metrics.HELLOS_REFUSED.labels(refused).inc()
-            return
-        engine = self.engines.get(hello.engine_id)
-        if engine is not None:
-            self.engines.move_to_end(hello.engine_id)
-        elif not self._room(now):
-            self.refused += 1
-            return
-        else:
-            engine = Engine(hello.engine_id, hello.role, hello.model.name, hello.base_url.rstrip("/"), 0.0, now)
-            self.engines[hello.engine_id] = engine
-            early = self._early.pop(hello.engine_id, None)
-            if early is not None:  # its telemetry came first (a restarted gateway): it counts, as elsewhere
-                engine.last_telemetry, engine.last_seq = early
-        if engine.joined == 0.0 or not self._fresh(engine, now):
-            engine.joined = now
-        engine.role, engine.model = hello.role, hello.model.name
-        base_url = hello.base_url.rstrip("/")
-        if base_url != engine.base_url:
-            engine.base_url = base_url
-            engine._urls.clear()
-        engine.hello_interval_s, engine.last_hello = hello.hello_interval_s, now
-        engine.block_size = hello.capacity.block_size
-        engine.kv_blocks = hello.capacity.kv_blocks
-        engine.telemetry_interval_s = hello.telemetry_interval_s
-        self._relive(engine)
-        self.version += 1
+        self.book.on_hello(hello, time.monotonic() if now is None else now)
 
     def on_telemetry(self, telemetry: Telemetry, now: float | None = None) -> None:
-        """Telemetry keeps an engine live (the rule's telemetry window); from an engine not known yet it is kept
-        for its hello; a message older than the engine's last is ignored (as the router and the fleet view do)."""
-        now = time.monotonic() if now is None else now
-        engine = self.engines.get(telemetry.engine_id)
+        self.book.on_telemetry(telemetry, time.monotonic() if now is None else now)
+
+    # ----- what the book tells it -----
+
+    def hello_accepted(self, entry: BookEntry, change: str, previous: Hello | None) -> None:
+        engine = self.engines.get(entry.engine_id)
+        if entry.base_url is None:  # an engine serving no HTTP: not the gateway's, and never the core's here
+            if engine is not None and not engine.inflight:
+                self._drop(entry.engine_id)
+            self.book.hold(entry.engine_id, True)
+            return
         if engine is None:
-            self._remember_early(telemetry, now)
-            return
-        event, _missed = classify(engine.last_seq, telemetry.seq)
-        if event is Seq.LATE:
-            return
-        revived = not self._fresh(engine, now)
-        engine.last_seq, engine.last_telemetry = telemetry.seq, now
-        self._relive(engine)
-        if revived:  # it joins the live lists (they hold until their first engine expires: a later expiry is fine)
-            engine.joined = now
+            engine = self.engines[entry.engine_id] = HttpEngine(entry)
+        self._hold(engine)
+        self.version += 1
+
+    def telemetry_accepted(self, entry: BookEntry, telemetry: Telemetry, event: Seq, revived: bool) -> None:
+        if revived and entry.engine_id in self.engines:  # it joins the live lists (a later expiry is fine)
             self.version += 1
 
-    def _remember_early(self, telemetry: Telemetry, now: float) -> None:
-        """Telemetry from an engine not known yet: its arrival and sequence number count once its hello comes (the
-        router and the fleet view count it too). Ids are the senders' word: at most `max_engines` are kept."""
-        last = self._early.get(telemetry.engine_id)
-        if last is not None and classify(last[1], telemetry.seq)[0] is Seq.LATE:
-            return
-        if last is None and len(self._early) >= self.max_engines:
-            self._early.clear()
-        self._early[telemetry.engine_id] = (now, telemetry.seq)
+    def refusal(self, reason: str, engine_id: str) -> None:
+        if reason in REFUSALS:
+            metrics.HELLOS_REFUSED.labels(reason).inc()
+        elif reason == "max_engines":
+            self.refused_count()
 
-    @property
-    def hello_misses(self) -> float:
-        return self.liveness.misses
+    def refused_count(self) -> None:
+        self.refused += 1
+        metrics.ENGINES_REFUSED.inc()
 
-    @property
-    def stale_after_s(self) -> float:
-        return self.liveness.max_silence_s
+    def entries_left(self, engine_ids: list[str]) -> None:
+        for engine_id in engine_ids:
+            if engine_id in self.engines:
+                self._drop(engine_id)
 
-    def _relive(self, engine: Engine) -> None:
-        engine.live_until = self.liveness.live_until(
-            engine.last_hello, engine.hello_interval_s, engine.last_telemetry, engine.telemetry_interval_s
-        )
-
-    def _expiry(self, engine: Engine) -> float:
-        return engine.live_until
-
-    def _fresh(self, engine: Engine, now: float) -> bool:
-        return Liveness.is_live(engine.live_until, now)
-
-    def _room(self, now: float) -> bool:
-        """Whether a new engine fits, making room by dropping the least recently heard one if it is dead and idle."""
-        if len(self.engines) < self.max_engines:
-            return True
-        oldest = next(iter(self.engines.values()))
-        if self._fresh(oldest, now) or oldest.inflight:
-            return False
-        self._forget(oldest.engine_id)
-        return True
-
-    def _forget(self, engine_id: str) -> None:
+    def _drop(self, engine_id: str) -> None:
         del self.engines[engine_id]
         self.version += 1
         if self.on_forget is not None:
             self.on_forget(engine_id)
 
-    def alive(self, engine: Engine, now: float) -> bool:
-        return not engine.ejected and not engine.trial_busy and self._fresh(engine, now)
+    def _busy(self, engine_id: str) -> bool:
+        engine = self.engines.get(engine_id)
+        return engine is not None and engine.inflight > 0
+
+    def _hold(self, engine: HttpEngine) -> None:
+        """Tell the book whether the engine is out of rotation here (the router's core then skips it too)."""
+        self.book.hold(engine.engine_id, engine.out)
+
+    @property
+    def max_engines(self) -> int:
+        return self.book.max_engines
+
+    def _fresh(self, engine: HttpEngine, now: float) -> bool:
+        return Liveness.is_live(engine.live_until, now)
+
+    def alive(self, engine: HttpEngine, now: float) -> bool:
+        return not engine.out and self._fresh(engine, now)
 
     # ----- failures and health -----
 
-    def hop_begun(self, engine: Engine) -> None:
+    def hop_begun(self, engine: HttpEngine) -> None:
         """A request goes to `engine`: on trial, it leaves the live lists until that request has its verdict."""
         if engine.trial and not engine.trial_busy:
             engine.trial_busy = True
+            self._hold(engine)
             self.version += 1
 
-    def hop_failed(self, engine: Engine, hostile: bool = False, now: float | None = None) -> None:
+    def hop_failed(self, engine: HttpEngine, hostile: bool = False, now: float | None = None) -> None:
         """A hop to `engine` failed. It leaves rotation (counted, logged) at `eject_after_failures` in a row, at once
         for a `hostile` answer (one past a bound, or not JSON: no honest engine sends one), and at once on trial.
 
@@ -246,6 +262,7 @@ class EngineRegistry:
             metrics.TRIALS.labels("failed").inc()
         engine.ejected, engine.trial, engine.trial_busy = True, False, False
         engine.check_at = now + engine.backoff_s
+        self._hold(engine)
         self.version += 1
         metrics.EJECTIONS.inc()
         log.warning(
@@ -256,40 +273,43 @@ class EngineRegistry:
             engine.backoff_s,
         )
 
-    def hop_succeeded(self, engine: Engine) -> None:
+    def hop_succeeded(self, engine: HttpEngine) -> None:
         """A hop to `engine` succeeded: on trial, it is fully back."""
         engine.failures = 0
         if engine.trial:
             engine.trial = engine.trial_busy = False
             engine.backoff_s = 0.0
+            self._hold(engine)
             self.version += 1
             metrics.TRIALS.labels("passed").inc()
             metrics.RESTORATIONS.inc()
             log.warning("engine %s back in rotation: a request on trial succeeded", engine.engine_id)
 
-    def hop_abandoned(self, engine: Engine) -> None:
+    def hop_abandoned(self, engine: HttpEngine) -> None:
         """A hop to `engine` ended without a verdict (the client left): on trial, it may take the next request."""
         if engine.trial_busy:
             engine.trial_busy = False
+            self._hold(engine)
             self.version += 1
 
-    def ejected(self) -> list[Engine]:
+    def ejected(self) -> list[HttpEngine]:
         return [e for e in self.engines.values() if e.ejected]
 
-    def due_for_check(self, now: float | None = None) -> list[Engine]:
+    def due_for_check(self, now: float | None = None) -> list[HttpEngine]:
         """Ejected engines whose health is to be checked now (past their backoff)."""
         now = time.monotonic() if now is None else now
         return [e for e in self.engines.values() if e.ejected and e.check_at <= now]
 
-    def put_on_trial(self, engine: Engine) -> None:
+    def put_on_trial(self, engine: HttpEngine) -> None:
         """Its health check passed: on trial (see `hop_failed`), in rotation for one request at a time."""
         if engine.ejected:
             engine.ejected, engine.trial, engine.failures = False, True, 0
+            self._hold(engine)
             self.version += 1
             metrics.TRIALS.labels("started").inc()
             log.warning("engine %s on trial: its /health answered", engine.engine_id)
 
-    def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[Engine]:
+    def live(self, role: str | None = None, model: str | None = None, now: float | None = None) -> list[HttpEngine]:
         """Live engines, optionally of one role and serving one model, in engine-id order (deterministic).
 
         The same list is returned until a hello arrives or one of its engines expires (callers must not change
@@ -309,13 +329,13 @@ class EngineRegistry:
             ),
             key=lambda e: e.engine_id,
         )
-        expiries = (self._expiry(e) for e in engines)
+        expiries = (e.live_until for e in engines)
         if len(self._live) > 256:  # model names come from requests: bound the cache
             self._live.clear()
         self._live[key] = _Live(engines, min(expiries, default=math.inf), self.version)
         return engines
 
-    def get_live(self, engine_id: str, now: float | None = None) -> Engine | None:
+    def get_live(self, engine_id: str, now: float | None = None) -> HttpEngine | None:
         engine = self.engines.get(engine_id)
         now = time.monotonic() if now is None else now
         return engine if engine is not None and self.alive(engine, now) else None
@@ -357,11 +377,6 @@ class EngineRegistry:
         return chosen
 
     def forget_dead(self, now: float | None = None, keep_s: float = 600.0) -> None:
-        """Drop engines silent for `keep_s` beyond their liveness (bounded memory under churn), and telemetry
-        from engines without a hello that is too old to keep anyone live (older than `max_silence_s`)."""
-        now = time.monotonic() if now is None else now
-        cap = self.liveness.max_silence_s
-        self._early = {e: early for e, early in self._early.items() if now - early[0] <= cap}
-        for engine_id, e in list(self.engines.items()):
-            if e.inflight == 0 and now - self._expiry(e) > keep_s:
-                self._forget(engine_id)
+        """Have the book forget engines silent for `keep_s` (bounded memory under churn) and telemetry from
+        engines without a hello too old to keep anyone live; engines with requests in flight stay."""
+        self.book.forget_silent(time.monotonic() if now is None else now, keep_s)

@@ -21,7 +21,7 @@ from starlette.types import Receive, Send
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.body import error_response
 from switchyard.services.gateway.choice import least_loaded
-from switchyard.services.gateway.registry import Engine, EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
 from switchyard.services.gateway.routing import Routes
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
@@ -42,7 +42,7 @@ class Context:
     """What a request path needs: the gateway's parts, built once by the service."""
 
     settings: GatewaySettings
-    registry: EngineRegistry
+    registry: GatewayRegistry
     router: Routes
     upstream: Upstream
     signatures: SignatureBox
@@ -114,7 +114,7 @@ async def until_disconnect(request: Request, call: Awaitable[T]) -> T:
 
 
 def hop_span(
-    tracing: Tracing, engine: Engine, path: str, hop: str, headers: dict[str, str]
+    tracing: Tracing, engine: HttpEngine, path: str, hop: str, headers: dict[str, str]
 ) -> tuple[Span, dict[str, str]]:
     """A client span for one call to an engine (one attempt), and the call's headers naming it as the parent
     (`traceparent`): vLLM started with `--otlp-traces-endpoint` continues the trace."""
@@ -131,7 +131,7 @@ def hop_span(
 def end_hop_span(tracing: Tracing, span: Span, answer: ToClient) -> None:
     """End a hop's span with its answer: at once for a whole one, when the relay finishes for a stream."""
     span.set_attribute("http.response.status_code", answer.status_code)
-    if not isinstance(answer, Relayed):
+    if not isinstance(answer, StreamedAnswer):
         tracing.end(span, None if answer.status_code < 500 else f"http_{answer.status_code}")
         return
     finish = answer.finish
@@ -150,7 +150,7 @@ def _failed(tracing: Tracing | None, span: Span | None, error: str) -> None:
         tracing.end(span, error)
 
 
-def other_engine(failed: Engine, candidates: list[Engine], turn: int) -> Engine | None:
+def other_engine(failed: HttpEngine, candidates: list[HttpEngine], turn: int) -> HttpEngine | None:
     """The least loaded candidate but `failed`, among those still in rotation (not ejected nor busy on trial)."""
     others = [e for e in candidates if e is not failed and not e.ejected and not e.trial_busy]
     index = least_loaded([e.inflight for e in others], turn)
@@ -172,8 +172,8 @@ async def final_hop(
     *,
     kind: str,
     hop: str,
-    engine: Engine,
-    candidates: list[Engine],
+    engine: HttpEngine,
+    candidates: list[HttpEngine],
     path: str,
     content: bytes,
     stream: bool,
@@ -239,7 +239,7 @@ async def final_hop(
     raise AssertionError("unreachable")
 
 
-class Relayed:
+class StreamedAnswer:
     """A streamed answer whose first chunk is already in hand, as an ASGI app: sent at once, then the rest as it
     comes.
 
@@ -284,7 +284,7 @@ class Relayed:
             self.finish(outcome, first_at)
 
 
-def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, started: float) -> ToClient:
+def _stream_back(opened: Opened, engine: HttpEngine, kind: str, request_id: str, started: float) -> ToClient:
     if opened.chunks is None:  # the engine refused the request (4xx): its answer, as it gave it
         engine.inflight -= 1
         metrics.REQUESTS.labels(kind, "client_error").inc()
@@ -322,8 +322,8 @@ def _stream_back(opened: Opened, engine: Engine, kind: str, request_id: str, sta
         else:
             opened.close()  # closing the connection is what aborts the request upstream
 
-    return Relayed(opened, finish, relay, request_id)
+    return StreamedAnswer(opened, finish, relay, request_id)
 
 
 #: What a request path answers with (either is an ASGI app): a whole response, or a relayed stream.
-ToClient = Response | Relayed
+ToClient = Response | StreamedAnswer

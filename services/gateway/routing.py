@@ -21,9 +21,10 @@ from switchyard.services.gateway import metrics
 from switchyard.services.gateway.choice import least_loaded
 from switchyard.services.gateway.progress import ProgressReporter
 from switchyard.services.gateway.prompt_keys import PromptKeys
-from switchyard.services.gateway.registry import Engine
+from switchyard.services.gateway.registry import HttpEngine
+from switchyard.services.router.ask import LOCAL_REPORTER, LocalDecodeAsk, LocalDpAsk
 from switchyard.shared.bus import Bus
-from switchyard.shared.codec import WireModel, array_to_wire, encode, encode_unchecked, reply_fields
+from switchyard.shared.codec import WireModel, encode_unchecked, reply_fields
 from switchyard.shared.errors import RemoteError, WireError
 from switchyard.shared.schemas import RouteDecodeReply, RouteDecodeRequest, RouteDpReply, RouteDpRequest
 
@@ -56,10 +57,10 @@ class Routes(Protocol):
         self,
         request_id: str,
         prompt_tokens: int,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
         keys: PromptKeys | None = None,
-    ) -> Engine | None: ...
+    ) -> HttpEngine | None: ...
 
     async def route_decode(
         self,
@@ -67,9 +68,24 @@ class Routes(Protocol):
         prompt_tokens: int,
         signature: np.ndarray | None,
         prefill_engine_id: str | None,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
-    ) -> Engine | None: ...
+    ) -> HttpEngine | None: ...
+
+
+def dp_ask(
+    request_id: str,
+    prompt_tokens: int,
+    model: str | None,
+    keys: PromptKeys | None,
+    progress: bool,
+    reporter: str | None = LOCAL_REPORTER,
+) -> LocalDpAsk:
+    """The DP ask both shapes make (`services.router.ask`): every field this gateway's own."""
+    keyed = keys is not None and len(keys.keys) > 0
+    block_keys = keys.keys if keys is not None and keyed else None
+    kind = keys.kind if keys is not None and keyed else "tokens"
+    return LocalDpAsk(request_id, prompt_tokens, model, block_keys, kind, progress, reporter)
 
 
 class Chooser:
@@ -82,7 +98,7 @@ class Chooser:
         self._turn = 0
         self.fallback = ""
 
-    def local(self, candidates: list[Engine], kind: str, reason: str) -> Engine | None:
+    def local(self, candidates: list[HttpEngine], kind: str, reason: str) -> HttpEngine | None:
         """Least-loaded candidate by the gateway's own in-flight counts; counted and logged once per incident."""
         metrics.FALLBACKS.labels(kind, reason).inc()
         self.fallback = reason
@@ -99,7 +115,7 @@ class Chooser:
             log.warning("router answering again after %d local choices", self.fallbacks_in_incident)
             self.incident, self.fallbacks_in_incident = False, 0
 
-    def _follow(self, engine_id: str, candidates: list[Engine], kind: str) -> Engine | None:
+    def _follow(self, engine_id: str, candidates: list[HttpEngine], kind: str) -> HttpEngine | None:
         for engine in candidates:
             if engine.engine_id == engine_id:
                 self._recovered()
@@ -150,23 +166,18 @@ class Router(Chooser):
         self,
         request_id: str,
         prompt_tokens: int,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
         keys: PromptKeys | None = None,
-    ) -> Engine | None:
+    ) -> HttpEngine | None:
         """The router's choice among `candidates` (the live DP engines serving `model`, which the router
         filters to as well); `keys`, the prompt's block keys, go with the request for its prefix scorers."""
         if not candidates:
             return None
         subject = self.bus.subjects.route_dp if self.bus is not None else ""
-        # Unchecked: the id is ours, the count a positive int, the model one a live engine's hello named.
-        fields = {"request_id": request_id, "prompt_tokens": prompt_tokens, "model": model}
-        if self.progress is not None:
-            fields["progress"], fields["reporter"] = True, self.progress.reporter
-        if keys is not None and len(keys.keys):  # uint64 keys we computed, at most MAX_PROMPT_BLOCKS of them
-            fields["block_keys"] = array_to_wire(keys.keys)
-            fields["key_kind"] = keys.kind
-        engine_id, reason = await self._ask(subject, encode_unchecked(RouteDpRequest, fields), RouteDpReply)
+        reporter = self.progress.reporter if self.progress is not None else None
+        ask = dp_ask(request_id, prompt_tokens, model, keys, self.progress is not None, reporter)
+        engine_id, reason = await self._ask(subject, encode_unchecked(RouteDpRequest, ask.wire()), RouteDpReply)
         if engine_id is None:
             return self.local(candidates, "dp", reason)
         return self._follow(engine_id, candidates, "dp")
@@ -177,30 +188,24 @@ class Router(Chooser):
         prompt_tokens: int,
         signature: np.ndarray | None,
         prefill_engine_id: str | None,
-        candidates: list[Engine],
+        candidates: list[HttpEngine],
         model: str | None = None,
-    ) -> Engine | None:
+    ) -> HttpEngine | None:
         """The router's (ELDR's) choice among the live decoders `candidates` for a request with this prefill
         signature."""
         if not candidates:
             return None
         subject = self.bus.subjects.route_decode if self.bus is not None else ""
-        request = RouteDecodeRequest(
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            signature=signature,
-            prefill_engine_id=prefill_engine_id,
-            model=model,
-        )
-        engine_id, reason = await self._ask(subject, encode(request), RouteDecodeReply)
+        ask = LocalDecodeAsk(request_id, prompt_tokens, signature, prefill_engine_id, model)
+        engine_id, reason = await self._ask(subject, encode_unchecked(RouteDecodeRequest, ask.wire()), RouteDecodeReply)
         if engine_id is None:
             return self.local(candidates, "decode", reason)
         return self._follow(engine_id, candidates, "decode")
 
 
 async def traced_route(
-    tracing: Tracing, router: Routes, kind: str, request_id: str, choice: Awaitable[Engine | None]
-) -> Engine | None:
+    tracing: Tracing, router: Routes, kind: str, request_id: str, choice: Awaitable[HttpEngine | None]
+) -> HttpEngine | None:
     """Await `choice` (the router's `route_dp` / `route_decode` call) inside a `route.<kind>` span: a client span
     in the remote shape (its `traceparent` goes with the question, and the router's server span is its child),
     an internal one in process; it names the engine chosen and, when the choice was local, why."""

@@ -13,6 +13,7 @@ import socket
 
 import uvicorn
 
+from switchyard.services.engine_book import EngineBook
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
@@ -20,7 +21,7 @@ from switchyard.services.gateway.kv_ingest import KvIngest
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prefix import PrefillPrefix
 from switchyard.services.gateway.prompt_keys import PromptKeyer
-from switchyard.services.gateway.registry import EngineRegistry
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.relay import Context
 from switchyard.services.gateway.routing import Router, Routes
 from switchyard.services.gateway.settings import GatewaySettings
@@ -75,22 +76,19 @@ class GatewayService:
             check_token(g.gateway_id, "gateway id")
         except ValueError as exc:
             raise ConfigError(f"SWITCHYARD_GATEWAY_GATEWAY_ID: {exc}") from None
+        #: One engine book for the process (`services.engine_book`): the registry's URLs, in-flight counts and
+        #: ejections and, in process, the router core's columns are projections of it, fed each message once.
+        self.book = EngineBook(LivenessSettings().rule(), settings.engine_manifest_entries(), claims=False)
+        self.registry = GatewayRegistry(self.book, g.eject_after_failures)
         #: In-process: the router's core (the same `SWITCHYARD_ROUTER_*` settings as `switchyard router`), its
-        #: replica id this gateway's. None: the remote shape.
+        #: replica id this gateway's, over the same book. None: the remote shape.
         self.core: RouterCore | None = None
         self.feed: CoreFeed | None = None
         if g.router == "inprocess":
             routing = (router or RouterSettings()).model_copy(update={"replica_id": g.gateway_id})
-            self.core = RouterCore(routing, manifest=settings.engine_manifest_entries())
+            self.core = RouterCore(routing, book=self.book)
             self.feed = CoreFeed(self.core, settings, g.gateway_id, artifact_poll_s=g.artifact_poll_s)
         self.sharer: DecisionSharer | None = None
-        liveness = LivenessSettings()  # the one rule's parameters, as the router and the fleet view read them
-        self.registry = EngineRegistry(
-            liveness.misses if g.hello_misses is None else g.hello_misses,
-            liveness.max_silence_s if g.stale_after_s is None else g.stale_after_s,
-            settings.engine_manifest_entries(),
-            g.eject_after_failures,
-        )
         # Tokenizers load here, before anything connects: a bad path is one line at startup (ConfigError).
         self.keyer = (
             PromptKeyer(
@@ -129,12 +127,11 @@ class GatewayService:
         return f"http://{self.gateway.host}:{self.port}"
 
     def _on_hello(self, hello: Hello, _msg: object) -> None:
-        refused = self.registry.refused
-        self.registry.on_hello(hello)
-        if self.registry.refused != refused:
-            metrics.ENGINES_REFUSED.inc()
+        """Into the one book (through the core's feed in process, which also re-reads its views)."""
         if self.feed is not None:
             self.feed.on_hello(hello)
+        else:
+            self.registry.on_hello(hello)
 
     def _forget(self, engine_id: str) -> None:
         metrics.forget_engine(engine_id)
@@ -142,9 +139,10 @@ class GatewayService:
             self.prefix.forget(engine_id)
 
     def _on_telemetry(self, telemetry: Telemetry, _msg: object) -> None:
-        self.registry.on_telemetry(telemetry)
         if self.feed is not None:
             self.feed.on_telemetry(telemetry)
+        else:
+            self.registry.on_telemetry(telemetry)
 
     async def _tidy(self) -> None:
         while True:
@@ -155,7 +153,7 @@ class GatewayService:
         """Put an ejected engine on trial when its own health check passes (never on a hello alone): `/health`
         answering says little (an engine sending hostile answers may answer it every second), so it is fully back
         only once a real request on trial succeeds, and a failed trial backs its next check off
-        (`EngineRegistry.hop_failed`)."""
+        (`GatewayRegistry.hop_failed`)."""
         g = self.gateway
         while True:
             await asyncio.sleep(g.health_check_interval_s)
@@ -244,7 +242,7 @@ class GatewayService:
                     g.gateway_id,
                 )
             await self.feed.start(bus, None, None)  # engine messages come through this service's handlers
-            router = InProcessRouter(self.feed, self.sharer)
+            router = InProcessRouter(self.feed, self.sharer, self.registry)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
         self.ctx = Context(

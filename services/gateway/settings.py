@@ -55,15 +55,8 @@ class GatewaySettings(BaseSettings):
     head_timeout_s: float = Field(default=10.0, gt=0)
 
     # --- engines ---
-    #: Liveness is the one rule every service applies (`shared/liveness.py`, `SWITCHYARD_LIVENESS_MISSES` and
-    #: `_MAX_SILENCE_S`, which these two names also set for every service). Unset: those settings. Set here
-    #: (in code), they override them for this gateway only, which then no longer judges as the router does.
-    #: An engine not heard from (hello or telemetry) for this many of its own intervals leaves ...
-    hello_misses: float | None = Field(default=None, gt=0)
-    #: ... and never later than this many seconds after its last hello or telemetry, whatever interval it
-    #: announced (the interval is the sender's word: a dead engine that claimed 60 s must not keep clients'
-    #: requests for 3 min).
-    stale_after_s: float | None = Field(default=None, gt=0)
+    # Liveness is the one rule every service applies: `SWITCHYARD_LIVENESS_MISSES` and `_MAX_SILENCE_S`, which the
+    # gateway's older names `SWITCHYARD_GATEWAY_HELLO_MISSES` and `_STALE_AFTER_S` still set for every service.
     #: An engine whose hops fail this many times in a row (once: an answer past a bound above, or not JSON) leaves
     #: rotation at once ...
     eject_after_failures: int = Field(default=2, ge=1)

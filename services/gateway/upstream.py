@@ -10,7 +10,7 @@ retry on another engine); an engine's own 4xx answer is not a failure of the eng
 Every answer read whole (a non-streaming one, a prefill's, an engine's 4xx body, `/health`) is bounded in bytes
 (`max_answer_bytes`; `HEALTH_MAX_BYTES`), every head in bytes and time (`max_answer_head_bytes`,
 `head_timeout_s`): an answer past a bound is a failure whose reason is in `HOSTILE`, and the caller ejects the
-engine at once (`EngineRegistry.hop_failed`), since no honest engine sends one.
+engine at once (`GatewayRegistry.hop_failed`), since no honest engine sends one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from switchyard.services.gateway.engine_http import EngineHttp, EngineHttpError, Response
-from switchyard.services.gateway.registry import Engine
+from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.settings import GatewaySettings
 
 #: Failure reasons no honest engine causes: an answer past a bound (`engine_http`) or one that is not the JSON it
@@ -30,7 +30,7 @@ HEALTH_MAX_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
-    def __init__(self, engine: Engine, reason: str, detail: str = "") -> None:
+    def __init__(self, engine: HttpEngine, reason: str, detail: str = "") -> None:
         super().__init__(f"{engine.engine_id}: {reason}{': ' + detail if detail else ''}")
         self.engine, self.reason = engine, reason
 
@@ -84,7 +84,7 @@ class Upstream:
         return headers
 
     async def post(
-        self, engine: Engine, path: str, content: bytes, headers: dict[str, str], deadline_s: float | None = None
+        self, engine: HttpEngine, path: str, content: bytes, headers: dict[str, str], deadline_s: float | None = None
     ) -> Answer:
         """A non-streaming call: the whole answer, within `deadline_s` (default: the first-byte timeout)."""
         http = self.http
@@ -99,7 +99,7 @@ class Upstream:
             raise UpstreamError(engine, f"http_{status}", body[:200].decode("utf-8", "replace"))
         return Answer(status, body, content_type)
 
-    async def open_stream(self, engine: Engine, path: str, content: bytes, headers: dict[str, str]) -> Opened:
+    async def open_stream(self, engine: HttpEngine, path: str, content: bytes, headers: dict[str, str]) -> Opened:
         """Send a streaming call and wait for its first chunk (within the first-byte timeout)."""
         http = self.http
         deadline = http.loop.time() + self.settings.first_byte_timeout_s
@@ -126,7 +126,7 @@ class Upstream:
         chunks = response.chunks(self.settings.read_timeout_s)
         return Opened(status, response.content_type or "text/event-stream", first, chunks, response)
 
-    async def healthy(self, engine: Engine, timeout_s: float) -> bool:
+    async def healthy(self, engine: HttpEngine, timeout_s: float) -> bool:
         """Whether the engine's own `GET /health` answers 2xx within `timeout_s` (vLLM's health endpoint)."""
         http = self.http
         deadline = http.loop.time() + timeout_s

@@ -2,7 +2,7 @@
 
 `RouterCore` keeps the telemetry view (`services.router.telemetry_view.TelemetryView`), one sorted
 `FleetSnapshot` per routed role kept in step with it in place (re-read only after telemetry; no rebuild, no
-per-engine Python loop), the routing artifact's `Scorer` and tables, and the two profiles it routes with
+per-engine Python loop), the routing artifact's `SignatureScorer` and tables, and the two profiles it routes with
 (`solver.routing.profiles`, chosen and weighted by `RouterSettings`) with their state. Only the engine columns
 and request inputs a profile declares it needs are computed. The service (`services.router.service`) feeds it
 bus messages and sends back what it returns; tests drive it directly.
@@ -11,20 +11,21 @@ bus messages and sends back what it returns; tests drive it directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
+from switchyard.services.engine_book import BookEntry, BookListenerBase, EngineBook
 from switchyard.services.router import metrics
-from switchyard.services.router.ask import DpAsk
+from switchyard.services.router.ask import DecodeAsk, DpAsk
 from switchyard.services.router.decision_bounds import DecisionBounds, PeerLimits
 from switchyard.services.router.prefix import PrefixState
+from switchyard.services.router.role_view import CLOCKED, COLUMNS, PER_DECISION, SNAPSHOT_COLUMNS, Column, RoleView
 from switchyard.services.router.settings import RouterSettings
 from switchyard.services.router.telemetry_view import ROLES, TelemetryView
 from switchyard.shared.codec import ErrorBody, ErrorReply, encode_unchecked
-from switchyard.shared.engine_manifest import EngineManifest
+from switchyard.shared.engine_manifest import REFUSALS, EngineManifest
 from switchyard.shared.errors import SchemaMismatch
 from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import (
@@ -32,204 +33,25 @@ from switchyard.shared.schemas import (
     KvEvents,
     RouteDecisions,
     RouteDecodeReply,
-    RouteDecodeRequest,
     RouteDpReply,
     RouteProgress,
     RoutingArtifact,
     Telemetry,
 )
-from switchyard.shared.signals import SIGNALS, need
+from switchyard.shared.sequence import Seq
 from switchyard.solver.routing import DEFAULT_TAU, FleetSnapshot, RouteQuery, RouterState, RoutingTables
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.framework import Profile
-from switchyard.solver.scoring import Scorer, ScoringError
+from switchyard.solver.scoring import ScoringError, SignatureScorer
 
-
-class RoleView:
-    """The engines of one role as a `FleetSnapshot` (sorted ids), kept in step with the fleet columns.
-
-    `refresh` and `gather` re-read the columns only when the fleet's data changed since the last read, and
-    liveness is re-checked only when the earliest-expiring live engine may have gone stale (or the clock went
-    back), so between telemetry messages a decision costs no per-engine work. A decision recorded through
-    `record_decision` right after the fleet counted it is applied in place (load + 1, and the gathered
-    in-flight columns by what it adds to them, `PER_DECISION`): the snapshot then equals what a full re-read
-    would give (counts and tokens are integer-valued), without one.
-    """
-
-    #: Re-check liveness this long before the earliest live engine's deadline (guards float rounding).
-    _MARGIN_S = 1e-6
-
-    def __init__(self, fleet: TelemetryView, role: str, columns: Mapping[str, Column] | None = None) -> None:
-        self.fleet = fleet
-        self.role = role
-        self.columns = {**COLUMNS, **columns} if columns else COLUMNS  # the gathers, some the router's own
-        self.version = -1
-        self.any_alive = False
-        self.rebuild()
-
-    def rebuild(self) -> bool:
-        """Re-derive rows and snapshot if the fleet's membership changed; True when it did."""
-        if self.version == self.fleet.version:
-            return False
-        self.rows = self.fleet.rows_of(self.role)
-        ids = tuple(self.fleet.engine_ids[i] for i in self.rows)
-        d = len(ids)
-        self.snap = FleetSnapshot(ids, np.zeros(d), np.zeros(d), np.zeros(d, dtype=bool), version=self.fleet.version)
-        self.row_of = tuple(int(row) for row in self.rows)  # position -> fleet row, as Python ints
-        self.position = {row: i for i, row in enumerate(self.row_of)}
-        self.models = tuple(self.fleet.model[row] for row in self.row_of)
-        self._serving: dict[str, np.ndarray | None] = {}
-        self.version = self.fleet.version
-        self._synced = -1  # fleet.data_version the snapshot reflects
-        self._gathered: tuple[tuple[str, ...], int] = ((), -1)  # the gathered columns, and the data_version
-        self._last_seen = np.zeros(d)
-        self._live_until = np.zeros(d)  # the liveness rule's column (`shared/liveness.py`)
-        self._live_now = np.zeros(d, dtype=bool)
-        self._checked_at = np.inf  # when liveness was last evaluated
-        self._alive_until = -np.inf  # liveness holds while now < this
-        self._stale_after_s = np.nan  # ... for this staleness limit
-        return True
-
-    def refresh(self, now: float, stale_after_s: float) -> FleetSnapshot:
-        f, snap = self.fleet, self.snap
-        if self._synced != f.data_version:
-            rows = self.rows
-            np.take(f.num_running, rows, out=snap.load)
-            snap.load += f.num_waiting[rows]
-            snap.load += f.inflight[rows]
-            np.take(f.kv_usage, rows, out=snap.kv_usage)
-            np.take(f.last_seen, rows, out=self._last_seen)
-            np.take(f.live_until, rows, out=self._live_until)
-            self._synced = f.data_version
-            self._check_alive(now, stale_after_s)
-        elif not self._checked_at <= now < self._alive_until or stale_after_s != self._stale_after_s:
-            self._check_alive(now, stale_after_s)
-        return snap
-
-    def _check_alive(self, now: float, stale_after_s: float) -> None:
-        # A candidate is live by the liveness rule and heard from within stale_after_s (fresh load data).
-        alive = np.less_equal(now - self._last_seen, stale_after_s, out=self.snap.alive)
-        alive &= np.less_equal(now, self._live_until, out=self._live_now)
-        self.any_alive = bool(alive.any())
-        self._checked_at, self._stale_after_s = now, stale_after_s
-        # A candidate drops out at min(last_seen + stale_after_s, live_until); a dropped one only comes back
-        # by reporting (a data change). Without a candidate nothing can expire.
-        if self.any_alive:
-            fresh_until = float(np.minimum.reduce(self._last_seen[alive])) + stale_after_s
-            earliest = min(fresh_until, float(np.minimum.reduce(self._live_until[alive])))
-        else:
-            earliest = np.inf
-        self._alive_until = earliest - self._MARGIN_S
-
-    def gather(self, names: tuple[str, ...]) -> None:
-        """Fill the snapshot's extra `columns` a profile reads (`COLUMNS`) from the fleet's, unless they already
-        show its data."""
-        f, rows, columns = self.fleet, self.rows, self.snap.columns
-        if self._gathered == (names, f.data_version):
-            return
-        for name in names:
-            columns[name] = self.columns[name](f, rows, self.snap)
-        self._gathered = (names, f.data_version)
-
-    def prepare(self, now: float, stale_after_s: float, columns: tuple[str, ...]) -> FleetSnapshot:
-        """The snapshot as a decision reads it: membership, liveness and load, and the extra `columns` its
-        profile reads (each step does nothing when nothing changed since it last ran)."""
-        self.rebuild()
-        snap = self.refresh(now, stale_after_s)
-        if columns:
-            self.gather(columns)
-            if "recent_sends" in columns:  # `CLOCKED`: decayed to `now` and re-read at every decision
-                snap.columns["recent_sends"] = self.fleet.recent.at(now)[self.rows]
-        return snap
-
-    def serving(self, model: str | None) -> np.ndarray | None:
-        """Mask of the engines serving `model`, None when no filter is needed (no model asked for, or every
-        engine of the view serves it). Cached until the view's membership changes (a model change is one)."""
-        if model is None:
-            return None
-        mask = self._serving.get(model, False)
-        if mask is False:
-            if len(self._serving) > 64:  # model names come from requests: bound the cache
-                self._serving.clear()
-            serves = np.array([m == model for m in self.models], dtype=bool)
-            mask = self._serving[model] = None if serves.all() else serves
-        return mask
-
-    def alive_for(self, model: str | None) -> np.ndarray:
-        """The snapshot's liveness, narrowed to the engines serving `model` (a new array only when narrowed)."""
-        mask = self.serving(model)
-        return self.snap.alive if mask is None else self.snap.alive & mask
-
-    def record_decision(self, row: int, prompt_tokens: float) -> None:
-        """The fleet has just counted one more request in flight on `row` (`TelemetryView.on_decision*`)."""
-        version = self.fleet.data_version
-        i = self.position.get(row)
-        if self._synced == version - 1:  # in step until that decision: follow it in place
-            if i is not None:
-                self.snap.load[i] += 1
-            self._synced = version
-        names, gathered = self._gathered
-        if gathered == version - 1:
-            if i is not None:
-                columns = self.snap.columns
-                for name in names:
-                    add = PER_DECISION.get(name)
-                    if add is not None:
-                        columns[name][i] += add(prompt_tokens)
-            for name in CLOCKED.intersection(names):  # the decision decayed every row: re-read, not followed
-                self.snap.columns[name] = self.columns[name](self.fleet, self.rows, self.snap)
-            self._gathered = (names, version)
-
-
-#: Engine signals (`shared.signals`) a routing profile may read beyond the snapshot's own (load, kv_usage,
-#: alive), from the telemetry view's rows: a signal copied from a message field is its view column (no code
-#: here); the derived ones follow. `waiting` counts this replica's and the others' decisions since the last
-#: report as waiting, as vLLM's client counts its own; `outstanding` is the router's best count of unfinished
-#: requests.
-_SNAPSHOT_COLUMNS = need("load", "kv_usage", "alive")
-Column = Callable[[TelemetryView, np.ndarray, FleetSnapshot], np.ndarray]
-COLUMNS: dict[str, Column] = {
-    **{
-        s.name: (lambda f, rows, snap, view=s.view: getattr(f, view)[rows])
-        for s in SIGNALS.values()
-        if s.field is not None and s.view is not None and s.name not in _SNAPSHOT_COLUMNS
-    },
-    "inflight_tokens": lambda f, rows, snap: f.inflight_tokens[rows],
-    "inflight": lambda f, rows, snap: f.inflight[rows],
-    "waiting": lambda f, rows, snap: f.num_waiting[rows] + f.inflight[rows],
-    "outstanding": lambda f, rows, snap: snap.load,
-    "kv_blocks": lambda f, rows, snap: f.kv_blocks[rows],  # from the engine's hello (`Hello.capacity`)
-    # the exact ledger (requests routed with `progress`) plus, for the others, what is in flight by telemetry
-    "pending_prefill": lambda f, rows, snap: f.exact.pending_prefill[rows] + f.unreported.tokens[rows],
-    "pending": lambda f, rows, snap: f.exact.pending[rows] + f.unreported.count[rows],
-    "decoding": lambda f, rows, snap: f.exact.decoding[rows],
-    # every decision, decaying (`RecentSends`; as of the last decay here: `RoleView.prepare` decays it to `now`)
-    "recent_sends": lambda f, rows, snap: f.recent.column[rows],
-    "indexed_blocks": lambda f, rows, snap: np.zeros(len(rows)),  # RouterCore gathers it from its prefix index
-}
-#: What one decision (one more request in flight, of its prompt tokens) adds to the columns above that count
-#: requests in flight, given its prompt tokens; the others only change with a report.
-PER_DECISION: dict[str, Callable[[float], float]] = {
-    "inflight": lambda tokens: 1.0,
-    "inflight_tokens": lambda tokens: tokens,
-    "waiting": lambda tokens: 1.0,
-    "pending_prefill": lambda tokens: tokens,
-    "pending": lambda tokens: 1.0,
-}
-#: Columns that change with time as well as with the fleet's data (`recent_sends` decays): `RoleView.prepare`
-#: decays and re-reads them at every decision, and `record_decision` re-reads them (a decision first decays
-#: every row, so adding to one row in place would not equal a fresh read).
-CLOCKED = frozenset({"recent_sends"})
-if _ungathered := sorted(set(SIGNALS) - _SNAPSHOT_COLUMNS - set(COLUMNS)):  # a new derived signal needs code here
-    raise AssertionError(f"the router has no gather for signal(s) {', '.join(_ungathered)} (services/router/core.py)")
-need(*COLUMNS, *PER_DECISION)
 _NO_TABLES = RoutingTables()  # DP profiles read no centroid or label tables
 _NO_QUERY = RouteQuery()  # ... and most read nothing of the request: no query to build per decision
+__all__ = ["CLOCKED", "COLUMNS", "PER_DECISION", "Column", "Decided", "DpChoice", "RoleView", "Routed", "RouterCore"]
 
 
 def _extra_columns(profile: Profile) -> tuple[str, ...]:
     """The columns `profile` reads that the role view must gather per decision; unknown ones fail at start."""
-    extra = sorted(profile.columns - _SNAPSHOT_COLUMNS)
+    extra = sorted(profile.columns - SNAPSHOT_COLUMNS)
     unknown = [name for name in extra if name not in COLUMNS]
     if unknown:
         raise ValueError(f"profile {profile.name!r} reads columns the router does not have: {', '.join(unknown)}")
@@ -283,6 +105,28 @@ def _unavailable(kind: str, role: str, known: int, model: str | None = None) -> 
     return Routed(ErrorReply(error=ErrorBody(code="unavailable", message=message)), None)
 
 
+class _CoreEvents(BookListenerBase):
+    """What the core does when its book changes, beside the telemetry view's columns: counts refusals and gaps,
+    and forgets an engine's indexed blocks when they stop naming its cache (a new block size, a restart)."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    def refusal(self, reason: str, engine_id: str) -> None:
+        if reason in REFUSALS:
+            metrics.HELLOS_REFUSED.labels(reason).inc()
+
+    def hello_accepted(self, entry: BookEntry, change: str, previous: Hello | None) -> None:
+        if previous is not None and previous.capacity.block_size != entry.block_size:
+            self.core._forget_prefix(entry.engine_id, "block_size")  # its blocks were named at the old size
+
+    def telemetry_accepted(self, entry: BookEntry, telemetry: Telemetry, event: Seq, revived: bool) -> None:
+        if event is Seq.GAP:
+            metrics.TELEMETRY_GAPS.inc()
+        elif event is Seq.RESTART:  # a new process: an empty cache, whatever was indexed
+            self.core._forget_prefix(entry.engine_id, "restart")
+
+
 class RouterCore:
     def __init__(
         self,
@@ -290,18 +134,24 @@ class RouterCore:
         dispatch: GimbalParams | None = None,
         manifest: EngineManifest | None = None,
         liveness: Liveness | None = None,
+        book: EngineBook | None = None,
     ) -> None:
         self.settings = settings
-        #: With an engine manifest, a hello is believed only as its engine's entry lists it (role, model, ...):
-        #: an engine's credentials must not make it a decoder or DP engine the operator did not list.
-        self.manifest = manifest
+        #: The engine book the telemetry view projects (`services.engine_book`): the process's own when it has one
+        #: (the in-process gateway's, shared with its registry), else one of the core's. With an engine manifest,
+        #: a hello is believed only as its engine's entry lists it (role, model, ...): an engine's credentials
+        #: must not make it a decoder or DP engine the operator did not list.
+        if book is None:
+            rule = liveness or LivenessSettings().rule()
+            book = EngineBook(rule, manifest, max_engines=settings.max_engines, claims=False)
+        self.book = book
         self.fleet = TelemetryView(
-            stale_after_s=settings.stale_after_s,
-            liveness=liveness or LivenessSettings().rule(),
+            fresh_load_s=settings.fresh_load_s,
             inflight_grace_s=settings.inflight_grace_s,
-            max_engines=settings.max_engines,
             max_inflight_per_engine=settings.max_inflight_per_engine,
+            book=book,
         )
+        book.listen(_CoreEvents(self))
         #: The decode profile (`policy` in the replies and metrics is its name).
         self.policy: Profile = settings.build_decode_profile()
         self.state = RouterState.seeded(settings.seed)
@@ -329,7 +179,7 @@ class RouterCore:
         self.decode = RoleView(self.fleet, "decode", blocks)
         self.dp = RoleView(self.fleet, "dp", blocks)
         self.artifact: RoutingArtifact | None = None
-        self.scorer: Scorer | None = None
+        self.scorer: SignatureScorer | None = None
         self.tables = RoutingTables()
         self._tables_for = -1
         # Metric children resolved once (`.labels(...)` costs a lock and a dict lookup per call); histogram
@@ -353,8 +203,8 @@ class RouterCore:
         """Bring both role views up to date with the fleet, with the columns their profiles read: what a
         decision would do first, done ahead of it (the service calls this after telemetry, off the request
         path). A decision still checks, and finds nothing to do."""
-        self.dp.prepare(now, self.settings.stale_after_s, self._dp_columns)
-        self.decode.prepare(now, self.settings.stale_after_s, self._decode_columns)
+        self.dp.prepare(now, self.settings.fresh_load_s, self._dp_columns)
+        self.decode.prepare(now, self.settings.fresh_load_s, self._decode_columns)
 
     def _count(self, kind: str, policy: str, fallback: str) -> None:
         counted = self._counted.get((kind, fallback))
@@ -367,43 +217,30 @@ class RouterCore:
     # ----- inputs -----
 
     def on_hello(self, hello: Hello, now: float) -> None:
-        if self.manifest is not None and (refused := self.manifest.refusal(hello)) is not None:
-            metrics.HELLOS_REFUSED.labels(refused).inc()
-            return
-        row = self.fleet.index.get(hello.engine_id)
-        before = int(self.fleet.block_size[row]) if row is not None else 0
-        self.fleet.on_hello(hello, now)
-        if before and before != hello.capacity.block_size:  # its blocks were named at the old size
-            self._forget_prefix(hello.engine_id, "block_size")
+        """Feed the book a hello (the core's own book; a shared one is fed by its owner, the same way)."""
+        self.book.on_hello(hello, now)
 
     def on_telemetry(self, telemetry: Telemetry, now: float) -> bool:
-        """Returns False when the engine never said hello (the service then asks it to announce itself); True
-        too for one refused because the view is full of live engines (asking it would only bring a refused hello)."""
-        counters = self.fleet.counters
-        gaps, restarts = counters.telemetry_gaps, counters.engine_restarts
-        self.fleet.on_telemetry(telemetry, now)
-        if counters.telemetry_gaps != gaps:
-            metrics.TELEMETRY_GAPS.inc()
-        if counters.engine_restarts != restarts:  # a new process: an empty cache, whatever was indexed
-            self._forget_prefix(telemetry.engine_id, "restart")
-        row = self.fleet.index.get(telemetry.engine_id)
-        return row is None or self.fleet.role[row] >= 0
+        """Feed the book telemetry. Returns False when the engine never said hello (the service then asks it to
+        announce itself); True too for one refused because the book is full of live engines (asking it would only
+        bring a refused hello)."""
+        entry = self.book.on_telemetry(telemetry, now)
+        return entry is None or entry.said_hello
 
     def on_kv(self, events: KvEvents, now: float) -> str | None:
         """An engine's KV-cache events (its subject's engine, checked by the bus): applied to the precise index,
         or refused with the reason returned (and counted): an engine without an accepted hello (with a
         manifest: one it binds) or not live by the liveness rule (`unknown_engine`), a block size not its
         hello's (`block_size`)."""
-        f = self.fleet
-        row = f.index.get(events.engine_id)
-        if row is None or f.role[row] < 0 or not now <= f.live_until[row]:
+        entry = self.book.entries.get(events.engine_id)
+        if entry is None or not entry.said_hello or not entry.is_live(now):
             reason = "unknown_engine"
-        elif events.block_size != f.block_size[row]:
+        elif events.block_size != entry.block_size:
             reason = "block_size"
         else:
-            applied = self.prefix.apply(events, int(f.kv_blocks[row]), now)  # counts a drop itself
+            applied = self.prefix.apply(events, entry.kv_blocks, now)  # counts a drop itself
             if self._reads_blocks:
-                f.touch()
+                self.fleet.touch()
             return None if applied else "dropped"
         metrics.KV_REJECTED.labels(reason).inc()
         return reason
@@ -444,7 +281,7 @@ class RouterCore:
     def set_artifact(self, artifact: RoutingArtifact | None) -> None:
         """Swap the routing artifact (hot reload); the next decision uses it."""
         self.artifact = artifact
-        self.scorer = Scorer.from_artifact(artifact) if artifact is not None else None
+        self.scorer = SignatureScorer.from_artifact(artifact) if artifact is not None else None
         self._tables_for = -1
         metrics.ARTIFACT_VERSION.set(artifact.version if artifact is not None else 0)
 
@@ -487,7 +324,7 @@ class RouterCore:
         self.bounds.forget_engines(set(self.fleet.index))
 
     def export_engines(self, now: float) -> None:
-        """Publish the live engines' load columns for the per-engine gauges (`metrics.EngineState`)."""
+        """Publish the live engines' load columns for the per-engine gauges (`metrics.EngineGauges`)."""
         fleet = self.fleet
         rows = np.flatnonzero(fleet.live(now))
         roles = [ROLES[fleet.role[r]] for r in rows.tolist()]
@@ -512,11 +349,11 @@ class RouterCore:
             self._tables_for = self.decode.version
         return self.tables
 
-    def route_decode(self, request: RouteDecodeRequest, now: float) -> Routed:
+    def route_decode(self, request: DecodeAsk, now: float) -> Routed:
         start = time.perf_counter()
         tables = self._decode_tables()
         view = self.decode
-        snap = view.prepare(now, self.settings.stale_after_s, self._decode_columns)
+        snap = view.prepare(now, self.settings.fresh_load_s, self._decode_columns)
         if not view.any_alive:
             return _unavailable("decode", "decode", snap.size)
         sims, fallback = None, None
@@ -560,7 +397,7 @@ class RouterCore:
     def route_dp(self, request: DpAsk, now: float) -> Routed:
         start = time.perf_counter()
         view = self.dp
-        snap = view.prepare(now, self.settings.stale_after_s, self._dp_columns)
+        snap = view.prepare(now, self.settings.fresh_load_s, self._dp_columns)
         if not view.any_alive:
             return _unavailable("dp", "dp", snap.size)
         profile = self.dp_profile

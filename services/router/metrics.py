@@ -118,7 +118,7 @@ PREFIX_DROPPED = Counter(
 )
 
 
-#: The per-engine gauges `EngineState` exports: family name, help, and the telemetry view's column it reads.
+#: The per-engine gauges `EngineGauges` exports: family name, help, and the telemetry view's column it reads.
 ENGINE_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("switchyard_router_engine_running", "Requests running on the engine, as its last telemetry said.", "num_running"),
     ("switchyard_router_engine_waiting", "Requests queued on the engine, as its last telemetry said.", "num_waiting"),
@@ -136,7 +136,7 @@ ENGINE_GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-class EngineState(Collector):
+class EngineGauges(Collector):
     """Per-engine load gauges (labels engine, role), built at scrape time from the last snapshot `publish` took.
 
     Setting one labelled `Gauge` child per engine and signal every housekeeping second costs a lock and a
@@ -163,7 +163,7 @@ class EngineState(Collector):
             yield family
 
 
-ENGINE_STATE = EngineState()
+ENGINE_STATE = EngineGauges()
 REGISTRY.register(ENGINE_STATE)
 
 

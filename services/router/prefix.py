@@ -13,11 +13,12 @@ tokens per key (`prompt_tokens / len(keys)`: the router does not know the text's
 
 Nothing an engine sends is trusted beyond its own blocks (the caller, `RouterCore.on_kv`, checks that the engine
 is known and live and that the events' block size is its hello's; the bus has checked that the subject's engine
-is the message's): a sequence gap or step back clears the engine's blocks (events were lost, or a new process
-numbers from 0 with an empty cache), and each engine holds at most `max_blocks` blocks, and at most its hello's
-`kv_blocks`. A per-engine rate bound drops messages past it (the engine's blocks then cleared), and, where the
-answers are seen (the in-process gateway: `confirm`), a claim earns credit only once an answer confirms it
-(`services.router.kv_trust`).
+is the message's). Events are applied by the one `KvApplier` (`solver.routing.prefix.applier`, the gateway's too,
+on `shared.sequence`): a late message is dropped, a gap or restart clears the engine's blocks first (events were
+lost, or a new process numbers from 0 with an empty cache); each engine holds at most `max_blocks` blocks, and at
+most its hello's `kv_blocks`. A per-engine rate bound drops messages past it (the engine's blocks then cleared),
+and, where the answers are seen (the in-process gateway: `confirm`), a claim earns credit only once an answer
+confirms it (`services.router.kv_trust`).
 
 Keys name blocks at one block size: the prompt's keys are taken at the block size most of the asked engines
 announce (`key_block_size`, as the gateway keys them), and an engine at another block size is credited nothing.
@@ -33,7 +34,8 @@ from switchyard.services.router import metrics
 from switchyard.services.router.ask import DpAsk
 from switchyard.services.router.kv_trust import DEFAULT_BURST_KEYS, DEFAULT_KEYS_PER_S, Claims, KvRate
 from switchyard.shared.schemas import KvEvents
-from switchyard.solver.routing.prefix import BlockIndex, RoutedIndex
+from switchyard.shared.sequence import Seq
+from switchyard.solver.routing.prefix import BlockIndex, KvApplier, RoutedIndex
 
 __all__ = ["PrefixState", "key_block_size"]
 
@@ -61,11 +63,11 @@ class PrefixState:
             raise ValueError(f"prefix index {mode!r}: choose precise, approximate or off")
         self.mode = mode
         self.blocks = BlockIndex(max_blocks)
+        self.applier = KvApplier(self.blocks)  # the engines' events, in their order (one rule with the gateway)
         self.routed = RoutedIndex(routed_max_blocks, routed_ttl_s)
         self.rate = KvRate(keys_per_s, burst_keys)
         #: Confirmation of claims by answers (None: claims are believed as sent; see `confirm`).
         self.claims: Claims | None = None
-        self._seq: dict[str, int] = {}  # engine -> last KV-event seq applied
         self._events = {op: metrics.KV_EVENTS.labels(op) for op in ("stored", "removed", "cleared")}
         self._trust = {
             o: metrics.KV_TRUST.labels(o)
@@ -81,60 +83,51 @@ class PrefixState:
 
     def apply(self, events: KvEvents, capacity: int | None = None, now: float = 0.0) -> bool:
         """Apply one engine's message, whose sender the caller has checked, its blocks bounded by `capacity` (its
-        hello's kv_blocks); a seq gap or step back first clears the engine (its blocks are unknown: events were
-        lost, or it restarted). False when it was dropped: over the engine's rate (its blocks cleared) or from a
-        quarantined engine."""
-        engine_id, seq = events.engine_id, events.seq
+        hello's kv_blocks), by the one sequence rule (`KvApplier`). False when it was dropped: late, over the
+        engine's rate (its blocks cleared) or from a quarantined engine."""
+        engine_id = events.engine_id
         if self.claims is not None and self.claims.quarantined(engine_id, now):
             self._trust["ignored"].inc()
             return False
         if not self.rate.admit(engine_id, 1 + sum(len(op.keys) for op in events.ops), now):
             self.dropped(engine_id)
             return False
-        last = self._seq.get(engine_id)
-        if last is not None and seq != last + 1:
-            self.reset(engine_id, "seq_gap" if seq > last else "seq_back")
-        self._seq[engine_id] = seq
-        blocks = self.blocks
-        for op in events.ops:
-            if op.kind == "stored":
-                blocks.stored(engine_id, op.keys.tolist(), capacity)
-                self._events["stored"].inc(len(op.keys))
-            elif op.kind == "removed":
-                blocks.removed(engine_id, op.keys.tolist())
-                self._events["removed"].inc(len(op.keys))
-            else:
-                blocks.cleared(engine_id)
-                self._events["cleared"].inc()
+        applied = self.applier.apply(events, capacity)
+        if applied.event is Seq.LATE:
+            metrics.KV_REJECTED.labels("late").inc()
+            return False
+        if applied.event is Seq.GAP or applied.event is Seq.RESTART:
+            self._reset(engine_id, "seq_gap" if applied.event is Seq.GAP else "seq_back")
+        self._events["stored"].inc(applied.stored)
+        self._events["removed"].inc(applied.removed)
+        self._events["cleared"].inc(applied.cleared)
         return True
 
     def dropped(self, engine_id: str) -> None:
         """One of the engine's messages was dropped over its rate: what the index holds of it may be stale, so
         it goes (as for a sequence gap), and its next message starts afresh."""
         self._trust["rate"].inc()
-        self._seq.pop(engine_id, None)
-        self.reset(engine_id, "rate")
+        self.applier.restart(engine_id)
+        self._reset(engine_id, "rate")
 
-    def reset(self, engine_id: str, reason: str) -> None:
-        """The engine's blocks are unknown from here on (its next events start afresh)."""
-        self.blocks.cleared(engine_id)
+    def _reset(self, engine_id: str, reason: str) -> None:
+        """The engine's blocks were cleared (the applier did): what was claimed of them goes too; counted."""
         if self.claims is not None:
             self.claims.forget(engine_id)
         metrics.KV_RESETS.labels(reason).inc()
 
     def forget(self, engine_id: str, reason: str) -> None:
         """The engine is gone (dead, forgotten, or a new process): drop it from both indexes."""
-        if engine_id in self._seq or self.blocks.blocks(engine_id) or self.routed.blocks(engine_id):
+        if self.applier.reports(engine_id) or self.blocks.blocks(engine_id) or self.routed.blocks(engine_id):
             metrics.KV_RESETS.labels(reason).inc()
-        self._seq.pop(engine_id, None)
-        self.blocks.forget(engine_id)
+        self.applier.forget(engine_id)
         self.routed.forget(engine_id)
         if self.claims is not None:
             self.claims.forget(engine_id)
 
     def engines(self) -> set[str]:
         """Every engine either index (or the sequence check) holds anything for."""
-        return {*self._seq, *self.blocks.engines(), *self.routed.engines()}
+        return {*self.applier.engines(), *self.blocks.engines(), *self.routed.engines()}
 
     # ----- deciding -----
 
@@ -210,8 +203,8 @@ class PrefixState:
             self.blocks.removed(expected.engine_id, expected.keys.tolist())
             if self.claims.strike(expected.engine_id, now):
                 self._trust["quarantined"].inc()
-                self._seq.pop(expected.engine_id, None)
-                self.reset(expected.engine_id, "quarantined")
+                self.applier.restart(expected.engine_id)
+                self._reset(expected.engine_id, "quarantined")
         return outcome
 
     def blocks_of(self, engine_ids: Sequence[str]) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from switchyard.services.router.kv_trust import DEFAULT_BURST_KEYS, DEFAULT_KEYS_PER_S, Claims
@@ -32,7 +32,9 @@ _G = GimbalParams()  # the defaults' one owner is GimbalParams
 
 
 class RouterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_ROUTER_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SWITCHYARD_ROUTER_", env_file=".env", extra="ignore", populate_by_name=True
+    )
 
     #: Decode profile for `sy.route.decode`: eldr, jsq, p2c, rr, random, domain (`solver.routing.profiles`).
     policy: str = "eldr"
@@ -59,8 +61,14 @@ class RouterSettings(BaseSettings):
     gimbal_kv_floor: float = Field(default=_G.kv_floor, gt=0, le=1)
     #: Gimbal: token-equivalent cost per unit of expert imbalance above 1 (c_moe).
     gimbal_moe_cost_tokens: float = Field(default=_G.moe_cost_tokens, ge=0)
-    #: An engine silent for longer than this leaves the candidate set (telemetry arrives every ~100 ms).
-    stale_after_s: float = Field(default=1.0, gt=0)
+    #: Fresh load data: an engine not heard from (hello or telemetry) for longer than this is not routed to by
+    #: load, though it stays live (telemetry arrives every ~100 ms). Liveness itself is `SWITCHYARD_LIVENESS_*`.
+    #: The older name `SWITCHYARD_ROUTER_STALE_AFTER_S` is still read.
+    fresh_load_s: float = Field(
+        default=1.0,
+        gt=0,
+        validation_alias=AliasChoices("SWITCHYARD_ROUTER_FRESH_LOAD_S", "SWITCHYARD_ROUTER_STALE_AFTER_S"),
+    )
     #: An engine silent for this long is forgotten entirely (a new hello brings it back).
     forget_after_s: float = Field(default=300.0, gt=0)
     #: Engines the router keeps at most (ids are the senders' word): a new one beyond this is refused while

@@ -1,24 +1,19 @@
-"""The router's telemetry view of the engines: what hellos, telemetry and routing decisions say about each
+"""The router's projection of the engine book: what hellos, telemetry and routing decisions say about each
 engine, kept as numpy columns so routing parts never loop over engines.
 
-Hellos register engines (role, capacity); telemetry overwrites one row in place; decisions made since an
-engine's last report are added as in-flight compensation (`solver.routing.ledger.InflightLedger`, the one
-ledger the DP simulator's dispatcher keeps too), because telemetry lags the router by up to one reporting
-interval and every replica routing on the same stale numbers would herd onto one engine.
+The engine book (`services.engine_book`) admits engines, checks telemetry sequence numbers and stamps liveness;
+this view keeps one row per engine the book holds (rows added as the book takes an engine, compacted when it
+forgets some), overwritten in place by each accepted message. Decisions made since an engine's last report are
+added as in-flight compensation (`solver.routing.ledger.InflightLedger`, the one ledger the DP simulator's
+dispatcher keeps too), because telemetry lags the router by up to one reporting interval and every replica
+routing on the same stale numbers would herd onto one engine. A telemetry sequence that restarts (the book's
+`Seq.RESTART`) means the engine restarted, so its in-flight compensation is cleared.
 
-Sequence numbers are checked per engine (the lesson from Dynamo's router): a gap is counted, a message
-older than the last one is dropped, and a sequence that restarts from a low number means the engine
-restarted, so its in-flight compensation is cleared. An engine is a candidate while it is *live* by the one
-liveness rule (`shared/liveness.py`, the gateway's and the fleet view's too: a hello or telemetry within
-`misses` of its own intervals, capped at `max_silence_s`; the `live_until` column) and its load data is
-*fresh*: heard from within `stale_after_s`. One not heard from within `stale_after_s` drops out of the
-candidate set until it reports again; one the rule counts dead is dead for every service at once.
-
-Engine ids are the senders' word (on a bus without credentials anyone can name new ones), so the view holds at
-most `max_engines` rows: a new id beyond that first makes room by forgetting every engine silent for
-`stale_after_s`, and is refused (counted in `counters.engines_refused`) when every row is live. Each row's
-in-flight FIFO holds at most `max_inflight_per_engine` decisions (an engine that says hello but never reports
-would otherwise keep every request routed to it).
+An engine is a candidate while it is *live* by the one liveness rule (the `live_until` column, the book's
+stamp), its load data is *fresh* (heard from within `fresh_load_s`) and its owner does not hold it out of
+rotation (`held`: the in-process gateway's ejected and on-trial engines, and engines serving no HTTP there).
+Each row's in-flight FIFO holds at most `max_inflight_per_engine` decisions (an engine that says hello but
+never reports would otherwise keep every request routed to it).
 
 Two counters let readers cache what they derive: `version` changes when membership or a role changes,
 `data_version` whenever any column changes (every input below bumps it, a decision by exactly one).
@@ -30,9 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from switchyard.shared.liveness import DEFAULT_HELLO_INTERVAL_S, DEFAULT_TELEMETRY_INTERVAL_S, Liveness
+from switchyard.services.engine_book import BookCounters, BookEntry, BookListenerBase, EngineBook
+from switchyard.shared.engine_manifest import EngineManifest
+from switchyard.shared.liveness import Liveness
 from switchyard.shared.schemas import Hello, Telemetry
-from switchyard.shared.sequence import Seq, classify
+from switchyard.shared.sequence import Seq
 from switchyard.shared.signals import telemetry_view_columns
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.exact_ledger import ExactLedger, RecentSends
@@ -49,44 +46,41 @@ _COLUMNS: dict[str, tuple[type, float]] = {
     **telemetry_view_columns(),
     "last_seen": (np.float64, -np.inf),
     "last_seq": (np.int64, -1),
-    # liveness (`shared/liveness.py`): when each signal last came, at what announced interval, and the rule's answer
+    # when each signal last came, and the book's liveness stamp (`shared/liveness.py`)
     "last_hello": (np.float64, -np.inf),
     "last_telemetry": (np.float64, -np.inf),
-    "hello_interval": (np.float64, DEFAULT_HELLO_INTERVAL_S),
-    "telemetry_interval": (np.float64, DEFAULT_TELEMETRY_INTERVAL_S),
     "live_until": (np.float64, -np.inf),
     # the hello's `capacity.block_size` (tokens per KV block; 0 before a hello): names a prompt's prefix blocks
     "block_size": (np.int64, 0),
+    # held out of rotation by the book's owner (the in-process gateway: ejected, on trial, no HTTP)
+    "held": (np.bool_, False),
 }
 
 
 @dataclass
-class FleetCounters:
-    telemetry_gaps: int = 0
-    telemetry_out_of_order: int = 0
-    engine_restarts: int = 0
-    engines_refused: int = 0  # messages from a new engine id while every row was live
-
-
-@dataclass
-class TelemetryView:
-    """Per-engine columns, indexed by a stable row number per engine id (rows are never reused).
+class TelemetryView(BookListenerBase):
+    """Per-engine columns, indexed by a stable row number per engine id (rows are never reused), projected from
+    an `EngineBook` (`book`; None: a book of its own, built from `liveness` and `max_engines`).
 
     `inflight` and `inflight_tokens` (decisions since the engine's last report, and their prompt tokens) are
     the ledger's columns."""
 
-    stale_after_s: float = 1.0
+    fresh_load_s: float = 1.0
     inflight_grace_s: float = DEFAULT_INFLIGHT_GRACE_S
     capacity: int = 64
     max_engines: int = 4096
     max_inflight_per_engine: int | None = None
-    #: The liveness rule (`shared/liveness.py`); `stale_after_s` is the router's own freshness of load data.
+    #: The liveness rule (`shared/liveness.py`) of the book built when none is given.
     liveness: Liveness = field(default_factory=Liveness)
+    book: EngineBook | None = None
+    manifest: EngineManifest | None = None
     engine_ids: list[str] = field(default_factory=list)
-    counters: FleetCounters = field(default_factory=FleetCounters)
 
     def __post_init__(self) -> None:
         n = self.capacity
+        if self.book is None:
+            self.book = EngineBook(self.liveness, self.manifest, max_engines=self.max_engines, claims=False)
+        self.liveness = self.book.liveness
         #: Bumped whenever an engine joins, leaves or changes role or model: per-role views rebuild on a change.
         self.version = 0
         #: Bumped by every change to any column (hello, telemetry, decision, forget): derived views re-read.
@@ -110,6 +104,16 @@ class TelemetryView:
         #: Whether a profile reads ``recent_sends`` (`RouterCore` sets it): only then is each decision counted
         #: there, since counting one decays every row (a numpy pass per decision the default profile need not pay).
         self.tracks_recent = False
+        for entry in self.book.entries.values():  # a book already in use: its engines first
+            self.entry_added(entry)
+            self._fill(entry)
+        self.book.listen(self)
+
+    @property
+    def counters(self) -> BookCounters:
+        """The book's counts (telemetry gaps, late messages, restarts, engines refused)."""
+        assert self.book is not None
+        return self.book.counters
 
     @property
     def inflight(self) -> np.ndarray:
@@ -137,61 +141,58 @@ class TelemetryView:
         self.unreported.resize(len(self.role))
         self.recent.resize(len(self.role))
 
-    def row(self, engine_id: str, now: float) -> int:
-        """The engine's row, registering it on first sight; -1 (counted) for a new engine when every one of
-        `max_engines` rows is live."""
-        row = self.index.get(engine_id)
-        if row is None:
-            n = len(self.engine_ids)
-            if n >= self.max_engines:
-                if n == 0 or now - float(self.last_seen[:n].min()) <= self.stale_after_s:
-                    self.counters.engines_refused += 1
-                    return -1
-                self.forget(now, self.stale_after_s)  # every stale row at once, not one per newcomer
-            row = len(self.engine_ids)
-            if row == len(self.role):
-                self._grow()
-            self.index[engine_id] = row
-            self.engine_ids.append(engine_id)
-            self.ep_group.append("")
-            self.model.append("")
-            self.version += 1
-            self.data_version += 1
-        return row
-
-    # ----- inputs -----
+    # ----- inputs: the book's messages, and what it tells this projection -----
 
     def on_hello(self, hello: Hello, now: float) -> None:
-        row = self.row(hello.engine_id, now)
-        if row < 0:
-            return
+        """Feed the book a hello (a view with a book of its own; a shared book is fed by its owner)."""
+        assert self.book is not None
+        self.book.on_hello(hello, now)
+
+    def on_telemetry(self, t: Telemetry, now: float) -> None:
+        assert self.book is not None
+        self.book.on_telemetry(t, now)
+
+    def entry_added(self, entry: BookEntry) -> None:
+        row = len(self.engine_ids)
+        if row == len(self.role):
+            self._grow()
+        self.index[entry.engine_id] = row
+        self.engine_ids.append(entry.engine_id)
+        self.ep_group.append("")
+        self.model.append("")
+        self.version += 1
+        self.data_version += 1
+
+    def _fill(self, entry: BookEntry) -> None:
+        """Copy an entry the book held before this view listened (its hello and last telemetry)."""
+        if entry.telemetry is not None:
+            self.telemetry_accepted(entry, entry.telemetry, Seq.FIRST, False)
+        if entry.hello is not None:
+            self.hello_accepted(entry, "join", None)
+        self.held_changed(entry)
+
+    def hello_accepted(self, entry: BookEntry, change: str, previous: Hello | None) -> None:
+        hello = entry.hello
+        assert hello is not None
+        row = self.index[entry.engine_id]
         role = ROLES.index(hello.role)
         if self.role[row] != role or self.model[row] != hello.model.name:
             self.role[row] = role
             self.model[row] = hello.model.name
             self.version += 1
+        now = entry.hello_at if entry.hello_at is not None else -np.inf
         self.ep_group[row] = hello.ep_group
         self.block_size[row] = hello.capacity.block_size
         self.kv_blocks[row] = hello.capacity.kv_blocks
         self.last_seen[row] = max(self.last_seen[row], now)
         self.last_hello[row] = now
-        self.hello_interval[row] = hello.hello_interval_s
-        self.telemetry_interval[row] = hello.telemetry_interval_s
-        self._relive(row)
+        self.live_until[row] = entry.live_until
         self.data_version += 1
 
-    def on_telemetry(self, t: Telemetry, now: float) -> None:
-        row = self.row(t.engine_id, now)
-        if row < 0:
-            return
-        event, _missed = classify(int(self.last_seq[row]), t.seq)
-        if event is Seq.LATE:
-            self.counters.telemetry_out_of_order += 1
-            return
-        if event is Seq.GAP:
-            self.counters.telemetry_gaps += 1
-        elif event is Seq.RESTART:  # what was in flight to the old process is not in the new one's numbers
-            self.counters.engine_restarts += 1
+    def telemetry_accepted(self, entry: BookEntry, t: Telemetry, event: Seq, revived: bool) -> None:
+        row = self.index[entry.engine_id]
+        now = entry.telemetry_at if entry.telemetry_at is not None else -np.inf
+        if event is Seq.RESTART:  # what was in flight to the old process is not in the new one's numbers
             self.ledger.clear(row)
             self.exact.clear(row)
             self.unreported.clear(row)
@@ -206,19 +207,23 @@ class TelemetryView:
         self.migrating[row] = t.migrating
         self.last_seen[row] = now
         self.last_telemetry[row] = now
-        self._relive(row)
+        self.live_until[row] = entry.live_until
         self.data_version += 1
         self.ledger.settle(row, now - self.inflight_grace_s)
         self.unreported.settle(row, now - self.inflight_grace_s)
 
-    def _relive(self, row: int) -> None:
-        """The row's `live_until` after a hello or telemetry: the rule's scalar form, per message."""
-        self.live_until[row] = self.liveness.live_until(
-            float(self.last_hello[row]),
-            float(self.hello_interval[row]),
-            float(self.last_telemetry[row]),
-            float(self.telemetry_interval[row]),
-        )
+    def held_changed(self, entry: BookEntry) -> None:
+        """Held out of rotation by the book's owner: not a candidate while held."""
+        row = self.index[entry.engine_id]
+        if bool(self.held[row]) != entry.held:
+            self.held[row] = entry.held
+            self.data_version += 1
+
+    def entries_left(self, engine_ids: list[str]) -> None:
+        """The book forgot these engines: their rows go (the rest compacted)."""
+        gone = [self.index[e] for e in engine_ids if e in self.index]
+        if gone:
+            self._compact(np.array(sorted(gone)))
 
     def on_decision(self, engine_id: str, prompt_tokens: float, now: float) -> int:
         """A request was sent to this engine (by this or another replica) and is not yet in its telemetry.
@@ -260,13 +265,13 @@ class TelemetryView:
         self.data_version += 1
 
     def forget(self, now: float, silent_for_s: float) -> list[str]:
-        """Unregister engines silent for `silent_for_s` (rows are compacted); returns their ids."""
+        """Have the book forget engines silent for `silent_for_s` (rows are compacted); returns their ids."""
+        assert self.book is not None
+        return self.book.forget_silent(now, silent_for_s)
+
+    def _compact(self, gone: np.ndarray) -> None:
         n = len(self.engine_ids)
-        gone = np.flatnonzero(now - self.last_seen[:n] > silent_for_s)
-        if len(gone) == 0:
-            return []
         keep = np.setdiff1d(np.arange(n), gone)
-        forgotten = [self.engine_ids[i] for i in gone]
         for name in _COLUMNS:
             column = getattr(self, name)
             column[: len(keep)] = column[keep]
@@ -282,7 +287,6 @@ class TelemetryView:
             getattr(self, name)[len(keep) : n] = fill
         self.version += 1
         self.data_version += 1
-        return forgotten
 
     def rows_of(self, role: str) -> np.ndarray:
         """Rows of every known engine of `role` (live or not), ordered by engine id."""
@@ -297,21 +301,21 @@ class TelemetryView:
         n = len(self.engine_ids)
         return (self.role[:n] != _UNKNOWN_ROLE) & (now <= self.live_until[:n])
 
-    def routable(self, now: float, stale_after_s: float) -> np.ndarray:
-        """Boolean mask over rows: live, and heard from within `stale_after_s` (fresh load data)."""
+    def routable(self, now: float, fresh_load_s: float) -> np.ndarray:
+        """Boolean mask over rows: live, heard from within `fresh_load_s` (fresh load data), and not held."""
         n = len(self.engine_ids)
-        return (now - self.last_seen[:n] <= stale_after_s) & (now <= self.live_until[:n])
+        return (now - self.last_seen[:n] <= fresh_load_s) & (now <= self.live_until[:n]) & ~self.held[:n]
 
     def alive(self, role: str, now: float) -> np.ndarray:
-        """Boolean mask over rows: engines of this role that are live and heard from within `stale_after_s`."""
+        """Boolean mask over rows: engines of this role that are live and heard from within `fresh_load_s`."""
         n = len(self.engine_ids)
-        return (self.role[:n] == ROLES.index(role)) & self.routable(now, self.stale_after_s)
+        return (self.role[:n] == ROLES.index(role)) & self.routable(now, self.fresh_load_s)
 
     def stale_count(self, now: float) -> int:
         """Known engines that are not candidates: dead, or without fresh load data."""
         n = len(self.engine_ids)
         known = self.role[:n] != _UNKNOWN_ROLE
-        return int(np.count_nonzero(known & ~self.routable(now, self.stale_after_s)))
+        return int(np.count_nonzero(known & ~self.routable(now, self.fresh_load_s)))
 
     def load(self) -> np.ndarray:
         """Requests on each engine as the router believes: running + waiting + in flight (a view, no copy)."""

@@ -69,13 +69,13 @@ from switchyard.simulator.core.prefix_cache import PrefixCache, hits_per_request
 from switchyard.simulator.core.workload import Workload
 from switchyard.simulator.offline.dp_ep import EpRun, migration_price
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
-from switchyard.solver.routing.decode import RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
 from switchyard.solver.routing.exact_ledger import ExactLedger, RecentSends
 from switchyard.solver.routing.filters import KvFirst
 from switchyard.solver.routing.ledger import InflightLedger
 from switchyard.solver.routing.prefix import RoutedIndex
 from switchyard.solver.routing.profiles import dp_profile
+from switchyard.solver.routing.query import RouteQuery, RouterState
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 

@@ -157,14 +157,14 @@ class Scenario:
     def eldr_inputs(self, fit: str, decoders: int) -> tuple[object, np.ndarray]:
         """The ELDR artifact fit on the calibration part (`fit`: balanced | vanilla) and the replay part's sims."""
         from switchyard.solver.eldr_fit import FitOptions, fit_routing_artifact
-        from switchyard.solver.scoring import Scorer
+        from switchyard.solver.scoring import SignatureScorer
 
         key = (fit, decoders)
         if key not in self._artifacts:
             options = FitOptions(balanced=(fit == "balanced"), seed=self.seed)
             artifact, _report = fit_routing_artifact(self.counts.subset(self.calib), decoders, options)
             self._artifacts[key] = artifact
-            scorer = Scorer.from_artifact(artifact)
+            scorer = SignatureScorer.from_artifact(artifact)
             self._sims[key] = scorer.similarities_batch(self.counts.prefill[self.replay]).astype(np.float64)
         return self._artifacts[key], self._sims[key]
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from switchyard.solver.routing.decode import LOOP_MAX_ENGINES, Decision, RouteQuery, RouterState
 from switchyard.solver.routing.dispatch import GimbalParams
+from switchyard.solver.routing.eldr_kernel import LOOP_MAX_ENGINES
+from switchyard.solver.routing.query import Choice, RouteQuery, RouterState
 
 if TYPE_CHECKING:
     from switchyard.solver.routing.framework import Weighted
@@ -53,7 +54,7 @@ class GimbalKernel:
 
     def __call__(
         self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables
-    ) -> Decision | None:
+    ) -> Choice | None:
         n, p = snap.size, self.params
         if not 0 < n <= LOOP_MAX_ENGINES or state.scan_start % n or not p.kv_floor > 0.0:  # x / 0.0 raises
             return None
@@ -108,7 +109,7 @@ class GimbalKernel:
                 kv_max = usage
         if kv_max > p.kv_high and kv_max - kv_min > p.kv_spread:  # `dispatch.kv_first_applies`
             best, best_score = freest, freest_score
-        return Decision(best) if -math.inf < best_score < math.inf else None
+        return Choice(best) if -math.inf < best_score < math.inf else None
 
     def _uncached(self, query: RouteQuery, n: int) -> list[float] | bool | None:
         """The weighted uncached-prompt term per engine, None without `prefix_weight`, False to decline (a
@@ -141,7 +142,7 @@ class ColumnsKernel:
 
     def __call__(
         self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables
-    ) -> Decision | None:
+    ) -> Choice | None:
         n = snap.size
         if not 0 < n <= LOOP_MAX_ENGINES:
             return None
@@ -164,4 +165,4 @@ class ColumnsKernel:
                     best, best_score = i, score
                 elif score != score:
                     return None
-        return Decision(best) if -math.inf < best_score < math.inf else None
+        return Choice(best) if -math.inf < best_score < math.inf else None

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from switchyard.solver.routing.decode import Decision, RouteQuery, RouterState
 from switchyard.solver.routing.framework import Profile
 from switchyard.solver.routing.profiles import DECODE_PROFILES
+from switchyard.solver.routing.query import Choice, RouteQuery, RouterState
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 
 __all__ = ["DECODE_POLICIES", "DecodePolicy", "PolicyFn", "get_policy"]
 
-PolicyFn = Callable[[FleetSnapshot, RouteQuery, RouterState, RoutingTables], Decision]
+PolicyFn = Callable[[FleetSnapshot, RouteQuery, RouterState, RoutingTables], Choice]
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class DecodePolicy:
     def needs(self) -> frozenset[str]:
         return self.profile.needs
 
-    def _decide(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
+    def _decide(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Choice:
         if self.tau is not None and tables.tau != self.tau:
             if not self._retau or self._retau[0][0] is not tables:
                 self._retau[:] = [(tables, replace(tables, tau=self.tau))]
             tables = self._retau[0][1]
         return self.profile(snap, query, state, tables)
 
-    def __call__(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
+    def __call__(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Choice:
         return self.fn(snap, query, state, tables)  # type: ignore[misc]
 
 

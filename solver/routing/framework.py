@@ -42,7 +42,7 @@ import numpy as np
 
 from switchyard.shared.signals import REQUEST_INPUTS as _REQUEST_INPUTS
 from switchyard.shared.signals import SIGNALS, UnknownSignal
-from switchyard.solver.routing.decode import Decision, RouteQuery, RouterState
+from switchyard.solver.routing.query import Choice, RouteQuery, RouterState
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 
@@ -100,7 +100,7 @@ class Picker(Protocol):
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int: ...
 
 
-Kernel = Callable[[FleetSnapshot, RouteQuery, RouterState, RoutingTables], Decision | None]
+Kernel = Callable[[FleetSnapshot, RouteQuery, RouterState, RoutingTables], Choice | None]
 
 
 class Weighted(NamedTuple):
@@ -181,7 +181,7 @@ class Profile:
             total = term if total is None else total + term
         return total
 
-    def __call__(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
+    def __call__(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Choice:
         if self.kernel is not None:
             decision = self.kernel(snap, query, state, tables)
             if decision is not None:
@@ -190,7 +190,7 @@ class Profile:
 
     decide = __call__
 
-    def compose(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Decision:
+    def compose(self, snap: FleetSnapshot, query: RouteQuery, state: RouterState, tables: RoutingTables) -> Choice:
         """The decision by definition: filters, then the summed cost, then the picker."""
         mask: np.ndarray | None = None
         prefer: np.ndarray | None = None
@@ -218,7 +218,7 @@ class Profile:
         if cost is not None and not math.isfinite(_SUM(cost)):  # a finite sum: every cost finite (~0.6 µs)
             mask = self._finite(cost, mask, snap, query, tables)
         index = self.picker.pick(cost, mask, prefer, state)
-        return Decision(index, band_size=band, fallback=fallback)
+        return Choice(index, band_size=band, fallback=fallback)
 
     def _finite(
         self, cost: np.ndarray, mask: np.ndarray, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables

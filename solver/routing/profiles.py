@@ -49,9 +49,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from switchyard.solver.routing.decode import eldr_kernel
 from switchyard.solver.routing.dispatch import DISPATCH_POLICIES, GimbalParams
 from switchyard.solver.routing.dp_kernels import ColumnsKernel, GimbalKernel
+from switchyard.solver.routing.eldr_kernel import eldr_kernel
 from switchyard.solver.routing.filters import Alive, DomainPartition, KvFirst, TauBand
 from switchyard.solver.routing.framework import Profile, Weighted
 from switchyard.solver.routing.pickers import FirstMin, LeastCost, PowerOfTwo, RandomPick, RoundRobin, SoftmaxSample

@@ -61,8 +61,8 @@ def build(ctx: ReportContext) -> tuple[dict[str, object], list[str]]:
 
 def _cluster_sizes(sc: Scenario, fit: str, decoders: int) -> list[int]:
     """Calibration requests nearest to each centroid of the `fit` artifact (what K-means balanced or not)."""
-    from switchyard.solver.scoring import Scorer
+    from switchyard.solver.scoring import SignatureScorer
 
     artifact, _ = sc.eldr_inputs(fit, decoders)
-    sims = Scorer.from_artifact(artifact).similarities_batch(sc.counts.prefill[sc.calib])  # type: ignore[arg-type]
+    sims = SignatureScorer.from_artifact(artifact).similarities_batch(sc.counts.prefill[sc.calib])  # type: ignore[arg-type]
     return np.bincount(sims.argmax(axis=1), minlength=decoders).tolist()

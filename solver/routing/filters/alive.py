@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from switchyard.shared.signals import need
-from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.framework import Admission
+from switchyard.solver.routing.query import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 

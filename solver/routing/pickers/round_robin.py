@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from switchyard.shared.signals import need
-from switchyard.solver.routing.decode import RouterState
+from switchyard.solver.routing.query import RouterState
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@
 
 Both answer `match(keys, engine_ids)`: for each engine, how many of the prompt's leading block keys it holds
 (`shared.prefix_keys` names the blocks). The router turns that into the request input ``cached_tokens``
-(`RouteQuery.cached`), which the prefix scorers read.
+(`RouteQuery.cached`), which the prefix scorers read. `KvApplier` applies engines' events to a `BlockIndex` by
+the one sequence rule (`shared.sequence`), for the router and the gateway.
 """
 
+from switchyard.solver.routing.prefix.applier import Applied, KvApplier
 from switchyard.solver.routing.prefix.blocks import BlockIndex
 from switchyard.solver.routing.prefix.routed import RoutedIndex
 
-__all__ = ["BlockIndex", "RoutedIndex"]
+__all__ = ["Applied", "BlockIndex", "KvApplier", "RoutedIndex"]

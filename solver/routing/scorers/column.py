@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from switchyard.shared.signals import need
-from switchyard.solver.routing.decode import RouteQuery
+from switchyard.solver.routing.query import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 

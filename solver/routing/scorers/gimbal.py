@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from switchyard.shared.signals import need
-from switchyard.solver.routing.decode import RouteQuery
 from switchyard.solver.routing.dispatch import GimbalParams, kv_penalty, moe_penalty
+from switchyard.solver.routing.query import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from switchyard.shared.signals import need
-from switchyard.solver.routing.decode import RouteQuery
+from switchyard.solver.routing.query import RouteQuery
 from switchyard.solver.routing.snapshot import FleetSnapshot
 from switchyard.solver.routing.tables import RoutingTables
 

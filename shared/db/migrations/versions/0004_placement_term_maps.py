@@ -28,7 +28,7 @@ _OBJECTIVE = {"objective_load": "load", "objective_comm": "comm", "objective_mig
 _MAPS = {"placements": {"params": _PARAMS, "objective_terms": _OBJECTIVE}, "calibrations": {"params": _PARAMS}}
 
 
-def _table(name: str, maps: dict[str, dict[str, str]]) -> sa.Table:
+def _table(name: str, maps: dict[str, dict[str, str]]) -> sa.TableClause:
     columns = [sa.Column("id", sa.Integer, primary_key=True)]
     columns += [sa.Column(m, sa.JSON) for m in maps]
     columns += [sa.Column(old, sa.Float) for fields in maps.values() for old in fields]
