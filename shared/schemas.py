@@ -281,7 +281,7 @@ class RouteDecisions(WireModel):
     """
 
     VERSION: ClassVar[int] = 2
-    v: Literal[2] = 2
+    v: Literal[2] = 2  # type: ignore[assignment]  # a version bump narrows `v` (WireModel checks the pair)
 
     replica_id: Annotated[str, Field(min_length=1, max_length=64)]
     kinds: Annotated[list[Literal["decode", "dp"]], Field(max_length=MAX_SHARED_DECISIONS)]
@@ -480,8 +480,14 @@ class MigrateReply(WireModel):
     @classmethod
     def refusal(cls, request: MigrateRequest, reason: str) -> MigrateReply:
         """The answer of an engine that applied nothing of `request`, saying why."""
-        fields = {"plan_id": request.plan_id, "version": request.version, "step": request.step}
-        return cls(**fields, applied=0, duration_s=0.0, failure=reason)
+        return cls(
+            plan_id=request.plan_id,
+            version=request.version,
+            step=request.step,
+            applied=0,
+            duration_s=0.0,
+            failure=reason,
+        )
 
 
 class LayoutRequest(WireModel):

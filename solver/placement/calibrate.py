@@ -128,7 +128,7 @@ def fit_params(
             raise PlacementError(f"reference shape {list(reference.shape)} is not {list(problem.shape)}")
     copies = [r.sum(axis=2) for r in references]  # the greedy must place the same copies as the reference
     total = sum(float(r.sum()) for r in references)
-    fit_gamma = any(p.current is not None and p.migration_cost.any() for p in problems)
+    fit_gamma = any(p.current is not None and p.mig.any() for p in problems)
 
     def evaluate(beta: float, gamma: float) -> tuple[float, float]:
         params = GreedyParams(alpha, beta, gamma)
@@ -240,8 +240,9 @@ def calibrate(
             "keep_layout": _versus(p, keep[i], second[i]),
             "reference_vs_reference": _versus(p, second[i], reference),
         }
-        if eplb[i] is not None:
-            window["eplb"] = _versus(p, eplb[i], reference)
+        eplb_hosts = eplb[i]
+        if eplb_hosts is not None:
+            window["eplb"] = _versus(p, eplb_hosts, reference)
         # beside the fitted greedy: the uncalibrated one (exact marginals, α = β = γ = 1) and the seed's weights
         for name, candidate in (("greedy", params), ("greedy_unit", GreedyParams()), ("greedy_seed", SEED_PARAMS)):
             window[name] = _versus(p, greedy_hosts(p, candidate, c), reference)

@@ -76,14 +76,14 @@ def balanced_packing(weight: np.ndarray, num_packs: int, conflicts: np.ndarray |
     for step in range(num_items):
         item = order[:, step]
         full = pack_size >= capacity
-        if holds is not None:
+        if holds is not None and conflicts is not None:
             blocked = full | holds[rows, conflicts[rows, item]]
             full = np.where(blocked.all(axis=1, keepdims=True), full, blocked)
         pack = np.where(full, np.inf, pack_load).argmin(axis=1)
         packs[rows, item] = pack
         pack_load[rows, pack] += weight[rows, item]
         pack_size[rows, pack] += 1
-        if holds is not None:
+        if holds is not None and conflicts is not None:
             holds[rows, conflicts[rows, item], pack] = True
     return packs
 

@@ -247,8 +247,8 @@ def _sort_classes(hosts: np.ndarray, q: np.ndarray, classes: list[list[int]]) ->
     """Relabel interchangeable GPUs of a hint so their loads descend, as the symmetry constraints demand."""
     hosts = hosts.copy()
     loads = q @ hosts
-    for members in classes:
-        members = np.asarray(members)
+    for group in classes:
+        members = np.asarray(group)
         order = members[np.argsort(-loads[members], kind="stable")]
         hosts[:, members] = hosts[:, order]
     return hosts

@@ -111,8 +111,8 @@ def _plan_layer(current: np.ndarray, target: np.ndarray, buffer: bool) -> list[_
     for expert in np.unique(np.concatenate([current[changed], target[changed]])):
         if expert < 0:
             continue
-        leaving = [tuple(p) for p in np.argwhere(changed & (current == expert)).tolist()]
-        arriving = [tuple(p) for p in np.argwhere(changed & (target == expert)).tolist()]
+        leaving = [(int(g), int(s)) for g, s in np.argwhere(changed & (current == expert))]
+        arriving = [(int(g), int(s)) for g, s in np.argwhere(changed & (target == expert))]
         pairs = _pair_by_gpu(leaving, arriving)
         moves += [_Op(int(expert), src, dst) for src, dst in pairs]
         drops += [_Op(int(expert), src, NO_SLOT) for src in leaving]
@@ -172,7 +172,8 @@ def _temporary_slot(occupied: np.ndarray, gpu: int, slots_per_gpu: int) -> tuple
     free = np.argwhere(occupied[:, :slots_per_gpu] == -1)
     if len(free):
         local = free[free[:, 0] == gpu]
-        return tuple(int(v) for v in (local[0] if len(local) else free[0]))
+        gpu_, slot = local[0] if len(local) else free[0]
+        return int(gpu_), int(slot)
     if occupied.shape[1] > slots_per_gpu:
         scratch = np.flatnonzero(occupied[:, slots_per_gpu] == -1)
         if len(scratch):

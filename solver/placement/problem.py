@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import numpy as np
 
@@ -149,9 +150,14 @@ class PlacementProblem:
 
     def comm_cost(self) -> np.ndarray:
         """C[L, E, G] = Σ_s A[l,s,e] D[s,g]: communication if expert e's traffic is served on GPU g."""
-        if self.source_load is None:
+        if self.source_load is None or self.distance is None:  # `__post_init__` sets both or neither
             return np.zeros(self.shape)
         return np.einsum("lse,sg->leg", self.source_load, self.distance)
+
+    @property
+    def mig(self) -> np.ndarray:
+        """M[L, E, G]: `migration_cost` as `__post_init__` broadcast it (given as a scalar or any broadcastable)."""
+        return cast(np.ndarray, self.migration_cost)
 
     def current_hosts(self) -> np.ndarray | None:
         return None if self.current is None else hosts_from_slots(self.current, self.num_experts)
@@ -159,7 +165,7 @@ class PlacementProblem:
     def interchangeable_gpus(self) -> list[list[int]]:
         """Classes (size > 1) of GPUs that no term of the objective tells apart: equal distance columns, equal
         extra-term costs and no migration term. Any relabelling within a class gives an equally good placement."""
-        if self.current is not None and self.migration_cost.any():
+        if self.current is not None and self.mig.any():
             return []
         columns = self.distance.T if self.distance is not None else np.zeros((self.num_gpus, 1))
         if self.extra_terms:  # a GPU that an extra term prices differently is not interchangeable either
@@ -176,7 +182,7 @@ class PlacementProblem:
             self,
             load=self.load[sl],
             source_load=None if self.source_load is None else self.source_load[sl],
-            migration_cost=self.migration_cost[sl],
+            migration_cost=self.mig[sl],
             current=None if self.current is None else self.current[sl],
             extra_terms={name: cost[sl] for name, cost in self.extra_terms.items()},
         )

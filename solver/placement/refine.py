@@ -117,7 +117,8 @@ def place(
     candidates = [refine_swaps(problem, start, max_rounds)[0]]
     costs = [objective(problem, candidates[0]).per_layer]
     if problem.current is not None:
-        same_copies = (problem.current_hosts().sum(axis=2) == copies).all(axis=1)
+        current = hosts_from_slots(problem.current, problem.num_experts)
+        same_copies = (current.sum(axis=2) == copies).all(axis=1)
         if same_copies.any():
             candidates.append(refine_swaps(problem, problem.current, max_rounds)[0])
             costs.append(np.where(same_copies, objective(problem, candidates[1]).per_layer, np.inf))

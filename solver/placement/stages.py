@@ -62,7 +62,8 @@ def stage(
     current, target = np.asarray(current), np.asarray(target)
     if max_bytes is None or np.array_equal(current, target):
         return target.copy()
-    units = []  # (heat, layer, changed slots): a cycle, or a whole layer when layouts hold replicas
+    # (heat, layer, changed slots): a cycle, or a whole layer when layouts hold replicas
+    units: list[tuple[float, int, list[tuple[int, int]]]] = []
     if _one_copy_each(current) and _one_copy_each(target):
         for layer in range(current.shape[0]):
             for cycle in _cycles(current[layer], target[layer]):
@@ -70,7 +71,7 @@ def stage(
                 units.append((max((float(heat[layer, e]) for e in experts), default=0.0), layer, cycle))
     else:
         for layer in range(current.shape[0]):
-            slots = [tuple(int(i) for i in gs) for gs in np.argwhere(current[layer] != target[layer])]
+            slots = [(int(g), int(s)) for g, s in np.argwhere(current[layer] != target[layer])]
             if slots:
                 units.append((float(heat[layer].max()), layer, slots))
     units.sort(key=lambda u: (-u[0], u[1], u[2]))

@@ -65,4 +65,4 @@ def linear_constants(problem: PlacementProblem, layer: int) -> dict[str, float]:
     current = problem.current_hosts()
     if current is None:
         return {}
-    return {"mig": float((problem.migration_cost[layer] * current[layer]).sum())}
+    return {"mig": float((problem.mig[layer] * current[layer]).sum())}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -111,7 +111,7 @@ class GimbalKernel:
             best, best_score = freest, freest_score
         return Choice(best) if -math.inf < best_score < math.inf else None
 
-    def _uncached(self, query: RouteQuery, n: int) -> list[float] | bool | None:
+    def _uncached(self, query: RouteQuery, n: int) -> list[float] | Literal[False] | None:
         """The weighted uncached-prompt term per engine, None without `prefix_weight`, False to decline (a
         `cached` column the composition would compute in another dtype, or of another length)."""
         weight = self.prefix_weight

@@ -38,7 +38,7 @@ class RouteQuery:
 class Choice(NamedTuple):
     """One pick (a tuple: built on every request, a frozen dataclass costs twice as much to make)."""
 
-    index: int  # into the snapshot's engines
+    index: int  # type: ignore[assignment]  # into the snapshot's engines (shadows tuple.index, unused here)
     band_size: int = 0  # engines the band filter admitted (0 for load-only profiles)
     fallback: str | None = None
 

@@ -38,4 +38,4 @@ class SoftmaxSample:
             ties = np.flatnonzero(values == values.min())
             return int(ties[0]) if len(ties) == 1 else int(ties[state.rng.integers(len(ties))])
         p = self.probabilities(cost, mask)
-        return int(min(np.searchsorted(np.cumsum(p), state.rng.random(), side="left"), len(p) - 1))
+        return min(int(np.searchsorted(np.cumsum(p), state.rng.random(), side="left")), len(p) - 1)
