@@ -86,7 +86,7 @@ _SIGNALS = (
     Signal("load", "router: Telemetry.num_running + num_waiting + in flight", "requests", PER_REPORT_AND_DECISION,
            doc="the router's best count of requests on the engine (a snapshot attribute)"),
     Signal("kv_usage", "Telemetry.kv_usage", "fraction of KV blocks", PER_TELEMETRY, view="kv_usage"),
-    Signal("alive", "router: hello or telemetry within stale_after_s", "bool", PER_DECISION, dtype=np.bool_,
+    Signal("alive", "router: live, and a hello or telemetry within fresh_load_s", "bool", PER_DECISION, dtype=np.bool_,
            fill=1.0, doc="the engine may receive requests (a snapshot attribute)"),
     Signal("running", "Telemetry.num_running", "requests", PER_TELEMETRY, view="num_running"),
     Signal("waiting", "router: Telemetry.num_waiting + in flight", "requests", PER_REPORT_AND_DECISION,
@@ -138,6 +138,12 @@ REQUEST_INPUTS: Mapping[str, RequestInput] = MappingProxyType(
                 "cached_tokens",
                 "the prefix index (solver.routing.prefix): the request's block keys against each engine's blocks",
                 "prompt tokens per engine, in snapshot order",
+            ),
+            RequestInput(
+                "expert_affinity",
+                "solver.routing.affinity: the request's predicted expert signature (the signature cache, by its "
+                "prefix block keys) against each engine's recent expert traffic",
+                "centered cosine per engine in [-1, 1], in snapshot order",
             ),
         )
     }

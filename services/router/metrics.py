@@ -35,7 +35,10 @@ HELLOS_REFUSED = Counter(
     "dp_rank) or not at all (unlisted).",
     ["reason"],
 )
-STALE_ENGINES = Gauge("switchyard_router_stale_engines", "Known engines silent for longer than stale_after_s.")
+STALE_ENGINES = Gauge(
+    "switchyard_router_stale_engines",
+    "Known engines that are not candidates: dead, without fresh load data (fresh_load_s) or held.",
+)
 LIVE_ENGINES = Gauge("switchyard_router_live_engines", "Engines in the candidate set, by role.", ["role"])
 ARTIFACT_VERSION = Gauge("switchyard_router_artifact_version", "Version of the routing artifact in use (0: none).")
 ARTIFACTS_REFUSED = Counter(
