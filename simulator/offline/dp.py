@@ -67,6 +67,7 @@ from switchyard.simulator.core.placement_control import PlacementControl
 from switchyard.simulator.core.placements import make_placement
 from switchyard.simulator.core.prefix_cache import PrefixCache, hits_per_request, prefix_keys
 from switchyard.simulator.core.workload import Workload
+from switchyard.simulator.offline.dp_affinity import AffinityFeed, affinity_feed
 from switchyard.simulator.offline.dp_ep import EpRun, migration_price
 from switchyard.simulator.offline.dp_fleet import PREFIX_INDEXES, DPFleetConfig, DPSimResult
 from switchyard.solver.routing.dispatch import GimbalParams, kv_first_applies
@@ -163,6 +164,7 @@ class Dispatcher:
         self.exact = ExactLedger(engines)  # what was sent and has not reached its first token / its end
         self.recent = RecentSends(engines)  # what was sent in the last few tens of ms (decaying)
         self.kv_first = 0
+        self.affinity: AffinityFeed | None = None  # ``expert_affinity`` (`dp_affinity`), set by `simulate_dp`
 
         self.needs_coordinator = bool(cols & COORDINATOR_COLUMNS)
         kv_from_coordinator = self.needs_coordinator and not cols & TELEMETRY_COLUMNS
@@ -245,7 +247,8 @@ class Dispatcher:
             snap.columns["inflight_tokens"] = self._drained(now)
         cached = 0
         if not self.prefix_live:
-            query = RouteQuery(prompt_tokens=prompt_tokens)
+            aff = self.affinity
+            query = aff.query(now, prompt_tokens, rid) if aff else RouteQuery(prompt_tokens=prompt_tokens)
             i = self.profile(snap, query, self.state, _NO_TABLES).index
             if self.needs_indexed:  # no keys: an index of what was routed still grows by the prompt's blocks
                 self.indexed[i] += -(-prompt_tokens // _INDEX_BLOCK_TOKENS)
@@ -260,6 +263,8 @@ class Dispatcher:
         if self.tracks_recent:
             self.recent.sent(i, now)
         self.outstanding[i] += 1
+        if self.affinity is not None:
+            self.affinity.routed(rid, i)
         return i
 
     def _choose_prefix(self, now: float, prompt_tokens: int, keys: tuple[int, ...] | None) -> tuple[int, int]:
@@ -357,6 +362,7 @@ def simulate_dp(
     ep = _ep_run(fleet, bank, prefill_counts, control)
     keys = _prompt_keys(workload, prefix_block)
     disp = _dispatcher(fleet, dispatch, seed, engines, prefix_block)
+    disp.affinity = affinity_feed(disp.profile.needs, fleet, prefill_counts, workload.replay, keys, seed)
     predicted = np.full((n_req, 2), -1, dtype=np.int64)  # (precise, approximate) on the chosen engine
     track = disp.prefix_live
     phases = _telemetry_phases(fleet, seed)
@@ -419,6 +425,8 @@ def simulate_dp(
             tokens[out.finished] = out.finished_tokens
             disp.on_finished(i, len(out.finished))
         disp.on_progress(out.first, out.finished)
+        if disp.affinity is not None and out.first:
+            disp.affinity.first_tokens(t, out.first)  # their engines publish their prefill signatures
         return len(out.finished)
 
     finished = 0

@@ -68,6 +68,9 @@ class DPFleetConfig:
     ep_ranks_per_node: int = 8
     #: The exact ledger's control (`dp.LEDGER_CONTROLS`): "shuffled" gives a profile its facts on random engines.
     ledger_control: str = "none"
+    #: The expert-affinity signature feed's control (`dp_affinity.AFFINITY_CONTROLS`): "shuffled" records every
+    #: request's prefill signature as another request's (docs/expert-affinity.md).
+    affinity_control: str = "none"
 
     def __post_init__(self) -> None:
         if self.engines < 1:

@@ -141,6 +141,7 @@ DISPATCH_POLICIES: tuple[str, ...] = (
     "switchyard",
     "gimbal-exact",
     "switchyard-exact",
+    "gimbal-affinity",
 )
 """Names of the data-parallel dispatch rules (`solver.routing.profiles.DP_PROFILES`, `sim-dp --dispatch`)."""
 

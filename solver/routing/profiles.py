@@ -26,6 +26,7 @@ Data-parallel dispatch (`sy.route.dp`, over DP engines; formulas in `solver.rout
 |             |                 | kv_penalty, moe_penalty (1)                               |                     |
 | `switchyard-exact` | alive, KV first | gimbal-exact's terms less recent_sends,          | first min           |
 |             |                 | uncached_prompt (`PREFIX_WEIGHT`)                         |                     |
+| `gimbal-affinity` | alive, KV first | gimbal's five, expert_affinity (`AFFINITY_WEIGHT`)  | first min           |
 | `vllm`      | alive           | waiting (4), running (1)                                  | first min           |
 | `vllm-main` | alive           | vllm_main_load (1), vllm_main_kv (1)                      | first min, rotating |
 | `jsq`       | alive           | outstanding (1)                                           | first min           |
@@ -59,6 +60,7 @@ from switchyard.solver.routing.scorers import (
     Column,
     DynamoDecode,
     DynamoPrefill,
+    ExpertAffinity,
     KvPenalty,
     LlmdKvUtilization,
     LlmdPrefix,
@@ -215,6 +217,21 @@ def _dp_switchyard_exact(params: GimbalParams, client_count: int) -> Profile:
     )
 
 
+#: The `gimbal-affinity` profile's default weight of ``expert_affinity`` (docs/expert-affinity.md: the sweep).
+AFFINITY_WEIGHT = 4.0
+
+
+def _dp_gimbal_affinity(params: GimbalParams, client_count: int) -> Profile:
+    return Profile(
+        "gimbal-affinity",
+        (_ALIVE, KvFirst(params)),
+        (*_gimbal_terms(params), Weighted(ExpertAffinity(), AFFINITY_WEIGHT)),
+        FirstMin(),
+        doc="Gimbal's pressure score plus the request's prompt discounted where recent traffic used the same "
+        "experts (expert affinity, predicted from the prefix's recorded signature)",
+    )
+
+
 def _dp_llm_d(params: GimbalParams, client_count: int) -> Profile:
     return Profile(
         "llm-d",
@@ -290,6 +307,7 @@ _DP_BUILDERS: dict[str, Callable[[GimbalParams, int], Profile]] = {
     "switchyard": _dp_switchyard,
     "gimbal-exact": _dp_gimbal_exact,
     "switchyard-exact": _dp_switchyard_exact,
+    "gimbal-affinity": _dp_gimbal_affinity,
     "llm-d": _dp_llm_d,
     "dynamo": _dp_dynamo,
     "sglang-cache": _dp_sglang_cache,

@@ -1,5 +1,6 @@
 """Scorers: per-engine costs, lower is better, summed with weights (one small module per scorer)."""
 
+from switchyard.solver.routing.scorers.affinity import ExpertAffinity
 from switchyard.solver.routing.scorers.column import Column
 from switchyard.solver.routing.scorers.dynamo import DynamoDecode, DynamoPrefill
 from switchyard.solver.routing.scorers.gimbal import KvPenalty, MoePenalty
@@ -12,6 +13,7 @@ __all__ = [
     "Column",
     "DynamoDecode",
     "DynamoPrefill",
+    "ExpertAffinity",
     "KvPenalty",
     "LlmdKvUtilization",
     "LlmdPrefix",
