@@ -918,7 +918,7 @@ def main() -> None:
             if args.compare:
                 gateways[COMPARE] = ("inprocess", keyed)
             for name, (shape, gateway_env) in gateways.items():
-                cli = ["-m", "switchyard.services.cli", "gateway", "--nats-url", url, "--port", str(ports[name])]
+                cli = ["-m", "switchyard.cli", "gateway", "--nats-url", url, "--port", str(ports[name])]
                 cli += ["--router", shape]
                 if args.profile and name == SHAPE_TARGETS[args.profile_shape]:
                     cli = ["-m", "cProfile", "-o", str(args.profile), *cli]

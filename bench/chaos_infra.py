@@ -159,7 +159,7 @@ def service_env(overrides: dict[str, str]) -> dict[str, str]:
 
 
 def cli(command: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "switchyard.services.cli", command, *args]
+    return [sys.executable, "-m", "switchyard.cli", command, *args]
 
 
 def gateway_available() -> bool:

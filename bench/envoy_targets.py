@@ -162,7 +162,7 @@ class EnvoyTargets:
         procs["noop"] = subprocess.Popen(noop, env=env)
         picker_env = env | {"SWITCHYARD_EPP_FALLBACKS": "0", "SWITCHYARD_EPP_METRICS_PORT": "0"}
         picker_env["SWITCHYARD_EPP_TOKENIZERS"] = env.get("SWITCHYARD_GATEWAY_TOKENIZERS", "")
-        cli = [sys.executable, "-m", "switchyard.services.cli", "epp", "--nats-url", self.nats_url]
+        cli = [sys.executable, "-m", "switchyard.cli", "epp", "--nats-url", self.nats_url]
         cli += ["--port", str(self.processor_ports["epp"])]
         procs["epp"] = subprocess.Popen(cli, env=picker_env | {"SWITCHYARD_EPP_EPP_ID": "bench-epp"})
         binary = str(Path(sys.executable).parent / "envoy")

@@ -109,7 +109,7 @@ def run_group(task: dict) -> list[dict]:
     """One `sim-dp` subprocess; its JSON's runs keyed `<dispatch>+<order>+<placement>` become rows."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        argv = [sys.executable, "-m", "switchyard.services.cli", *task["args"], "--json", str(out)]
+        argv = [sys.executable, "-m", "switchyard.cli", *task["args"], "--json", str(out)]
         t0 = time.perf_counter()
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -213,7 +213,7 @@ def main() -> None:
         meta = json.loads(meta_path.read_text())["meta"]
     else:
         probe = subprocess.run(
-            [sys.executable, "-m", "switchyard.services.cli", "sim-dp", "--help"], capture_output=True, text=True
+            [sys.executable, "-m", "switchyard.cli", "sim-dp", "--help"], capture_output=True, text=True
         )
         if "--placement" not in probe.stdout:
             sys.exit(

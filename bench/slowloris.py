@@ -115,7 +115,7 @@ def main() -> None:
         sys.exit(f"--sockets {args.sockets} needs more than this machine's open-file limit ({hard})")
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(Path(tmp)) as nats:
         port = free_port()
-        command = [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", nats.url]
+        command = [sys.executable, "-m", "switchyard.cli", "gateway", "--nats-url", nats.url]
         gateway = subprocess.Popen([*command, "--port", str(port)], env=dict(os.environ), stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60

@@ -41,7 +41,7 @@ def _command_paths(command: Any, path: tuple[str, ...] = ()) -> list[tuple[str, 
 
 def dump() -> str:
     """`switchyard [PATH…] --help` for every command path, each under a `=== switchyard PATH --help ===` line."""
-    from switchyard.services.cli import app
+    from switchyard.cli import app
 
     runner = CliRunner()
     sections = []

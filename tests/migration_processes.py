@@ -20,7 +20,7 @@ def start_service(
     `env` adds SWITCHYARD_* settings."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     environment.update(SWITCHYARD_SUBJECT_PREFIX=settings.subject_prefix, **env)
-    command = [sys.executable, "-m", "switchyard.services.cli", name]
+    command = [sys.executable, "-m", "switchyard.cli", name]
     command += ["--nats-url", settings.nats_servers[0], *args]
     command += ["--database-url", database_url] if database_url is not None else []
     with log.open("ab") as out:

@@ -206,7 +206,7 @@ def _start_placement(fleet: Fleet, log: Path) -> subprocess.Popen[bytes]:
             "SWITCHYARD_LOG_LEVEL": "INFO",
         }
     )
-    argv = [sys.executable, "-m", "switchyard.services.cli", "placement"]
+    argv = [sys.executable, "-m", "switchyard.cli", "placement"]
     return subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 

@@ -11,6 +11,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
+from switchyard.cli import app
 from switchyard.services.artifacts import (
     ArtifactError,
     get_artifact_kv,
@@ -19,7 +20,6 @@ from switchyard.services.artifacts import (
     read_artifact_file,
     write_artifact_file,
 )
-from switchyard.services.cli import app
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import encode
 from switchyard.shared.db import RoutingArtifactRow, sync_url, upgrade

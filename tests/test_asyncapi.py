@@ -17,8 +17,8 @@ import jsonschema_rs
 import pytest
 from typer.testing import CliRunner
 
+from switchyard.cli import app
 from switchyard.engine_agents.sim.live.protocol import SimCompleted, SimSubmit
-from switchyard.services.cli import app
 from switchyard.shared.asyncapi import build, render
 from switchyard.shared.nats_auth import Permissions, Roles
 from switchyard.shared.subjects import DECIDER_KINDS, Subjects

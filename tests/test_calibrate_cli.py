@@ -11,8 +11,8 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
+from switchyard.cli import app
 from switchyard.services.calibration import WindowError, load_window, sglang_windows, window_problem
-from switchyard.services.cli import app
 from switchyard.shared.codec import encode
 from switchyard.shared.db import Calibration, sync_url
 from switchyard.shared.schemas import ExpertLoad

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.services.cli_errors import user_error_message
+from switchyard.cli.errors import user_error_message
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.routing_trace import TraceError
 
-SWITCHYARD = [sys.executable, "-m", "switchyard.services.cli"]
+SWITCHYARD = [sys.executable, "-m", "switchyard.cli"]
 
 
 def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

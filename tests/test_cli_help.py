@@ -1,5 +1,5 @@
 """Every command, option name, default and help text of the `switchyard` CLI is what `tests/golden/cli_help.txt`
-recorded (written by `python -m tests.cli_help`): a refactor of `services/cli` must not change the command line."""
+recorded (written by `python -m tests.cli_help`): a refactor of `cli/` must not change the command line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_version_and_short_help_work_everywhere() -> None:
 
     from typer.testing import CliRunner
 
-    from switchyard.services.cli import app
+    from switchyard.cli import app
 
     runner = CliRunner()
     shown = runner.invoke(app, ["--version"])

@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, text
 
 from switchyard.shared.embedded import free_port
 
-SWITCHYARD = [sys.executable, "-m", "switchyard.services.cli"]
+SWITCHYARD = [sys.executable, "-m", "switchyard.cli"]
 
 
 def _nats_children(data_dir: Path) -> list[int]:

@@ -29,7 +29,7 @@ from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.shared.embedded import find_nats_server
 from switchyard.shared.nats_auth import gateway_user
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.services.router.settings import RouterSettings
 from switchyard.simulator.core.dp_engine import DPCost, MixedEngine
 from switchyard.simulator.core.physics import cost_model

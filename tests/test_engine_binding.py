@@ -306,7 +306,7 @@ def test_engine_specs_are_checked(spec: str, error: str) -> None:
 
 def _nats_config(tmp_path: Path, engines: str, *more: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    argv = [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(tmp_path / "conf")]
+    argv = [sys.executable, "-m", "switchyard.cli", "nats-config", "--out", str(tmp_path / "conf")]
     return subprocess.run([*argv, "--engines", engines, *more], capture_output=True, text=True, env=env)
 
 

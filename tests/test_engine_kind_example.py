@@ -11,8 +11,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from docs.examples.toy_engine import SHAPE, ToyEngine
-from switchyard.services.engine_layout import LayoutProbe
 from switchyard.services.fleet_view import FleetView
+from switchyard.services.layout import LayoutProbe
 from switchyard.services.router.service import RouterService
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus

@@ -14,9 +14,7 @@ from switchyard.shared.nats_auth import SERVICE_ROLES
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    return subprocess.run(
-        [sys.executable, "-m", "switchyard.services.cli", *args], capture_output=True, text=True, env=env
-    )
+    return subprocess.run([sys.executable, "-m", "switchyard.cli", *args], capture_output=True, text=True, env=env)
 
 
 def test_nats_config_makes_one_user_per_picker(tmp_path: Path) -> None:

@@ -182,7 +182,7 @@ async def test_the_picker_process_serves_select_and_health(bus: Bus, settings: S
     grpc_port, http = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     env |= {"SWITCHYARD_SUBJECT_PREFIX": settings.subject_prefix, "SWITCHYARD_EPP_METRICS_PORT": str(http)}
-    args = ["-m", "switchyard.services.cli", "epp", "--nats-url", settings.nats_servers[0], "--port", str(grpc_port)]
+    args = ["-m", "switchyard.cli", "epp", "--nats-url", settings.nats_servers[0], "--port", str(grpc_port)]
     process = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
     try:
         async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, httpx.AsyncClient() as client:

@@ -443,7 +443,7 @@ def test_gateway_command_deploys_alone_and_stops_on_sigterm(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     env["SWITCHYARD_SUBJECT_PREFIX"] = settings.subject_prefix
-    cli = [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", settings.nats_servers[0]]
+    cli = [sys.executable, "-m", "switchyard.cli", "gateway", "--nats-url", settings.nats_servers[0]]
     log = tmp_path / "gateway.log"
     with log.open("wb") as out:
         process = subprocess.Popen([*cli, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -251,7 +251,7 @@ def test_a_bad_tokenizer_path_is_one_line_at_startup(tmp_path: Path) -> None:
         "SWITCHYARD_NATS_INITIAL_CONNECT_S": "1",
     }
     done = subprocess.run(
-        [sys.executable, "-m", "switchyard.services.cli", "gateway", "--nats-url", "nats://127.0.0.1:1", "--port", "0"],
+        [sys.executable, "-m", "switchyard.cli", "gateway", "--nats-url", "nats://127.0.0.1:1", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,8 +11,8 @@ Layers (lowest first; a module may import its own component and any lower rank, 
                                 only, no bus, no HTTP; below both its users, the live simulated engines
                                 (engine_agents.sim.live) and the CLI (`switchyard sim`, `sim-dp`, `report`)
     4  engine_agents, services  peers: neither imports the other
-    5  services.cli, services.up   the entry points (`switchyard …`, `switchyard up`): they compose services
-                                   and simulated engines, so they alone may import both
+    5  cli                      the entry points (`switchyard …`, `switchyard up`): they compose services and
+                                simulated engines, so they alone may import both
 
 Every `import` counts, wherever it stands (module level, inside a function, under `TYPE_CHECKING`): a cycle
 that only type hints close is still a cycle a reader has to untangle. The rule is documented in
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("shared", "services", "solver", "simulator", "engine_agents", "infra", "data")
+ROOTS = ("shared", "services", "solver", "simulator", "engine_agents", "cli", "infra", "data")
 
 #: Module prefix -> component (the longest matching prefix wins).
 COMPONENT_OF_PREFIX = {
@@ -41,8 +41,7 @@ COMPONENT_OF_PREFIX = {
     "switchyard.simulator": "simulator",
     "switchyard.engine_agents": "engine_agents",
     "switchyard.services": "services",
-    "switchyard.services.cli": "entry points",
-    "switchyard.services.up": "entry points",
+    "switchyard.cli": "entry points",
 }
 #: Component -> rank. Same rank, different component: no imports either way.
 RANK = {
@@ -214,10 +213,12 @@ def test_the_graph_sees_the_package() -> None:
     )
     assert "switchyard.shared.bus" in GRAPH["switchyard.services.placement.service"]
     assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
-    assert _component("switchyard.services.cli") == _component("switchyard.services.up") == "entry points"
-    assert {"switchyard.services.cli.options", "switchyard.services.cli.fitting"} <= set(MODULES)
-    assert _component("switchyard.services.cli.fitting") == "entry points"  # the whole CLI package
-    assert _component("switchyard.services.cli_errors") == "services"  # a prefix is a package, not a string
+    assert _component("switchyard.cli") == _component("switchyard.cli.up") == "entry points"
+    assert {"switchyard.cli.options", "switchyard.cli.fitting"} <= set(MODULES)
+    assert _component("switchyard.cli.fitting") == "entry points"  # the whole CLI package
+    assert _component("switchyard.services.layout") == "services"  # a prefix is a package, not a string
+    with pytest.raises(ValueError):  # `switchyard.client` is no module of `switchyard.cli`
+        _component("switchyard.client")
     assert _component("switchyard.services.placement.service") == "services"
     assert _component("switchyard.shared.db.migrations.env") == "shared"  # the migrations sit beside the models
     assert "switchyard.shared.db.models" in GRAPH["switchyard.shared.db.migrations.env"]

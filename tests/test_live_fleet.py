@@ -187,7 +187,7 @@ def _start_router(nats_url: str, prefix: str, log: Path) -> subprocess.Popen[byt
         "SWITCHYARD_LOG_LEVEL": "INFO",
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "switchyard.services.cli", "router"],
+        [sys.executable, "-m", "switchyard.cli", "router"],
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

@@ -28,7 +28,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from switchyard.shared.nats_auth import Credentials
 from switchyard.shared.subjects import Subjects
 
-SWITCHYARD = [sys.executable, "-m", "switchyard.services.cli"]
+SWITCHYARD = [sys.executable, "-m", "switchyard.cli"]
 SUBJECTS = Subjects("sy")  # the default prefix: the test strips SWITCHYARD_* from up's environment
 INTRUDER = "intruder"
 

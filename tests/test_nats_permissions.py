@@ -556,7 +556,7 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
         [
             sys.executable,
             "-m",
-            "switchyard.services.cli",
+            "switchyard.cli",
             "nats-config",
             "--out",
             str(out),
@@ -580,7 +580,7 @@ def test_nats_config_command_writes_a_config_the_server_accepts(tmp_path: Path) 
     checked = subprocess.run([str(find_nats_server()), "-c", str(out / "nats-server.conf"), "-t"], capture_output=True)
     assert checked.returncode == 0, checked.stderr
     refused = subprocess.run(
-        [sys.executable, "-m", "switchyard.services.cli", "nats-config", "--out", str(out), "--gateways", "g.0"],
+        [sys.executable, "-m", "switchyard.cli", "nats-config", "--out", str(out), "--gateways", "g.0"],
         capture_output=True,
         text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
@@ -599,7 +599,7 @@ def test_the_whole_loop_runs_with_per_role_credentials(secured: SecuredNats, tmp
         "SWITCHYARD_NATS_CREDENTIALS": str(secured.credentials_path),
         "SWITCHYARD_SUBJECT_PREFIX": secured.subjects.prefix,
     }
-    command = [sys.executable, "-m", "switchyard.services.cli", "up", "--nats-url", secured.server.url]
+    command = [sys.executable, "-m", "switchyard.cli", "up", "--nats-url", secured.server.url]
     result = subprocess.run(
         [*command, "--data-dir", str(tmp_path / "state"), "--api-port", "0", "--gateway-port", "0", "--duration", "8"],
         capture_output=True,

@@ -89,8 +89,8 @@ def test_weights_and_greedy_params_are_maps_with_defaults() -> None:
 
 
 def test_every_placement_default_has_one_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from switchyard.cli import calibrate
     from switchyard.services.api.models import CalibrationTrigger
-    from switchyard.services.cli import calibrate
     from switchyard.shared.schemas import CalibrationRequest
 
     owner = placement_terms

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.simulator.core.workload import Workload
 from switchyard.simulator.offline.dp import PREFIX_INDEXES, DPFleetConfig, DPSimResult, simulate_dp
 from switchyard.simulator.offline.dp_run import summarize_dp

@@ -53,7 +53,7 @@ async def test_a_refit_from_the_stream_serves_the_live_decoders(bus: Bus, settin
         await bus.js_publish(bus.subjects.routing_samples, sample)
     await bus.js.publish(bus.subjects.routing_samples, b"\xc1 not a sample")
     env = {**os.environ, "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix}
-    command = [sys.executable, "-m", "switchyard.services.cli", "fit", "--from-stream", "--json"]
+    command = [sys.executable, "-m", "switchyard.cli", "fit", "--from-stream", "--json"]
     command += ["--nats-url", settings.nats_servers[0]]
     hellos = [_decoder(d, counts.top_k) for d in DECODERS] + [_decoder("p0", counts.top_k, role="prefill")]
     async with announcing(bus, *hellos):
@@ -96,7 +96,7 @@ async def test_nothing_in_range_returns_at_once(bus: Bus) -> None:
 
 async def test_without_live_decoders_the_refit_says_why(bus: Bus, settings: SwitchyardSettings) -> None:
     env = {**os.environ, "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix}
-    command = [sys.executable, "-m", "switchyard.services.cli", "fit", "--from-stream"]
+    command = [sys.executable, "-m", "switchyard.cli", "fit", "--from-stream"]
     command += ["--nats-url", settings.nats_servers[0]]
     fit = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(fit.communicate(), 60)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.simulator.core.request_burstgpt import read_burstgpt_csv
 from switchyard.simulator.core.workload import build_workload, load_requests
 from tests.conftest import SHIPPED_DATA

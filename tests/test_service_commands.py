@@ -23,7 +23,7 @@ def _env(settings: SwitchyardSettings, **extra: str) -> dict[str, str]:
 
 def _command(name: str, settings: SwitchyardSettings, tmp_path: Path) -> list[str]:
     url = f"sqlite:///{tmp_path / 'switchyard.sqlite'}"
-    cli = [sys.executable, "-m", "switchyard.services.cli", name]
+    cli = [sys.executable, "-m", "switchyard.cli", name]
     return [*cli, "--nats-url", settings.nats_servers[0], "--database-url", url]
 
 

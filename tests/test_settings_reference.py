@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.services.settings_reference import markdown, reference
 from tests.test_deploy_material import settings_classes
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from tests.conftest import SHIPPED_DATA
 from tests.eldr_helpers import ESFT_DIR
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.simulator.core.borrowed_routing import borrow_routing
 from switchyard.simulator.core.dp_engine import MixedEngine, MixedStep
 from switchyard.simulator.core.ep import EpTopology, busiest, placed, rank_work, selections, step_traffic

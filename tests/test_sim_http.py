@@ -321,7 +321,7 @@ async def test_loadgen_command_with_url(fleet: LiveFleet, tmp_path: Path) -> Non
     args = ["loadgen", "--url", fleet.base_urls()["sim-p0"], "--prefill", "1", "--decode", "2"]
     args += ["--speed", "4", "--num-requests", "8", "--rate", "40"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "switchyard.services.cli", *args, stdout=PIPE, stderr=PIPE, cwd=tmp_path
+        sys.executable, "-m", "switchyard.cli", *args, stdout=PIPE, stderr=PIPE, cwd=tmp_path
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 0, err.decode()[-2000:]
@@ -331,7 +331,7 @@ async def test_loadgen_command_with_url(fleet: LiveFleet, tmp_path: Path) -> Non
     bad = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "switchyard.services.cli",
+        "switchyard.cli",
         "loadgen",
         "--url",
         "http://127.0.0.1:9",

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from typer.testing import CliRunner
 
-from switchyard.services.cli import app
+from switchyard.cli import app
 from switchyard.services.history import add_placement
 from switchyard.shared.db import create_async_db, upgrade
 from switchyard.shared.settings import SwitchyardSettings

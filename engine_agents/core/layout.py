@@ -1,6 +1,6 @@
 """Layout replies and refusals: how an engine answers `sy.engine.<id>.layout` and `.migrate`.
 
-The control plane plans from the layout an engine group reports (`services/engine_layout.py`), and sends
+The control plane plans from the layout an engine group reports (`services/layout.py`), and sends
 migrate steps only to groups whose hello says `migrates`. Every engine kind answers both subjects, so a
 plan never waits on a timeout to learn that nobody listens:
 

@@ -38,10 +38,9 @@ from prometheus_client import Counter
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from switchyard.services.engine_layout import LayoutProbe, differs
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import load_layout, set_status
-from switchyard.services.layout_now import GroupShape, layout_now, recorded
+from switchyard.services.layout import GroupShape, LayoutProbe, differs, layout_now, recorded
 from switchyard.services.migration.planner import plan_steps, rollback_steps
 from switchyard.services.migration.settings import MigrationSettings
 from switchyard.shared.bus import Bus

@@ -36,7 +36,6 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from switchyard.services.engine_layout import LayoutProbe
 from switchyard.services.fleet_view import FleetView
 from switchyard.services.history import (
     UNFINISHED_MIGRATION,
@@ -49,7 +48,7 @@ from switchyard.services.history import (
     plan_message,
     publish_plan,
 )
-from switchyard.services.layout_now import GroupShape, layout_now, recorded
+from switchyard.services.layout import GroupShape, LayoutProbe, layout_now, recorded
 from switchyard.services.lease import GroupLeases
 from switchyard.services.placement.engine_registry import EngineRegistry
 from switchyard.services.placement.ingest import ExpertLoadIngest
