@@ -88,8 +88,8 @@ def test_the_profile_follows_affinity_at_equal_pressure_and_pressure_without_a_p
     pick = lambda q: profile(snap, q, RouterState(), RoutingTables()).index  # noqa: E731
     assert pick(AffinityQuery(prompt_tokens=500, affinity=np.array([-0.8, 0.8]))) == 1
     assert pick(AffinityQuery(prompt_tokens=500, affinity=np.array([0.8, -0.8]))) == 0
-    # engine 1 carries 600 tokens of pressure: a 500-token prompt's full affinity (x 4) outweighs it, none does not
-    snap.columns["waiting_prefill"] = np.array([0.0, 600.0])
+    # engine 1 carries 6000 tokens of pressure: a 500-token prompt's full affinity (x 64) outweighs it, none does not
+    snap.columns["waiting_prefill"] = np.array([0.0, 6000.0])
     assert pick(AffinityQuery(prompt_tokens=500, affinity=np.array([-1.0, 1.0]))) == 1
     assert pick(RouteQuery(prompt_tokens=500)) == 0
     assert pick(AffinityQuery(prompt_tokens=500)) == 0

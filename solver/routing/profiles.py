@@ -217,8 +217,10 @@ def _dp_switchyard_exact(params: GimbalParams, client_count: int) -> Profile:
     )
 
 
-#: The `gimbal-affinity` profile's default weight of ``expert_affinity`` (docs/expert-affinity.md: the sweep).
-AFFINITY_WEIGHT = 4.0
+#: The `gimbal-affinity` profile's default weight of ``expert_affinity``: where dispatch nearly segregates the ESFT
+#: trace's tasks (88 % of requests on their task's engine); a measured setting, not a measured win
+#: (docs/expert-affinity.md: the sweep, and what it costs).
+AFFINITY_WEIGHT = 64.0
 
 
 def _dp_gimbal_affinity(params: GimbalParams, client_count: int) -> Profile:
