@@ -72,20 +72,31 @@ class Admission(NamedTuple):
     prefer: np.ndarray | None = None  # float[D]: among equal costs, the picker takes the highest (band filters)
 
 
+# The parts are frozen dataclasses: their attributes are read-only, so the protocols declare them as properties.
+
+
 @runtime_checkable
 class Filter(Protocol):
-    name: str
-    needs: frozenset[str]
-    relaxable: bool  # leaving no engine skips the filter (fallback "band_empty") instead of failing
-    band: bool  # the admitted count is the decision's band_size
+    @property
+    def name(self) -> str: ...
+    @property
+    def needs(self) -> frozenset[str]: ...
+    @property
+    def relaxable(self) -> bool:  # leaving no engine skips the filter (fallback "band_empty") instead of failing
+        ...
+    @property
+    def band(self) -> bool:  # the admitted count is the decision's band_size
+        ...
 
     def admit(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> Admission: ...
 
 
 @runtime_checkable
 class Scorer(Protocol):
-    name: str
-    needs: frozenset[str]
+    @property
+    def name(self) -> str: ...
+    @property
+    def needs(self) -> frozenset[str]: ...
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         """float[D], lower is better; the caller must not write into it (it may be a snapshot column)."""
@@ -94,8 +105,10 @@ class Scorer(Protocol):
 
 @runtime_checkable
 class Picker(Protocol):
-    name: str
-    needs: frozenset[str]
+    @property
+    def name(self) -> str: ...
+    @property
+    def needs(self) -> frozenset[str]: ...
 
     def pick(self, cost: np.ndarray | None, mask: np.ndarray, prefer: np.ndarray | None, state: RouterState) -> int: ...
 
@@ -129,7 +142,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         """Every part's needs are registry names (`shared.signals`): checked once, when the profile is built."""
-        for part in (*self.filters, *(w.scorer for w in self.scorers), self.picker):
+        for part in self._parts():
             unknown = sorted(n for n in part.needs if n not in SIGNALS and n not in REQUEST_INPUTS)
             if unknown:
                 raise UnknownSignal(
@@ -137,10 +150,12 @@ class Profile:
                     "signal registry (shared/signals.py); declare needs with shared.signals.need(...)"
                 )
 
+    def _parts(self) -> tuple[Filter | Scorer | Picker, ...]:
+        return (*self.filters, *(w.scorer for w in self.scorers), self.picker)
+
     @cached_property
     def needs(self) -> frozenset[str]:
-        parts = (*self.filters, *(w.scorer for w in self.scorers), self.picker)
-        return frozenset().union(*(p.needs for p in parts))
+        return frozenset().union(*(p.needs for p in self._parts()))
 
     @cached_property
     def columns(self) -> frozenset[str]:

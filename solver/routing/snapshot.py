@@ -107,7 +107,7 @@ class FleetSnapshot:
     def column(self, name: str) -> np.ndarray:
         """An engine column by name: `load`, `kv_usage`, `alive`, or one of `columns`."""
         if name in _BASE:
-            return getattr(self, name)  # type: ignore[no-any-return]
+            return getattr(self, name)
         try:
             return self.columns[name]
         except KeyError:
