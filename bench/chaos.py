@@ -46,6 +46,11 @@ Then, in turn:
   both windows run --fault-s past the recovery;
   flood (only with --faults flood): near-limit payloads on the attacker's hello and telemetry subjects, as fast
   as one client can send them; the note counts nats-server's slow consumer cut-offs by connection name.
+  engine-bigbody / engine-hugeheader: a listed DP engine whose answers declare 2^30 bytes / never end their
+  head; kv-claim: one KvEvents from http-e0 claiming a prompt's blocks, and requests sharing it before and
+  after; kv-flood, decision-flood (only when named): 8,192-key KvEvents / 4,096-entry RouteDecisions as fast as
+  one client publishes, under an engine's / gateway-g2's credentials (issue 37: `chaos_attacks.py`, which also
+  records the gateways' RSS and CPU and the routers' CPU around each of these faults).
 
 Per fault: client requests lost (sent in the fault's window and never completed; through the gateway: never
 answered 200 within 20 s of retries every 0.5 s, with the first attempts that failed; the gateway and router
@@ -80,6 +85,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from chaos_attacks import HOSTILE_ENGINES, NAMED_FAULTS, QUICK_FAULTS, Attacks
 from chaos_infra import (
     ServiceProcess,
     ThrowawayPostgres,
@@ -97,13 +103,17 @@ SERVICE_FAULTS = ("router", "placement", "migration", "api")
 #: Issue 29: the production shape's own faults (an active migration replica killed mid-migration, an engine
 #: credential claiming another role, one engine flooding its own expert-load subject into the stream).
 ATTACK_FAULTS = ("migration-active", "role-claim", "stream-flood")
-FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine", *ATTACK_FAULTS)
+#: Issue 37's attacks on the gateways (`chaos_attacks.py`): a hostile engine's answers, a lying KV claim (quick,
+#: in the default set); a KV-event flood and a leaked replica's decision flood (named only: each keeps a core busy).
+FAULTS = (*SERVICE_FAULTS, "gateway", "nats", "postgres", "engine-vanish", "slow-engine", *ATTACK_FAULTS, *QUICK_FAULTS)
 #: Faults run only when asked for (`--faults flood`): issue 15 finding 3, near-limit payloads on the engines'
 #: wildcard subjects.
 #: `nats-node` (with --nats-cluster): SIGKILL the cluster node leading the plans' stream, restart it after
 #: `--node-down-s` (issue 28: a NATS cluster loses one node under load and nothing stored is lost).
 #: `nats-quorum` and `postgres-long` (issue 37): 2 of 3 NATS nodes killed, PostgreSQL down --pg-down-s.
-EXTRA_FAULTS = ("flood", "nats-node", "nats-quorum", "postgres-long")
+EXTRA_FAULTS = ("flood", "nats-node", "nats-quorum", "postgres-long", *NAMED_FAULTS)
+#: Faults that need the gateway (its load, its engines).
+GATEWAY_FAULTS = ("gateway", "role-claim", *QUICK_FAULTS, *NAMED_FAULTS)
 GHOST = "ghost-d0"
 GHOST_MODEL = "deepseek-v2-lite"
 #: Stub engines (engine_agents/stub.py) behind the gateway: its load goes gateway -> router -> engine over HTTP.
@@ -235,6 +245,8 @@ class Chaos:
         #: Requests through the gateway: (sent, first attempt ok, finally ok); and every attempt (time, ok).
         self.gw_requests: list[tuple[float, bool, bool]] = []
         self.gw_attempts: list[tuple[float, bool]] = []
+        #: Every attempt's (time, gateway index, HTTP status or None, the answer's `served_by` engine or "").
+        self.gw_answers: list[tuple[float, int, int | None, str]] = []
         self.procs: dict[str, ServiceProcess] = {}
         self.notes: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -244,6 +256,7 @@ class Chaos:
         self.gateway_urls: list[str] = []
         self.windows_by: dict[str, list[tuple[float, float]]] = {}  # placement replica -> (time, windows)
         self._attack: dict[str, object] = {}  # what the running attack fault needs in `_after`
+        self.attacks = Attacks(self, HTTP_ENGINES, STUB_MODEL)  # issue 37's faults (chaos_attacks.py)
 
     # ----- infrastructure -----
 
@@ -265,7 +278,7 @@ class Chaos:
 
         self.config = LiveFleetConfig(prefill=self.o.prefill, decode=self.o.decode, speed=self.o.speed)
         self.fleet_ids = [*self.config.prefill_ids(), *self.config.decode_ids()]
-        engines = [GHOST, *HTTP_ENGINES, ATTACKER]
+        engines = [GHOST, *HTTP_ENGINES, ATTACKER, *HOSTILE_ENGINES]
         # Each gateway replica its own user: it decides in-process and publishes its decisions under its own id.
         gateways = [gateway_user(gateway_id(replica)) for replica in range(1, self.o.replicas + 1)]
         credentials = Credentials.generate([*SERVICE_ROLES, "fleet", *gateways, *(engine_user(e) for e in engines)])
@@ -277,6 +290,7 @@ class Chaos:
         self.key_file.touch(mode=0o600)
         self.key_file.write_text(secrets.token_hex(32) + "\n")
         self.stub_ports = {engine_id: free_port() for engine_id in HTTP_ENGINES}
+        self.attacks.reserve_ports(free_port)
         self.manifest_file = root / "engines.json"  # written once the fleet's model is known (_publish_artifact)
         return render_authorization(Subjects("sy"), credentials, fleet_engines=self.fleet_ids)
 
@@ -296,6 +310,7 @@ class Chaos:
                 "ep_group": engine_id,
                 "dp_rank": 0,
             }
+        manifest.update(self.attacks.manifest())  # the hostile engines: listed, as a compromised engine is
         self.manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
 
     @property
@@ -678,6 +693,8 @@ class Chaos:
             return await self._claim_roles()
         if fault == "stream-flood":
             return await self._start_stream_flood()
+        if fault in QUICK_FAULTS or fault in NAMED_FAULTS:
+            return await self.attacks.inject(fault)
         ghost = self.procs[GHOST]
         if fault == "engine-vanish":
             await asyncio.to_thread(ghost.kill)
@@ -722,6 +739,8 @@ class Chaos:
             return await self._after_role_claim(attack)
         if fault == "stream-flood":
             return await self._after_stream_flood(attack)
+        if fault in QUICK_FAULTS or fault in NAMED_FAULTS:
+            return await self.attacks.after(fault)
         return "", {}
 
     def _shape(self) -> str:
@@ -1046,7 +1065,7 @@ class Chaos:
     def _enabled(self) -> list[str]:
         enabled = []
         for fault in self.o.faults:
-            if fault in ("gateway", "role-claim") and "gateway" not in self.procs:
+            if fault in GATEWAY_FAULTS and "gateway" not in self.procs:
                 self.notes.append(f"{fault} fault skipped: switchyard.services.gateway is not installed")
             elif fault in ("postgres", "postgres-long") and self.pg is None:
                 continue
@@ -1080,6 +1099,7 @@ class Chaos:
             *(asyncio.create_task(self._sample_windows(n, port)) for n, port in self.placement_metrics.items()),
             asyncio.create_task(self._probe_api()),
             *([asyncio.create_task(self._gateway_load())] if self.gateway_urls else []),
+            *([asyncio.create_task(self.attacks.sample())] if self.gateway_urls else []),
         ]
         retry = asyncio.create_task(self._retry())
         up = await self._wait_routing()
@@ -1153,6 +1173,7 @@ class Chaos:
         if "stub" in attack:
             with contextlib.suppress(Exception):
                 await attack["stub"].stop()  # type: ignore[attr-defined]
+        await self.attacks.teardown()
         for name, proc in reversed(list(self.procs.items())):
             code = await asyncio.to_thread(proc.stop)
             if code not in (0, None, -9) and name != GHOST:
@@ -1292,13 +1313,14 @@ class Chaos:
             self.api_probes.append((sent, await asyncio.to_thread(get)))
             await asyncio.sleep(0.25)
 
-    async def _gateway_request(self, client: object, i: int) -> None:
+    async def _gateway_request(self, client: object, i: int, body: dict[str, object] | None = None) -> str:
         """One OpenAI completion through the gateway, retried every 0.5 s for `retry_after_s` as a client with
-        retries would; lost if it never succeeds (a refused connection, a timeout or a 5xx is a failure)."""
+        retries would; lost if it never succeeds (a refused connection, a timeout or a 5xx is a failure). Returns
+        the engine that served it (the stub's `served_by`; "" if none did)."""
         import httpx
 
         assert isinstance(client, httpx.AsyncClient)
-        body = {"model": STUB_MODEL, "prompt": f"chaos request {i}", "max_tokens": 8}
+        body = body or {"model": STUB_MODEL, "prompt": f"chaos request {i}", "max_tokens": 8}
         sent = time.time()
         first: bool | None = None
         attempt = 0
@@ -1306,18 +1328,23 @@ class Chaos:
             at = time.time()
             # Requests go round robin over the gateways; a retry goes to the next one (a client that knows them
             # all, or a load balancer that takes a refusing one out).
-            url = self.gateway_urls[(i + attempt) % len(self.gateway_urls)]
+            index = (i + attempt) % len(self.gateway_urls)
             attempt += 1
+            status: int | None = None
+            served = ""
             try:
-                answer = await client.post(f"{url}/v1/completions", json=body)
-                ok = answer.status_code == 200
+                answer = await client.post(f"{self.gateway_urls[index]}/v1/completions", json=body)
+                status = answer.status_code
+                served = served_by(answer.content) if status == 200 else ""
             except httpx.HTTPError:
-                ok = False
+                pass
+            ok = status == 200
             self.gw_attempts.append((at, ok))
+            self.gw_answers.append((at, index, status, served))
             first = ok if first is None else first
             if ok or time.time() - sent > self.o.retry_after_s:
                 self.gw_requests.append((sent, first, ok))
-                return
+                return served
             await asyncio.sleep(0.5)
 
     async def _gateway_load(self) -> None:
@@ -1454,6 +1481,16 @@ class Chaos:
                     setattr(r, attr, getattr(r, attr) + 1)
         if audit.layout_mismatches and results:
             results[-1].duplicated += len(audit.layout_mismatches)
+
+
+def served_by(body: bytes) -> str:
+    """The engine a stub's answer names (`served_by`); "?" for an answer that is not one (junk, no field)."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return "?"
+    engine = answer.get("served_by") if isinstance(answer, dict) else None
+    return engine if isinstance(engine, str) else "?"
 
 
 def answered_2xx(code: int | None) -> bool:
