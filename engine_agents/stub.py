@@ -83,6 +83,9 @@ class StubEngine:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.running = 0  # completions being answered (not prefill hops)
+        #: While set and not yet open, non-streaming completions wait for it (still noticing a client that left):
+        #: a test holds the engine busy for as long as it needs, with no timing in it.
+        self.gate: asyncio.Event | None = None
         self.port = 0
         self._served = itertools.count()
         self.agent: EngineAgent | None = None
@@ -139,6 +142,11 @@ class StubEngine:
             delay = self.config.answer_delay_s
             wait = self.config.token_interval_s * self.config.tokens if delay is None else delay
             deadline = time.monotonic() + wait
+            while self.gate is not None and not self.gate.is_set():
+                if await request.is_disconnected():
+                    self.aborted.append(request_id)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.01)
             while (left := deadline - time.monotonic()) > 0:  # as vLLM does, notice a client that went away
                 if await request.is_disconnected():
                     self.aborted.append(request_id)

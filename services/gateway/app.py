@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.services.gateway import metrics
+from switchyard.services.gateway.admission import BANDS, BadClass, RequestClass, classify, request_cost
 from switchyard.services.gateway.body import BadBody, Parsed, error_response, parse
 from switchyard.services.gateway.disagg import serve_disagg
 from switchyard.services.gateway.dp import serve_dp
@@ -27,6 +28,7 @@ from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.relay import Context, ToClient
 from switchyard.services.gateway.signatures import new_request_id
 from switchyard.services.router.prefix import key_block_size
+from switchyard.shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +96,20 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
     except BadBody as exc:
         metrics.BAD_REQUESTS.labels(exc.reason).inc()
         return error_response(400, str(exc), param=exc.param)
-    registry, mode = ctx.registry, ctx.settings.mode
+    settings = ctx.settings
+    try:
+        klass = classify(request.scope["headers"], parsed.body, BANDS.index(settings.default_priority))
+    except BadClass as exc:
+        metrics.BAD_REQUESTS.labels("header").inc()
+        return error_response(400, str(exc), param=exc.header)
+    registry, mode = ctx.registry, settings.mode
     request_id = new_request_id()
     if mode == "auto":  # the model's fleet mode: a live fleet keeps it (registry.mode)
         mode = registry.mode(parsed.model)
     if mode == "dp":
         dp = registry.live("dp", parsed.model)
         if dp:
-            await _name_blocks(ctx, parsed, chat, dp)
-            return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started)
+            return await _serve_dp(ctx, request, parsed, raw, path, chat, dp, klass, request_id, started)
     elif mode == "disagg":
         prefills, decoders = registry.live("prefill", parsed.model), registry.live("decode", parsed.model)
         if _choices(parsed) > 1:  # vLLM's P/D connectors hand one sequence's KV to the decoder, not n of them
@@ -118,6 +125,43 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
             return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)
     metrics.REQUESTS.labels("none", "unavailable").inc()
     return _fleet_unavailable(ctx, parsed.model)
+
+
+async def _serve_dp(
+    ctx: Context,
+    request: Request,
+    parsed: Parsed,
+    raw: bytes,
+    path: str,
+    chat: bool,
+    dp: list[HttpEngine],
+    klass: RequestClass,
+    request_id: str,
+    started: float,
+) -> ToClient:
+    """The DP path behind flow control: while the fleet is saturated the request waits its turn (or is shed)."""
+    flow, routed = ctx.flow, None
+    if flow is not None:
+        s = ctx.settings
+
+        def cost() -> float:
+            return request_cost(parsed.prompt_tokens, parsed.body, s.output_token_weight, s.default_output_tokens)
+
+        refused, routed = await flow.admit(request, parsed.model, klass, cost, dp)
+        if refused is not None:
+            return refused
+        if routed is not None:  # it waited: engines may have come or gone meanwhile
+            dp = ctx.registry.live("dp", parsed.model)
+            if not dp:
+                routed()
+                metrics.REQUESTS.labels("none", "unavailable").inc()
+                return _fleet_unavailable(ctx, parsed.model)
+    try:
+        await _name_blocks(ctx, parsed, chat, dp)
+        return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started, routed)
+    finally:
+        if routed is not None:
+            routed()
 
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
@@ -169,9 +213,20 @@ class _Completions:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracing = self.ctx.tracing
         if tracing is None:
-            response = await _complete(self.ctx, Request(scope, receive), self.path, self.chat)
-            await response(scope, receive, send)
+            metrics.INFLIGHT.inc()
+            try:
+                response = await _complete(self.ctx, Request(scope, receive), self.path, self.chat)
+                await response(scope, receive, send)
+            finally:
+                metrics.INFLIGHT.dec()
             return
+        metrics.INFLIGHT.inc()
+        try:
+            await self._traced(tracing, scope, receive, send)
+        finally:
+            metrics.INFLIGHT.dec()
+
+    async def _traced(self, tracing: Tracing, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         # A server span for the whole request, streamed answer included; the client's `traceparent`, if any, is
         # its parent. The routing decision and each engine call are its children.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from starlette.requests import Request
 
@@ -22,12 +23,16 @@ async def serve_dp(
     candidates: list[HttpEngine],
     request_id: str,
     started: float,
+    routed: Callable[[], None] | None = None,
 ) -> ToClient:
+    """Route and relay; `routed()` (flow control's) is called once the engine is chosen: the core counts it now."""
     choice = ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
     if ctx.tracing is None:
         engine = await choice
     else:
         engine = await traced_route(ctx.tracing, ctx.router, "dp", request_id, choice)
+    if routed is not None:
+        routed()
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     claims = claims_of(ctx, request_id)  # the core credited a KV claim: the answer is to confirm it

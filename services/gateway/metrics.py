@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _GAP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -114,4 +114,49 @@ PREFILL_CHOICES = Counter(
     "Prefill engine choices at a handoff, by what decided: prefix (an engine held the most of the prompt's "
     "blocks), hash (no engine under the load bound held any: rendezvous hash), off (prefix keys disabled).",
     ["by"],
+)
+
+
+# ----- flow control (issue 42: services/gateway/flow.py) and scaling signals -----
+_WAIT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+QUEUE_DEPTH = Gauge(
+    "switchyard_gateway_queue_depth",
+    "Requests queued in this gateway while their model's fleet is saturated, by priority band (low, normal, high).",
+    ["band"],
+)
+QUEUED = Counter("switchyard_gateway_queued_total", "Requests that waited in the gateway's queue, by band.", ["band"])
+QUEUE_WAIT = Histogram(
+    "switchyard_gateway_queue_wait_seconds",
+    "How long requests waited in the gateway's queue before leaving (routed or shed), by band.",
+    ["band"],
+    buckets=_WAIT,
+)
+QUEUE_LEFT = Counter(
+    "switchyard_gateway_queue_abandoned_total", "Queued requests whose client disconnected, by band.", ["band"]
+)
+SHED = Counter(
+    "switchyard_gateway_shed_total",
+    "Requests answered 429 by flow control, by band and reason: queue_full, tenant_full (that tenant's queued "
+    "limit), shed (a higher band took its place), expired (waited past queue_max_wait_s).",
+    ["band", "reason"],
+)
+FLEET_SATURATION = Gauge(
+    "switchyard_gateway_fleet_saturation",
+    "Each model's fleet saturation as this gateway reads it: the mean over its live engines of max(outstanding "
+    "requests / concurrency limit, KV usage / its limit). 1: every engine at its limit. An autoscaler's signal.",
+    ["model"],
+)
+INFLIGHT = Gauge(
+    "switchyard_gateway_inflight_requests", "Completion requests in this gateway now (queued, routed or streaming)."
+)
+PROMPT_TOKENS = Counter(
+    "switchyard_gateway_prompt_tokens_total",
+    "Prompt tokens of the requests routed, by model (the exact count where tokenized, else ~4 characters a token).",
+    ["model"],
+)
+GENERATION_TOKENS = Counter(
+    "switchyard_gateway_generation_tokens_total",
+    "Tokens generated, by model: a whole answer's usage.completion_tokens, or a stream's chunks (one token each, "
+    "as vLLM streams by default).",
+    ["model"],
 )

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,11 +30,25 @@ from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from switchyard.services.gateway.admission import RequestClass
     from switchyard.services.gateway.prefix import PrefillPrefix
     from switchyard.services.gateway.prompt_keys import PromptKeyer
     from switchyard.shared.tracing import Tracing
 
 T = TypeVar("T")
+
+
+class FlowControl(Protocol):
+    """What a request path asks flow control (`flow.Flow`, which needs this module: hence a protocol here)."""
+
+    async def admit(
+        self,
+        request: Request,
+        model: str | None,
+        klass: RequestClass,
+        cost: Callable[[], float],
+        engines: list[HttpEngine],
+    ) -> tuple[Response | None, Callable[[], None] | None]: ...
 
 
 @dataclass
@@ -52,6 +66,8 @@ class Context:
     prefix: PrefillPrefix | None = None
     #: OpenTelemetry (`shared.tracing`; None: off, the default, and no request path makes a span).
     tracing: Tracing | None = None
+    #: Flow control under saturation (`flow.Flow`; None: `admission` off).
+    flow: FlowControl | None = None
 
 
 class ClientGone(Exception):

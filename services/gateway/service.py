@@ -17,6 +17,7 @@ from switchyard.services.engine_book import EngineBook
 from switchyard.services.gateway import metrics
 from switchyard.services.gateway.app import build_app
 from switchyard.services.gateway.body import openai_error
+from switchyard.services.gateway.flow import Flow, Pressure
 from switchyard.services.gateway.kv_ingest import KvIngest
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prefix import PrefillPrefix
@@ -46,6 +47,8 @@ from switchyard.shared.tracing import start as start_tracing
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 10.0
+#: How often the scaling signals (fleet saturation per model) are refreshed for `/metrics`.
+SIGNALS_S = 0.5
 
 
 def bus_role(settings: SwitchyardSettings, gateway_id: str) -> tuple[str, bool]:
@@ -120,6 +123,7 @@ class GatewayService:
         self._serving: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
+        self._signals: asyncio.Task[None] | None = None
         self.tracing: Tracing | None = None
 
     @property
@@ -148,6 +152,22 @@ class GatewayService:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             self.registry.forget_dead()
+
+    async def _scaling_signals(self) -> None:
+        """Each served model's fleet saturation on `/metrics` (`switchyard_gateway_fleet_saturation{model}`), read
+        off the request path every `SIGNALS_S`; models no engine serves any more leave the gauge."""
+        pressure = Pressure(self.gateway, self.core)
+        shown: set[str] = set()
+        while True:
+            models = set(self.registry.models())
+            for model in models:
+                engines = self.registry.live(None, model)
+                metrics.FLEET_SATURATION.labels(model).set(pressure.saturation(engines))
+            for gone in shown - models:
+                with contextlib.suppress(KeyError):
+                    metrics.FLEET_SATURATION.remove(gone)
+            shown = models
+            await asyncio.sleep(SIGNALS_S)
 
     async def _check_ejected(self) -> None:
         """Put an ejected engine on trial when its own health check passes (never on a hello alone): `/health`
@@ -245,8 +265,9 @@ class GatewayService:
             router = InProcessRouter(self.feed, self.sharer, self.registry)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
+        flow = Flow(g, self.registry, self.core) if g.admission else None
         self.ctx = Context(
-            g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix, self.tracing
+            g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix, self.tracing, flow
         )
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error
@@ -271,6 +292,7 @@ class GatewayService:
                 raise RuntimeError("the gateway's HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         self._housekeeping = asyncio.create_task(self._tidy())
+        self._signals = asyncio.create_task(self._scaling_signals())
         self._health = asyncio.create_task(self._check_ejected())
         log.info("gateway %s serving OpenAI endpoints on %s (routing %s)", g.gateway_id, self.url, g.router)
 
@@ -279,9 +301,11 @@ class GatewayService:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serving
-        for task in (self._housekeeping, self._health):
+        for task in (self._housekeeping, self._health, self._signals):
             if task is not None:
                 task.cancel()
+        if self.ctx is not None and self.ctx.flow is not None:
+            self.ctx.flow.close()
         if self.ctx is not None:
             await self.ctx.upstream.close()
             if self.ctx.router.progress is not None:

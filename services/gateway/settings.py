@@ -102,6 +102,35 @@ class GatewaySettings(BaseSettings):
     prefix_routed_blocks: int = Field(default=100_000, ge=1)
     prefix_routed_ttl_s: float = Field(default=600.0, gt=0)
 
+    # --- flow control under saturation (issue 42; services/gateway/admission.py, services/gateway/flow.py) ---
+    #: Queue requests in the gateway while the model's fleet is saturated, and let them out by priority band and
+    #: fairly across tenants; off: every request is routed at once, as before (engines queue the excess).
+    admission: bool = True
+    #: An engine is saturated at this many requests outstanding (running + waiting + decided since its last
+    #: report); 0: its hello's `capacity.max_running` (vLLM's `max_num_seqs`), past which it queues them itself.
+    saturation_concurrency: int = Field(default=0, ge=0)
+    #: ... or when its KV cache usage (telemetry `kv_usage`) reaches this fraction.
+    saturation_kv_usage: float = Field(default=0.95, gt=0, le=1.0)
+    #: Requests queued at once (all bands and tenants); a full queue sheds the newest of a lower band, else
+    #: refuses the newcomer (429 with `Retry-After`).
+    queue_max_requests: int = Field(default=1024, ge=1)
+    #: Requests one tenant may have queued at once (one tenant cannot fill the queue).
+    queue_max_per_tenant: int = Field(default=256, ge=1)
+    #: A request queued longer than this is answered 429: better a clear refusal than a client timeout.
+    queue_max_wait_s: float = Field(default=30.0, gt=0)
+    #: `Retry-After` (seconds) on every 429 the queue answers.
+    retry_after_s: int = Field(default=1, ge=0)
+    #: The band of a request without `x-switchyard-priority` (`low`, `normal` or `high`).
+    default_priority: Literal["low", "normal", "high"] = "normal"
+    #: Fairness counts each tenant's service in weighted tokens: prompt + this x expected output (a generated token
+    #: costs a decode step; a prompt token a share of one prefill) ...
+    output_token_weight: float = Field(default=2.0, ge=0)
+    #: ... the expected output being `max_tokens` (or `max_completion_tokens`), else this.
+    default_output_tokens: int = Field(default=256, ge=1)
+    #: Tenants whose attained service is remembered (least recently seen idle ones are forgotten first): bounded
+    #: memory whatever tenant ids clients send.
+    max_tenants: int = Field(default=10_000, ge=1)
+
     # --- client limits (services/http_limits.py) ---
     #: A larger request body is refused with 413 (a declared one without being read). Prompts can be long:
     #: 128k tokens of text is ~0.5 MiB of JSON, a chat with inline base64 images several MiB.

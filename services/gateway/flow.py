@@ -1,0 +1,227 @@
+"""Flow control: while a model's fleet is saturated, requests wait here (`admission.FairQueue`) and leave as
+engines free up, in priority order and fair across tenants; past the queue's bounds they are shed with 429.
+
+Saturation is read from the pressure the router's core reads: per engine, the requests outstanding (running and
+waiting by its telemetry plus every replica's decisions since, the core's count; at least this gateway's own in
+flight) against its concurrency limit (`saturation_concurrency`, else its hello's `capacity.max_running`: past
+it requests would wait inside the engine, where nothing can reorder them), or its KV cache past
+`saturation_kv_usage`. The fleet is saturated when no live engine has a free slot. While it is not, and nothing
+is queued, a request costs one scan that stops at the first engine with room: no queue work at all.
+
+Nothing admitted is lost: a queued request leaves to be routed, or gets 429 (shed by a higher band, or waited
+past `queue_max_wait_s`), 499 when its client left (seen within `relay.WATCH_AFTER_S`), or 503 at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from switchyard.services.gateway import metrics
+from switchyard.services.gateway.admission import BANDS, FairQueue, Full, RequestClass, Waiter
+from switchyard.services.gateway.body import openai_error
+from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
+from switchyard.services.gateway.relay import ClientGone, until_disconnect
+from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.router.core import RouterCore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Flow", "Pressure"]
+
+#: While requests are queued, how often free slots are looked for (telemetry and ends change them).
+POLL_S = 0.005
+
+
+class Pressure:
+    """Per-engine load as the router's core counts it (in process), else as the engine's telemetry and this
+    gateway's own requests in flight say (the remote shape)."""
+
+    def __init__(self, settings: GatewaySettings, core: RouterCore | None) -> None:
+        self.concurrency, self.kv_limit, self.core = settings.saturation_concurrency, settings.saturation_kv_usage, core
+
+    def load(self, engine: HttpEngine) -> tuple[float, int, float]:
+        """(requests outstanding, its concurrency limit, its KV cache usage)."""
+        entry = engine.entry
+        telemetry = entry.telemetry
+        outstanding, kv = 0.0, 0.0
+        core = self.core
+        row = core.fleet.index.get(engine.engine_id) if core is not None else None
+        if row is not None:
+            fleet = core.fleet  # type: ignore[union-attr]
+            outstanding = float(fleet.num_running[row] + fleet.num_waiting[row] + fleet.inflight[row])
+            kv = float(fleet.kv_usage[row])
+        elif telemetry is not None:
+            outstanding, kv = float(telemetry.num_running + telemetry.num_waiting), telemetry.kv_usage
+        limit = self.concurrency or (entry.hello.capacity.max_running if entry.hello is not None else 1)
+        return max(outstanding, float(engine.inflight)), limit, kv
+
+    def room(self, engine: HttpEngine) -> int:
+        """Requests `engine` can take before it is saturated (0 when its KV cache is past the limit)."""
+        outstanding, limit, kv = self.load(engine)
+        if kv >= self.kv_limit:
+            return 0
+        return max(0, math.ceil(limit - outstanding))
+
+    def saturated(self, engines: list[HttpEngine]) -> bool:
+        """No engine has room (stops at the first that has: the unsaturated request path's whole cost)."""
+        return not any(self.room(e) for e in engines)
+
+    def saturation(self, engines: list[HttpEngine]) -> float:
+        """The fleet's saturation for an autoscaler: the mean over engines of max(outstanding / limit, KV usage /
+        its limit), so 1 means every engine at its limit, above 1 work waiting inside engines. 0: no engine."""
+        if not engines:
+            return 0.0
+        total = 0.0
+        for engine in engines:
+            outstanding, limit, kv = self.load(engine)
+            total += max(outstanding / max(limit, 1), kv / self.kv_limit)
+        return total / len(engines)
+
+
+def shed_response(reason: str, retry_after_s: int) -> Response:
+    """429 in OpenAI's shape (`RateLimitError`, what its clients back off on) with `Retry-After`."""
+    messages = {
+        "queue_full": "the fleet is saturated and the gateway's queue is full; retry later",
+        "tenant_full": "the fleet is saturated and this tenant's queued requests are at their limit; retry later",
+        "shed": "the fleet is saturated and a higher-priority request took this one's place; retry later",
+        "expired": "the fleet stayed saturated past the longest a request may wait; retry later",
+    }
+    return JSONResponse(
+        openai_error(429, messages[reason], "RateLimitError"), 429, headers={"retry-after": str(retry_after_s)}
+    )
+
+
+class _Model:
+    """One model's queue and its dispatcher task."""
+
+    def __init__(self, queue: FairQueue) -> None:
+        self.queue = queue
+        #: Requests let out but not yet routed: counted against free slots so a burst of releases cannot overshoot.
+        self.pending = 0
+        self.task: asyncio.Task[None] | None = None
+
+
+class _Routed:
+    """Called once the released request's engine is chosen (the core now counts it): its slot stops being
+    pending. Idempotent, so the request path may also call it when it ends without routing."""
+
+    def __init__(self, state: _Model) -> None:
+        self.state: _Model | None = state
+
+    def __call__(self) -> None:
+        if self.state is not None:
+            self.state.pending -= 1
+            self.state = None
+
+
+class Flow:
+    """The gateway's flow control (`settings.admission`): `admit` on the DP path before routing."""
+
+    def __init__(self, settings: GatewaySettings, registry: GatewayRegistry, core: RouterCore | None) -> None:
+        self.settings, self.registry = settings, registry
+        self.pressure = Pressure(settings, core)
+        self.models: dict[str | None, _Model] = {}
+        self.closed = False
+
+    def _model(self, model: str | None) -> _Model:
+        state = self.models.get(model)
+        if state is None:  # only models with live engines get here (their fleet is saturated): few
+            s = self.settings
+            state = self.models[model] = _Model(FairQueue(s.queue_max_requests, s.queue_max_per_tenant, s.max_tenants))
+        return state
+
+    def depth(self, band: int) -> int:
+        return sum(m.queue.depth[band] for m in self.models.values())
+
+    async def admit(
+        self,
+        request: Request,
+        model: str | None,
+        klass: RequestClass,
+        cost: Callable[[], float],
+        engines: list[HttpEngine],
+    ) -> tuple[Response | None, Callable[[], None] | None]:
+        """(None, routed) to go on and route now, calling `routed()` once the choice is made (None when it did not
+        queue); or (a response, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown."""
+        state = self.models.get(model)
+        if (state is None or not state.queue) and not self.pressure.saturated(engines):
+            return None, None
+        state, band = self._model(model), klass.band
+        waiter = Waiter(band, klass.tenant, cost(), time.monotonic(), asyncio.get_running_loop().create_future())
+        try:
+            shed = state.queue.push(waiter)
+        except Full as exc:
+            metrics.SHED.labels(BANDS[band], exc.reason).inc()
+            return shed_response(exc.reason, self.settings.retry_after_s), None
+        metrics.QUEUED.labels(BANDS[band]).inc()
+        self._depths(state)
+        if shed is not None:
+            metrics.SHED.labels(BANDS[shed.band], "shed").inc()
+            shed.ticket.set_result("shed")
+        if state.task is None or state.task.done():
+            state.task = asyncio.ensure_future(self._dispatch(model, state))
+        try:
+            verdict = await until_disconnect(request, asyncio.shield(waiter.ticket))
+        except (ClientGone, asyncio.CancelledError) as exc:
+            state.queue.remove(waiter)
+            self._depths(state)
+            if waiter.ticket.done() and waiter.ticket.result() == "go":  # let out as the client left
+                state.pending -= 1
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            metrics.QUEUE_LEFT.labels(BANDS[band]).inc()
+            metrics.CLIENT_ABORTS.labels("dp").inc()
+            return Response(status_code=499), None
+        metrics.QUEUE_WAIT.labels(BANDS[band]).observe(time.monotonic() - waiter.arrived)
+        if verdict == "go":
+            return None, _Routed(state)
+        if verdict == "closed":
+            return JSONResponse(openai_error(503, "the gateway is stopping", "ServiceUnavailableError"), 503), None
+        return shed_response(verdict, self.settings.retry_after_s), None
+
+    def _depths(self, state: _Model) -> None:
+        for band, name in enumerate(BANDS):
+            metrics.QUEUE_DEPTH.labels(name).set(self.depth(band))
+
+    async def _dispatch(self, model: str | None, state: _Model) -> None:
+        """Let queued requests out as engines free up, until the queue is empty; expire those waiting too long."""
+        queue, s = state.queue, self.settings
+        try:
+            while queue and not self.closed:
+                for old in queue.expired(time.monotonic() - s.queue_max_wait_s):
+                    queue.remove(old)
+                    metrics.SHED.labels(BANDS[old.band], "expired").inc()
+                    old.ticket.set_result("expired")
+                engines = self.registry.live("dp", model)
+                free = sum(self.pressure.room(e) for e in engines) - state.pending
+                while free > 0 and queue:
+                    waiter = queue.pop()
+                    assert waiter is not None
+                    state.pending += 1
+                    free -= 1
+                    waiter.ticket.set_result("go")
+                self._depths(state)
+                if queue:
+                    await asyncio.sleep(POLL_S)
+        except Exception:  # never leave requests waiting on a dispatcher that died
+            log.exception("the gateway's admission dispatcher failed; releasing its queue")
+            while (waiter := queue.pop()) is not None:
+                state.pending += 1
+                waiter.ticket.set_result("go")
+
+    def close(self) -> None:
+        """Shutdown: every queued request is answered 503."""
+        self.closed = True
+        for state in self.models.values():
+            while (waiter := state.queue.pop()) is not None:
+                waiter.ticket.set_result("closed")
+            if state.task is not None:
+                state.task.cancel()
+            self._depths(state)
