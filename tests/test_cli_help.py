@@ -32,3 +32,19 @@ def test_version_and_short_help_work_everywhere() -> None:
         short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
         assert short.exit_code == 0, (command, short.output)
         assert short.output == long.output and "Usage:" in short.output
+
+
+def test_every_setting_a_help_names_exists() -> None:
+    """A `--help` line that names a `SWITCHYARD_*` setting names one the code reads (or a prefix some settings
+    share, such as `SWITCHYARD_ROUTER_`): a renamed or removed setting cannot linger in the help."""
+    import re
+
+    from switchyard.services.settings_reference import reference
+
+    names = {name for _, _, entries in reference() for s in entries for name in (s.env, *s.aliases)}
+    named = set(re.findall(r"SWITCHYARD_[A-Z0-9_]*", dump()))
+    assert len(named) > 10  # the scan found the help's settings
+    unknown = sorted(
+        n for n in named if (n not in names) if not (n.endswith("_") and any(m.startswith(n) for m in names))
+    )
+    assert unknown == [], f"--help names settings that do not exist: {unknown}"
