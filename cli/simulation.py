@@ -210,6 +210,10 @@ def sim_dp(
         int, typer.Option("--ep-ranks-per-node", min=1, help="GPUs per NVLink node (with --placement).")
     ] = 8,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Folder for the figures (TTFT/TPOT CDFs, per-engine shares) and summary.json."),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="A line on stderr as each run finishes.")] = True,
 ) -> None:
     """Simulate a data-parallel fleet: each dispatch rule with FCFS and/or Gimbal's SJF-with-aging ordering."""
@@ -246,7 +250,7 @@ def sim_dp(
         ep_ranks_per_node=ep_ranks_per_node,
     )
     try:
-        payload = run_sim_dp(opts, json_path=json_out, on_run=_print_progress if progress else None)
+        payload = run_sim_dp(opts, json_path=json_out, on_run=_print_progress if progress else None, out_dir=out)
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc)) from None
     ms = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")

@@ -327,6 +327,10 @@ def test_sim_dp_cli_writes_every_pair(tmp_path: Path) -> None:
         assert s["prompt_tput_gap"] >= 0
     assert payload["config"]["fleet"] == "DP2 TP2 EP4 lock-step" and payload["config"]["model"] == "deepseek-v2-lite"
     progress = [line for line in result.stderr.splitlines() if line.startswith("[")]  # one line per finished run
+    drawn = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "figures"), "--no-progress"])
+    assert drawn.exit_code == 0, drawn.output
+    for name in ("latency_cdf.png", "engine_load.png", "summary.json"):  # --out draws the runs, as sim's does
+        assert (tmp_path / "figures" / name).stat().st_size > 0, name
     assert [line.split()[0] for line in progress] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"], result.stderr
     bad = CliRunner().invoke(app, ["sim-dp", "--rate", "5", "--order", "lifo"])
     assert bad.exit_code != 0 and "order" in bad.output

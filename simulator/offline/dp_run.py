@@ -238,9 +238,11 @@ def run_sim_dp(
     json_path: Path | None = None,
     scenario: Scenario | None = None,
     on_run: Callable[[int, int, str, float], None] | None = None,
+    out_dir: Path | None = None,
 ) -> dict[str, object]:
     """Every (dispatch, order) pair on one workload; returns (and writes) {config, runs: {"d+o": summary}}.
 
+    `out_dir`: also draw the runs' latency CDFs and per-engine shares there (`plots.plot_dp_runs`), with the JSON.
     `on_run(done, total, label, wall_s)` is called after each run (the CLI prints progress with it: a grid of
     runs takes minutes)."""
     if opts.requests is None and opts.rate is None:
@@ -274,6 +276,7 @@ def run_sim_dp(
     wl = workload_for(sc, opts, fleet)
     prefill_counts = sc.counts.prefill[sc.replay]
     runs: dict[str, dict[str, object]] = {}
+    kept: dict[str, DPSimResult] = {}  # the runs themselves, only when they are drawn
     total = len(opts.dispatch) * len(opts.orders) * max(1, len(opts.placements))
     for d in opts.dispatch:
         for o in opts.orders:
@@ -284,6 +287,8 @@ def run_sim_dp(
                 summary = summarize_dp(res, opts.window_s)
                 summary["wall_s"] = time.perf_counter() - t0
                 runs[res.label] = summary
+                if out_dir is not None:
+                    kept[res.label] = res
                 if on_run is not None:
                     on_run(len(runs), total, res.label, float(summary["wall_s"]))
     config = {
@@ -330,4 +335,9 @@ def run_sim_dp(
     payload = {"config": config, "runs": runs}
     if json_path is not None:
         write_json(json_path, payload)
+    if out_dir is not None:
+        from switchyard.simulator.offline.plots import plot_dp_runs  # matplotlib only when drawing
+
+        write_json(out_dir / "summary.json", payload)
+        plot_dp_runs(kept, out_dir, f"{fleet.label}, {wl.description}")
     return payload
