@@ -158,7 +158,7 @@ async def _serve_dp(
                 return _fleet_unavailable(ctx, parsed.model)
     try:
         await _name_blocks(ctx, parsed, chat, dp)
-        return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started, routed)
+        return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started, routed, klass.session)
     finally:
         if routed is not None:
             routed()

@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from switchyard.services.gateway.body import Parsed, error_response
 from switchyard.services.gateway.confirm import claims_of, unanswered, watch
+from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.relay import Context, StreamedAnswer, ToClient, final_hop
 from switchyard.services.gateway.routing import traced_route
@@ -24,15 +25,26 @@ async def serve_dp(
     request_id: str,
     started: float,
     routed: Callable[[], None] | None = None,
+    session: str | None = None,
 ) -> ToClient:
-    """Route and relay; `routed()` (flow control's) is called once the engine is chosen: the core counts it now."""
-    choice = ctx.router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
-    if ctx.tracing is None:
-        engine = await choice
+    """Route and relay; `routed()` (flow control's) is called once the engine is chosen: the core counts it now.
+    A `session` goes to its engine while that one has room (`sessions.Sessions`), else where the core chooses."""
+    sessions, router = ctx.sessions, ctx.router
+    pinned = None
+    if session is not None and sessions is not None and isinstance(router, InProcessRouter):
+        pinned = sessions.sticky(session, candidates)
+    if pinned is not None:
+        engine: HttpEngine | None = router.route_to(request_id, parsed.prompt_tokens, pinned)  # type: ignore[union-attr]
     else:
-        engine = await traced_route(ctx.tracing, ctx.router, "dp", request_id, choice)
+        choice = router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
+        if ctx.tracing is None:
+            engine = await choice
+        else:
+            engine = await traced_route(ctx.tracing, router, "dp", request_id, choice)
     if routed is not None:
         routed()
+    if session is not None and sessions is not None and engine is not None:
+        sessions.served(session, engine)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     claims = claims_of(ctx, request_id)  # the core credited a KV claim: the answer is to confirm it

@@ -17,7 +17,7 @@ import numpy as np
 from switchyard.services.gateway.prompt_keys import PromptKeys
 from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
 from switchyard.services.gateway.routing import Chooser, dp_ask
-from switchyard.services.router.ask import LocalDecodeAsk
+from switchyard.services.router.ask import LOCAL_REPORTER, LocalDecodeAsk
 from switchyard.services.router.core import Decided
 from switchyard.services.router.feed import CoreFeed, DecisionSharer
 from switchyard.shared.errors import WireError
@@ -90,6 +90,18 @@ class InProcessRouter(Chooser):
         if decided is None:
             return self.local(candidates, "dp", f"error_{reply.error.code}")  # type: ignore[union-attr]
         return self._take(decided)
+
+    def route_to(self, request_id: str, prompt_tokens: int, engine: HttpEngine) -> HttpEngine:
+        """A choice made outside the core (a session's sticky engine), counted in the core as its own decisions
+        are (exact ledger, role views) and shared with the other replicas, so their load counts include it."""
+        core = self.core
+        row = core.fleet.index.get(engine.engine_id)
+        if row is not None:
+            core.fleet.on_decision_row(row, prompt_tokens, time.monotonic(), request_id, LOCAL_REPORTER)
+            core.dp.record_decision(row, prompt_tokens)
+            core.decode.record_decision(row, prompt_tokens)
+            self._share(Decided("dp", request_id, engine.engine_id, prompt_tokens))
+        return engine
 
     async def route_decode(
         self,

@@ -160,3 +160,9 @@ GENERATION_TOKENS = Counter(
     "as vLLM streams by default).",
     ["model"],
 )
+SESSIONS = Counter(
+    "switchyard_gateway_session_routes_total",
+    "Requests naming a known session, by what happened: sticky (sent to the session's engine), saturated (its "
+    "engine had no room: routed anew), gone (its engine is no longer a candidate).",
+    ["outcome"],
+)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from switchyard.services.gateway.admission import RequestClass
     from switchyard.services.gateway.prefix import PrefillPrefix
     from switchyard.services.gateway.prompt_keys import PromptKeyer
+    from switchyard.services.gateway.sessions import Sessions
     from switchyard.shared.tracing import Tracing
 
 T = TypeVar("T")
@@ -68,6 +69,8 @@ class Context:
     tracing: Tracing | None = None
     #: Flow control under saturation (`flow.Flow`; None: `admission` off).
     flow: FlowControl | None = None
+    #: Session affinity, sticky until saturated (`sessions.Sessions`; None: off, or the remote shape).
+    sessions: Sessions | None = None
 
 
 class ClientGone(Exception):

@@ -25,6 +25,7 @@ from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.relay import Context
 from switchyard.services.gateway.routing import Router, Routes
+from switchyard.services.gateway.sessions import Sessions
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Upstream
@@ -266,8 +267,20 @@ class GatewayService:
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
         flow = Flow(g, self.registry, self.core) if g.admission else None
+        sessions = None
+        if g.session_affinity and isinstance(router, InProcessRouter):
+            sessions = Sessions(Pressure(g, self.core).room, g.max_sessions, g.session_ttl_s)
         self.ctx = Context(
-            g, self.registry, router, Upstream(g), self.signatures, self.keyer, self.prefix, self.tracing, flow
+            g,
+            self.registry,
+            router,
+            Upstream(g),
+            self.signatures,
+            self.keyer,
+            self.prefix,
+            self.tracing,
+            flow,
+            sessions,
         )
         app = HttpLimits(
             build_app(self.ctx, lambda: bus.nc.is_connected), g.max_body_bytes, g.body_timeout_s, openai_error

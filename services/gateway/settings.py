@@ -131,6 +131,16 @@ class GatewaySettings(BaseSettings):
     #: memory whatever tenant ids clients send.
     max_tenants: int = Field(default=10_000, ge=1)
 
+    # --- session affinity (issue 42; services/gateway/sessions.py) ---
+    #: In process: a request naming a session (`x-switchyard-session`, `x-session-id`, `x-session-affinity`,
+    #: `session-id`) goes to the engine of the session's last request while that engine is below saturation
+    #: (`saturation_concurrency`), else where the core chooses ("sticky until saturated"). Per gateway replica.
+    session_affinity: bool = True
+    #: Sessions remembered (least recently used out first) ...
+    max_sessions: int = Field(default=100_000, ge=1)
+    #: ... and for how long after their last request.
+    session_ttl_s: float = Field(default=600.0, gt=0)
+
     # --- client limits (services/http_limits.py) ---
     #: A larger request body is refused with 413 (a declared one without being read). Prompts can be long:
     #: 128k tokens of text is ~0.5 MiB of JSON, a chat with inline base64 images several MiB.
