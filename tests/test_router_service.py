@@ -443,3 +443,31 @@ async def test_engine_ingest_has_its_own_connection(bus: Bus, settings: Switchya
         assert reply.engine_id in ("d0", "d1")
     finally:
         await router.stop()
+
+
+async def test_other_replicas_decisions_have_their_own_connection(bus: Bus, settings: SwitchyardSettings) -> None:
+    """`make chaos --faults decision-flood`: a flood of another replica's decisions got the routers' serving
+    connection cut off as a slow consumer (178 of 346 route probes failed for 11 s). The decisions now come in on
+    a connection of their own: losing it leaves this replica answering route requests and sharing its own
+    decisions; only the other replica's stop being counted here."""
+    ids = ["d0", "d1"]
+    engines = Engines(bus, dict.fromkeys(ids, "decode"))
+    await engines.answer_announces()
+    a = await _start(settings, policy="jsq", replica_id="replica-a", inflight_grace_s=60.0)
+    b = await _start(settings, policy="jsq", replica_id="replica-b", inflight_grace_s=60.0)
+    try:
+        await engines.report()
+        await _settle()
+        assert a.peers is not None and a.peers.nc is not a.bus.nc and a.peers.nc is not a.ingest.nc
+        await a.peers.nc.close()  # what the server does to a slow consumer
+        replies = await asyncio.gather(*[_route(bus, f"after{i}") for i in range(20)])
+        await asyncio.sleep(0.3)  # let the shared decisions arrive
+        assert all(r.engine_id in ids for r in replies)
+        counted = {
+            name: sum(r.core.fleet.inflight[r.core.fleet.index[e]] for e in ids) for name, r in (("a", a), ("b", b))
+        }
+        assert counted["b"] == 20  # b still counts a's decisions (a publishes on its serving connection) and its own
+        assert 0 < counted["a"] < 20  # a counts only its own now: b's came in on the connection it lost
+    finally:
+        await a.stop()
+        await b.stop()

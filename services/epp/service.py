@@ -92,6 +92,7 @@ class EppService:
         )
         self.bus: Bus | None = None
         self.ingest: Bus | None = None
+        self.peers: Bus | None = None  # other replicas' decisions, on a connection of their own
         self.kv: KvIngest | None = None
         self.sharer: DecisionSharer | None = None
         self.picker: EndpointPicker | None = None
@@ -142,7 +143,10 @@ class EppService:
                     e.epp_id,
                     e.epp_id,
                 )
-            await self.feed.start(bus, None, None)
+            # other replicas' decisions on their own connection: a flood of them cut off as a slow consumer takes
+            # neither the engines' messages nor this picker's own decisions with it
+            self.peers = await Bus.connect(self.settings, name=f"{e.epp_id}-peers", servers=servers, role=role)
+            await self.feed.start(bus, None, None, self.peers)
             router = InProcessRouter(self.feed, self.sharer, self.registry)
             self.picker = EndpointPicker(e, self.registry, self.feed, router, self.sharer, self.keyer)
             await bus.publish(s.announce, Announce(requester=e.epp_id))
@@ -198,11 +202,11 @@ class EppService:
             with contextlib.suppress(Exception):
                 await self.sharer.close()
             self.sharer = None
-        for connection in (self.kv, self.ingest, self.bus):
+        for connection in (self.kv, self.ingest, self.peers, self.bus):
             if connection is not None:
                 with contextlib.suppress(Exception):
                     await connection.close()
-        self.kv = self.ingest = self.bus = None
+        self.kv = self.ingest = self.peers = self.bus = None
         await self.upstream.close()
         if self.keyer is not None:
             self.keyer.close()

@@ -117,6 +117,7 @@ class GatewayService:
         self.signatures = SignatureBox()
         self.bus: Bus | None = None  # route requests and announces
         self.ingest: Bus | None = None  # hellos, telemetry and prefill signatures, on a connection of their own
+        self.peers: Bus | None = None  # other replicas' decisions (in-process core), on another
         self.kv: KvIngest | None = None  # engines' KV events, on another
         self.ctx: Context | None = None
         self.server: uvicorn.Server | None = None
@@ -262,7 +263,10 @@ class GatewayService:
                     g.gateway_id,
                     g.gateway_id,
                 )
-            await self.feed.start(bus, None, None)  # engine messages come through this service's handlers
+            # engine messages come through this service's handlers; other replicas' decisions on their own connection
+            # (a flood of them cut off as a slow consumer takes neither the engines' messages nor this one's)
+            self.peers = await Bus.connect(self.settings, name=f"{g.gateway_id}-peers", servers=servers, role=role)
+            await self.feed.start(bus, None, None, self.peers)
             router = InProcessRouter(self.feed, self.sharer, self.registry)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()
@@ -330,8 +334,9 @@ class GatewayService:
                 await self.sharer.close()
         if self.bus is not None:
             await self.bus.close()
-        if self.ingest is not None:
-            await self.ingest.close()
+        for connection in (self.ingest, self.peers):
+            if connection is not None:
+                await connection.close()
         if self.kv is not None:
             await self.kv.close()
         if self.keyer is not None:

@@ -228,9 +228,11 @@ class CoreFeed:
 
     # ----- lifecycle -----
 
-    async def start(self, bus: Bus, ingest: Bus | None, kv_ingest: Bus | None) -> None:
+    async def start(self, bus: Bus, ingest: Bus | None, kv_ingest: Bus | None, peers: Bus | None = None) -> None:
         """Subscribe (`ingest` None: the owner passes engine messages on; `kv_ingest` None: no KV events
-        here), start the artifact reader and housekeeping, and wait up to 5 s for the artifact's first read."""
+        here; `peers`: the other replicas' decisions on a connection of their own, so a flood of them can get
+        only that one cut off as a slow consumer, never `bus`, which serves route requests and publishes this
+        replica's decisions), start the artifact reader and housekeeping, and wait up to 5 s for the artifact."""
         self._bus = bus
         self._signing_key = self.settings.artifact_key()  # read once, not at every poll
         s = bus.subjects
@@ -240,7 +242,7 @@ class CoreFeed:
         if kv_ingest is not None and self.core.ingests_kv:
             await kv_ingest.subscribe(s.all_kv_events, KvEvents, self.on_kv)
         # our own are skipped by subject before decoding; others' bounded before decoding and after
-        await bus.subscribe(s.route_decided, RouteDecisions, self.on_decisions, admit=self.admit_decisions)
+        await (peers or bus).subscribe(s.route_decided, RouteDecisions, self.on_decisions, admit=self.admit_decisions)
         reader = self._watch_artifact if self.artifact_poll_s is None else self._poll_artifact
         self._tasks = [
             asyncio.create_task(supervised("routing-artifact reader", reader)),

@@ -58,6 +58,7 @@ class RouterService:
         self.bus: Bus | None = None
         self.ingest: Bus | None = None  # hello and telemetry, on a connection of their own
         self.kv_ingest: Bus | None = None  # engines' KV events (when read), on another
+        self.peers: Bus | None = None  # the other replicas' decisions, on a third
         self.sharer: DecisionSharer | None = None
         self._serving: list[Subscription] = []
         #: Hellos, telemetry, KV events, the other replicas' decisions, the artifact (`services.router.feed`).
@@ -121,10 +122,15 @@ class RouterService:
             self.kv_ingest = await Bus.connect(
                 self.settings, name=f"{self.router.replica_id}-kv", servers=servers, role="router"
             )
+        # Other replicas' decisions come in bursts too (and a leaked replica password can flood them): their own
+        # connection, so a flood cut off as a slow consumer never takes the route requests with it.
+        self.peers = await Bus.connect(
+            self.settings, name=f"{self.router.replica_id}-peers", servers=servers, role="router"
+        )
         t1 = time.monotonic()
         # the gateways' progress (each on its own subject), on the connection their route requests come in on
         await bus.subscribe(s.route_progress, RouteProgress, self._on_progress)
-        await self.feed.start(bus, ingest, self.kv_ingest)
+        await self.feed.start(bus, ingest, self.kv_ingest, self.peers)
         t2 = time.monotonic()
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
         serving = {"queue": s.router_queue, "idle": self.sharer.idle, "tracing": self.tracing}
@@ -159,7 +165,7 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await self.sharer.close()
             await self.bus.close()
-        for connection in (self.ingest, self.kv_ingest):
+        for connection in (self.ingest, self.kv_ingest, self.peers):
             if connection is not None:
                 await connection.close()
         if self.tracing is not None:
