@@ -580,3 +580,30 @@ def test_deploy_doc_names_real_settings_and_commands(names: set[str], commands: 
     broken = "Set `SWITCHYARD_GATEWAY_GATEWAYID`.\n```sh\nX=1 switchyard nats-config --out d \\\n  --gateway g0\n```\n"
     assert doc_settings(broken) - names == {"SWITCHYARD_GATEWAY_GATEWAYID"}
     assert check_command(doc_commands(broken)[0], commands) == ["switchyard nats-config --gateway: no such option"]
+
+
+def test_chart_renders_a_keda_scaled_object_on_the_gateways_signals(values: dict[str, Any]) -> None:
+    """Off by default; on, one KEDA ScaledObject (no schema in kubernetes-validate: its shape checked here) whose
+    Prometheus triggers query only metrics the gateway exports, with KEDA's string thresholds."""
+    from prometheus_client import REGISTRY
+
+    import switchyard.services.gateway.metrics  # noqa: F401  (registers the gateway's metrics)
+
+    assert "ScaledObject" not in {o["kind"] for o in render_chart(CHART, values)}
+    scaled = copy.deepcopy(values)
+    scaled["keda"] = {**scaled["keda"], "enabled": True, "model": "deepseek-v2-lite"}
+    objects = [o for o in render_chart(CHART, scaled) if o["kind"] == "ScaledObject"]
+    assert len(objects) == 1
+    spec = objects[0]["spec"]
+    assert objects[0]["apiVersion"] == "keda.sh/v1alpha1"
+    assert spec["scaleTargetRef"]["name"] == values["keda"]["scaleTargetRef"]["name"]
+    assert 0 < spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    exported = {m.name for m in REGISTRY.collect()}
+    for trigger in spec["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] in ("Value", "AverageValue")
+        assert urlparse(meta["serverAddress"]).scheme == "http"
+        assert isinstance(meta["threshold"], str) and float(meta["threshold"]) > 0
+        queried = set(re.findall(r"switchyard_[a-z_]+", meta["query"]))
+        assert queried and queried <= exported, queried - exported
+    assert 'model=~"deepseek-v2-lite"' in spec["triggers"][0]["metadata"]["query"]

@@ -75,6 +75,8 @@ async def test_a_high_band_overtakes_a_queued_low_band(bus: Bus, settings: Switc
         engine.gate.set()
         answers = await asyncio.gather(blocker, high, *low)
     assert [a.status_code for a in answers] == [200] * 4  # nothing admitted is lost
+    assert metric("switchyard_gateway_queue_depth", band="low") == 0
+    assert metric("switchyard_gateway_prompt_tokens_total", model="stub-model") > 0
     assert _prompts(engine) == ["blocker", "high", "low0", "low1"]
 
 
@@ -181,6 +183,8 @@ def test_classify_reads_headers_then_the_user_field() -> None:
     assert classify([(b"x-switchyard-tenant", b"t")], {"user": "u1"}, 0).tenant == "t"
     assert classify([], {"user": "ü" * 300}, 1).tenant.startswith("user#")
     assert len(classify([], {"user": "ü" * 300}, 1).tenant) < 64
+    assert classify([(b"session_id", b"s3")], {"prompt_cache_key": "k"}, 1).session == "s3"
+    assert classify([], {"prompt_cache_key": "k"}, 1).session == "k"
     with pytest.raises(BadClass):
         classify([(b"x-switchyard-priority", b"-1")], {}, 1)
 

@@ -46,8 +46,9 @@ BANDS = ("low", "normal", "high")
 PRIORITY_HEADER = b"x-switchyard-priority"
 TENANT_HEADER = b"x-switchyard-tenant"
 #: Session id headers, the first present wins: Switchyard's own, then what agents and other routers send
-#: (llm-d's `x-session-id` for its session-affinity scorer, Dynamo's `x-session-affinity`, and `session_id`).
-SESSION_HEADERS = (b"x-switchyard-session", b"x-session-id", b"x-session-affinity", b"session-id")
+#: (`x-session-id`: vLLM's router's consistent-hash key and many agent SDKs; `x-session-affinity`; `session_id`
+#: and `session-id`: Codex-style clients). Without one, OpenAI's `prompt_cache_key` body field names the session.
+SESSION_HEADERS = (b"x-switchyard-session", b"x-session-id", b"x-session-affinity", b"session_id", b"session-id")
 #: Longest tenant or session id kept as given; ids are printable ASCII without spaces.
 MAX_ID_CHARS = 128
 _ID = re.compile(r"[!-~]{1,128}")
@@ -116,6 +117,10 @@ def classify(headers: list[tuple[bytes, bytes]], body: dict[str, Any], default_b
                 session, rank = _id(value, name.decode("ascii")), at
     if tenant is None:
         tenant = _user(body.get("user"))
+    if session is None:
+        key = body.get("prompt_cache_key")
+        if isinstance(key, str) and key:
+            session = _user(key)
     return RequestClass(band, tenant, session)
 
 

@@ -151,13 +151,8 @@ INFLIGHT = Gauge(
 )
 PROMPT_TOKENS = Counter(
     "switchyard_gateway_prompt_tokens_total",
-    "Prompt tokens of the requests routed, by model (the exact count where tokenized, else ~4 characters a token).",
-    ["model"],
-)
-GENERATION_TOKENS = Counter(
-    "switchyard_gateway_generation_tokens_total",
-    "Tokens generated, by model: a whole answer's usage.completion_tokens, or a stream's chunks (one token each, "
-    "as vLLM streams by default).",
+    "Prompt tokens of the DP requests routed, by served model (`unnamed`: a request naming none); the exact count "
+    "where tokenized, else ~4 characters a token.",
     ["model"],
 )
 SESSIONS = Counter(
