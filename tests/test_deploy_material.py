@@ -224,7 +224,7 @@ def test_dockerfile_installs_the_package_and_runs_the_cli() -> None:
     assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
     assert 'ENTRYPOINT ["switchyard"]' in text
     # the console script the entrypoint names is the package's
-    assert re.search(r'^switchyard = "switchyard\.services\.cli:main"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert re.search(r'^switchyard = "switchyard\.cli:main"$', (REPO / "pyproject.toml").read_text(), re.M)
     # every folder setup.py installs is copied in
     roots = re.search(r"ROOTS = \(([^)]*)\)", (REPO / "setup.py").read_text())
     assert roots is not None
