@@ -465,7 +465,9 @@ async def test_a_gateway_under_its_own_credentials_still_routes(secured: Secured
         bus = await Bus.connect(settings, name=config.engine_id, role=engine_user(config.engine_id))
         engines.append(StubEngine(config, bus))
     router = RouterService(settings, RouterSettings(inflight_grace_s=0.0, fresh_load_s=5.0))
-    gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=2.0))
+    # mode dp, then disagg, said outright: with both fleets live, `auto` keeps the one whose engines said hello
+    # first, which a loaded machine may order either way
+    gateway = GatewayService(settings, GatewaySettings(port=0, route_timeout_s=2.0, signature_wait_s=2.0, mode="dp"))
     fallbacks = _total("switchyard_gateway_routing_fallbacks_total")
     try:
         for engine in engines:

@@ -26,7 +26,7 @@ from switchyard.services.gateway.prompt_keys import PromptKeyer
 from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.gateway.upstream import Upstream
 from switchyard.services.router.core import RouterCore
-from switchyard.services.router.feed import CoreFeed, DecisionSharer
+from switchyard.services.router.feed import CoreFeed, DecisionSharer, join_replicas
 from switchyard.services.router.kv_trust import KvRate
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
@@ -133,20 +133,16 @@ class EppService:
                 self.kv = KvIngest(None, self.feed, KvRate(rs.kv_rate_keys_per_s, rs.kv_rate_burst_keys))
                 await self.kv.start(self.settings, f"{e.epp_id}-kv", servers, role)
             await ingest.nc.flush()
-            if shares:
-                subject = s.decided(DECIDER_KIND, e.epp_id)
-                self.sharer = DecisionSharer(bus, e.epp_id, self.core.settings.share_interval_s, subject)
-            else:
-                log.warning(
-                    "endpoint picker %s connects as the shared `gateway` user, which may not publish decisions: other "
-                    "replicas will not count this one's (give it its own: switchyard nats-config --epps %s)",
-                    e.epp_id,
-                    e.epp_id,
-                )
-            # other replicas' decisions on their own connection: a flood of them cut off as a slow consumer takes
-            # neither the engines' messages nor this picker's own decisions with it
-            self.peers = await Bus.connect(self.settings, name=f"{e.epp_id}-peers", servers=servers, role=role)
-            await self.feed.start(bus, None, None, self.peers)
+            self.sharer, self.peers = await join_replicas(
+                self.feed,
+                bus,
+                self.settings,
+                servers,
+                role,
+                e.epp_id,
+                shares,
+                f"switchyard nats-config --epps {e.epp_id}",
+            )
             router = InProcessRouter(self.feed, self.sharer, self.registry)
             self.picker = EndpointPicker(e, self.registry, self.feed, router, self.sharer, self.keyer)
             await bus.publish(s.announce, Announce(requester=e.epp_id))

@@ -32,7 +32,7 @@ from switchyard.services.gateway.upstream import Upstream
 from switchyard.services.http_limits import HttpLimits
 from switchyard.services.http_server import front_protocol
 from switchyard.services.router.core import RouterCore
-from switchyard.services.router.feed import CoreFeed, DecisionSharer
+from switchyard.services.router.feed import CoreFeed, DecisionSharer, join_replicas
 from switchyard.services.router.kv_trust import KvRate
 from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
@@ -253,20 +253,17 @@ class GatewayService:
         await ingest.nc.flush()  # subscribed at the server before the announce asks engines for their hellos
         router: Routes = Router(bus, g.route_timeout_s, self.tracing, reporter=role)
         if self.core is not None and self.feed is not None:
-            if shares:
-                decided = s.decided("gateway", g.gateway_id)
-                self.sharer = DecisionSharer(bus, g.gateway_id, self.core.settings.share_interval_s, decided)
-            else:
-                log.warning(
-                    "gateway %s connects as the shared `gateway` user, which may not publish decisions: other "
-                    "replicas will not count this one's (give it its own: switchyard nats-config --gateways %s)",
-                    g.gateway_id,
-                    g.gateway_id,
-                )
-            # engine messages come through this service's handlers; other replicas' decisions on their own connection
-            # (a flood of them cut off as a slow consumer takes neither the engines' messages nor this one's)
-            self.peers = await Bus.connect(self.settings, name=f"{g.gateway_id}-peers", servers=servers, role=role)
-            await self.feed.start(bus, None, None, self.peers)
+            # engine messages come through this service's handlers
+            self.sharer, self.peers = await join_replicas(
+                self.feed,
+                bus,
+                self.settings,
+                servers,
+                role,
+                g.gateway_id,
+                shares,
+                f"switchyard nats-config --gateways {g.gateway_id}",
+            )
             router = InProcessRouter(self.feed, self.sharer, self.registry)
         await bus.publish(s.announce, Announce(requester=g.gateway_id))
         await bus.nc.flush()

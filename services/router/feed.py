@@ -363,3 +363,33 @@ class CoreFeed:
 def _quiet(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: an announce lost while the bus is away is asked again a second later
+
+
+async def join_replicas(
+    feed: CoreFeed,
+    bus: Bus,
+    settings: SwitchyardSettings,
+    servers: list[str] | None,
+    role: str,
+    replica_id: str,
+    shares: bool,
+    how_to_share: str,
+) -> tuple[DecisionSharer | None, Bus]:
+    """What an in-process decider (a gateway replica, an endpoint picker) does to count as one of the replicas:
+    share its decisions under its own `sy.route.decided.gateway.<id>` when its NATS user may (else say once why
+    not, and `how_to_share`), read the others' on a connection of its own (`<id>-peers`: a flood of them cut off
+    as a slow consumer takes nothing else with it), and start the feed. Returns the sharer and that connection."""
+    sharer = None
+    if shares:
+        decided = bus.subjects.decided("gateway", replica_id)
+        sharer = DecisionSharer(bus, replica_id, feed.core.settings.share_interval_s, decided)
+    else:
+        log.warning(
+            "%s connects as the shared `gateway` user, which may not publish decisions: other replicas will not "
+            "count this one's (give it its own: %s)",
+            replica_id,
+            how_to_share,
+        )
+    peers = await Bus.connect(settings, name=f"{replica_id}-peers", servers=servers, role=role)
+    await feed.start(bus, None, None, peers)
+    return sharer, peers
