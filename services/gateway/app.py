@@ -261,7 +261,13 @@ def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
     completions = {path: _Completions(ctx, path, chat=path.endswith("/chat/completions")) for path in COMPLETIONS}
 
     async def models(_request: Request) -> Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard"} for m in ctx.registry.models()]
+        data = []
+        for name in ctx.registry.models():
+            card: dict[str, object] = {"id": name, "object": "model", "created": 0, "owned_by": "switchyard"}
+            length = ctx.registry.max_model_len(name)
+            if length is not None:  # as vLLM's /v1/models says it
+                card["max_model_len"] = length
+            data.append(card)
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(_request: Request) -> Response:

@@ -343,6 +343,16 @@ class GatewayRegistry(BookListenerBase):
     def models(self, now: float | None = None) -> list[str]:
         return sorted({e.model for e in self.live(now=now)})
 
+    def max_model_len(self, model: str, now: float | None = None) -> int | None:
+        """The longest request every live engine of `model` accepts (the least any announces; None: none says),
+        so a client sized by `/v1/models` fits wherever the request is routed."""
+        said = [
+            e.entry.hello.capacity.max_model_len
+            for e in self.live(now=now)
+            if e.model == model and e.entry.hello is not None and e.entry.hello.capacity.max_model_len is not None
+        ]
+        return min(said) if said else None
+
     def mode(self, model: str | None, now: float | None = None) -> str | None:
         """How to serve `model` now: "dp", "disagg", or None when no live engines can.
 
