@@ -66,11 +66,14 @@ Envoy (issue 39): `envoy` (plain Envoy to the stub), `envoy-noop` (Envoy asking 
 the protocol's floor) and `envoy-epp` (Envoy asking `switchyard epp`) take their turns in the same rounds and
 throughput windows as every target (bench/envoy_targets.py; "epp" in the JSON: the picker's budgets, met or not);
 `--floor-attempts` adds two noop targets that try to lower the floor (a BUFFERED body; no body at all).
+`--profile-epp PATH` runs the picker under cProfile. `--peers` adds vLLM's and SGLang's Rust routers (`vllm-router`,
+`sglang-router` from PyPI, each in a venv of its own: bench/peer_routers.py) in front of the same stub.
 
 Usage: .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 5] [--concurrency 32] [--json PATH]
                                                 [--profile PATH] [--profile-shape inprocess|remote]
                                                 [--prefix-requests 100] [--tokenizer PATH] [--compare PYTHON]
                                                 [--order shuffled|fixed] [--idle-ms 10] [--floor-attempts]
+                                                [--profile-epp PATH] [--peers]
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from pathlib import Path
 import _single_core
 import envoy_targets
 import numpy as np
+import peer_routers
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "benchgw"
@@ -830,6 +834,10 @@ def main() -> None:
     parser.add_argument(
         "--floor-attempts", action="store_true", help="Also time the Envoy floor attempts (bench/envoy_targets.py)."
     )
+    parser.add_argument("--profile-epp", type=Path, default=None, help="Run the picker under cProfile, stats to PATH.")
+    parser.add_argument(
+        "--peers", action="store_true", help="Also time vllm-router and sglang-router (bench/peer_routers.py)."
+    )
     args = parser.parse_args()
     if args.role == "noop":  # the do-nothing ext_proc processor, naming --upstream (ip:port)
         asyncio.run(envoy_targets.run_noop(args.port, args.upstream))
@@ -924,12 +932,16 @@ def main() -> None:
                     cli = ["-m", "cProfile", "-o", str(args.profile), *cli]
                 python = str(args.compare) if name == COMPARE else sys.executable
                 procs[name] = subprocess.Popen([python, *cli], env=gateway_env)
-            envoys.start(procs, here, keyed)  # the picker decides under the in-process gateway's environment
+            envoys.start(procs, here, keyed, args.profile_epp)  # the picker decides as the in-process gateway
             for port in [*ports.values(), *handoff_ports.values()]:
                 wait_http(port)
             for name in gateways:
                 wait_ready(ports[name])
             envoys.wait_ready()
+            if args.peers:  # vLLM's and SGLang's routers, those that install and start here
+                peers = peer_routers.PeerRouters(Path(tmp), ports["direct"])
+                peers.start(procs, env)
+                ports |= peers.wait_ready(procs)
             time.sleep(1.5)  # the router has every stub's hello (announce, or the next periodic one) and telemetry
             load_before = os.getloadavg()
             turns = Turns(args.order, args.idle_ms)

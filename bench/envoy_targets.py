@@ -155,14 +155,22 @@ class EnvoyTargets:
         self.admin = {name: free_port() for name in self.names}
         self.processor_ports = {"noop": free_port(), "epp": free_port()}
 
-    def start(self, procs: dict[str, subprocess.Popen[bytes]], here: list[str], env: dict[str, str]) -> None:
-        """The noop processor, the picker (`env`: the in-process gateway's), and one Envoy per target."""
+    def start(
+        self,
+        procs: dict[str, subprocess.Popen[bytes]],
+        here: list[str],
+        env: dict[str, str],
+        profile: Path | None = None,
+    ) -> None:
+        """The noop processor, the picker (`env`: the in-process gateway's; under cProfile, stats to `profile`,
+        when given), and one Envoy per target."""
         stub = f"127.0.0.1:{self.stub_port}"
         noop = [*here, "--role", "noop", "--port", str(self.processor_ports["noop"]), "--upstream", stub]
         procs["noop"] = subprocess.Popen(noop, env=env)
         picker_env = env | {"SWITCHYARD_EPP_FALLBACKS": "0", "SWITCHYARD_EPP_METRICS_PORT": "0"}
         picker_env["SWITCHYARD_EPP_TOKENIZERS"] = env.get("SWITCHYARD_GATEWAY_TOKENIZERS", "")
-        cli = [sys.executable, "-m", "switchyard.cli", "epp", "--nats-url", self.nats_url]
+        profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
+        cli = [sys.executable, *profiler, "-m", "switchyard.cli", "epp", "--nats-url", self.nats_url]
         cli += ["--port", str(self.processor_ports["epp"])]
         procs["epp"] = subprocess.Popen(cli, env=picker_env | {"SWITCHYARD_EPP_EPP_ID": "bench-epp"})
         binary = str(Path(sys.executable).parent / "envoy")
