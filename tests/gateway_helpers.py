@@ -23,7 +23,13 @@ from tests.helpers import eventually
 
 
 def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    """The sum of `name`'s samples whose labels include `labels` (a series may carry more, such as `model`)."""
+    return sum(
+        s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 async def read_body(receive: Callable[[], Awaitable[dict]]) -> bytes:

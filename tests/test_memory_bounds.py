@@ -357,11 +357,9 @@ async def test_the_gateway_forgets_the_metric_labels_of_engines_it_forgets(
 
 
 def _ttft_count(engine_id: str) -> float:
-    for kind in ("dp", "disagg"):
-        value = REGISTRY.get_sample_value("switchyard_gateway_ttft_seconds_count", {"engine": engine_id, "kind": kind})
-        if value:
-            return value
-    return 0.0
+    from tests.gateway_helpers import metric
+
+    return metric("switchyard_gateway_ttft_seconds_count", engine=engine_id)
 
 
 def _label_sets(engine_id: str) -> int:

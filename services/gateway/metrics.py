@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway, as the client sees its requests (labels: engine, route kind)."""
+"""Prometheus metrics of the gateway, as the client sees its requests (labels: engine, route kind, and the model the
+engine serves: from its hello, so clients cannot grow the label sets)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,23 @@ _GAP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 TTFT = Histogram(
     "switchyard_gateway_ttft_seconds",
-    "Time from a request's arrival to its first byte of answer sent to the client, by serving engine and kind.",
-    ["engine", "kind"],
+    "Time from a request's arrival to its first byte of answer sent to the client, by serving engine, kind and model "
+    "(vLLM's vllm:time_to_first_token_seconds, seen from the client's side).",
+    ["engine", "kind", "model"],
     buckets=_LATENCY,
 )
 ITL = Histogram(
     "switchyard_gateway_itl_seconds",
-    "Gap between consecutive stream chunks sent to the client (inter-token latency), by engine and kind.",
-    ["engine", "kind"],
+    "Gap between consecutive stream chunks sent to the client (inter-token latency; vLLM's "
+    "vllm:inter_token_latency_seconds), by engine, kind and model.",
+    ["engine", "kind", "model"],
     buckets=_GAP,
 )
 E2E = Histogram(
     "switchyard_gateway_e2e_seconds",
-    "Time from a request's arrival to the last byte of its answer, by serving engine and kind.",
-    ["engine", "kind"],
+    "Time from a request's arrival to the last byte of its answer (vLLM's vllm:e2e_request_latency_seconds), by "
+    "serving engine, kind and model.",
+    ["engine", "kind", "model"],
     buckets=_LATENCY,
 )
 REQUESTS = Counter(

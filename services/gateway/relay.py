@@ -242,8 +242,8 @@ async def final_hop(
         if not stream:
             engine.inflight -= 1
             elapsed = time.perf_counter() - started
-            metrics.TTFT.labels(engine.engine_id, kind).observe(elapsed)
-            metrics.E2E.labels(engine.engine_id, kind).observe(elapsed)
+            metrics.TTFT.labels(engine.engine_id, kind, engine.model).observe(elapsed)
+            metrics.E2E.labels(engine.engine_id, kind, engine.model).observe(elapsed)
             metrics.REQUESTS.labels(kind, "ok" if answer.status < 400 else "client_error").inc()
             whole = Response(
                 answer.content, answer.status, headers={"x-request-id": request_id}, media_type=answer.content_type
@@ -313,7 +313,7 @@ def _stream_back(opened: Opened, engine: HttpEngine, kind: str, request_id: str,
 
     async def relay(send: Send) -> bool:
         """The chunks after the first; False when the engine failed mid-stream (nothing left to retry)."""
-        itl = metrics.ITL.labels(engine.engine_id, kind)
+        itl = metrics.ITL.labels(engine.engine_id, kind, engine.model)
         last = time.perf_counter()
         try:
             async for chunk in chunks:
@@ -331,11 +331,11 @@ def _stream_back(opened: Opened, engine: HttpEngine, kind: str, request_id: str,
         """Once per request: counts, in-flight, and the upstream connection (pooled, or closed to abort)."""
         engine.inflight -= 1
         if first_at:  # the first chunk was handed to the server: TTFT as the client sees it
-            metrics.TTFT.labels(engine.engine_id, kind).observe(first_at - started)
+            metrics.TTFT.labels(engine.engine_id, kind, engine.model).observe(first_at - started)
         if outcome == "aborted":
             metrics.CLIENT_ABORTS.labels(kind).inc()
         metrics.REQUESTS.labels(kind, outcome).inc()
-        metrics.E2E.labels(engine.engine_id, kind).observe(time.perf_counter() - started)
+        metrics.E2E.labels(engine.engine_id, kind, engine.model).observe(time.perf_counter() - started)
         if outcome == "ok":
             opened.response.release()  # read to the end: the connection goes back to the pool
         else:
