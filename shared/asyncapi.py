@@ -73,13 +73,21 @@ def _param(name: str) -> str:
     return f"__{name}__"
 
 
+_CORE = {"transport": "core NATS"}
+
+
+def _stream(name: str, **more: str) -> dict[str, Any]:
+    return {"transport": "JetStream", "stream": name, **more}
+
+
 def _channels(s: Subjects) -> list[_Channel]:
-    e, r = _param("engine_id"), _param("replica_id")
-    core = {"transport": "core NATS"}
+    """Every channel of the contract: what engines say and are told, then what the services exchange."""
+    return [*_engine_channels(s), *_service_channels(s)]
 
-    def stream(name: str, **more: str) -> dict[str, Any]:
-        return {"transport": "JetStream", "stream": name, **more}
 
+def _engine_channels(s: Subjects) -> list[_Channel]:
+    """The engines' subjects: what each says about itself, and what the services ask of it."""
+    e = _param("engine_id")
     return [
         _Channel(
             "engineHello",
@@ -89,7 +97,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("engine", "fleet"),
             receivers=_ENGINE_READERS,
             subscribe=s.all_hello,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineTelemetry",
@@ -99,7 +107,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("engine", "fleet"),
             receivers=("router", "gateway", "migration", "api", "readonly"),
             subscribe=s.all_telemetry,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineSignature",
@@ -109,7 +117,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("engine",),
             receivers=("gateway",),
             subscribe=s.all_signatures,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineKvEvents",
@@ -119,7 +127,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("engine",),
             receivers=("router", "gateway"),
             subscribe=s.all_kv_events,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineExpertLoad",
@@ -130,7 +138,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("engine", "fleet"),
             receivers=("placement", "engine"),
             subscribe=s.all_expert_load,
-            carrier=stream(s.expert_load_stream),
+            carrier=_stream(s.expert_load_stream),
         ),
         _Channel(
             "engineAnnounce",
@@ -139,7 +147,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "A (re)starting service asks every engine, or the one named, to publish its hello now.",
             senders=_ANNOUNCERS,
             receivers=("engine", "fleet"),
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineMigrate",
@@ -149,7 +157,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("migration",),
             receivers=("engine", "fleet"),
             replies=("MigrateReply",),
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "engineLayout",
@@ -159,8 +167,15 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("placement", "migration"),
             receivers=("engine", "fleet"),
             replies=("LayoutReply",),
-            carrier=core,
+            carrier=_CORE,
         ),
+    ]
+
+
+def _service_channels(s: Subjects) -> list[_Channel]:
+    """Between the services: routing samples, plans, route requests and decisions, the artifact, the sim fleet."""
+    e, r = _param("engine_id"), _param("replica_id")
+    return [
         _Channel(
             "routingSamples",
             s.routing_samples,
@@ -168,7 +183,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "Finished requests' prefill and decode expert counts: the ELDR refit's training data.",
             senders=("engine", "fleet"),
             receivers=("fit",),
-            carrier=stream(s.routing_samples_stream),
+            carrier=_stream(s.routing_samples_stream),
         ),
         _Channel(
             "legacyRoutingSamples",
@@ -178,7 +193,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "`switchyard fit` where a deployed bus still holds it, written by no one.",
             senders=(),
             receivers=("fit",),
-            carrier=stream(s.legacy_routing_samples_stream),
+            carrier=_stream(s.legacy_routing_samples_stream),
         ),
         _Channel(
             "placementPlan",
@@ -187,7 +202,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "Versioned expert placements (msg-id: the plan id), applied by the migration service.",
             senders=("placement", "api"),
             receivers=("migration",),
-            carrier=stream(s.placement_stream, durable=s.migration_plans.name),
+            carrier=_stream(s.placement_stream, durable=s.migration_plans.name),
         ),
         _Channel(
             "calibrationRequest",
@@ -196,7 +211,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "The API's calibration triggers (msg-id: the request id), served by the placement service.",
             senders=("api",),
             receivers=("placement",),
-            carrier=stream(s.placement_stream, durable=s.calibration_requests.name),
+            carrier=_stream(s.placement_stream, durable=s.calibration_requests.name),
         ),
         _Channel(
             "routeDecode",
@@ -206,7 +221,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("gateway", "fleet"),
             receivers=("router",),
             replies=("RouteDecodeReply",),
-            carrier=core,
+            carrier=_CORE,
             queue=s.router_queue,
         ),
         _Channel(
@@ -218,7 +233,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("gateway",),
             receivers=("router",),
             replies=("RouteDpReply",),
-            carrier=core,
+            carrier=_CORE,
             queue=s.router_queue,
         ),
         _Channel(
@@ -229,7 +244,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("router",),
             receivers=("router", "gateway", "readonly"),
             subscribe=s.route_decided,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "routeDecidedGateway",
@@ -239,7 +254,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("gateway",),
             receivers=("router", "gateway", "readonly"),
             subscribe=s.route_decided,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "routeProgress",
@@ -251,7 +266,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("gateway",),
             receivers=("router",),
             subscribe=s.route_progress,
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "routingArtifact",
@@ -276,7 +291,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             senders=("loadgen",),
             receivers=("fleet",),
             subscribe=f"{s.prefix}.sim.submit.*",
-            carrier=core,
+            carrier=_CORE,
         ),
         _Channel(
             "simCompleted",
@@ -285,7 +300,7 @@ def _channels(s: Subjects) -> list[_Channel]:
             "Simulated fleet only: a finished request and its latencies in simulated seconds.",
             senders=("fleet",),
             receivers=("loadgen", "readonly"),
-            carrier=core,
+            carrier=_CORE,
         ),
     ]
 

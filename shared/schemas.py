@@ -480,14 +480,8 @@ class MigrateReply(WireModel):
     @classmethod
     def refusal(cls, request: MigrateRequest, reason: str) -> MigrateReply:
         """The answer of an engine that applied nothing of `request`, saying why."""
-        return cls(
-            plan_id=request.plan_id,
-            version=request.version,
-            step=request.step,
-            applied=0,
-            duration_s=0.0,
-            failure=reason,
-        )
+        step = {"plan_id": request.plan_id, "version": request.version, "step": request.step}
+        return cls.model_validate({**step, "applied": 0, "duration_s": 0.0, "failure": reason})
 
 
 class LayoutRequest(WireModel):
