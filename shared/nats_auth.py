@@ -35,6 +35,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from switchyard.shared.errors import ConfigError
 from switchyard.shared.subjects import Subjects, check_token
 
 #: The roles of `switchyard nats-config`. `engine` roles are per engine id (`engine-<id>`); `fleet` is the
@@ -365,3 +366,17 @@ def render_server_config(
         body = "\n".join(f"  {key}: {json.dumps(value)}" for key, value in tls.items())
         lines.append(f"tls {{\n{body}\n  verify: true\n}}")
     return "\n".join(lines) + "\n"
+
+
+def replica_role(credentials: Path | None, own: str) -> tuple[str, bool]:
+    """The NATS user an in-process decider (a gateway replica, an endpoint picker) connects as, and whether it may
+    publish its decisions: its own user `own` when the per-role credentials file has one, else the shared `gateway`
+    user, which may not (no replica may publish under another's id). Without per-role credentials: `gateway`,
+    sharing. An unreadable file is a `ConfigError`."""
+    if credentials is None:
+        return "gateway", True
+    try:
+        users = Credentials.load(credentials).users
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return (own, True) if own in users else ("gateway", False)

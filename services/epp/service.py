@@ -32,7 +32,7 @@ from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
-from switchyard.shared.nats_auth import Credentials, epp_user
+from switchyard.shared.nats_auth import epp_user, replica_role
 from switchyard.shared.schemas import Announce, Hello, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import check_token
@@ -48,14 +48,7 @@ def bus_role(settings: SwitchyardSettings, epp_id: str) -> tuple[str, bool]:
     """The NATS user the picker connects as, and whether it may publish its decisions: its own `epp-<id>` when the
     per-role credentials file has one (`switchyard nats-config --epps`), else the shared `gateway` user, which may
     not (its decisions then go unshared). Without per-role credentials: `gateway`, sharing."""
-    if settings.nats_credentials is None:
-        return "gateway", True
-    own = epp_user(epp_id)
-    try:
-        users = Credentials.load(settings.nats_credentials).users
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return (own, True) if own in users else ("gateway", False)
+    return replica_role(settings.nats_credentials, epp_user(epp_id))
 
 
 class EppService:

@@ -38,7 +38,7 @@ from switchyard.services.router.settings import RouterSettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.liveness import LivenessSettings
-from switchyard.shared.nats_auth import Credentials, gateway_user
+from switchyard.shared.nats_auth import gateway_user, replica_role
 from switchyard.shared.schemas import Announce, Hello, PrefillSignature, Telemetry
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.subjects import check_token
@@ -56,14 +56,7 @@ def bus_role(settings: SwitchyardSettings, gateway_id: str) -> tuple[str, bool]:
     """The NATS role this gateway connects as, and whether it may publish its decisions: its own user
     (`gateway-<id>`) when the per-role credentials file has one, else the shared `gateway` user, which may not
     (no replica can publish under another's id). Without per-role credentials, `gateway`, sharing."""
-    if settings.nats_credentials is None:
-        return "gateway", True
-    own = gateway_user(gateway_id)
-    try:
-        users = Credentials.load(settings.nats_credentials).users
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return (own, True) if own in users else ("gateway", False)
+    return replica_role(settings.nats_credentials, gateway_user(gateway_id))
 
 
 class GatewayService:
