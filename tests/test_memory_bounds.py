@@ -118,9 +118,9 @@ async def test_an_engine_that_never_reports_holds_a_bounded_in_flight_count(
         fleet = router.core.fleet
         await until(lambda: "e0" in fleet.index)
         sent = 0
-        for burst in range(15):
-            if burst % 5 == 0:  # e0 stays live on hellos alone
-                await engine.publish(subjects.hello("e0"), encode(hello("e0", "g0", ["gpu0"], role="dp")))
+        for _ in range(15):
+            # e0 stays live on hellos alone: one before each burst, so a slow machine cannot outlast `fresh_load_s`
+            await engine.publish(subjects.hello("e0"), encode(hello("e0", "g0", ["gpu0"], role="dp")))
             requests = [
                 gateway.request(
                     subjects.route_dp, encode(s.RouteDpRequest(request_id=uuid.uuid4().hex, prompt_tokens=7)), timeout=5
