@@ -4,7 +4,9 @@ An engine numbers its KV-event messages as it numbers its telemetry, and the one
 (`shared.sequence.classify`): a late message (a small step back) is dropped, since newer events are already in;
 a gap (events lost) or a restart (a new process numbering from 0, with an empty cache) clears the engine's
 blocks before the message applies, because lost evictions must not leave blocks it no longer holds. Every
-block an engine stores is bounded by the capacity its hello announced (`BlockIndex.stored`).
+block an engine stores in its KV cache is bounded by the capacity its hello announced (`BlockIndex.stored`); an
+op naming an offload tier (`KvOp.tier`: cpu, disk) goes to that tier's blocks, bounded per engine by the index's
+`max_blocks`; a clear clears every tier.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from switchyard.shared.sequence import Seq, classify
 from switchyard.solver.routing.prefix.blocks import BlockIndex
+from switchyard.solver.routing.prefix.tiers import Tier
 
 __all__ = ["Applied", "KvApplier"]
 
@@ -25,6 +28,8 @@ class _Op(Protocol):
     def kind(self) -> str: ...
     @property
     def keys(self) -> np.ndarray: ...
+    @property
+    def tier(self) -> Tier | None: ...
 
 
 class _Events(Protocol):
@@ -76,10 +81,10 @@ class KvApplier:
         stored = removed = cleared = 0
         for op in events.ops:
             if op.kind == "stored":
-                self.blocks.stored(engine_id, op.keys.tolist(), capacity)
+                self.blocks.stored(engine_id, op.keys.tolist(), capacity, op.tier or "gpu")
                 stored += len(op.keys)
             elif op.kind == "removed":
-                self.blocks.removed(engine_id, op.keys.tolist())
+                self.blocks.removed(engine_id, op.keys.tolist(), op.tier or "gpu")
                 removed += len(op.keys)
             else:
                 self.blocks.cleared(engine_id)

@@ -11,6 +11,12 @@ Layout (memory, ~110 bytes a block): `holders` maps a key to the bitmask of the 
 growable uint64 ring, removals left there as stale entries (skipped, and compacted away when the ring fills).
 A key stored again while held keeps its first position (vLLM stores a block once while it is cached); a key
 removed and stored again may leave its older entry first in the ring, so it can be dropped over the cap early.
+
+Cache tiers (`tiers`): the events name the tier a block is stored in or removed from (vLLM's `medium`: the
+engine's KV cache, ``gpu``, or an offload connector's ``cpu``/``disk``). Each offload tier is an index of its own
+(the same structure), bounded the same way: at most `max_blocks` keys per engine per tier, oldest out first. The
+hello's `kv_blocks` bounds only the GPU tier (an offload tier's size is not announced), so memory is at most three
+times `max_blocks` × engines. `match` is the GPU tier's; `credit` weighs every tier (`tiers.TierWeights`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from switchyard.solver.routing.prefix.slots import EngineSlots, ints
+from switchyard.solver.routing.prefix.tiers import DEFAULT_WEIGHTS, TIERS, Tier, TierWeights, walk_tiers
 
 __all__ = ["BlockIndex"]
 
@@ -67,14 +74,26 @@ class BlockIndex(EngineSlots):
         super().__init__()
         self.max_blocks = max_blocks
         self._engines: dict[int, _EngineBlocks] = {}
+        self._lower: dict[str, BlockIndex] = {}  # offload tier -> its blocks (made on the tier's first store)
         self.dropped_over_cap = 0  # keys dropped because an engine passed max_blocks (counter)
         self.dropped_over_capacity = 0  # keys dropped because an engine passed its own KV capacity (counter)
 
     # -- events ---------------------------------------------------------------------------------------------
 
-    def stored(self, engine_id: str, keys: Iterable[int], capacity: int | None = None) -> None:
-        """The engine cached these blocks (vLLM's BlockStored). `capacity`: the blocks it could hold at all (its
-        hello's `kv_blocks`); past it, or past `max_blocks`, its own oldest blocks go first."""
+    def stored(self, engine_id: str, keys: Iterable[int], capacity: int | None = None, tier: Tier = "gpu") -> None:
+        """The engine cached these blocks (vLLM's BlockStored) in `tier`. `capacity`: the blocks its KV cache
+        could hold at all (its hello's `kv_blocks`; the GPU tier's bound); past it, or past `max_blocks`, its own
+        oldest blocks of that tier go first."""
+        if tier != "gpu":
+            if tier not in TIERS:
+                raise ValueError(f"unknown cache tier {tier!r}")
+            lower = self._lower.get(tier)
+            if lower is None:
+                lower = self._lower[tier] = BlockIndex(self.max_blocks)
+            before = lower.dropped_over_cap
+            lower.stored(engine_id, keys)
+            self.dropped_over_cap += lower.dropped_over_cap - before
+            return
         cap = self.max_blocks if capacity is None else max(1, min(capacity, self.max_blocks))
         slot = self._slot_of(engine_id)
         bit = 1 << slot
@@ -96,8 +115,16 @@ class BlockIndex(EngineSlots):
                 else:
                     self.dropped_over_cap += 1
 
-    def removed(self, engine_id: str, keys: Iterable[int]) -> None:
-        """The engine evicted these blocks (vLLM's BlockRemoved); unknown keys are ignored."""
+    def removed(self, engine_id: str, keys: Iterable[int], tier: Tier | None = None) -> None:
+        """The engine evicted these blocks (vLLM's BlockRemoved) from `tier` (None: from every tier, as when an
+        answer contradicts a claim); unknown keys are ignored."""
+        if tier != "gpu":
+            keys = ints(keys)
+            for name, lower in self._lower.items():
+                if tier is None or name == tier:
+                    lower.removed(engine_id, keys)
+            if tier is not None:
+                return
         slot = self._slot.get(engine_id)
         if slot is None:
             return
@@ -111,7 +138,9 @@ class BlockIndex(EngineSlots):
                 blocks.held -= 1
 
     def cleared(self, engine_id: str) -> None:
-        """The engine dropped its whole cache (vLLM's AllBlocksCleared, or a restart): it holds nothing."""
+        """The engine dropped its whole cache (vLLM's AllBlocksCleared, or a restart): it holds nothing, in no tier."""
+        for lower in self._lower.values():
+            lower.cleared(engine_id)
         slot = self._slot.get(engine_id)
         if slot is None:
             return
@@ -125,7 +154,9 @@ class BlockIndex(EngineSlots):
         blocks.held = 0
 
     def forget(self, engine_id: str) -> None:
-        """The engine left the fleet: clear it and free its slot."""
+        """The engine left the fleet: clear it and free its slot (in every tier)."""
+        for lower in self._lower.values():
+            lower.forget(engine_id)
         self.cleared(engine_id)
         slot = self._free_slot(engine_id)
         if slot is not None:
@@ -137,14 +168,41 @@ class BlockIndex(EngineSlots):
         """int64[len(engine_ids)]: how many leading `keys` each engine holds (0 for an engine never heard)."""
         return self._match(keys, engine_ids)
 
-    def blocks(self, engine_id: str) -> int:
-        """Keys the index holds for the engine."""
+    def credit(
+        self, keys: Sequence[int], engine_ids: Sequence[str], weights: TierWeights = DEFAULT_WEIGHTS
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(int64, float64)[len(engine_ids)]: each engine's leading `keys` held in any tier of positive weight,
+        and their credit in blocks, each at its best tier's weight (see `tiers`). With no offload tier held this
+        is `match` (times the GPU weight), at the cost of one check."""
+        gpu = self._match(keys, engine_ids) if weights.gpu > 0 else np.zeros(len(engine_ids), dtype=np.int64)
+        lower = [(weights[TIERS.index(t)], index) for t, index in self._lower.items() if index.holders]
+        if not any(w > 0 for w, _ in lower):
+            return gpu, gpu * weights.gpu
+        tiers = [(weights.gpu, self.holders, self._slot), *((w, i.holders, i._slot) for w, i in lower)]
+        depth, extra = walk_tiers(ints(keys), engine_ids, gpu, tiers)
+        return depth, gpu * weights.gpu + extra
+
+    def holds(self, key: int, engine_ids: Sequence[str]) -> bool:
+        """Whether any of `engine_ids` holds `key` in any tier."""
+        return super().holds(key, engine_ids) or any(i.holds(key, engine_ids) for i in self._lower.values())
+
+    def blocks(self, engine_id: str, tier: Tier | None = None) -> int:
+        """Keys the index holds for the engine, in `tier` (None: in every tier, a key in two counted twice)."""
+        if tier is None:
+            return sum(self.blocks(engine_id, t) for t in TIERS)
+        if tier != "gpu":
+            lower = self._lower.get(tier)
+            return 0 if lower is None else lower.blocks(engine_id)
         slot = self._slot.get(engine_id)
         return 0 if slot is None else self._engines[slot].held
 
     def held(self) -> int:
-        """Blocks held, summed over engines (a key two engines hold counts twice)."""
-        return sum(blocks.held for blocks in self._engines.values())
+        """Blocks held, summed over engines and tiers (a key two engines or two tiers hold counts twice)."""
+        return sum(blocks.held for blocks in self._engines.values()) + sum(i.held() for i in self._lower.values())
+
+    def engines(self) -> list[str]:
+        """The engines any tier has a slot for."""
+        return list(dict.fromkeys([*self._slot, *(e for i in self._lower.values() for e in i._slot)]))
 
     # -- internals ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""Cache tiers in the precise prefix index (`solver.routing.prefix.tiers`, `BlockIndex.credit`): pure.
+
+A block an engine holds in an offload tier (CPU, disk; the KV message's `KvOp.tier`) is credited at its tier's
+weight; a block in two tiers counts once at its best; weights (1, 0, 0) give exactly the GPU-only match; each
+tier is bounded per engine like the GPU one; clears, removals and forgets reach every tier; the wire refuses
+unknown tiers (counted by the bus as any malformed message).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from switchyard.shared.codec import WireError, decode, encode
+from switchyard.shared.schemas import KvEvents, KvOp
+from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, GPU_ONLY, BlockIndex, KvApplier, TierWeights
+
+KEYS = list(range(100, 110))
+
+
+def _credit(index: BlockIndex, engines: list[str], weights: TierWeights = DEFAULT_WEIGHTS) -> tuple[list, list]:
+    depth, credit = index.credit(KEYS, tuple(engines), weights)
+    return depth.tolist(), credit.tolist()
+
+
+def test_defaults_are_dynamos_and_bounded() -> None:
+    assert tuple(DEFAULT_WEIGHTS) == (1.0, 0.75, 0.25)
+    with pytest.raises(ValueError, match="tier weights"):
+        TierWeights(1.0, 1.5, 0.0).check()
+
+
+def test_offload_tiers_extend_the_gpu_prefix_at_their_weights() -> None:
+    index = BlockIndex()
+    index.stored("a", KEYS[:4])  # GPU: blocks 0-3
+    index.stored("a", KEYS[:7], tier="cpu")  # CPU: 0-6 (0-3 also on GPU: counted once, at GPU's weight)
+    index.stored("a", KEYS[7:9], tier="disk")  # disk: 7-8
+    index.stored("b", KEYS[:2])
+    index.stored("c", KEYS[:10], tier="disk")
+    depth, credit = _credit(index, ["a", "b", "c", "nobody"])
+    assert depth == [9, 2, 10, 0]
+    assert credit == pytest.approx([4 + 3 * 0.75 + 2 * 0.25, 2.0, 10 * 0.25, 0.0])
+    assert index.match(KEYS, ["a", "b", "c"]).tolist() == [4, 2, 0]  # `match` stays the GPU tier's
+
+
+def test_gpu_only_weights_are_exactly_the_gpu_match() -> None:
+    """The control: with the offload tiers weighted 0, nothing they hold is credited, nor walked through."""
+    index = BlockIndex()
+    index.stored("a", KEYS[:3])
+    index.stored("a", KEYS[3:6], tier="cpu")
+    index.stored("a", KEYS[6:10])  # GPU blocks past a CPU-only run: reachable only through it
+    depth, credit = _credit(index, ["a"], GPU_ONLY)
+    assert depth == [3] and credit == [3.0]
+    depth, credit = _credit(index, ["a"])
+    assert depth == [10] and credit == pytest.approx([3 + 3 * 0.75 + 4])
+
+
+def test_removals_and_clears_per_tier() -> None:
+    index = BlockIndex()
+    index.stored("a", KEYS[:5])
+    index.stored("a", KEYS[:5], tier="cpu")
+    index.removed("a", KEYS[2:5], tier="gpu")  # evicted from GPU, still in CPU
+    assert _credit(index, ["a"]) == ([5], [pytest.approx(2 + 3 * 0.75)])
+    index.removed("a", KEYS[4:5], tier="cpu")
+    assert _credit(index, ["a"])[0] == [4]
+    assert index.blocks("a", "gpu") == 2 and index.blocks("a", "cpu") == 4 and index.blocks("a") == 6
+    index.removed("a", KEYS[:1])  # no tier named: from every tier (a contradicted claim)
+    assert _credit(index, ["a"])[0] == [0] and index.blocks("a") == 4
+    index.cleared("a")
+    assert index.blocks("a") == 0 and index.held() == 0
+    index.stored("a", KEYS, tier="disk")
+    assert index.holds(KEYS[0], ("a",))
+    index.forget("a")
+    assert index.held() == 0 and index.engines() == [] and not index.holds(KEYS[0], ("a",))
+
+
+def test_an_offload_tier_is_bounded_per_engine() -> None:
+    """A CPU-tier claim cannot grow memory past `max_blocks` per engine (the hello's kv_blocks bounds only GPU)."""
+    index = BlockIndex(max_blocks=8)
+    index.stored("a", range(1000, 1100), capacity=4, tier="cpu")  # capacity is the GPU's: not this tier's bound
+    assert index.blocks("a", "cpu") == 8 and index.dropped_over_cap == 92
+    index.stored("a", range(2000, 2100), capacity=4)
+    assert index.blocks("a", "gpu") == 4 and index.held() == 12
+    depth, _ = index.credit(list(range(1092, 1100)), ("a",))
+    assert depth.tolist() == [8]  # the newest 8 are kept, oldest out first
+
+
+def test_the_applier_follows_each_ops_tier() -> None:
+    index = BlockIndex()
+    applier = KvApplier(index)
+    keys = np.array(KEYS, dtype=np.uint64)
+
+    def events(seq: int, *ops: KvOp) -> KvEvents:
+        return KvEvents(engine_id="a", seq=seq, ts=0.0, block_size=16, ops=list(ops))
+
+    applier.apply(events(0, KvOp(kind="stored", keys=keys[:3]), KvOp(kind="stored", keys=keys[:8], tier="cpu")))
+    assert _credit(index, ["a"]) == ([8], [pytest.approx(3 + 5 * 0.75)])
+    applier.apply(events(1, KvOp(kind="removed", keys=keys[:8], tier="cpu")))
+    assert _credit(index, ["a"]) == ([3], [3.0])
+    applier.apply(events(2, KvOp(kind="stored", keys=keys, tier="disk"), KvOp(kind="cleared", keys=keys[:0])))
+    assert index.held() == 0
+    applier.apply(events(3, KvOp(kind="stored", keys=keys, tier="disk")))
+    applier.apply(events(5, KvOp(kind="stored", keys=keys[:1])))  # a gap: every tier cleared first
+    assert index.blocks("a", "disk") == 0 and index.blocks("a", "gpu") == 1
+
+
+def test_the_wire_keeps_the_tier_absent_is_gpu_and_unknown_is_refused() -> None:
+    keys = np.arange(3, dtype=np.uint64)
+    message = KvEvents(
+        engine_id="a", seq=0, ts=0.0, block_size=16,
+        ops=[KvOp(kind="stored", keys=keys, tier="cpu"), KvOp(kind="stored", keys=keys)],
+    )  # fmt: skip
+    back = decode(encode(message), KvEvents)
+    assert [op.tier for op in back.ops] == ["cpu", None]
+    raw = encode(message).replace(b"\xa3cpu", b"\xa3tpu")
+    with pytest.raises(WireError) as refused:
+        decode(raw, KvEvents)
+    assert "tier" in str(refused.value)
+    with pytest.raises(ValueError, match="no tier"):
+        KvOp(kind="cleared", keys=keys[:0], tier="cpu")
