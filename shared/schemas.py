@@ -76,6 +76,7 @@ RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 #: Bounded to what every consumer can hold: numpy int64 columns and BIGINT in the database (2**63 would raise
 #: `OverflowError` in a handler, not a validation error at the door).
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+SessionKey = Annotated[str, Field(pattern=r"^(?:[0-9a-f]{16})?$")]  # a session id's hash (gateway.sessions), or ""
 Positive = Annotated[int, Field(gt=0, le=2**63 - 1)]
 #: Plan versions are INTEGER columns in the history database.
 Version = Annotated[int, Field(gt=0, le=2**31 - 1)]
@@ -275,9 +276,9 @@ class RouteDecodeReply(WireModel):
 class RouteDecisions(WireModel):
     """`sy.route.decided`: the decisions one replica made since its previous message (≤ a few ms' worth).
 
-    Every replica counts them in flight on the chosen engines until telemetry shows them; without that,
-    N replicas routing on the same (slightly stale) telemetry all pick the same "best" engine. One entry
-    per decision, as parallel columns. Version 2: version 1 carried one decision per message.
+    Every replica counts them in flight on the chosen engines until telemetry shows them; without that, N replicas
+    routing on the same (slightly stale) telemetry all pick the same "best" engine. One entry per decision, as
+    parallel columns (`sessions`: optional). Version 2: version 1 carried one decision per message.
     """
 
     VERSION: ClassVar[int] = 2
@@ -288,14 +289,15 @@ class RouteDecisions(WireModel):
     request_ids: Annotated[list[RequestId], Field(max_length=MAX_SHARED_DECISIONS)]
     engine_ids: Annotated[list[EngineId], Field(max_length=MAX_SHARED_DECISIONS)]
     prompt_tokens: Annotated[list[Count], Field(max_length=MAX_SHARED_DECISIONS)]
+    sessions: Annotated[list[SessionKey], Field(default_factory=list, max_length=MAX_SHARED_DECISIONS)]
 
     @model_validator(mode="after")
     def _same_length(self) -> RouteDecisions:
-        n = len(self.engine_ids)
-        if not len(self.kinds) == len(self.request_ids) == len(self.prompt_tokens) == n:
+        n, s = len(self.engine_ids), len(self.sessions)
+        if len({len(self.kinds), len(self.request_ids), len(self.prompt_tokens), n}) > 1 or s not in (0, n):
             raise ValueError(
                 f"columns differ in length: kinds {len(self.kinds)}, request_ids {len(self.request_ids)}, "
-                f"engine_ids {n}, prompt_tokens {len(self.prompt_tokens)}"
+                f"engine_ids {n}, prompt_tokens {len(self.prompt_tokens)}, sessions {s} (or none)"
             )
         return self
 

@@ -13,6 +13,7 @@ from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.registry import HttpEngine
 from switchyard.services.gateway.relay import Context, StreamedAnswer, ToClient, final_hop
 from switchyard.services.gateway.routing import traced_route
+from switchyard.services.gateway.sessions import session_key
 
 
 async def serve_dp(
@@ -30,21 +31,25 @@ async def serve_dp(
     """Route and relay; `routed()` (flow control's) is called once the engine is chosen: the core counts it now.
     A `session` goes to its engine while that one has room (`sessions.Sessions`), else where the core chooses."""
     sessions, router = ctx.sessions, ctx.router
-    pinned = None
+    pinned, key = None, ""
     if session is not None and sessions is not None and isinstance(router, InProcessRouter):
-        pinned = sessions.sticky(session, candidates)
+        key = session_key(session)  # its binding here and on the decision the other replicas learn it from
+        pinned = sessions.sticky(key, candidates)
     if pinned is not None:
-        engine: HttpEngine | None = router.route_to(request_id, parsed.prompt_tokens, pinned)  # type: ignore[union-attr]
+        engine: HttpEngine | None = router.route_to(request_id, parsed.prompt_tokens, pinned, key)  # type: ignore[union-attr]
     else:
-        choice = router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
+        if key:
+            choice = router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys, key)  # type: ignore[call-arg]
+        else:
+            choice = router.route_dp(request_id, parsed.prompt_tokens, candidates, parsed.model, parsed.keys)
         if ctx.tracing is None:
             engine = await choice
         else:
             engine = await traced_route(ctx.tracing, router, "dp", request_id, choice)
     if routed is not None:
         routed()
-    if session is not None and sessions is not None and engine is not None:
-        sessions.served(session, engine)
+    if key and sessions is not None and engine is not None:
+        sessions.served(key, engine)
     if engine is None:
         return error_response(503, "no live engine", "ServiceUnavailableError")
     claims = claims_of(ctx, request_id)  # the core credited a KV claim: the answer is to confirm it

@@ -67,9 +67,10 @@ class InProcessRouter(Chooser):
             self.sharer.add(decided)
             self.sharer.idle()  # published on the loop's next turn at the earliest, batched with its neighbours
 
-    def _take(self, decided: Decided) -> HttpEngine:
-        """The core's engine (a registry engine by construction: see the class docstring), its decision shared."""
-        self._share(decided)
+    def _take(self, decided: Decided, session: str = "") -> HttpEngine:
+        """The core's engine (a registry engine by construction: see the class docstring), its decision shared
+        (naming the request's `session` key, if any: the other replicas learn where the session went)."""
+        self._share(decided._replace(session=session) if session else decided)
         self._recovered()
         self.fallback = ""
         return self.engines[decided.engine_id]
@@ -81,17 +82,19 @@ class InProcessRouter(Chooser):
         candidates: list[HttpEngine],
         model: str | None = None,
         keys: PromptKeys | None = None,
+        session: str = "",
     ) -> HttpEngine | None:
-        """The core's choice among `candidates` (the live DP engines serving `model`)."""
+        """The core's choice among `candidates` (the live DP engines serving `model`); `session`: the request's
+        session key (`sessions.session_key`), shared with the decision."""
         if not candidates:
             return None
         ask = dp_ask(request_id, prompt_tokens, model, keys, True)
         reply, decided = self.core.route_dp(ask, time.monotonic())
         if decided is None:
             return self.local(candidates, "dp", f"error_{reply.error.code}")  # type: ignore[union-attr]
-        return self._take(decided)
+        return self._take(decided, session)
 
-    def route_to(self, request_id: str, prompt_tokens: int, engine: HttpEngine) -> HttpEngine:
+    def route_to(self, request_id: str, prompt_tokens: int, engine: HttpEngine, session: str = "") -> HttpEngine:
         """A choice made outside the core (a session's sticky engine), counted in the core as its own decisions
         are (exact ledger, role views) and shared with the other replicas, so their load counts include it."""
         core = self.core
@@ -100,7 +103,7 @@ class InProcessRouter(Chooser):
             core.fleet.on_decision_row(row, prompt_tokens, time.monotonic(), request_id, LOCAL_REPORTER)
             core.dp.record_decision(row, prompt_tokens)
             core.decode.record_decision(row, prompt_tokens)
-            self._share(Decided("dp", request_id, engine.engine_id, prompt_tokens))
+            self._share(Decided("dp", request_id, engine.engine_id, prompt_tokens, session))
         return engine
 
     async def route_decode(

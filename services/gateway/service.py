@@ -263,7 +263,12 @@ class GatewayService:
         flow = Flow(g, self.registry, self.core) if g.admission else None
         sessions = None
         if g.session_affinity and isinstance(router, InProcessRouter):
-            sessions = Sessions(Pressure(g, self.core).room, g.max_sessions, g.session_ttl_s)
+            peer_rate = self.core.settings.peer_decisions_per_s  # type: ignore[union-attr]  # in process: a core
+            sessions = Sessions(
+                Pressure(g, self.core).room, g.max_sessions, g.session_ttl_s, self.registry.engines, peer_rate
+            )
+            if self.feed is not None:
+                self.feed.on_sessions = sessions.learn  # other replicas' decisions teach it their sessions' engines
         self.ctx = Context(
             g,
             self.registry,

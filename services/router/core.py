@@ -75,6 +75,7 @@ class Decided(NamedTuple):
     request_id: str
     engine_id: str
     prompt_tokens: int
+    session: str = ""  # the session id's hash (`gateway.sessions.session_key`) when the request named one
 
 
 class DpChoice(NamedTuple):

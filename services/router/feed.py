@@ -99,8 +99,12 @@ class DecisionSharer:
         self._last = self._loop.time()
         pending, self.pending = self.pending, []
         for start in range(0, len(pending), MAX_SHARED_DECISIONS):
-            kinds, request_ids, engine_ids, tokens = zip(*pending[start : start + MAX_SHARED_DECISIONS], strict=True)
+            kinds, request_ids, engine_ids, tokens, sessions = zip(
+                *pending[start : start + MAX_SHARED_DECISIONS], strict=True
+            )
             columns = {"kinds": kinds, "request_ids": request_ids, "engine_ids": engine_ids, "prompt_tokens": tokens}
+            if any(sessions):  # the column only when a decision names a session (a router's never do)
+                columns["sessions"] = sessions
             payload = encode_unchecked(RouteDecisions, {"replica_id": self.replica_id, **columns})
             await self.bus.nc.publish(self.subject, payload)
             self.batches += 1
@@ -157,6 +161,8 @@ class CoreFeed:
         self._bus: Bus | None = None
         self._revision = 0  # the artifact revision last read (polling)
         self._signing_key: bytes | None = None
+        #: A gateway's session table (`Sessions.learn`): called with each admitted peer batch naming sessions.
+        self.on_sessions: Callable[[str, RouteDecisions, float], None] | None = None
 
     # ----- messages (sync where possible: no task per message) -----
 
@@ -201,7 +207,10 @@ class CoreFeed:
 
     def on_decisions(self, decisions: RouteDecisions, msg: Msg | None = None) -> None:
         sender = self._sender(msg.subject) if msg is not None else None
-        self.core.on_decisions(decisions, time.monotonic(), sender)
+        now = time.monotonic()
+        self.core.on_decisions(decisions, now, sender)
+        if decisions.sessions and self.on_sessions is not None and decisions.replica_id != self.replica_id:
+            self.on_sessions(sender or decisions.replica_id, decisions, now)
         self.refresh_soon()  # in step in place when it can be; else re-read here, not on the next request
 
     def settle(self, first: Sequence[str], done: Sequence[str]) -> None:
