@@ -608,30 +608,30 @@ class RoutingArtifact(WireModel):
 
 
 class KvOp(_Part):
-    """One KV-cache change: blocks `stored` or `removed` (their keys), or every block `cleared` (no keys)."""
+    """One KV-cache change: blocks `stored` or `removed` (their keys) in a cache `tier` (absent: gpu, the engine's
+    KV cache; cpu, disk: offload tiers, vLLM's `medium`), or every block of every tier `cleared` (no keys)."""
 
     MAX_WIRE_BYTES: ClassVar[int | None] = None
 
     kind: Literal["stored", "removed", "cleared"]
     keys: BlockKeys
+    tier: Literal["gpu", "cpu", "disk"] | None = None
 
     @model_validator(mode="after")
     def _keys_fit(self) -> KvOp:
         if len(self.keys) > MAX_KV_EVENT_KEYS:
             raise ValueError(f"{len(self.keys)} keys in one op, at most {MAX_KV_EVENT_KEYS}")
-        if self.kind == "cleared" and len(self.keys):
-            raise ValueError("a 'cleared' op carries no keys")
+        if self.kind == "cleared" and (len(self.keys) or self.tier is not None):
+            raise ValueError("a 'cleared' op carries no keys and no tier (it clears every tier)")
         return self
 
 
 class KvEvents(WireModel):
     """`sy.engine.<id>.kv`: what an engine's prefix cache stored, evicted or cleared, in order.
 
-    Keys are Switchyard's chained block keys (`shared.prefix_keys.block_keys` over the block's tokens and its
-    parents', at `block_size`), not the engine's own hashes: the relay beside a vLLM engine translates vLLM's
-    `BlockStored`/`BlockRemoved`/`AllBlocksCleared` (`--kv-events-config`), so a router can name a request's
-    blocks the same way from its tokens. `seq` increases by one per message from one engine process: a gap
-    means events were lost, and the receiver should treat the engine's blocks as unknown until it clears.
+    Keys are Switchyard's chained block keys (`shared.prefix_keys.block_keys` at `block_size`), not the engine's
+    hashes: the relay beside vLLM translates its `BlockStored`/`BlockRemoved`/`AllBlocksCleared`, so a router names
+    a request's blocks from its tokens. `seq` is +1 per message of one process: a gap means events were lost.
     """
 
     MAX_WIRE_BYTES: ClassVar[int | None] = 8 * MAX_KV_EVENT_KEYS + 16 * 1024
