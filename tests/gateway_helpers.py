@@ -23,7 +23,7 @@ from tests.helpers import eventually
 
 
 def metric(name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels` (a series may carry more, such as `model`)."""
+    """The sum of `name`'s samples whose labels include `labels` (a series may carry more, such as `model_name`)."""
     return sum(
         s.value
         for family in REGISTRY.collect()

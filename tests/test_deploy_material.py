@@ -606,4 +606,4 @@ def test_chart_renders_a_keda_scaled_object_on_the_gateways_signals(values: dict
         assert isinstance(meta["threshold"], str) and float(meta["threshold"]) > 0
         queried = set(re.findall(r"switchyard_[a-z_]+", meta["query"]))
         assert queried and queried <= exported, queried - exported
-    assert 'model=~"deepseek-v2-lite"' in spec["triggers"][0]["metadata"]["query"]
+    assert 'model_name=~"deepseek-v2-lite"' in spec["triggers"][0]["metadata"]["query"]

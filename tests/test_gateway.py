@@ -100,7 +100,7 @@ async def test_sse_streaming_passes_chunks_and_done(bus: Bus, settings: Switchya
         events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert [json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]] == [f"t{i}" for i in range(5)]
-    assert metric("switchyard_gateway_ttft_seconds_count", engine="a", kind="dp") >= 1
+    assert metric("switchyard_gateway_time_to_first_token_seconds_count", engine="a", kind="dp") >= 1
 
 
 async def _handoff(bus: Bus, settings: SwitchyardSettings, via: str, shape: str) -> None:
@@ -226,7 +226,7 @@ async def test_handoff_survives_a_failed_prefill_and_a_missing_router(bus: Bus, 
     assert len(engines[f"p{ranked[0]}"].received) == 2 and len(engines[f"p{ranked[1]}"].received) == 1
     assert metric("switchyard_gateway_retries_total", hop="prefill") == retries + 1
     assert metric("switchyard_gateway_routing_fallbacks_total", kind="decode", reason="no_responders") == before + 2
-    assert "switchyard_gateway_ttft_seconds_bucket" in scraped and 'kind="disagg"' in scraped
+    assert "switchyard_gateway_time_to_first_token_seconds_bucket" in scraped and 'kind="disagg"' in scraped
 
 
 async def test_engine_refusals_pass_through_and_unknown_models_get_404(bus: Bus, settings: SwitchyardSettings) -> None:

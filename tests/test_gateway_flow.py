@@ -76,7 +76,7 @@ async def test_a_high_band_overtakes_a_queued_low_band(bus: Bus, settings: Switc
         answers = await asyncio.gather(blocker, high, *low)
     assert [a.status_code for a in answers] == [200] * 4  # nothing admitted is lost
     assert metric("switchyard_gateway_queue_depth", band="low") == 0
-    assert metric("switchyard_gateway_prompt_tokens_total", model="stub-model") > 0
+    assert metric("switchyard_gateway_prompt_tokens_total", model_name="stub-model") > 0
     assert _prompts(engine) == ["blocker", "high", "low0", "low1"]
 
 

@@ -136,14 +136,14 @@ def test_every_dashboard_metric_is_exported_by_a_service(
     assert "switchyard_router_engine_kv_usage" in exported["router"] & exported["gateway"]
     assert "switchyard_placement_plans_total" in exported["placement"]
     assert "switchyard_migration_steps_total" in exported["migration"]
-    assert "switchyard_gateway_ttft_seconds_bucket" in exported["gateway"]
+    assert "switchyard_gateway_time_to_first_token_seconds_bucket" in exported["gateway"]
 
 
 def test_a_misspelled_metric_fails_the_check(dashboard: dict[str, Any], exported: dict[str, set[str]]) -> None:
     broken = json.loads(json.dumps(dashboard))
     target = next(p for p in broken["panels"] if p.get("title") == "TTFT p50 / p99 by kind")["targets"][0]
-    target["expr"] = target["expr"].replace("_gateway_ttft_seconds_bucket", "_gateway_tfft_seconds_bucket")
-    assert missing(broken, set().union(*exported.values())) == {"switchyard_gateway_tfft_seconds_bucket"}
+    target["expr"] = target["expr"].replace("_to_first_token_seconds_bucket", "_to_frist_token_seconds_bucket")
+    assert missing(broken, set().union(*exported.values())) == {"switchyard_gateway_time_to_frist_token_seconds_bucket"}
 
 
 def samples(exposition: str) -> dict[str, float]:
@@ -186,9 +186,9 @@ async def test_one_request_fills_the_routing_engine_and_latency_panels(
         "switchyard_router_decisions_total",
         "switchyard_router_decision_seconds_bucket",
         "switchyard_gateway_requests_total",
-        "switchyard_gateway_ttft_seconds_bucket",
-        "switchyard_gateway_itl_seconds_bucket",
-        "switchyard_gateway_e2e_seconds_bucket",
+        "switchyard_gateway_time_to_first_token_seconds_bucket",
+        "switchyard_gateway_inter_token_latency_seconds_bucket",
+        "switchyard_gateway_e2e_request_latency_seconds_bucket",
     }
     gauges = {  # one sample per live engine (or role), whatever its value (an idle engine runs 0 requests)
         "switchyard_router_live_engines",

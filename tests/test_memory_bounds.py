@@ -359,7 +359,7 @@ async def test_the_gateway_forgets_the_metric_labels_of_engines_it_forgets(
 def _ttft_count(engine_id: str) -> float:
     from tests.gateway_helpers import metric
 
-    return metric("switchyard_gateway_ttft_seconds_count", engine=engine_id)
+    return metric("switchyard_gateway_time_to_first_token_seconds_count", engine=engine_id)
 
 
 def _label_sets(engine_id: str) -> int:

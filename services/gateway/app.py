@@ -158,8 +158,6 @@ async def _serve_dp(
                 return _fleet_unavailable(ctx, parsed.model)
     try:
         await _name_blocks(ctx, parsed, chat, dp)
-        # `dp` is not empty: the model is served (the label set is bounded by what the fleet serves)
-        metrics.PROMPT_TOKENS.labels(parsed.model or "unnamed").inc(parsed.prompt_tokens)
         return await serve_dp(ctx, request, parsed, raw, path, dp, request_id, started, routed, klass.session)
     finally:
         if routed is not None:

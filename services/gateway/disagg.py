@@ -209,4 +209,5 @@ async def serve_disagg(
         stream=parsed.stream,
         request_id=request_id,
         started=started,
+        prompt_tokens=parsed.prompt_tokens,  # the prefill's usage where it gave one (`_prefill`)
     )

@@ -114,4 +114,5 @@ async def _relay(
         stream=parsed.stream,
         request_id=request_id,
         started=started,
+        prompt_tokens=parsed.prompt_tokens,
     )

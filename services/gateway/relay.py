@@ -198,7 +198,11 @@ async def final_hop(
     stream: bool,
     request_id: str,
     started: float,
+    prompt_tokens: int = 0,
 ) -> ToClient:
+    """Send the request to `engine` (once more to another candidate if the call fails before the first byte) and
+    relay its answer; `prompt_tokens` (the gateway's own count) is what the token counter adds when the engine's
+    answer gives no usage."""
     headers = ctx.upstream.headers(request_id, client_authorization(request))
     tracing = ctx.tracing
     if engine.ejected or engine.trial_busy:  # out since it was chosen (a list taken earlier): not this one
@@ -242,16 +246,18 @@ async def final_hop(
         if not stream:
             engine.inflight -= 1
             elapsed = time.perf_counter() - started
-            metrics.TTFT.labels(engine.engine_id, kind, engine.model).observe(elapsed)
-            metrics.E2E.labels(engine.engine_id, kind, engine.model).observe(elapsed)
+            metrics.TTFT.labels(engine.model, engine.engine_id, kind).observe(elapsed)
+            metrics.E2E.labels(engine.model, engine.engine_id, kind).observe(elapsed)
             metrics.REQUESTS.labels(kind, "ok" if answer.status < 400 else "client_error").inc()
+            if answer.status < 400:
+                metrics.count_answer(engine.model, answer.content, prompt_tokens)
             whole = Response(
                 answer.content, answer.status, headers={"x-request-id": request_id}, media_type=answer.content_type
             )
             if span is not None:
                 end_hop_span(tracing, span, whole)  # type: ignore[arg-type]
             return whole
-        relayed = _stream_back(opened, engine, kind, request_id, started)
+        relayed = _stream_back(opened, engine, kind, request_id, started, prompt_tokens)
         if span is not None:
             end_hop_span(tracing, span, relayed)  # type: ignore[arg-type]
         return relayed
@@ -303,23 +309,29 @@ class StreamedAnswer:
             self.finish(outcome, first_at)
 
 
-def _stream_back(opened: Opened, engine: HttpEngine, kind: str, request_id: str, started: float) -> ToClient:
+def _stream_back(
+    opened: Opened, engine: HttpEngine, kind: str, request_id: str, started: float, prompt_tokens: int
+) -> ToClient:
     if opened.chunks is None:  # the engine refused the request (4xx): its answer, as it gave it
         engine.inflight -= 1
         metrics.REQUESTS.labels(kind, "client_error").inc()
         headers = {"x-request-id": request_id}
         return Response(opened.first, opened.status, headers=headers, media_type=opened.content_type)
     chunks = opened.chunks
+    tokens = metrics.StreamTokens()
+    tokens.see(opened.first)
 
     async def relay(send: Send) -> bool:
-        """The chunks after the first; False when the engine failed mid-stream (nothing left to retry)."""
-        itl = metrics.ITL.labels(engine.engine_id, kind, engine.model)
+        """The chunks after the first; False when the engine failed mid-stream (nothing left to retry). A gap is
+        observed for chunks carrying a choice event (a token), not for the usage chunk nor `[DONE]`."""
+        itl = metrics.ITL.labels(engine.model, engine.engine_id, kind)
         last = time.perf_counter()
         try:
             async for chunk in chunks:
-                now = time.perf_counter()
-                itl.observe(now - last)
-                last = now
+                if tokens.see(chunk):
+                    now = time.perf_counter()
+                    itl.observe(now - last)
+                    last = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except Exception:  # the engine failed mid-stream (bytes reached the client: nothing to retry)
             metrics.UPSTREAM_ERRORS.labels(engine.engine_id, "stream", "mid_stream").inc()
@@ -331,11 +343,12 @@ def _stream_back(opened: Opened, engine: HttpEngine, kind: str, request_id: str,
         """Once per request: counts, in-flight, and the upstream connection (pooled, or closed to abort)."""
         engine.inflight -= 1
         if first_at:  # the first chunk was handed to the server: TTFT as the client sees it
-            metrics.TTFT.labels(engine.engine_id, kind, engine.model).observe(first_at - started)
+            metrics.TTFT.labels(engine.model, engine.engine_id, kind).observe(first_at - started)
         if outcome == "aborted":
             metrics.CLIENT_ABORTS.labels(kind).inc()
         metrics.REQUESTS.labels(kind, outcome).inc()
-        metrics.E2E.labels(engine.engine_id, kind, engine.model).observe(time.perf_counter() - started)
+        metrics.E2E.labels(engine.model, engine.engine_id, kind).observe(time.perf_counter() - started)
+        tokens.count(engine.model, prompt_tokens)
         if outcome == "ok":
             opened.response.release()  # read to the end: the connection goes back to the pool
         else:
