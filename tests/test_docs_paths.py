@@ -30,3 +30,14 @@ def test_every_relative_link_resolves() -> None:
         if not (page.parent / target).exists()
     ]
     assert not broken, f"relative links to files that do not exist: {broken}"
+
+
+#: A screen of README, as a reader sees it before scrolling (GitHub's rendering shows about this much).
+FIRST_SCREEN_LINES = 40
+
+
+def test_the_readme_s_first_screen_says_what_it_is_which_papers_and_how_to_run_and_test_it() -> None:
+    screen = "\n".join((ROOT / "README.md").read_text().splitlines()[:FIRST_SCREEN_LINES])
+    assert "control plane for Mixture-of-Experts LLM serving" in screen  # what it is, and for whom next to it
+    assert "arXiv:2607.00466" in screen and "arXiv:2606.15177" in screen  # ELDR and Gimbal, cited
+    assert "make run " in screen and "make test " in screen  # the two set-up commands, as commands
