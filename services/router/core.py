@@ -146,6 +146,7 @@ class RouterCore:
             rule = liveness or LivenessSettings().rule()
             book = EngineBook(rule, manifest, max_engines=settings.max_engines, claims=False)
         self.book = book
+        self._saturation_models: set[str] = set()  # models whose fleet saturation is exported
         self.fleet = TelemetryView(
             fresh_load_s=settings.fresh_load_s,
             inflight_grace_s=settings.inflight_grace_s,
@@ -331,6 +332,25 @@ class RouterCore:
         roles = [ROLES[fleet.role[r]] for r in rows.tolist()]
         columns = {column: getattr(fleet, column)[rows] for _, _, column in metrics.ENGINE_GAUGES}
         metrics.ENGINE_STATE.publish([fleet.engine_ids[r] for r in rows.tolist()], roles, columns)
+        self._export_saturation(rows)
+
+    def _export_saturation(self, rows: np.ndarray) -> None:
+        """Each model's fleet saturation for an autoscaler (`metrics.FLEET_SATURATION`): the mean over its live
+        engines of max(requests outstanding / the hello's `capacity.max_running`, KV cache usage)."""
+        fleet, entries = self.fleet, self.book.entries
+        per_model: dict[str, list[float]] = {}
+        for r in rows.tolist():
+            entry = entries.get(fleet.engine_ids[r])
+            if entry is None or entry.hello is None:
+                continue
+            outstanding = float(fleet.num_running[r] + fleet.num_waiting[r] + fleet.inflight[r])
+            load = max(outstanding / max(1, entry.hello.capacity.max_running), float(fleet.kv_usage[r]))
+            per_model.setdefault(fleet.model[r] or "unnamed", []).append(load)
+        for model, loads in per_model.items():
+            metrics.FLEET_SATURATION.labels(model).set(sum(loads) / len(loads))
+        for gone in self._saturation_models - per_model.keys():
+            metrics.FLEET_SATURATION.remove(gone)
+        self._saturation_models = set(per_model)
 
     # ----- decisions -----
 

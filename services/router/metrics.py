@@ -115,6 +115,13 @@ KV_TRUST = Counter(
     "ignored (a message from a quarantined engine).",
     ["outcome"],
 )
+FLEET_SATURATION = Gauge(
+    "switchyard_router_fleet_saturation",
+    "Each model's fleet saturation as this router's core counts it, for an autoscaler: the mean over its live "
+    "engines of max(requests outstanding (running + waiting + decided since the last report) / the hello's "
+    "capacity.max_running, KV cache usage). 1: every engine at its limit.",
+    ["model"],
+)
 PREFIX_DROPPED = Counter(
     "switchyard_router_prefix_dropped_total",
     "Blocks dropped from the precise index because their engine held prefix_max_blocks (oldest out first).",
