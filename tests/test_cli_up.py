@@ -88,6 +88,36 @@ def _gateway_children(port: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _curl(url: str) -> tuple[int, str]:
+    """curl's status code and body for a GET."""
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", url], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    body, _, code = out.stdout.rpartition("\n")
+    return int(code), body
+
+
+def _probe_as_vllm_clients_do(base: str, model: str, streamed: int) -> None:
+    """What load harnesses and Prometheus ask `vllm serve`, asked of `up`'s gateway with curl: /health (200, no
+    body), /version, an unknown endpoint (OpenAI's error JSON), and /metrics with vLLM's metrics under the
+    gateway's prefix, labelled `model_name` as vLLM's are, the streamed tokens counted (issue 41)."""
+    assert _curl(f"{base}/health") == (200, "")
+    code, body = _curl(f"{base}/version")
+    assert code == 200 and json.loads(body)["version"]
+    code, body = _curl(f"{base}/v1/nothing")
+    assert code == 404 and json.loads(body)["error"]["type"] == "NotFoundError"
+    code, body = _curl(f"{base}/metrics")
+    labelled = f'model_name="{model}"'
+    assert code == 200
+    for name in ("time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_bucket", "prompt_tokens_total"):
+        assert any(line.startswith(f"switchyard_gateway_{name}{{") and labelled in line for line in body.splitlines())
+    generated = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("switchyard_gateway_generation_tokens_total{") and labelled in line
+    )
+    assert generated >= streamed  # the stream above, and whatever else `up` sent through it
+
+
 def test_curl_streams_through_the_gateway_while_up_runs(tmp_path: Path) -> None:
     """The issue's done-when check, verbatim: curl -N a model from /v1/models, get SSE chunks and [DONE]."""
     data, port = tmp_path / "state", free_port()
@@ -121,6 +151,7 @@ def test_curl_streams_through_the_gateway_while_up_runs(tmp_path: Path) -> None:
         assert "".join(c["choices"][0]["text"] for c in chunks).strip()
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert _gateway_children(port)
+        _probe_as_vllm_clients_do(base, models, len(chunks))
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
