@@ -149,8 +149,8 @@ class GatewayService:
             self.registry.forget_dead()
 
     async def _scaling_signals(self) -> None:
-        """Each served model's fleet saturation on `/metrics` (`switchyard_gateway_fleet_saturation{model}`), read
-        off the request path every `SIGNALS_S`; models no engine serves any more leave the gauge."""
+        """Each served model's fleet saturation on `/metrics` (`switchyard_gateway_fleet_saturation{model_name}`),
+        read off the request path every `SIGNALS_S`; models no engine serves any more leave the gauge."""
         pressure = Pressure(self.gateway, self.core)
         shown: set[str] = set()
         while True:
