@@ -209,6 +209,14 @@ def sim_dp(
     ep_ranks_per_node: Annotated[
         int, typer.Option("--ep-ranks-per-node", min=1, help="GPUs per NVLink node (with --placement).")
     ] = 8,
+    affinity_control: Annotated[
+        str,
+        typer.Option(
+            "--affinity-control",
+            help="Expert-affinity dispatch's control (gimbal-affinity): none, or shuffled (each request's "
+            "recorded signature replaced by another request's; docs/expert-affinity.md).",
+        ),
+    ] = "none",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary JSON here.")] = None,
     out: Annotated[
         Path | None,
@@ -248,6 +256,7 @@ def sim_dp(
         borrow_routing=borrow_routing,
         placements=tuple(split_csv(placement) or ()),
         ep_ranks_per_node=ep_ranks_per_node,
+        affinity_control=affinity_control,
     )
     try:
         payload = run_sim_dp(opts, json_path=json_out, on_run=_print_progress if progress else None, out_dir=out)

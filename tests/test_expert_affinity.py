@@ -178,3 +178,17 @@ def test_affinity_dispatch_groups_tasks_and_the_shuffled_control_does_not(esft: 
         purity[name] = _purity(res.engine, task)
     assert purity["affinity"] > purity["pressure"] + 0.15
     assert purity["shuffled"] < purity["pressure"] + 0.1
+
+
+def test_sim_dp_takes_the_affinity_control_from_the_command_line(esft: Scenario) -> None:
+    from typer.testing import CliRunner
+
+    from switchyard.cli import app
+    from switchyard.simulator.offline.dp_run import DPSimOptions, fleet_for, run_sim_dp
+
+    opts = DPSimOptions(trace=ESFT_DIR, rate=10.0, dispatch=("gimbal-affinity",), affinity_control="shuffled")
+    assert fleet_for(esft, opts).affinity_control == "shuffled"
+    with pytest.raises(ValueError, match="affinity control"):
+        run_sim_dp(DPSimOptions(trace=ESFT_DIR, rate=10.0, affinity_control="sorted"), scenario=esft)
+    result = CliRunner().invoke(app, ["sim-dp", "--rate", "10", "--affinity-control", "sorted"])
+    assert result.exit_code == 2 and "affinity control" in result.output

@@ -48,6 +48,7 @@ from switchyard.simulator.core.dp_engine import ORDERS
 from switchyard.simulator.core.placements import placement_names
 from switchyard.simulator.core.workload import RequestTrace, Workload, load_requests
 from switchyard.simulator.offline.dp import DPFleetConfig, DPSimResult, simulate_dp
+from switchyard.simulator.offline.dp_affinity import AFFINITY_CONTROLS
 from switchyard.simulator.offline.metrics import percentile, write_json
 from switchyard.simulator.offline.scenario import Scenario, prepare
 from switchyard.solver.routing.profiles import DP_PROFILES, dp_profile
@@ -197,6 +198,7 @@ class DPSimOptions:
     placements: tuple[str, ...] = ()
     ep_ranks_per_node: int = 8
     ledger_control: str = "none"  # the exact ledger's control (`dp.LEDGER_CONTROLS`)
+    affinity_control: str = "none"  # expert affinity's signature feed (`dp_affinity.AFFINITY_CONTROLS`)
 
 
 def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
@@ -216,6 +218,7 @@ def fleet_for(sc: Scenario, opts: DPSimOptions) -> DPFleetConfig:
         prefix_index=opts.prefix_index,
         ep_ranks_per_node=opts.ep_ranks_per_node,
         ledger_control=opts.ledger_control,
+        affinity_control=opts.affinity_control,
     )
 
 
@@ -259,6 +262,9 @@ def run_sim_dp(
     for o in opts.orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose from {', '.join(ORDERS)}")
+    if opts.affinity_control not in AFFINITY_CONTROLS:
+        known_controls = ", ".join(AFFINITY_CONTROLS)
+        raise ValueError(f"unknown affinity control {opts.affinity_control!r}; choose from {known_controls}")
     known = placement_names()
     for p in opts.placements:
         if p not in known:
@@ -323,6 +329,7 @@ def run_sim_dp(
         "prefix_block_tokens": wl.hash_block or None,
         "prefix_index": fleet.prefix_index,
         "prefix_ttl_s": fleet.prefix_ttl_s,
+        "affinity_control": opts.affinity_control,
     }
     if opts.placements:
         topo = fleet.ep_topology
