@@ -232,10 +232,11 @@ class Roles:
         if name == "admin":
             return Permissions(publish=[">"], subscribe=[">"], allow_responses=True)
         if name == "router":
+            routes = [s.route_decode, s.route_dp, s.route_decided, s.route_progress]
             return self._service(
                 name,
                 [s.all_decided_by("router"), s.announce],
-                [*engines, s.all_kv_events, s.route_decode, s.route_dp, s.route_decided, s.route_progress],
+                [*engines, s.all_kv_events, s.all_signatures, *routes],
             )
         if name == "placement":
             layout = f"{s.prefix}.engine.*.layout"

@@ -18,6 +18,7 @@ import numpy as np
 
 from switchyard.services.engine_book import BookEntry, BookListenerBase, EngineBook
 from switchyard.services.router import metrics
+from switchyard.services.router.affinity import AffinityState
 from switchyard.services.router.ask import DecodeAsk, DpAsk
 from switchyard.services.router.decision_bounds import DecisionBounds, PeerLimits
 from switchyard.services.router.prefix import PrefixState
@@ -31,6 +32,7 @@ from switchyard.shared.liveness import Liveness, LivenessSettings
 from switchyard.shared.schemas import (
     Hello,
     KvEvents,
+    PrefillSignature,
     RouteDecisions,
     RouteDecodeReply,
     RouteDpReply,
@@ -175,6 +177,10 @@ class RouterCore:
             settings.kv_rate_burst_keys,
         )
         self._dp_reads_cached = "cached_tokens" in self.dp_profile.needs
+        #: Expert affinity (`services.router.affinity`), only for a DP profile reading it: the signature cache and
+        #: the engines' recent traffic, fed by this replica's decisions and the engines' prefill signatures.
+        reads_affinity = "expert_affinity" in self.dp_profile.needs
+        self.affinity = AffinityState(settings.affinity_limits()) if reads_affinity else None
         self._reads_blocks = "indexed_blocks" in (*self._dp_columns, *self._decode_columns)
         self.ingests_kv = settings.prefix_index == "precise" and (self._dp_reads_cached or self._reads_blocks)
         blocks: dict[str, Column] = {"indexed_blocks": lambda f, rows, snap: self.prefix.blocks_of(snap.engine_ids)}
@@ -246,6 +252,15 @@ class RouterCore:
             return None if applied else "dropped"
         metrics.KV_REJECTED.labels(reason).inc()
         return reason
+
+    def on_signature(self, message: PrefillSignature, sender: str, now: float) -> str | None:
+        """An engine's prefill signature (`sender`: the engine its subject names): filed for expert affinity when
+        it describes a request this replica sent that engine; the outcome, counted (None: affinity is off)."""
+        if self.affinity is None:
+            return None
+        outcome = self.affinity.on_signature(message, sender, now)
+        metrics.AFFINITY_SIGNATURES.labels(outcome).inc()
+        return outcome
 
     def _forget_prefix(self, engine_id: str, reason: str) -> None:
         self.prefix.forget(engine_id, reason)
@@ -324,6 +339,8 @@ class RouterCore:
         metrics.PROGRESS_REFUSED.labels("not_yours").inc(exact.foreign - self._foreign_seen)
         self._foreign_seen = exact.foreign
         self.bounds.forget_engines(set(self.fleet.index))
+        if self.affinity is not None:
+            self.affinity.forget(set(self.fleet.index))
 
     def export_engines(self, now: float) -> None:
         """Publish the live engines' load columns for the per-engine gauges (`metrics.EngineGauges`)."""
@@ -427,12 +444,13 @@ class RouterCore:
             return _unavailable("dp", "dp", view.snap.size, request.model)
         keyed = self._dp_reads_cached and request.block_keys is not None
         cached = None
-        if keyed:
-            if not self.prefix.fresh(request, snap.engine_ids):  # else nothing is cached anywhere
-                cached = self.prefix.cached(request, snap.engine_ids, self.fleet.block_size[view.rows], now)
-            query = RouteQuery(prompt_tokens=request.prompt_tokens, cached=cached)
-        elif self._dp_reads_tokens:
-            query = RouteQuery(prompt_tokens=request.prompt_tokens)
+        if keyed and not self.prefix.fresh(request, snap.engine_ids):  # else nothing is cached anywhere
+            cached = self.prefix.cached(request, snap.engine_ids, self.fleet.block_size[view.rows], now)
+        affinity = None
+        if self.affinity is not None:  # the predicted signature against each engine's recent traffic
+            affinity = self.affinity.predict(request.block_keys, snap.engine_ids, now)
+        if keyed or self._dp_reads_tokens:
+            query = RouteQuery(prompt_tokens=request.prompt_tokens, cached=cached, affinity=affinity)
         else:
             query = _NO_QUERY
         index = profile(snap, query, self.dp_state, _NO_TABLES).index
@@ -444,6 +462,8 @@ class RouterCore:
         reported = request.progress and request.reporter is not None
         self.fleet.on_decision_row(row, work, now, request.request_id if reported else None, request.reporter)
         self._record(row, work)
+        if self.affinity is not None:
+            self.affinity.routed(request.request_id, engine_id, request.block_keys, now)
         credited = float(cached[index]) if cached is not None else 0.0
         if keyed and self.prefix.record(engine_id, request, now, credited) and self._reads_blocks:
             self.fleet.touch()

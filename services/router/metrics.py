@@ -86,6 +86,14 @@ KV_EVENTS = Counter(
     "Engine KV-cache events applied to the precise prefix index, by op (stored/removed: blocks; cleared: ops).",
     ["op"],
 )
+AFFINITY_SIGNATURES = Counter(
+    "switchyard_router_affinity_signatures_total",
+    "Engines' prefill signatures read for expert-affinity dispatch (the gimbal-affinity DP profile), by outcome: "
+    "used (filed under the routed request's prefix keys and added to its engine's traffic), not_routed (no "
+    "request this replica sent is waiting for it), other_engine (the request was sent to another engine), shape "
+    "(empty, or more layers x experts than SWITCHYARD_ROUTER_AFFINITY_MAX_FEATURES).",
+    ["outcome"],
+)
 KV_REJECTED = Counter(
     "switchyard_router_kv_rejected_total",
     "KV-event messages refused after decoding, by reason: unknown_engine (no accepted hello, or not live), "

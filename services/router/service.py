@@ -30,7 +30,7 @@ from switchyard.services.router.settings import RouterSettings
 from switchyard.services.runtime import metrics_endpoint
 from switchyard.shared.bus import Bus
 from switchyard.shared.codec import WireModel
-from switchyard.shared.schemas import Announce, RouteDecodeRequest, RouteDpRequest, RouteProgress
+from switchyard.shared.schemas import Announce, PrefillSignature, RouteDecodeRequest, RouteDpRequest, RouteProgress
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.shared.tracing import Tracing
 from switchyard.shared.tracing import start as start_tracing
@@ -73,6 +73,13 @@ class RouterService:
         reporter = self.bus.subjects.reporter_of(msg.subject) if self.bus is not None else None
         if reporter is not None:
             self.core.on_progress(progress, reporter, time.monotonic())
+
+    def _on_signature(self, message: PrefillSignature, msg: Msg) -> None:
+        """An engine's prefill signature, for expert affinity: believed only as its subject's engine (which only
+        that engine's NATS user may publish under) and only for a request this replica sent it."""
+        sender = self.ingest.subjects.engine_of(msg.subject) if self.ingest is not None else None
+        if sender is not None:
+            self.core.on_signature(message, sender, time.monotonic())
 
     def _route_decode(self, request: RouteDecodeRequest) -> WireModel:
         reply, decided = self.core.route_decode(request, time.monotonic())
@@ -131,6 +138,8 @@ class RouterService:
         # the gateways' progress (each on its own subject), on the connection their route requests come in on
         await bus.subscribe(s.route_progress, RouteProgress, self._on_progress)
         await self.feed.start(bus, ingest, self.kv_ingest, self.peers)
+        if self.core.affinity is not None:  # the engines' prefill signatures, only when the DP profile reads them
+            await ingest.subscribe(s.all_signatures, PrefillSignature, self._on_signature)
         t2 = time.monotonic()
         await bus.publish(s.announce, Announce(requester=self.router.replica_id))
         serving = {"queue": s.router_queue, "idle": self.sharer.idle, "tracing": self.tracing}

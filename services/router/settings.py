@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from switchyard.services.router.affinity import AffinityLimits
 from switchyard.services.router.kv_trust import DEFAULT_BURST_KEYS, DEFAULT_KEYS_PER_S, Claims
 from switchyard.solver.routing import profiles
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
@@ -51,6 +52,22 @@ class RouterSettings(BaseSettings):
     dp_profile: DpProfileName | None = None
     #: Scorer name -> weight for the DP profile (JSON object), e.g. {"kv_penalty": 2.0}.
     dp_weights: dict[str, float] = Field(default_factory=dict)
+    #: Weight of the `gimbal-affinity` profile's expert-affinity term (prefill tokens of pressure one prompt's worth
+    #: of affinity is worth; unset: the profile's 64, docs/expert-affinity.md; 0: pressure alone). Wins over an
+    #: `expert_affinity` entry in `dp_weights`; refused for a profile without the term.
+    affinity_weight: float | None = Field(default=None, ge=0)
+    #: Expert affinity's signature cache: prefix block keys held at most, and the bytes of the signatures they point
+    #: at (one signature per request, 8 bytes per expert and layer).
+    affinity_cache_keys: int = Field(default=4096, ge=1)
+    affinity_cache_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    #: Half-life of each engine's recent expert traffic (the signatures of the requests this replica sent it).
+    affinity_half_life_s: float = Field(default=10.0, gt=0)
+    #: Requests routed by this replica whose engine's signature is still awaited, at most, and for how long; an
+    #: engine's signature is believed only for a request sent to it, once.
+    affinity_pending: int = Field(default=16384, ge=1)
+    affinity_pending_ttl_s: float = Field(default=120.0, gt=0)
+    #: Layers × experts of one signature at most (DeepSeek-V3: 58 × 256 = 14,848); a larger one is refused.
+    affinity_max_features: int = Field(default=65536, ge=1)
     #: Gimbal: KV usage above which the KV-first rule may trigger...
     gimbal_kv_high: float = Field(default=_G.kv_high, gt=0, le=1)
     #: ...when the max-min KV usage gap across live engines exceeds this.
@@ -179,4 +196,20 @@ class RouterSettings(BaseSettings):
 
     def build_dp_profile(self, params: GimbalParams | None = None) -> Profile:
         """The DP profile these settings name, with their weights and Gimbal parameters."""
-        return profiles.dp_profile(self.dp_rule, params or self.gimbal_params(), self.dp_weights or None)
+        weights = dict(self.dp_weights)
+        if self.affinity_weight is not None:
+            if "expert_affinity" not in profiles.dp_profile(self.dp_rule).weights:
+                raise ValueError(f"affinity_weight is for a DP profile with expert affinity, not {self.dp_rule!r}")
+            weights["expert_affinity"] = self.affinity_weight
+        return profiles.dp_profile(self.dp_rule, params or self.gimbal_params(), weights or None)
+
+    def affinity_limits(self) -> AffinityLimits:
+        """The expert-affinity bounds these settings set (`services.router.affinity`)."""
+        return AffinityLimits(
+            cache_keys=self.affinity_cache_keys,
+            cache_bytes=self.affinity_cache_bytes,
+            half_life_s=self.affinity_half_life_s,
+            pending=self.affinity_pending,
+            pending_ttl_s=self.affinity_pending_ttl_s,
+            max_features=self.affinity_max_features,
+        )

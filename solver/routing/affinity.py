@@ -96,26 +96,49 @@ class SignatureCache:
 
     `record(keys, sig)` files one request's signature under each of its prompt's block keys (chained keys: key i
     names the whole prefix up to block i). `predict(keys)` answers with the signature under the longest of the
-    request's keys that is held, and how many blocks matched."""
+    request's keys that is held, and how many blocks matched. Bounded in keys and, since a request's keys share
+    one vector, in the bytes of the distinct vectors held (`max_bytes`; None: keys only)."""
 
-    def __init__(self, max_keys: int = DEFAULT_CACHE_KEYS) -> None:
-        if max_keys <= 0:
-            raise ValueError("max_keys must be positive")
-        self.max_keys = max_keys
+    def __init__(self, max_keys: int = DEFAULT_CACHE_KEYS, max_bytes: int | None = None) -> None:
+        if max_keys <= 0 or (max_bytes is not None and max_bytes <= 0):
+            raise ValueError("max_keys and max_bytes must be positive")
+        self.max_keys, self.max_bytes = max_keys, max_bytes
         self._sig: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._refs: dict[int, int] = {}  # id of a vector held -> keys pointing at it
+        self.nbytes = 0  # the distinct vectors' bytes
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._sig)
 
+    def _hold(self, vector: np.ndarray) -> None:
+        n = self._refs.get(id(vector), 0)
+        if n == 0:
+            self.nbytes += vector.nbytes
+        self._refs[id(vector)] = n + 1
+
+    def _release(self, vector: np.ndarray) -> None:
+        n = self._refs[id(vector)] - 1
+        if n:
+            self._refs[id(vector)] = n
+        else:
+            del self._refs[id(vector)]
+            self.nbytes -= vector.nbytes
+
     def record(self, keys: Sequence[int], signature: np.ndarray) -> None:
+        if self.max_bytes is not None and signature.nbytes > self.max_bytes:
+            return  # could not be held without evicting everything
         sig = self._sig
         for k in keys:
+            old = sig.get(k)
+            if old is not None:
+                self._release(old)
             sig[k] = signature
             sig.move_to_end(k)
-        while len(sig) > self.max_keys:
-            sig.popitem(last=False)
+            self._hold(signature)
+        while len(sig) > self.max_keys or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            self._release(sig.popitem(last=False)[1])
 
     def predict(self, keys: Sequence[int]) -> tuple[np.ndarray, int] | None:
         sig = self._sig
@@ -156,9 +179,6 @@ class EngineTraffic:
         self.at(now)[engine] += signature
 
 
-@dataclass(frozen=True)
-class AffinityQuery(RouteQuery):
-    """A `RouteQuery` with the request input ``expert_affinity`` (`affinity`: `[D]`, snapshot order; None: no
-    prediction). A field of its own until the router core carries it (the simulator builds these)."""
-
-    affinity: np.ndarray | None = None
+#: The query with the request input ``expert_affinity`` is a plain `RouteQuery` since the router core carries it
+#: (`RouteQuery.affinity`); the name stays for the simulator's and the tests' callers.
+AffinityQuery = RouteQuery

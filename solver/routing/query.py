@@ -5,7 +5,7 @@ A decision (a `Profile` of filters, scorers and a picker: `solver.routing.framew
 - `snap` (`FleetSnapshot`): per-engine load, KV usage, alive mask (and any other engine column);
 - `query` (`RouteQuery`): what is known about the request (its similarity to each ELDR centroid, computed by
   `solver.scoring` from the prefill signature; its domain label, for the oracle baseline; its prompt tokens and
-  what each engine holds cached);
+  what each engine holds cached; how well its predicted experts match each engine's recent ones);
 - `state` (`RouterState`): the router's mutable state, explicit rather than global (round-robin cursor,
   random generator), one per router replica;
 - `tables` (`RoutingTables`, `solver.routing.tables`): per-fleet lookup tables built once per change;
@@ -33,6 +33,9 @@ class RouteQuery:
     #: [D] prompt tokens each engine holds cached (the prefix index's longest match, snapshot order); None when
     #: no index answered (no keys, no index): prefix scorers then see nothing cached anywhere.
     cached: np.ndarray | None = None
+    #: [D] the request input ``expert_affinity`` (`solver.routing.affinity`: the predicted signature's centered
+    #: cosine with each engine's recent traffic, snapshot order); None: no prediction, pressure alone.
+    affinity: np.ndarray | None = None
 
 
 class Choice(NamedTuple):

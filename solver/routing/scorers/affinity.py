@@ -27,7 +27,7 @@ class ExpertAffinity:
 
     def cost(self, snap: FleetSnapshot, query: RouteQuery, tables: RoutingTables) -> np.ndarray:
         prompt = float(query.prompt_tokens)
-        a = getattr(query, "affinity", None)  # `affinity.AffinityQuery`; a plain RouteQuery carries none
+        a = query.affinity
         if a is None:
             return np.full(snap.size, prompt / 2)
         return prompt * (1.0 - np.clip(a, -1.0, 1.0)) / 2
