@@ -15,7 +15,7 @@ from switchyard.services.router.settings import RouterSettings
 from switchyard.simulator.core.dp_engine import DPCost, MixedEngine
 from switchyard.simulator.core.physics import cost_model
 from switchyard.simulator.core.workload import Workload, load_request_csv
-from switchyard.simulator.offline import dp as dp_module
+from switchyard.simulator.offline import dp_dispatch
 from switchyard.simulator.offline.dp import Dispatcher, DPFleetConfig, simulate_dp
 from switchyard.simulator.offline.dp_run import prompt_throughput_gap, summarize_dp, trace_window
 from switchyard.simulator.offline.scenario import Scenario, prepare
@@ -211,14 +211,14 @@ def test_a_reweighted_profile_changes_what_the_simulated_dispatcher_reads() -> N
 
 def test_a_new_dp_profile_runs_in_the_simulator_without_simulator_code(monkeypatch: pytest.MonkeyPatch) -> None:
     least_kv = Profile("least-kv", (Alive(),), (Weighted(Column("kv_usage"), 1.0),), FirstMin())
-    monkeypatch.setattr(dp_module, "dp_profile", lambda name, params, weights=None: least_kv)
+    monkeypatch.setattr(dp_dispatch, "dp_profile", lambda name, params, weights=None: least_kv)
     d = Dispatcher("least-kv", 2, GimbalParams(), grace_s=0.05)
     assert d.needs_telemetry and not d.needs_coordinator, "KV usage alone comes from the engines' telemetry"
     d.on_telemetry(0, 0.0, kv=0.7, remaining=0, waiting=0, pressure=1.0)
     d.on_telemetry(1, 0.0, kv=0.2, remaining=0, waiting=0, pressure=1.0)
     assert d.choose(0.1, 100) == 1
     step_time = Profile("by-step", (Alive(),), (Weighted(Column("step_time"), 1.0),), FirstMin())
-    monkeypatch.setattr(dp_module, "dp_profile", lambda name, params, weights=None: step_time)
+    monkeypatch.setattr(dp_dispatch, "dp_profile", lambda name, params, weights=None: step_time)
     with pytest.raises(ValueError, match="does not feed: step_time"):
         Dispatcher("by-step", 2, GimbalParams(), grace_s=0.05)
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["PrefixCache", "prefix_keys"]
+__all__ = ["PrefixCache", "prefix_keys", "prompt_keys"]
 
 #: The root of every key chain (vLLM's NONE_HASH plays the same part).
 _ROOT = 0x5EED
@@ -53,6 +53,16 @@ def prefix_keys(hash_ids: Sequence[int] | np.ndarray, prompt_tokens: int, trace_
         parent = hash((parent, int(hid)))
         keys.append(parent)
     return tuple(keys)
+
+
+def prompt_keys(
+    hash_ids: Sequence[np.ndarray] | None, prompt: np.ndarray, trace_block: int | None
+) -> list[tuple[int, ...]] | None:
+    """Each request's chained prefix keys (`prefix_keys`); None without caching (no block) or without hash ids.
+    One rule for every fleet harness (`simulator.offline.xpyd`, `simulator.offline.dp`)."""
+    if not trace_block or hash_ids is None:
+        return None
+    return [prefix_keys(h, int(p), trace_block) for h, p in zip(hash_ids, prompt, strict=True)]
 
 
 def hits_per_request(per_engine: Iterable[Mapping[int, int]], n_requests: int) -> np.ndarray:

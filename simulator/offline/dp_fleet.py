@@ -29,7 +29,7 @@ from switchyard.solver.routing.profiles import dp_profile
 
 __all__ = ["PREFIX_INDEXES", "DPFleetConfig", "DPSimResult"]
 
-#: The prefix indexes a dispatcher can read ``cached_tokens`` from (the module docstring), default first.
+#: The prefix indexes a dispatcher can read ``cached_tokens`` from (`dp_dispatch`'s docstring), default first.
 PREFIX_INDEXES: tuple[str, ...] = ("precise", "approximate")
 
 

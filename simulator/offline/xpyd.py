@@ -15,6 +15,7 @@ waiting, running), which is what a proxy router counting its outstanding request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from switchyard.simulator.core.defaults import DECODE_MAX_RUNNING, TOKEN_BUDGET
 from switchyard.simulator.core.experts import ReplayBank, rank_masks
 from switchyard.simulator.core.loop import ARRIVAL, EventLoop
 from switchyard.simulator.core.physics import CostModel
-from switchyard.simulator.core.prefix_cache import hits_per_request, prefix_keys
+from switchyard.simulator.core.prefix_cache import hits_per_request, prompt_keys
 from switchyard.simulator.core.workload import Workload
 from switchyard.simulator.core.xpyd_engines import DecodeEngine, PrefillEngine
 from switchyard.solver.routing import DecodePolicy, FleetSnapshot, RouteQuery, RouterState, RoutingTables
@@ -127,14 +128,9 @@ def simulate(
     tables = tables or RoutingTables()
     prefix_block = workload.hash_block if fleet.prefix_caching and workload.hash_ids is not None else None
     decoders, prefills = _engines(fleet, bank, prefix_block)
-    keys = (
-        [prefix_keys(h, int(p), prefix_block) for h, p in zip(workload.hash_ids, workload.prompt, strict=True)]
-        if prefix_block and workload.hash_ids is not None
-        else None
-    )
+    keys = prompt_keys(workload.hash_ids, workload.prompt, prefix_block)
     snap = FleetSnapshot.build([f"d{i:03d}" for i in range(fleet.decode)])
     state = RouterState(rng=stream(seed, "router"))  # never the workload's stream (shared.streams)
-    label_names = bank.label_names
     layers = bank.num_layers
 
     arrival = workload.arrival
@@ -155,7 +151,7 @@ def simulate(
     max_used = np.zeros(fleet.decode, dtype=np.int64)
 
     loop = EventLoop()
-    rr_prefill = 0
+    arrivals = 0  # so far: round robin over the prefill engines
 
     def start_prefill(p: int, t: float) -> None:
         plan = prefills[p].begin_step()
@@ -170,22 +166,14 @@ def simulate(
             max_used[d] = max(max_used[d], eng.used_blocks)
             loop.push(t + plan.duration, _DECODE_END, d)
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=n, desc=f"{policy.name} {fleet.label}", unit="req", leave=False, mininterval=0.5)
-
+    bar = _progress_bar(n, f"{policy.name} {fleet.label}") if progress else None
     finished = 0
     now = 0.0
     for now, kind, idx in loop.events(arrival):
         if kind == ARRIVAL:
             rid = idx
-            if fleet.prefill_policy == "rr":
-                p = rr_prefill % fleet.prefill
-                rr_prefill += 1
-            else:
-                p = (int(bank.request_ids[replay[rid]]) * 2654435761 % 2**32) % fleet.prefill
+            p = _prefill_engine(fleet, arrivals, int(bank.request_ids[replay[rid]]))
+            arrivals += 1
             pre_eng[rid] = p
             prefills[p].add(rid, int(replay[rid]), int(prompt[rid]), keys[rid] if keys else None)
             if not prefills[p].busy:
@@ -207,14 +195,7 @@ def simulate(
         elif kind == _PREFILL_END:
             for rid in prefills[idx].end_step():
                 pre_done[rid] = now
-                r = int(replay[rid])
-                lab = int(bank.labels[r])
-                query = RouteQuery(
-                    sims=None if sims is None else sims[r],
-                    label=label_names[lab] if lab >= 0 else None,
-                    prompt_tokens=int(prompt[rid]),
-                )
-                decision = policy(snap, query, state, tables)
+                decision = policy(snap, _route_query(bank, sims, int(replay[rid]), int(prompt[rid])), state, tables)
                 d = decision.index
                 dec_eng[rid] = d
                 band[rid] = decision.band_size
@@ -232,8 +213,7 @@ def simulate(
                 start_decode(d, now)
         if check:
             _check_invariants(decoders, snap, dec_eng, finish)
-            for i, pe in enumerate(prefills):
-                assert pe.prefix is None or pe.prefix.free_blocks == pe.kv_blocks - pe.used_blocks, f"prefill {i}"
+            _check_prefills(prefills)
         if finished >= n:
             break
     if bar is not None:
@@ -261,6 +241,32 @@ def simulate(
         prefill_prefix_hit_tokens=np.array([p.prefix_hit_tokens for p in prefills], dtype=np.int64),
         prefix_hit=hits_per_request((e.prefix_hits for e in prefills), n),
     )
+
+
+def _prefill_engine(fleet: FleetConfig, arrivals: int, trace_request_id: int) -> int:
+    """The prefill engine for an arrival: round robin (`arrivals` before it), or a hash of the replayed trace
+    request (the same request, the same engine)."""
+    if fleet.prefill_policy == "rr":
+        return arrivals % fleet.prefill
+    return (trace_request_id * 2654435761 % 2**32) % fleet.prefill
+
+
+def _route_query(bank: ReplayBank, sims: np.ndarray | None, r: int, prompt_tokens: int) -> RouteQuery:
+    """What the decode policy is told of bank request `r` at the end of its prefill (its ELDR similarities,
+    its domain label, its prompt length)."""
+    lab = int(bank.labels[r])
+    return RouteQuery(
+        sims=None if sims is None else sims[r],
+        label=bank.label_names[lab] if lab >= 0 else None,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar over requests (imported only when asked for: tqdm is slow to import)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
 
 
 def _engines(
@@ -301,6 +307,12 @@ def _engine_totals(decoders: list[DecodeEngine], prefills: list[PrefillEngine]) 
         "engine_preemptions": np.array([e.preemptions for e in decoders], dtype=np.int64),
         "prefill_busy": np.array([p.busy_time for p in prefills]),
     }
+
+
+def _check_prefills(prefills: list[PrefillEngine]) -> None:
+    """A prefill engine's prefix cache keeps every block it does not hold in its free queue."""
+    for i, pe in enumerate(prefills):
+        assert pe.prefix is None or pe.prefix.free_blocks == pe.kv_blocks - pe.used_blocks, f"prefill {i}"
 
 
 def _check_invariants(
