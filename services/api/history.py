@@ -259,7 +259,7 @@ async def get_migration(session: Session, migration_id: Id) -> m.MigrationDetail
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no migration {migration_id}")
     query = select(MigrationMove).where(MigrationMove.migration_id == row.id).order_by(MigrationMove.seq)
-    moves = [m.MigrationMove.model_validate(mv) for mv in (await session.scalars(query)).all()]
+    moves = [m.MigrationMoveOut.model_validate(mv) for mv in (await session.scalars(query)).all()]
     counts = (await _moves_by_state(session, [row.id]))[row.id]
     return m.MigrationDetail(**_migration(row, counts).model_dump(), moves=moves)
 

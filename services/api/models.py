@@ -107,7 +107,7 @@ class PlacementDetail(PlacementSummary):
     migration: MigrationSummary | None
 
 
-class MigrationMove(_Out):
+class MigrationMoveOut(_Out):
     seq: int
     step: int
     kind: Literal["forward", "rollback"]
@@ -125,7 +125,7 @@ class MigrationMove(_Out):
 
 
 class MigrationDetail(MigrationSummary):
-    moves: list[MigrationMove]
+    moves: list[MigrationMoveOut]
 
 
 class CalibrationOut(_Out):

@@ -1,7 +1,7 @@
 """One simulated engine's OpenAI-compatible HTTP server (Starlette on uvicorn, inside the fleet's event loop).
 
 Routes, as `vllm serve` has them: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as SSE
-and not), `GET /v1/models`, `GET /health`. The engine behind it (`HttpEngine`) turns a parsed request into
+and not), `GET /v1/models`, `GET /health`. The engine behind it (`ServedEngine`) turns a parsed request into
 a `TokenStream`; this module only speaks HTTP. The socket is bound before the engine says hello, so the
 `base_url` it announces is already listening.
 """
@@ -39,7 +39,7 @@ from switchyard.engine_agents.sim.live.token_stream import StreamFailed, TokenSt
 log = logging.getLogger(__name__)
 
 
-class HttpEngine(Protocol):
+class ServedEngine(Protocol):
     engine_id: str
 
     @property
@@ -57,7 +57,7 @@ def _error(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
 
 
-def create_app(engine: HttpEngine) -> Starlette:
+def create_app(engine: ServedEngine) -> Starlette:
     created = int(time.time())
 
     async def models(_: Request) -> Response:
@@ -154,7 +154,7 @@ def bind(host: str, port: int) -> socket.socket:
 class EngineHttpServer:
     """Serves one engine's app on an already bound socket until `stop`."""
 
-    def __init__(self, engine: HttpEngine, sock: socket.socket) -> None:
+    def __init__(self, engine: ServedEngine, sock: socket.socket) -> None:
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
