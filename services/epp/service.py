@@ -69,20 +69,7 @@ class EppService:
         self.core = RouterCore(routing, book=self.book)
         self.feed = CoreFeed(self.core, settings, e.epp_id, artifact_poll_s=e.artifact_poll_s)
         # Tokenizers load before anything connects: a bad path is one line at startup (ConfigError).
-        self.keyer = (
-            PromptKeyer(
-                g.tokenizers,
-                g.tokenize_inline_chars,
-                g.tokenize_threads,
-                g.tokenize_piece_chars,
-                g.tokenize_cache_pieces,
-                g.tokenize_all,
-                g.tokenize_seen_blocks,
-                g.prefix_routed_ttl_s,
-            )
-            if e.prefix_keys
-            else None
-        )
+        self.keyer = PromptKeyer.from_settings(g) if e.prefix_keys else None
         self.bus: Bus | None = None
         self.ingest: Bus | None = None
         self.peers: Bus | None = None  # other replicas' decisions, on a connection of their own

@@ -56,13 +56,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from switchyard.shared.errors import ConfigError
 from switchyard.shared.prefix_keys import block_keys, text_keys
 from switchyard.shared.schemas import MAX_PROMPT_BLOCKS
+
+if TYPE_CHECKING:
+    from switchyard.services.gateway.settings import GatewaySettings
 
 __all__ = ["ModelTokenizer", "PromptKeyer", "PromptKeys", "parse_tokenizers"]
 
@@ -326,6 +329,21 @@ class PromptKeyer:
         self._memo: OrderedDict[tuple[Any, ...], PromptKeys] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._threads = threads
+
+    @classmethod
+    def from_settings(cls, g: GatewaySettings) -> PromptKeyer:
+        """The keyer `SWITCHYARD_GATEWAY_TOKENIZE*` and the routed index's TTL describe: one reading of those
+        settings for the gateway and the endpoint picker (which serves with the gateway's settings)."""
+        return cls(
+            g.tokenizers,
+            g.tokenize_inline_chars,
+            g.tokenize_threads,
+            g.tokenize_piece_chars,
+            g.tokenize_cache_pieces,
+            g.tokenize_all,
+            g.tokenize_seen_blocks,
+            g.prefix_routed_ttl_s,
+        )
 
     def close(self) -> None:
         if self._pool is not None:

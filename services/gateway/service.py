@@ -87,20 +87,7 @@ class GatewayService:
             self.feed = CoreFeed(self.core, settings, g.gateway_id, artifact_poll_s=g.artifact_poll_s)
         self.sharer: DecisionSharer | None = None
         # Tokenizers load here, before anything connects: a bad path is one line at startup (ConfigError).
-        self.keyer = (
-            PromptKeyer(
-                g.tokenizers,
-                g.tokenize_inline_chars,
-                g.tokenize_threads,
-                g.tokenize_piece_chars,
-                g.tokenize_cache_pieces,
-                g.tokenize_all,
-                g.tokenize_seen_blocks,
-                g.prefix_routed_ttl_s,
-            )
-            if g.prefix_keys
-            else None
-        )
+        self.keyer = PromptKeyer.from_settings(g) if g.prefix_keys else None
         self.prefix = (
             PrefillPrefix(self.registry, g.prefix_index_blocks, g.prefix_routed_blocks, g.prefix_routed_ttl_s)
             if g.prefix_keys
