@@ -14,7 +14,7 @@ from switchyard.services.placement.service import PlacementService
 from switchyard.services.placement.settings import PlacementSettings
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.simulator.core.placement_control import PlacementControl
-from switchyard.simulator.core.placement_loop import PLACEMENT_CONTROLS, EplbLoop, GimbalLoop
+from switchyard.simulator.core.placement_loop import PLACEMENT_CONTROLS, STAGED_BYTES, EplbLoop, GimbalLoop
 from switchyard.simulator.core.placements import make_placement
 from switchyard.solver.placement import SEED_PARAMS
 from switchyard.solver.placement.layouts import default_layout
@@ -212,6 +212,7 @@ def test_the_registry_builds_every_control() -> None:
         assert control.layout().shape == (LAYERS, GPUS, EXPERTS // GPUS)
     assert make_placement("gimbal-uncalibrated", LAYERS, EXPERTS, GPUS).params == SEED_PARAMS  # type: ignore[attr-defined]
     assert not make_placement("gimbal-load-only", LAYERS, EXPERTS, GPUS).source_aware  # type: ignore[attr-defined]
+    assert make_placement("gimbal-staged", LAYERS, EXPERTS, GPUS).policy.stage_bytes == STAGED_BYTES  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown placement 'best'"):
         make_placement("best", LAYERS, EXPERTS, GPUS)
     with pytest.raises(ValueError, match="tp"):

@@ -14,7 +14,9 @@ by source DP engine and asks, every telemetry tick, whether to move:
   when the decision publishes. Each published plan's prediction is checked against the saving measured on the
   windows after it (`checks`).
   "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`); "gimbal-load-only" the same
-  loop without the source counts (placement blind to dispatch: the uncoordinated variant).
+  loop without the source counts (placement blind to dispatch: the uncoordinated variant); "gimbal-staged" the
+  same loop publishing at most `STAGED_BYTES` per GPU per plan, the hottest experts first (`stages.stage`), the
+  rest continued in the next plans (issue 40 item 2).
 - `EplbLoop` ("eplb"): vLLM's EPLB as deployed (vllm/distributed/eplb/eplb_state.py and
   vllm/config/parallel.py `EPLBConfig`, vllm-project/vllm at commit 00193b82b0e2): a sliding window of the
   last `window_size` = 1000 steps' load, a fresh layout every `step_interval` = 3000 steps (the first after
@@ -365,6 +367,17 @@ def _uncalibrated(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1,
     return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-uncalibrated", **options)
 
 
+#: "gimbal-staged": bytes any GPU may receive per plan. 512 MiB is ~26 ms of copying at the calibrated rate (a full
+#: rearrangement of the seed's deployment, 14.5 GB per GPU, in 0.72 s): a few steps slowed per stage instead of
+#: the whole move at once. A choice, not a measured optimum (docs/gimbal-seed.md measures it against the full plan).
+STAGED_BYTES = 512 * 1024 * 1024
+
+
+def _staged(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
+    options.setdefault("stage_bytes", STAGED_BYTES)
+    return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-staged", **options)
+
+
 def _load_only(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
     options.setdefault("source_aware", False)
     return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-load-only", **options)
@@ -378,4 +391,5 @@ PLACEMENT_CONTROLS: dict[str, Callable[..., PlacementControl]] = {
     "gimbal": GimbalLoop,
     "gimbal-uncalibrated": _uncalibrated,
     "gimbal-load-only": _load_only,
+    "gimbal-staged": _staged,
 }
