@@ -35,10 +35,23 @@ $(STAMP): $(RUN_STAMP)
 run: $(RUN_STAMP)
 	$(BIN)/switchyard up $(ARGS)
 
+#: The suite runs in two parts that together run every test: most on TEST_WORKERS pytest-xdist workers (each with
+#: its own nats-server, temp folders and PostgreSQL databases: tests/conftest.py), then the `serial` ones (they
+#: race the clock or the CPU: tests/conftest.py SERIAL) alone. Both run even if the first fails; exit status 5
+#: ("nothing selected") is fine, for PYTEST_ARGS naming files of one part only. Each part prints its wall time.
+TEST_WORKERS ?= 4
+TEST_DIST    ?= worksteal
+PYTEST_PARALLEL = $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST) -m "not serial" $(PYTEST_ARGS)
+PYTEST_SERIAL   = $(BIN)/python -m pytest -m serial $(PYTEST_ARGS)
+
 ## test: lint, type-check solver/ and shared/, then the test suite against a real nats-server and real databases
 test: $(STAMP) typecheck
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@rc=0; s=$$(date +%s); \
+	echo '$(PYTEST_PARALLEL)'; $(PYTEST_PARALLEL) || [ $$? -eq 5 ] || rc=1; p=$$(date +%s); \
+	echo '$(PYTEST_SERIAL)'; $(PYTEST_SERIAL) || [ $$? -eq 5 ] || rc=1; e=$$(date +%s); \
+	echo "make test: parallel part $$((p - s)) s ($(TEST_WORKERS) workers), serial part $$((e - p)) s"; \
+	exit $$rc
 
 #: The source folders under the import names the code uses (`switchyard.shared`, ...: setup.py's mapping), as links,
 #: so mypy resolves `switchyard.*` imports to this checkout.
@@ -51,7 +64,7 @@ typecheck: $(STAMP)
 
 ## test-fast: the tests that start no server or process (solver, simulator, policies, parsers), in a minute or two
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not infra" -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not infra" -q $(PYTEST_ARGS)
 
 ## test-vllm: the vLLM agent inside a real (CPU) vLLM engine (every tests/test_vllm_*.py, none may skip there);
 ## its own 3.5 GB environment, not part of `test`

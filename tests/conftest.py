@@ -1,6 +1,8 @@
 """Fixtures that give every test real infrastructure: a private nats-server and real databases.
 
-- `nats_url`: one embedded nats-server (JetStream on) for the whole session, on a free loopback port.
+- `nats_url`: one embedded nats-server (JetStream on) for the whole session, on a free loopback port. Under
+  pytest-xdist (`make test`'s parallel part) a session is one worker, so each worker has its own server, its own
+  temp folders (`tmp_path`) and its own PostgreSQL databases (named with the worker's id).
 - `settings`: settings pointing at it, with a subject prefix unique to the test, so tests never see each
   other's traffic even on one server.
 - `bus`: a connected `shared.bus.Bus` for those settings.
@@ -56,11 +58,50 @@ INFRA_FIXTURES = frozenset(
 PROCESS_WORDS = ("subprocess", "create_subprocess_exec", "Popen", "EmbeddedNats(", "uvicorn", "serving_asgi")
 
 
+#: Tests whose assertions race the clock or the CPU (kills and takeovers timed against leases, floods, outages,
+#: budgets per second, memory counts under load): `make test` runs them `serial`, after the parallel part, with
+#: the machine to themselves. A whole module by file name, or one test as "file::name".
+SERIAL = {
+    "test_chaos_attacks.py": "chaos: faults injected into live processes, recovery timed",
+    "test_chaos_recovery.py": "chaos: kill/restart cycles, recovery timed",
+    "test_live_fleet.py": "the whole fleet as processes, converging within deadlines",
+    "test_placement_takeover.py": "kill -9 of the active replica, takeover timed against the lease",
+    "test_migration_takeover.py": "kill -9 of the active replica, takeover timed against the lease",
+    "test_migration_sigkill.py": "SIGKILL mid-migration, resumption timed",
+    "test_replica_kill.py": "kill -9 of routers / gateways under load",
+    "test_gateway_kill_streams.py": "a gateway killed while streaming, the client's view timed",
+    "test_nats_cluster.py": "a NATS cluster node restarted, reconnection timed",
+    "test_announce_flood.py": "floods from processes against rate budgets",
+    "test_database_outage.py": "an 8 s PostgreSQL outage, resumption within 5 s",
+    "test_memory_bounds.py": "floods of hostile values, liveness between bursts (fresh_load_s)",
+    "test_hostile_input.py": "every variant on every subject, no service may stall past a deadline",
+    "test_liveness.py::test_router_gateway_and_fleet_view_drop_a_silent_engine_together": (
+        "three views must drop a silent engine within 1 s of each other"
+    ),
+    "test_migration_service.py::test_a_nats_restart_mid_step_resends_at_once_not_after_the_step_timeout": (
+        "counts resends across a NATS restart; a slow reconnect under load adds one (seen at -n 4)"
+    ),
+    "test_cli_up.py::test_up_stops_on_signal_with_no_process_left": (
+        "the whole control plane must stop within 30 s of a signal (timed out at -n 4 on a loaded machine)"
+    ),
+    "test_cli_up.py::test_killed_up_takes_its_nats_server_and_gateway_with_it": (
+        "its children must be gone within 15 s of the kill"
+    ),
+}
+
+
+def _serial(item: pytest.Item) -> bool:
+    name = item.path.name
+    return name in SERIAL or f"{name}::{getattr(item, 'originalname', item.name)}" in SERIAL
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts servers or processes `infra`, so `make test-fast` (`-m "not infra"`) runs the
-    pure ones: solver, simulator, policies, parsers."""
+    pure ones: solver, simulator, policies, parsers; and the timing-sensitive ones `serial` (`SERIAL`)."""
     spawning: dict[Path, bool] = {}
     for item in items:
+        if _serial(item):
+            item.add_marker(pytest.mark.serial)
         path = Path(str(item.fspath))
         if path not in spawning:
             source = path.read_text(errors="replace") if path.is_file() else ""
@@ -154,7 +195,9 @@ def fresh_postgres_database(admin_url: str) -> Iterator[str]:
     """Create an empty database on the server, yield its URL, drop it afterwards."""
     admin = make_url(admin_url)
     engine = create_engine(admin.set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT")
-    name = "switchyard_test_" + uuid.uuid4().hex[:10]
+    # The xdist worker's id ("gw0", ...) in the name says whose database a leftover is; the uuid keeps it unique.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    name = f"switchyard_test_{worker}_{uuid.uuid4().hex[:10]}"
     with engine.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
