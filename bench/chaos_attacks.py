@@ -1,5 +1,5 @@
 """Issue 37's attacks for `make chaos`: what one engine credential, or one leaked gateway-replica password, can do
-to the gateways' honest load. `bench/chaos.py` only wires them in (`Attacks.inject` / `Attacks.after`).
+to the gateways' honest load. `bench/chaos_faults.py` only wires them in (`Attacks.inject` / `Attacks.after`).
 
 - `engine-bigbody`, `engine-hugeheader` (in the default set): a manifest-listed DP engine (`hostile-bigbody`,
   `hostile-hugeheader`: valid credentials and a place in the fleet, as a compromised engine has) answers every
