@@ -145,7 +145,7 @@ async def test_what_cannot_be_named_from_tokens_is_skipped_and_counted(
     keys = block_keys(tokens, BLOCK).tolist()
     events = [
         _stored(tokens[:BLOCK], [1], lora_id=3, lora_name="adapter"),  # LoRA: salted hash
-        _stored(tokens[:BLOCK], [2], medium="CPU"),  # an offload tier, not the engine's cache
+        _stored(tokens[:BLOCK], [2], medium="NVME"),  # a medium vLLM does not name (its CPU, STORAGE are tiers)
         _stored(tokens[:BLOCK], [3], group_idx=1),  # another KV-cache group of a hybrid model
         _stored(tokens[: BLOCK - 4], [4]),  # a partial block
         # multimodal / cache_salt extra keys from the second block on: the first block is still plain

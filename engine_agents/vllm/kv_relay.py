@@ -20,18 +20,26 @@ Per op:
 - `BlockStored` -> ``stored`` with the blocks' keys; the map learns each hash. A parent the map does not know
   (evicted from the map, or stored before the relay started) means the chain cannot be named: those blocks
   are skipped and counted (`KvTranslator.counts["unknown_parent"]`), and so are their children.
-- `BlockRemoved` -> ``removed`` with the keys popped from the map (unknown hashes are counted and skipped).
+- `BlockRemoved` -> ``removed`` with the keys of the hashes (unknown hashes are counted and skipped); a hash
+  leaves the map once no tier holds it.
 - `AllBlocksCleared` -> ``cleared``, and the map is emptied.
 - A gap in vLLM's batch sequence (the SUB socket dropped batches) -> ``cleared``: the router then forgets this
   engine's blocks, which re-enter as they are stored again, instead of trusting an index that missed
   removals. The map is kept (a hash names the same tokens whatever was lost), so children still chain. The
   relay also opens with ``cleared``: a restarted engine's previous blocks leave the index.
 
+**Cache tiers.** Each op keeps the event's `medium` as its tier (`KvOp.tier`): vLLM's own KV cache reports
+``GPU`` (also on the CPU backend) or none, which is tier ``gpu`` and left off the message; its offloading
+connector (`--kv-transfer-config '{"kv_connector": "OffloadingConnector", ...}'`) reports ``CPU``, and a
+storage tier ``STORAGE`` (tier ``disk``). A connector's event with ``"self_describing_kv_events": true`` carries
+its blocks' tokens and parent, keyed as above; without it vLLM sends a placeholder (no tokens, one hash per
+offloaded chunk, block size 0), keyed only when the map knows the hash (from the GPU store of the same block).
+
 **What is lost** (skipped and counted, never guessed): blocks whose vLLM hash mixes in more than tokens —
 LoRA adapters (`lora_name`/`lora_id`), multimodal inputs, ``cache_salt`` and prompt embeddings (vLLM's
-`extra_keys`) — because the gateway keys a prompt from its token ids alone; blocks on another medium than the
-engine's own KV cache (CPU or storage offload tiers); KV-cache groups other than group 0 (hybrid models); and
-events whose token count is not one engine block per hash (partial or masked blocks). When vLLM stores a block
+`extra_keys`) — because the gateway keys a prompt from its token ids alone; blocks on a medium vLLM does not
+name (counted as `other_medium`); KV-cache groups other than group 0 (hybrid models); and events whose token
+count is not one engine block per hash (partial or masked blocks). When vLLM stores a block
 twice under one hash (two requests computing one prefix at once) and evicts one copy, the key is removed
 though a copy stays: the index then under-reports, which only costs a routing hint.
 
@@ -63,6 +71,9 @@ log = logging.getLogger(__name__)
 MAX_OPS_PER_MESSAGE = 256
 #: vLLM's own medium for its KV cache (`vllm.distributed.kv_events.MEDIUM_GPU`, also on the CPU backend).
 ENGINE_MEDIUM = "GPU"
+#: vLLM's media (`vllm.distributed.kv_events.MEDIUM_*`) -> Switchyard's cache tiers (`KvOp.tier`).
+TIER_OF_MEDIUM = {None: "gpu", "GPU": "gpu", "CPU": "cpu", "STORAGE": "disk", "DISK": "disk"}
+_TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4}
 #: Batches drained from the socket into one round of messages at most (then the loop yields).
 MAX_BATCHES_PER_ROUND = 64
 
@@ -78,6 +89,8 @@ class KvTranslator:
         "stored",
         "removed",
         "cleared",
+        "stored_cpu",
+        "stored_disk",
         "unknown_parent",
         "unknown_removed",
         "unsupported",
@@ -92,40 +105,56 @@ class KvTranslator:
         self.block_size = block_size
         self.max_hashes = max_hashes
         self.keys: dict[Any, int] = {}  # vLLM hash (int, or bytes with int hashes off) -> Switchyard key
+        self.tiers: dict[Any, int] = {}  # vLLM hash -> the tiers holding it (bits of `_TIER_BIT`)
         #: Blocks (or events, for `cleared` and `irregular`) seen per outcome since start.
         self.counts = dict.fromkeys(self.COUNTERS, 0)
 
     def translate(self, events: Iterable[Any]) -> list[KvOp]:
         """One batch's events (vLLM's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`) as ops, in order."""
-        ops: list[tuple[str, list[int]]] = []
+        ops: list[tuple[str, str, list[int]]] = []
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                _extend(ops, "stored", self._stored(event))
+                tier = self._tier(event)
+                if tier is not None:
+                    _extend(ops, "stored", tier, self._stored(event, tier))
             elif kind == "BlockRemoved":
-                _extend(ops, "removed", self._removed(event))
+                tier = self._tier(event)
+                if tier is not None:
+                    _extend(ops, "removed", tier, self._removed(event, tier))
             elif kind == "AllBlocksCleared":
                 self.clear()
-                ops = [("cleared", [])]  # what came before in the batch no longer matters
-        return [op for kind, keys in ops for op in _ops(kind, keys)]
+                ops = [("cleared", "gpu", [])]  # what came before in the batch no longer matters
+        return [op for kind, tier, keys in ops for op in _ops(kind, tier, keys)]
 
     def clear(self) -> None:
         self.keys.clear()
+        self.tiers.clear()
         self.counts["cleared"] += 1
 
-    def _own(self, event: Any) -> bool:
-        if getattr(event, "medium", None) not in (None, ENGINE_MEDIUM):
+    def _tier(self, event: Any) -> str | None:
+        """The event's tier, or None (counted) when it is not one the relay can name."""
+        medium = getattr(event, "medium", None)
+        tier = TIER_OF_MEDIUM.get(medium.upper() if isinstance(medium, str) else medium)
+        if tier is None:
             self.counts["other_medium"] += len(event.block_hashes)
-            return False
+            return None
         if getattr(event, "group_idx", None) not in (None, 0):
             self.counts["other_group"] += len(event.block_hashes)
-            return False
-        return True
+            return None
+        return tier
 
-    def _stored(self, event: Any) -> list[int]:
+    def _learn(self, vllm_hash: Any, key: int, tier: str) -> None:
+        self.keys.pop(vllm_hash, None)  # a re-stored hash becomes the newest
+        self.keys[vllm_hash] = key
+        self.tiers[vllm_hash] = self.tiers.get(vllm_hash, 0) | _TIER_BIT[tier]
+
+    def _stored(self, event: Any, tier: str) -> list[int]:
         hashes = list(event.block_hashes)
-        if not hashes or not self._own(event):
+        if not hashes:
             return []
+        if not event.token_ids and not event.block_size and tier != "gpu":  # an offload placeholder: hashes only
+            return self._placeholder(hashes, tier)
         if getattr(event, "lora_name", None) is not None or getattr(event, "lora_id", None) is not None:
             self.counts["unsupported"] += len(hashes)
             return []
@@ -147,43 +176,71 @@ class KvTranslator:
                 return []
         keys = block_keys(event.token_ids[: plain * self.block_size], self.block_size, parent=parent_key).tolist()
         for vllm_hash, key in zip(hashes, keys, strict=False):
-            self.keys.pop(vllm_hash, None)  # a re-stored hash becomes the newest
-            self.keys[vllm_hash] = key
-        while len(self.keys) > self.max_hashes:
-            del self.keys[next(iter(self.keys))]
-        self.counts["stored"] += len(keys)
+            self._learn(vllm_hash, key, tier)
+        self._bound()
+        self._count_stored(tier, len(keys))
         return keys
 
-    def _removed(self, event: Any) -> list[int]:
-        if not self._own(event):
-            return []
+    def _placeholder(self, hashes: list[Any], tier: str) -> list[int]:
+        """An offload connector's store without tokens: keyed by the map (the GPU store of the same hash)."""
         keys = []
+        for vllm_hash in hashes:
+            key = self.keys.get(vllm_hash)
+            if key is None:
+                self.counts["unknown_parent"] += 1
+            else:
+                self._learn(vllm_hash, key, tier)
+                keys.append(key)
+        self._count_stored(tier, len(keys))
+        return keys
+
+    def _count_stored(self, tier: str, n: int) -> None:
+        self.counts["stored"] += n
+        if tier != "gpu":
+            self.counts[f"stored_{tier}"] += n
+
+    def _bound(self) -> None:
+        while len(self.keys) > self.max_hashes:
+            oldest = next(iter(self.keys))
+            del self.keys[oldest]
+            self.tiers.pop(oldest, None)
+
+    def _removed(self, event: Any, tier: str) -> list[int]:
+        keys = []
+        bit = _TIER_BIT[tier]
         for vllm_hash in event.block_hashes:
-            key = self.keys.pop(vllm_hash, None)
+            key = self.keys.get(vllm_hash)
             if key is None:
                 self.counts["unknown_removed"] += 1
-            else:
-                keys.append(key)
+                continue
+            keys.append(key)
+            left = self.tiers.get(vllm_hash, 0) & ~bit
+            if left:
+                self.tiers[vllm_hash] = left
+            else:  # no tier holds it: the name goes
+                del self.keys[vllm_hash]
+                self.tiers.pop(vllm_hash, None)
         self.counts["removed"] += len(keys)
         return keys
 
 
-def _extend(ops: list[tuple[str, list[int]]], kind: str, keys: list[int]) -> None:
-    """Append keys, merging with the previous op of the same kind (adjacent ones only: order is kept)."""
+def _extend(ops: list[tuple[str, str, list[int]]], kind: str, tier: str, keys: list[int]) -> None:
+    """Append keys, merging with the previous op of the same kind and tier (adjacent ones only: order is kept)."""
     if not keys:
         return
-    if ops and ops[-1][0] == kind:
-        ops[-1][1].extend(keys)
+    if ops and ops[-1][0] == kind and ops[-1][1] == tier:
+        ops[-1][2].extend(keys)
     else:
-        ops.append((kind, keys))
+        ops.append((kind, tier, keys))
 
 
-def _ops(kind: str, keys: list[int]) -> list[KvOp]:
+def _ops(kind: str, tier: str, keys: list[int]) -> list[KvOp]:
     if kind == "cleared":
         return [KvOp(kind="cleared", keys=np.zeros(0, dtype=np.uint64))]
     array = np.asarray(keys, dtype=np.uint64)
+    named = None if tier == "gpu" else tier  # gpu is the default: left off, as an older relay sends it
     return [
-        KvOp(kind=kind, keys=array[i : i + MAX_KV_EVENT_KEYS])  # type: ignore[arg-type]
+        KvOp(kind=kind, keys=array[i : i + MAX_KV_EVENT_KEYS], tier=named)  # type: ignore[arg-type]
         for i in range(0, len(array), MAX_KV_EVENT_KEYS)
     ]
 
@@ -207,9 +264,9 @@ def messages(engine_id: str, block_size: int, ops: list[KvOp], first_seq: int) -
                 keys += len(op.keys)
                 op = None
             else:  # split the op at the message's remaining room
-                batch.append(KvOp(kind=op.kind, keys=op.keys[:room]))
+                batch.append(KvOp(kind=op.kind, keys=op.keys[:room], tier=op.tier))
                 keys += room
-                op = KvOp(kind=op.kind, keys=op.keys[room:])
+                op = KvOp(kind=op.kind, keys=op.keys[room:], tier=op.tier)
     if batch:
         out.append(KvEvents(engine_id=engine_id, seq=first_seq + len(out), ts=now, block_size=block_size, ops=batch))
     return out
@@ -346,8 +403,12 @@ def _merge(ops: list[KvOp]) -> list[KvOp]:
     for op in ops:
         if op.kind == "cleared":
             out = [op]  # nothing before a clear matters
-        elif out and out[-1].kind == op.kind and len(out[-1].keys) + len(op.keys) <= MAX_KV_EVENT_KEYS:
-            out[-1] = KvOp(kind=op.kind, keys=np.concatenate([out[-1].keys, op.keys]))
+        elif (
+            out
+            and (out[-1].kind, out[-1].tier) == (op.kind, op.tier)
+            and len(out[-1].keys) + len(op.keys) <= MAX_KV_EVENT_KEYS
+        ):
+            out[-1] = KvOp(kind=op.kind, keys=np.concatenate([out[-1].keys, op.keys]), tier=op.tier)
         else:
             out.append(op)
     return out
