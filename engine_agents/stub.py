@@ -21,7 +21,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,9 @@ class StubConfig:
     #: Where a prefill answer's signature goes: "response" (kv_transfer_params), "bus", or "none".
     signature_via: str = "response"
     signature: np.ndarray = field(default_factory=lambda: np.ones((2, 4), dtype=np.uint16))
+    #: Set: every DP completion publishes its prefill signature on the bus as it arrives (as a vLLM agent with
+    #: signature capture does when the prefill ends), this function of the request's body giving it.
+    dp_signature: Callable[[dict[str, Any]], np.ndarray] | None = None
     #: 1 s: an engine leaves the gateway after 3 silent intervals, and a test on a loaded machine must not see
     #: a stub leave because its event loop lagged (tests that check leaving set a short interval themselves).
     hello_interval_s: float = 1.0
@@ -134,6 +137,8 @@ class StubEngine:
         kv = body.get("kv_transfer_params") or {}
         if kv.get("do_remote_decode"):
             return await self._prefill(body, request_id)
+        if self.config.dp_signature is not None and self.bus is not None:
+            await self._publish_signature(request_id, self.config.dp_signature(body))
         chat = request.url.path.endswith("chat/completions")
         self.running += 1  # until its answer ends (reported in telemetry as `num_running`)
         if body.get("stream"):
@@ -176,6 +181,15 @@ class StubEngine:
             "served_by": self.config.engine_id,
         }
 
+    async def _publish_signature(self, request_id: str, signature: np.ndarray) -> None:
+        """A `PrefillSignature` for `request_id`, keyed as vLLM keys it (`cmpl-<X-Request-Id>-0`)."""
+        assert self.bus is not None
+        engine_id = self.config.engine_id
+        message = PrefillSignature(
+            engine_id=engine_id, request_id=f"cmpl-{request_id}-0", ts=time.time(), prompt_tokens=7, signature=signature
+        )
+        await self.bus.publish(self.bus.subjects.signature(engine_id), message)
+
     async def _prefill(self, body: dict[str, Any], request_id: str) -> Response:
         cfg = self.config
         if cfg.prefill_delay_s > 0:
@@ -191,14 +205,7 @@ class StubEngine:
         if cfg.signature_via == "response":
             kv[SIGNATURE_KEY] = signature_to_json(cfg.signature)
         elif cfg.signature_via == "bus" and self.bus is not None:
-            message = PrefillSignature(
-                engine_id=cfg.engine_id,
-                request_id=f"cmpl-{request_id}-0",
-                ts=time.time(),
-                prompt_tokens=7,
-                signature=cfg.signature,
-            )
-            await self.bus.publish(self.bus.subjects.signature(cfg.engine_id), message)
+            await self._publish_signature(request_id, cfg.signature)
         answer = self._answer(request_id, "messages" in body, "t")
         answer["kv_transfer_params"] = kv
         return JSONResponse(answer)

@@ -127,6 +127,11 @@ class GatewaySettings(BaseSettings):
     output_token_weight: float = Field(default=2.0, ge=0)
     #: ... the expected output being `max_tokens` (or `max_completion_tokens`), else this.
     default_output_tokens: int = Field(default=256, ge=1)
+    #: What a tenant's attained service counts (solver/fairness.py): `tokens` (weighted tokens), or `expert-load`
+    #: (weighted tokens x the share of routed experts the request touches, from its prefill signature; charged at
+    #: the tenant's recent mean when the request leaves the queue, corrected when its signature arrives; a request
+    #: whose footprint is unknown counts its weighted tokens, so without signatures it is `tokens`).
+    fairness: Literal["tokens", "expert-load"] = "expert-load"
     #: Tenants whose attained service is remembered (least recently seen idle ones are forgotten first): bounded
     #: memory whatever tenant ids clients send.
     max_tenants: int = Field(default=10_000, ge=1)

@@ -16,6 +16,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 from nats.aio.msg import Msg
@@ -55,12 +56,16 @@ class SignatureBox:
         self.keep, self.keep_s, self.keep_bytes = keep, keep_s, keep_bytes
         self.early_bytes = 0  # the early signatures' array bytes
         self.misses: dict[str, int] = {}  # prefill engine id -> handoffs in a row without its bus signature
+        #: Called with every signature first (the flow control's expert-load fairness reads each request's).
+        self.listeners: list[Callable[[PrefillSignature], None]] = []
 
     def wait_for(self, engine_id: str, wait_s: float) -> float:
         """How long to wait for `engine_id`'s signature: `wait_s`, or 0 while it publishes none."""
         return wait_s if self.misses.get(engine_id, 0) < MISSES_BEFORE_NO_WAIT else 0.0
 
     def on_signature(self, message: PrefillSignature, _msg: Msg | None = None) -> None:
+        for listener in self.listeners:
+            listener(message)
         self.misses.pop(message.engine_id, None)
         match = REQUEST_ID.search(message.request_id)
         if match is None:
