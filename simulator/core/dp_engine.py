@@ -17,6 +17,11 @@ The engine also keeps what Gimbal's dispatcher reads from its telemetry: KV usag
 compute for running requests, prefill tokens of waiting requests, and expert pressure — the busiest EP
 rank's share of the tokens' expert selections over the mean rank's, averaged over MoE layers, over the
 window since the last report (1 = balanced; the live simulated engine's definition).
+
+A CPU prefix tier (`prefix_cpu_tokens`, `prefix_cache.PrefixCache`): a prompt's blocks loaded back from host
+memory are not recomputed; their copy costs their KV bytes over each GPU's host link (`offload_bytes_per_s`,
+default `OFFLOAD_BYTES_PER_S`: PCIe Gen5 x16's 64 GB/s at ~80 %), added to the dense part of the step that
+admits them (synchronous: pessimistic for vLLM's connector, whose loads delay only their own request).
 """
 
 from __future__ import annotations
@@ -32,7 +37,19 @@ from switchyard.simulator.core.physics import CostModel
 from switchyard.simulator.core.scheduler import ORDERS, QueueOrder, Scheduler
 from switchyard.solver.routing.dispatch import GimbalParams
 
-__all__ = ["ORDERS", "DPCost", "ExpertLoadTables", "MixedEngine", "MixedStep", "MixedStepOutput", "QueueOrder"]
+#: Host-to-GPU copy rate of one GPU's link for CPU-tier KV loads (bytes/s): PCIe Gen5 x16, ~80 % of 64 GB/s.
+OFFLOAD_BYTES_PER_S = 50e9
+
+__all__ = [
+    "OFFLOAD_BYTES_PER_S",
+    "ORDERS",
+    "DPCost",
+    "ExpertLoadTables",
+    "MixedEngine",
+    "MixedStep",
+    "MixedStepOutput",
+    "QueueOrder",
+]
 
 
 @dataclass(frozen=True)
@@ -183,6 +200,8 @@ class MixedEngine(Scheduler):
         params: GimbalParams | None = None,
         load_tables: ExpertLoadTables | None = None,
         prefix_block: int | None = None,
+        prefix_cpu_tokens: int = 0,
+        offload_bytes_per_s: float = OFFLOAD_BYTES_PER_S,
     ) -> None:
         super().__init__(
             bank,
@@ -194,8 +213,11 @@ class MixedEngine(Scheduler):
             order=order,
             params=params,
             prefix_block=prefix_block,
+            prefix_cpu_tokens=prefix_cpu_tokens,
         )
         self.cost = cost
+        #: Seconds to copy one token's KV back from the CPU tier (every KV shard over its own GPU's link).
+        self.load_s_per_token = cost.cost.model.kv_bytes_per_token / (cost.kv_shards * offload_bytes_per_s)
         self.load_tables = load_tables
         self._bits = bank.decode_bits
         self._busy = False
@@ -304,6 +326,9 @@ class MixedEngine(Scheduler):
         pairs = float(self._computed[:n][decoding].sum()) + float((chunk * done + chunk * (chunk + 1) / 2).sum())
         tokens = int(take.sum())
         nonmoe = self.cost.nonmoe_time(tokens, ctx, pairs)
+        if self.loaded_tokens:  # CPU-tier blocks admitted this step: their copy back (see the module docstring)
+            nonmoe += self.loaded_tokens * self.load_s_per_token
+            self.loaded_tokens = 0
         duration = nonmoe + self.cost.moe_time(union, tokens)
         if self.load_tables is not None:
             if len(rows):

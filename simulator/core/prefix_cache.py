@@ -21,6 +21,14 @@ Shapes and semantics:
 - A request registers its prompt's keys as its prefill computes those blocks (vLLM caches full blocks once
   computed). A key already cached by another request stays that request's; the duplicate stays private.
 
+**CPU tier** (`cpu_keys` > 0; issue 42): a bounded offload tier behind the GPU cache, as vLLM's
+`OffloadingConnector` keeps one in host memory. A key the free queue evicts goes to it (newest last; past
+`cpu_keys` its oldest is dropped); a prompt's keys past its GPU hit that the tier holds (`lookup_cpu`) are loaded
+back instead of recomputed: the scheduler counts them computed at admission, allocates their blocks like a
+miss's, and its engine prices the copy (`dp_engine.MixedEngine`). Assumed: only evicted blocks are offloaded
+(vLLM's connector also stores blocks as they are computed, which only adds copies of keys the GPU still holds);
+a loaded key stays in the tier (touched); the copy is synchronous in the admitting step.
+
 Source: vLLM's design note "Automatic Prefix Caching" (docs.vllm.ai/en/latest/design/prefix_caching/) and
 `vllm/v1/core/block_pool.py` (the free queue "in eviction order").
 
@@ -78,9 +86,9 @@ def hits_per_request(per_engine: Iterable[Mapping[int, int]], n_requests: int) -
 class PrefixCache:
     """Cached keys, their references, and vLLM's LRU free queue over `capacity` engine blocks."""
 
-    def __init__(self, capacity: int, span: int) -> None:
-        if capacity <= 0 or span <= 0:
-            raise ValueError("capacity and span must be positive")
+    def __init__(self, capacity: int, span: int, cpu_keys: int = 0) -> None:
+        if capacity <= 0 or span <= 0 or cpu_keys < 0:
+            raise ValueError("capacity and span must be positive, cpu_keys not negative")
         self.span = span
         self.capacity = capacity
         self._ref: dict[int, int] = {}  # held key -> references
@@ -90,6 +98,9 @@ class PrefixCache:
         self._next = 0
         self.free_blocks = 0
         self.evicted = 0  # keys evicted (counter)
+        self.cpu_keys = cpu_keys  # the CPU tier's size in keys (0: none)
+        self._cpu: OrderedDict[int, None] = OrderedDict()  # keys offloaded, least recently used first
+        self.cpu_dropped = 0  # keys dropped from the full CPU tier (counter)
         self._append(capacity, None)
 
     # -- queries ----------------------------------------------------------------------------------------
@@ -113,6 +124,27 @@ class PrefixCache:
             else:
                 break
         return hits, free
+
+    def lookup_cpu(self, keys: Sequence[int], start: int, limit: int) -> int:
+        """Keys of `keys[start:limit]` the CPU tier holds in a row: what a request past its GPU hit loads back."""
+        if not self._cpu:
+            return 0
+        n = 0
+        for key in keys[start:limit]:
+            if key not in self._cpu:
+                break
+            n += 1
+        return n
+
+    def credit(self, keys: Sequence[int], limit: int, cpu_weight: float) -> float:
+        """The router's precise credit, in keys: the GPU hit, plus the CPU tier's run after it at `cpu_weight`
+        (`solver.routing.prefix.tiers`; weight 0: the GPU hit alone, as if the tier were not reported)."""
+        hits = self.lookup(keys, limit)[0]
+        return hits + cpu_weight * self.lookup_cpu(keys, hits, limit) if cpu_weight > 0 else float(hits)
+
+    @property
+    def cpu_held(self) -> int:
+        return len(self._cpu)
 
     def free_order(self) -> list[tuple[int, int | None]]:
         """The free queue, head (next evicted) first: (blocks, key), key None for an anonymous run (tests)."""
@@ -140,6 +172,7 @@ class PrefixCache:
             if key is not None:
                 del self._entry_of[key]
                 self.evicted += 1
+                self._offload(key)
             if size > blocks:
                 self._free[entry] = (size - blocks, None)  # same place: the head
                 return
@@ -168,6 +201,20 @@ class PrefixCache:
             self._entry_of[key] = self._append(self.span, key)
             freed += self.span
         return freed
+
+    def loaded(self, keys: Sequence[int]) -> None:
+        """A request loaded these keys back from the CPU tier: they become its most recently used."""
+        for key in keys:
+            self._cpu.move_to_end(key)
+
+    def _offload(self, key: int) -> None:
+        if not self.cpu_keys:
+            return
+        self._cpu[key] = None
+        self._cpu.move_to_end(key)
+        if len(self._cpu) > self.cpu_keys:
+            self._cpu.popitem(last=False)
+            self.cpu_dropped += 1
 
     def _append(self, blocks: int, key: int | None) -> int:
         entry = self._next

@@ -20,7 +20,9 @@ full trace blocks (`prefix_cache.prefix_keys`). At admission its longest cached 
 blocks are shared rather than allocated, and only the rest is prefilled. Computed prompt blocks are cached as
 the prefill goes; freed blocks stay cached until vLLM's LRU free queue hands them out again
 (`prefix_cache.PrefixCache`). Every allocation and release then goes through that queue. A request without
-keys, or an engine without `prefix_block`, behaves exactly as before.
+keys, or an engine without `prefix_block`, behaves exactly as before. With a CPU tier (`prefix_cpu_tokens`) the
+keys after the GPU hit that the tier holds count computed too, their blocks allocated as a miss's; the engine
+prices their copy (`loaded_tokens`; `prefix_cache`, `dp_engine`).
 
 **Fast path.** With no token budget (`token_budget=None`: a disaggregated decoder, which recomputes a
 readmitted request's context in one step) every running request computes exactly one token per step after
@@ -175,6 +177,7 @@ class Scheduler:
         order: QueueOrder = "fcfs",
         params: GimbalParams | None = None,
         prefix_block: int | None = None,
+        prefix_cpu_tokens: int = 0,
     ) -> None:
         if max_running <= 0 or (token_budget is not None and token_budget <= 0):
             raise ValueError("max_running and token_budget must be positive")
@@ -219,13 +222,15 @@ class Scheduler:
             if prefix_block % block_size:
                 raise ValueError(f"the trace block ({prefix_block}) must be a multiple of the KV block ({block_size})")
             self.prefix_block = prefix_block
-            self.prefix = PrefixCache(self.kv_blocks, prefix_block // block_size)
+            self.prefix = PrefixCache(self.kv_blocks, prefix_block // block_size, prefix_cpu_tokens // prefix_block)
         self._keys: dict[int, tuple[int, ...]] = {}  # rid -> its prompt's chained keys
         self._held_keys: dict[int, list[int]] = {}  # running rid -> keys it references
         self._registered: dict[int, int] = {}  # running rid -> keys considered for registration so far
         self.prefix_hits: dict[int, int] = {}  # rid -> tokens hit at its first admission
         self.prefix_query_tokens = 0  # Σ prompt tokens looked up at admissions (vLLM's queries)
-        self.prefix_hit_tokens = 0  # Σ of those found cached (vLLM's hits)
+        self.prefix_hit_tokens = 0  # Σ of those found cached (vLLM's hits; the CPU tier's included)
+        self.prefix_cpu_hit_tokens = 0  # Σ of those loaded back from the CPU tier
+        self.loaded_tokens = 0  # CPU-tier tokens admitted since the engine last priced their copy (it resets)
 
     # -- state ---------------------------------------------------------------------------------------------
 
@@ -419,10 +424,12 @@ class Scheduler:
             computed = prompt - 1 if prefilled else 0
             rid = int(cols["rid"][qi])
             keys = self._keys.get(rid) if cache is not None else None
-            hits = free_hits = 0
+            hits = free_hits = cpu = 0
             if keys and cache is not None:
-                hits, free_hits = cache.lookup(keys, (prompt + gen - 1) // self.prefix_block)
-                computed = hits * self.prefix_block
+                limit = (prompt + gen - 1) // self.prefix_block
+                hits, free_hits = cache.lookup(keys, limit)
+                cpu = cache.lookup_cpu(keys, hits, limit)  # loaded back from the CPU tier, allocated like a miss
+                computed = (hits + cpu) * self.prefix_block
             take = min(prompt + gen - computed, budget)
             blocks = int(ceil_div(computed + take + la, bs))
             span = cache.span if cache is not None else 0
@@ -430,7 +437,7 @@ class Scheduler:
             if blocks - shared + free_hits * span > self.kv_blocks - self._used:
                 break
             if cache is not None:
-                self._admit_prefix(rid, prompt, keys, hits, free_hits)
+                self._admit_prefix(rid, prompt, keys, hits, free_hits, cpu)
                 self._allocate(blocks - shared)
             else:
                 self._used += blocks
@@ -472,18 +479,24 @@ class Scheduler:
             q.remove(taken)
         return admitted, recompute
 
-    def _admit_prefix(self, rid: int, prompt: int, keys: tuple[int, ...] | None, hits: int, free_hits: int) -> None:
-        """Prefix-cache bookkeeping of an admission: take the hit keys, count the query and the hit."""
+    def _admit_prefix(
+        self, rid: int, prompt: int, keys: tuple[int, ...] | None, hits: int, free_hits: int, cpu: int = 0
+    ) -> None:
+        """Prefix-cache bookkeeping of an admission: take the hit keys, count the query and the hit (GPU and
+        CPU tier; the CPU tier's tokens are also `loaded_tokens`, for the engine to price their copy)."""
         cache = self.prefix
         assert cache is not None
         if keys:
             cache.acquire(keys[:hits])
+            cache.loaded(keys[hits : hits + cpu])
             self._used += free_hits * cache.span  # hit blocks that were free are held again
             self._held_keys[rid] = list(keys[:hits])
             self._registered[rid] = hits
         self.prefix_query_tokens += prompt
-        self.prefix_hit_tokens += hits * self.prefix_block
-        self.prefix_hits.setdefault(rid, hits * self.prefix_block)
+        self.prefix_hit_tokens += (hits + cpu) * self.prefix_block
+        self.prefix_cpu_hit_tokens += cpu * self.prefix_block
+        self.loaded_tokens += cpu * self.prefix_block
+        self.prefix_hits.setdefault(rid, (hits + cpu) * self.prefix_block)
 
     def _register_computed(self, n: int) -> None:
         """Cache the prompt blocks the step just computed (before `take` is cleared)."""

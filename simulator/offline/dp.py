@@ -232,7 +232,8 @@ def _dispatcher(
         ledger_control=fleet.ledger_control,
     )
     if prefix_block:
-        disp.attach_prefix([e.prefix for e in engines if e.prefix is not None], prefix_block, fleet.engine_kv_blocks)
+        caches = [e.prefix for e in engines if e.prefix is not None]
+        disp.attach_prefix(caches, prefix_block, fleet.engine_kv_blocks, fleet.prefix_cpu_weight)
     return disp
 
 
@@ -312,6 +313,7 @@ def _engines(
             params=fleet.params,
             load_tables=tables,
             prefix_block=prefix_block,
+            prefix_cpu_tokens=fleet.prefix_cpu_tokens,
         )
         for _ in range(fleet.engines)
     ]

@@ -183,6 +183,7 @@ class Dispatcher:
         self.snap.columns["indexed_blocks"] = self.indexed
         self.snap.columns["kv_blocks"] = np.full(engines, float(kv_blocks))
         self._caches: list[PrefixCache] = []
+        self.cpu_weight = 0.0  # the precise view's credit for a CPU-tier block (`attach_prefix`)
         self._trace_block = 0
         self._span = 0
         self.routed: RoutedIndex | None = None
@@ -194,9 +195,13 @@ class Dispatcher:
         """The profile reads the prefix index and the engines cache prefixes."""
         return bool(self._caches) and (self.needs_cached or self.needs_indexed)
 
-    def attach_prefix(self, caches: list[PrefixCache], trace_block: int, capacity_blocks: int) -> None:
-        """The engines' prefix caches (precise view) and the trace block; sizes the approximate index."""
+    def attach_prefix(
+        self, caches: list[PrefixCache], trace_block: int, capacity_blocks: int, cpu_weight: float = 0.0
+    ) -> None:
+        """The engines' prefix caches (precise view) and the trace block; sizes the approximate index.
+        `cpu_weight`: the precise view's credit for a block in an engine's CPU tier (0: not reported)."""
         self._caches = caches
+        self.cpu_weight = cpu_weight
         self._trace_block = trace_block
         self._span = caches[0].span if caches else 0
         keys_per_engine = max(capacity_blocks // max(self._span, 1), 1)
@@ -254,7 +259,8 @@ class Dispatcher:
         if keys:
             tb = self._trace_block
             limit = (prompt_tokens - 1) // tb  # the scheduler's lookup bound: vLLM recomputes the last token
-            precise = np.array([c.lookup(keys, limit)[0] for c in self._caches], dtype=np.float64) * tb
+            w = self.cpu_weight
+            precise = np.array([c.credit(keys, limit, w) for c in self._caches], dtype=np.float64) * tb
             approx = routed.match(keys[:limit], ids, now).astype(np.float64) * tb
         else:
             for engine_id in ids:

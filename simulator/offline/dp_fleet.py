@@ -60,6 +60,11 @@ class DPFleetConfig:
     #: or "approximate" (what this dispatcher routed where, `prefix_ttl_s`); `PREFIX_INDEXES`.
     prefix_index: str = "precise"
     prefix_ttl_s: float = 600.0
+    #: A CPU prefix tier behind each engine's GPU cache (tokens; 0: none): blocks the GPU evicts, loaded back
+    #: instead of recomputed (`core.prefix_cache`, issue 42). The precise index credits a block held there at
+    #: `prefix_cpu_weight` (the router's `prefix_tier_cpu`; 0: GPU-only credit, the tier unreported).
+    prefix_cpu_tokens: int = 0
+    prefix_cpu_weight: float = 0.0
     #: Expert placement over the EP ranks (`simulator.offline.dp_ep`): "off" keeps the even-spread MoE model
     #: without all-to-all (the figures before issue 26); a control name (`core.placements`: "none" = vLLM's
     #: contiguous layout, "eplb", "gimbal") prices each step under the layout in force, all-to-all included.
