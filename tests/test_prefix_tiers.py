@@ -8,9 +8,12 @@ unknown tiers (counted by the bus as any malformed message).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
+from switchyard.services.router.prefix import PrefixState
 from switchyard.shared.codec import WireError, decode, encode
 from switchyard.shared.schemas import KvEvents, KvOp
 from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, GPU_ONLY, BlockIndex, KvApplier, TierWeights
@@ -117,3 +120,32 @@ def test_the_wire_keeps_the_tier_absent_is_gpu_and_unknown_is_refused() -> None:
     assert "tier" in str(refused.value)
     with pytest.raises(ValueError, match="no tier"):
         KvOp(kind="cleared", keys=keys[:0], tier="cpu")
+
+
+class _Ask(NamedTuple):
+    """The fields of a DP route request the router's prefix state reads (`services.router.ask.DpAsk`)."""
+
+    block_keys: np.ndarray
+    prompt_tokens: int
+    request_id: str = "r1"
+    model: str | None = None
+    key_kind: str = "tokens"
+    progress: bool = False
+    reporter: str | None = None
+
+
+def test_the_router_turns_tier_credit_into_cached_tokens() -> None:
+    """Engine a holds 4 blocks on GPU and 4 more on CPU, engine b 6 on GPU: with tier credit a looks better
+    (4 + 3 = 7 blocks), with GPU-only weights b does (the control)."""
+    keys = np.arange(1, 11, dtype=np.uint64)
+    a = [KvOp(kind="stored", keys=keys[:4]), KvOp(kind="stored", keys=keys[:8], tier="cpu")]
+    b = [KvOp(kind="stored", keys=keys[:6])]
+    ask = _Ask(block_keys=keys, prompt_tokens=10 * 16 + 5)
+    got = {}
+    for name, weights in (("tiers", DEFAULT_WEIGHTS), ("gpu-only", GPU_ONLY)):
+        state = PrefixState("precise", 1000, 1000, 60.0, weights=weights)
+        for engine, ops in (("a", a), ("b", b)):
+            assert state.apply(KvEvents(engine_id=engine, seq=0, ts=0.0, block_size=16, ops=ops), capacity=100)
+        assert not state.fresh(ask, ("a", "b"))
+        got[name] = state.cached(ask, ("a", "b"), np.array([16, 16]), 0.0).tolist()
+    assert got == {"tiers": [(4 + 4 * 0.75) * 16, 6 * 16], "gpu-only": [4 * 16, 6 * 16]}

@@ -175,6 +175,7 @@ class RouterCore:
             settings.prefix_routed_ttl_s,
             settings.kv_rate_keys_per_s,
             settings.kv_rate_burst_keys,
+            settings.tier_weights(),
         )
         self._dp_reads_cached = "cached_tokens" in self.dp_profile.needs
         #: Expert affinity (`services.router.affinity`), only for a DP profile reading it: the signature cache and

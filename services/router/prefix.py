@@ -20,6 +20,11 @@ most its hello's `kv_blocks`. A per-engine rate bound drops messages past it (th
 and, where the answers are seen (the in-process gateway: `confirm`), a claim earns credit only once an answer
 confirms it (`services.router.kv_trust`).
 
+Cache tiers: an engine's events name the tier each block is in (`KvOp.tier`: its KV cache, or a CPU or disk
+offload tier); the precise index credits each matched block at its tier's weight (`SWITCHYARD_ROUTER_PREFIX_TIER_*`,
+`solver.routing.prefix.tiers`), so `cached_tokens` is the weighted blocks times the block size. A claim's trust
+check (`kv_trust`) covers the blocks of every tier it credits.
+
 Keys name blocks at one block size: the prompt's keys are taken at the block size most of the asked engines
 announce (`key_block_size`, as the gateway keys them), and an engine at another block size is credited nothing.
 """
@@ -35,7 +40,7 @@ from switchyard.services.router.ask import DpAsk
 from switchyard.services.router.kv_trust import DEFAULT_BURST_KEYS, DEFAULT_KEYS_PER_S, Claims, KvRate
 from switchyard.shared.schemas import KvEvents
 from switchyard.shared.sequence import Seq
-from switchyard.solver.routing.prefix import BlockIndex, KvApplier, RoutedIndex
+from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, BlockIndex, KvApplier, RoutedIndex, TierWeights
 
 __all__ = ["PrefixState", "key_block_size"]
 
@@ -58,10 +63,12 @@ class PrefixState:
         routed_ttl_s: float,
         keys_per_s: float = DEFAULT_KEYS_PER_S,
         burst_keys: float = DEFAULT_BURST_KEYS,
+        weights: TierWeights = DEFAULT_WEIGHTS,
     ) -> None:
         if mode not in ("precise", "approximate", "off"):
             raise ValueError(f"prefix index {mode!r}: choose precise, approximate or off")
         self.mode = mode
+        self.weights = weights.check()  # the precise match's credit per cache tier
         self.blocks = BlockIndex(max_blocks)
         self.applier = KvApplier(self.blocks)  # the engines' events, in their order (one rule with the gateway)
         self.routed = RoutedIndex(routed_max_blocks, routed_ttl_s)
@@ -143,12 +150,12 @@ class PrefixState:
             matched = self.routed.match(listed, engine_ids, now)
             cached = matched * (prompt / len(listed))
         elif self.mode == "precise":
-            matched = self.blocks.match(listed, engine_ids)
+            matched, credit = self.blocks.credit(listed, engine_ids, self.weights)
             if block_size.min() != block_size.max():  # keys at another size than most name other blocks
                 matched[block_size != key_block_size(block_size)] = 0
             if self.claims is not None:
                 self._gate(matched, listed, engine_ids)
-            cached = matched * block_size
+            cached = np.where(matched > 0, credit, 0.0) * block_size
         else:
             cached = self.routed.match(listed, engine_ids, now) * block_size
         return np.minimum(cached, prompt, dtype=np.float64)
@@ -184,7 +191,7 @@ class PrefixState:
             return True
         if self.claims is not None and cached > 0:
             listed = keys.tolist()
-            held = int(self.blocks.match(listed, [engine_id])[0])
+            held = int(self.blocks.credit(listed, [engine_id], self.weights)[0][0])
             if held:
                 self.claims.routed(request.request_id, engine_id, listed[held - 1], keys[:held], cached, now)
         return False

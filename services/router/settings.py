@@ -19,6 +19,7 @@ from switchyard.solver.routing import profiles
 from switchyard.solver.routing.defaults import DEFAULT_INFLIGHT_GRACE_S
 from switchyard.solver.routing.dispatch import GimbalParams
 from switchyard.solver.routing.framework import Profile
+from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, TierWeights
 from switchyard.solver.routing.prefix.blocks import DEFAULT_MAX_BLOCKS
 
 #: Which prefix index the router matches a request's block keys against (`services.router.prefix`): `precise`
@@ -127,6 +128,13 @@ class RouterSettings(BaseSettings):
     #: The approximate index: blocks per engine at most, and how long a routed block counts as cached.
     prefix_routed_max_blocks: int = Field(default=200_000, ge=1)
     prefix_routed_ttl_s: float = Field(default=600.0, gt=0)
+    #: The precise index's credit for a matched block by the cache tier holding it (KV events' `tier`; vLLM's
+    #: `medium`): in the engine's KV cache (gpu), in its CPU offload tier (cpu: a copy back instead of
+    #: recompute), in a storage tier (disk). A block in several tiers counts once, at its best; a tier of weight 0
+    #: counts as not held (gpu 1, cpu 0, disk 0: the GPU-only match). Defaults: Dynamo's (docs/prefix-routing.md).
+    prefix_tier_gpu: float = Field(default=DEFAULT_WEIGHTS.gpu, ge=0, le=1)
+    prefix_tier_cpu: float = Field(default=DEFAULT_WEIGHTS.cpu, ge=0, le=1)
+    prefix_tier_disk: float = Field(default=DEFAULT_WEIGHTS.disk, ge=0, le=1)
     #: Per engine, KV-event keys per second at most (a message costs 1 + its keys), and the bucket's depth: a
     #: message past it is dropped and the engine's blocks cleared (`services.router.kv_trust`). An honest
     #: engine stays under ~10K keys/s (docs/prefix-routing.md, "Trust in KV events").
@@ -202,6 +210,10 @@ class RouterSettings(BaseSettings):
                 raise ValueError(f"affinity_weight is for a DP profile with expert affinity, not {self.dp_rule!r}")
             weights["expert_affinity"] = self.affinity_weight
         return profiles.dp_profile(self.dp_rule, params or self.gimbal_params(), weights or None)
+
+    def tier_weights(self) -> TierWeights:
+        """The precise index's credit per cache tier (`solver.routing.prefix.tiers`)."""
+        return TierWeights(self.prefix_tier_gpu, self.prefix_tier_cpu, self.prefix_tier_disk)
 
     def affinity_limits(self) -> AffinityLimits:
         """The expert-affinity bounds these settings set (`services.router.affinity`)."""
