@@ -189,6 +189,8 @@ async def test_one_request_fills_the_routing_engine_and_latency_panels(
         "switchyard_gateway_time_to_first_token_seconds_bucket",
         "switchyard_gateway_inter_token_latency_seconds_bucket",
         "switchyard_gateway_e2e_request_latency_seconds_bucket",
+        "switchyard_gateway_prompt_tokens_total",
+        "switchyard_gateway_generation_tokens_total",  # the stream's four token events (it carried no usage)
     }
     gauges = {  # one sample per live engine (or role), whatever its value (an idle engine runs 0 requests)
         "switchyard_router_live_engines",
