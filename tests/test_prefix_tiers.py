@@ -17,6 +17,7 @@ from switchyard.services.router.prefix import PrefixState
 from switchyard.shared.codec import WireError, decode, encode
 from switchyard.shared.schemas import KvEvents, KvOp
 from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, GPU_ONLY, BlockIndex, KvApplier, TierWeights
+from switchyard.solver.routing.prefix.tiers import walk_tiers
 
 KEYS = list(range(100, 110))
 
@@ -149,3 +150,26 @@ def test_the_router_turns_tier_credit_into_cached_tokens() -> None:
         assert not state.fresh(ask, ("a", "b"))
         got[name] = state.cached(ask, ("a", "b"), np.array([16, 16]), 0.0).tolist()
     assert got == {"tiers": [(4 + 4 * 0.75) * 16, 6 * 16], "gpu-only": [4 * 16, 6 * 16]}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_matrix_walk_and_the_python_walk_agree(seed: int) -> None:
+    """Slots below 64 take the numpy walk, others the per-key one: the same random holdings give the same answer
+    either way (engine slots shifted by 60 force the second)."""
+    rng = np.random.default_rng(seed)
+    keys, engines = list(range(30)), [f"e{i}" for i in range(10)]
+    held = rng.random((3, len(keys), len(engines))) < np.array([0.5, 0.7, 0.6])[:, None, None]
+    weights = (1.0, 0.75, 0.25)
+    answers = []
+    for shift in (0, 60):
+        slots = {e: i + shift for i, e in enumerate(engines)}
+        tiers = []
+        for t in range(3):
+            holders = {k: sum(1 << (i + shift) for i in range(len(engines)) if held[t, k, i]) for k in keys}
+            tiers.append((weights[t], holders, slots))
+        start = np.array([int(np.argmin(np.r_[held[0, :, i], False])) for i in range(len(engines))])
+        depth, extra = walk_tiers(keys, engines, start, tiers)
+        answers.append((depth.tolist(), extra.round(9).tolist()))
+    assert answers[0] == answers[1]
+    any_tier = held.any(axis=0)
+    assert answers[0][0] == [int(np.argmin(np.r_[any_tier[:, i], False])) for i in range(len(engines))]
