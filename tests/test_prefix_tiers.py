@@ -13,9 +13,11 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from switchyard.services.gateway.prefix import PrefillPrefix
+from switchyard.services.gateway.registry import GatewayRegistry
 from switchyard.services.router.prefix import PrefixState
 from switchyard.shared.codec import WireError, decode, encode
-from switchyard.shared.schemas import KvEvents, KvOp
+from switchyard.shared.schemas import Capacity, Hello, KvEvents, KvOp, ModelShape
 from switchyard.solver.routing.prefix import DEFAULT_WEIGHTS, GPU_ONLY, BlockIndex, KvApplier, TierWeights
 from switchyard.solver.routing.prefix.tiers import walk_tiers
 
@@ -173,3 +175,24 @@ def test_the_matrix_walk_and_the_python_walk_agree(seed: int) -> None:
     assert answers[0] == answers[1]
     any_tier = held.any(axis=0)
     assert answers[0][0] == [int(np.argmin(np.r_[any_tier[:, i], False])) for i in range(len(engines))]
+
+
+def test_the_gateways_prefill_choice_credits_tiers_too() -> None:
+    """The in-process gateway's prefill index (`services.gateway.prefix`) weighs a CPU-tier block at 0.75."""
+    registry = GatewayRegistry()
+    for engine_id in ("p0", "p1"):
+        registry.on_hello(
+            Hello(
+                engine_id=engine_id, role="prefill", model=ModelShape(name="m", num_layers=2, num_experts=4, top_k=2),
+                ep_group=engine_id, gpus=[], capacity=Capacity(max_running=8, kv_blocks=100, block_size=16), ts=0.0,
+                agent="stub", base_url="http://127.0.0.1:1",
+            )
+        )  # fmt: skip
+    prefix = PrefillPrefix(registry)
+    keys = np.arange(1, 7, dtype=np.uint64)
+    ops = {"p0": [KvOp(kind="stored", keys=keys[:2]), KvOp(kind="stored", keys=keys, tier="cpu")]}
+    ops["p1"] = [KvOp(kind="stored", keys=keys[:4])]
+    for engine_id, engine_ops in ops.items():
+        prefix.on_kv(KvEvents(engine_id=engine_id, seq=0, ts=0.0, block_size=16, ops=engine_ops))
+    engines = [registry.engines["p0"], registry.engines["p1"]]
+    assert prefix.cached(keys, "tokens", engines, 0.0) == [2 + 4 * 0.75, 4.0]

@@ -32,7 +32,7 @@ def pick_prefill(
     engine_ids: Sequence[str],
     inflight: Sequence[int],
     load_bound: float,
-    cached: Sequence[int] | None = None,
+    cached: Sequence[float] | None = None,
 ) -> list[int]:
     """Prefill engines in the order to try: the most cached prefix under a load bound, then prefix-hash affinity.
 

@@ -79,17 +79,18 @@ class PrefillPrefix:
         self.applier.forget(engine_id)
         self.routed.forget(engine_id)
 
-    def cached(self, keys: np.ndarray, kind: str, engines: Sequence[HttpEngine], now: float) -> list[int]:
+    def cached(self, keys: np.ndarray, kind: str, engines: Sequence[HttpEngine], now: float) -> list[float]:
         """Per engine, the prompt's leading blocks it holds: by its KV events for token keys from an engine that
-        sends them, else by what was routed there."""
+        sends them (each block credited at its cache tier's default weight: GPU 1, CPU 0.75, disk 0.25,
+        `solver.routing.prefix.tiers`), else by what was routed there."""
         ids = [e.engine_id for e in engines]
         routed = self.routed.match(keys, ids, now)
         if kind != "tokens" or not any(self.reports(i) for i in ids):
             return routed.tolist()
-        precise = self.blocks.match(keys, ids)
+        precise = self.blocks.credit(keys, ids)[1]
         size = key_block_size([e.block_size for e in engines])  # the keys' (app._block_size): others name other blocks
         precise[[e.block_size != size for e in engines]] = 0
-        return [int(p) if self.reports(i) else int(r) for i, p, r in zip(ids, precise, routed, strict=True)]
+        return [float(p) if self.reports(i) else float(r) for i, p, r in zip(ids, precise, routed, strict=True)]
 
     def chosen(self, engine_id: str, keys: np.ndarray, kind: str, now: float) -> None:
         """The prefill went to `engine_id`: remember it where no events will (text keys, a silent engine)."""
