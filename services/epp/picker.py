@@ -7,14 +7,20 @@ feed and decision sharing (`gateway.local_route.InProcessRouter`), so the picker
 requests in flight and they count its own. It serves data-parallel engines (role `dp`); a prefill→decode handoff
 needs a proxy that waits for the prefill's answer, which is Switchyard's own gateway (docs/epp.md).
 
+Under saturation the gateway's flow control applies here too (`gateway.flow.Flow`, its settings mirrored in
+`EppSettings`): the same headers name a request's priority band and tenant, requests wait in the same queues and
+leave in the same order, and what is shed is answered 429 with `Retry-After` as an ImmediateResponse.
+
 What the proxy adds that the gateway decides alone: the subset hint (choose only among the endpoints it names),
 fallback endpoints after the choice, and the report of which endpoint served.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from yarl import URL
@@ -22,7 +28,9 @@ from yarl import URL
 from switchyard.services.epp import metrics
 from switchyard.services.epp.settings import EppSettings
 from switchyard.services.gateway import metrics as gateway_metrics
+from switchyard.services.gateway.admission import BANDS, BadClass, classify, request_cost
 from switchyard.services.gateway.body import BadBody, parse
+from switchyard.services.gateway.flow import Flow
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prompt_keys import PromptKeyer, PromptKeys
 from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
@@ -40,9 +48,18 @@ COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 class Refused(Exception):
     """The picker answers the client itself: `status` with OpenAI's error (`kind`, `param`), counted as `outcome`."""
 
-    def __init__(self, status: int, message: str, kind: str, outcome: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        outcome: str,
+        param: str | None = None,
+        retry_after: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.outcome, self.param = status, kind, outcome, param
+        self.retry_after = retry_after  # a 429's `Retry-After` (seconds)
 
 
 @dataclass
@@ -74,9 +91,12 @@ class EndpointPicker:
         router: InProcessRouter,
         sharer: DecisionSharer | None,
         keyer: PromptKeyer | None,
+        flow: Flow | None = None,
     ) -> None:
         self.settings, self.registry, self.feed, self.router = settings, registry, feed, router
         self.sharer, self.keyer = sharer, keyer
+        #: The gateway's flow control (`settings.admission`), with the gateway settings it reads.
+        self.flow, self.gateway = flow, settings.gateway()
         self._endpoints: dict[str, str] = {}  # base_url -> ip:port
 
     def endpoint(self, engine: HttpEngine) -> str:
@@ -96,8 +116,11 @@ class EndpointPicker:
             return float(engine.inflight)
         return float(fleet.num_running[row] + fleet.num_waiting[row] + fleet.inflight[row])
 
-    async def pick(self, path: str, raw: bytes | None, subset: list[str] | None) -> Pick:
-        """Decide where the request goes; raises `Refused` when no engine may take it."""
+    async def pick(
+        self, path: str, raw: bytes | None, subset: list[str] | None, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> Pick:
+        """Decide where the request goes; raises `Refused` when no engine may take it. `headers`: the request's
+        (lower-case names), for its priority band and tenant under flow control (`flow.Flow`, as in the gateway)."""
         path = path.split("?", 1)[0]
         model, tokens, body, chat = None, 1, None, path.endswith("/chat/completions")
         if path in COMPLETIONS and raw is not None:  # None: the proxy sends no body (GET, or body mode NONE)
@@ -111,37 +134,91 @@ class EndpointPicker:
                 metrics.BAD_REQUESTS.labels(exc.reason).inc()
                 raise Refused(400, str(exc), "BadRequestError", "bad_request", exc.param) from None
             model, tokens, body = parsed.model, parsed.prompt_tokens, parsed.body
+        candidates, eligible = self._eligible(model, subset)
+        bound = self.settings.shed_load
+        if bound and all(self.load(e) >= bound for e in eligible):
+            raise Refused(429, "every engine is at its load bound; retry later", "RateLimitError", "shed")
+        request_id = "syepp-" + new_request_id().removeprefix("sygw-")
+        routed = None
+        if self.flow is not None and body is not None:
+            routed = await self._admit(headers or [], model, tokens, body, eligible)
+            if routed is not None:  # it waited: engines may have come or gone meanwhile
+                try:
+                    candidates, eligible = self._eligible(model, subset)
+                except Refused:
+                    routed()
+                    raise
+        try:
+            keys = await self._keys(body, chat, model, eligible) if body is not None else None
+            if keys is not None and keys.tokens is not None:
+                tokens = max(1, keys.tokens)
+            if eligible is candidates:
+                engine = await self.router.route_dp(request_id, tokens, candidates, model, keys)
+            else:
+                engine = self._within(request_id, tokens, eligible)
+        finally:
+            if routed is not None:
+                routed()  # the core counts it now: its slot is no longer pending in the queue
+        if engine is None:  # no candidate left (it cannot happen with candidates; kept for the type)
+            raise Refused(503, "no live engine can serve this request", "ServiceUnavailableError", "unavailable")
+        engine.inflight += 1
+        self.registry.hop_begun(engine)
+        return Pick(request_id, engine, [self.endpoint(engine), *self._fallbacks(engine, eligible)])
+
+    def _eligible(self, model: str | None, subset: list[str] | None) -> tuple[list[HttpEngine], list[HttpEngine]]:
+        """The live DP engines serving `model`, and those of them in the proxy's subset (the same list without one);
+        `Refused` when there are none."""
         candidates = self.registry.live("dp", model)
         if not candidates:
             served = self.registry.models()
             if model is not None and served and model not in served:
                 raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "unknown_model", "model")
             raise Refused(503, "no live engine can serve this request", "ServiceUnavailableError", "unavailable")
-        eligible = candidates
-        if subset is not None:
-            allowed = set(subset)
-            eligible = [e for e in candidates if self.endpoint(e) in allowed]
-            if not eligible:
-                raise Refused(
-                    503, "no engine among the proxy's endpoint subset can serve this request",
-                    "ServiceUnavailableError", "subset_empty",
-                )  # fmt: skip
-        bound = self.settings.shed_load
-        if bound and all(self.load(e) >= bound for e in eligible):
-            raise Refused(429, "every engine is at its load bound; retry later", "RateLimitError", "shed")
-        keys = await self._keys(body, chat, model, eligible) if body is not None else None
-        if keys is not None and keys.tokens is not None:
-            tokens = max(1, keys.tokens)
-        request_id = "syepp-" + new_request_id().removeprefix("sygw-")
-        if eligible is candidates:
-            engine = await self.router.route_dp(request_id, tokens, candidates, model, keys)
-        else:
-            engine = self._within(request_id, tokens, eligible)
-        if engine is None:  # no candidate left (it cannot happen with candidates; kept for the type)
-            raise Refused(503, "no live engine can serve this request", "ServiceUnavailableError", "unavailable")
-        engine.inflight += 1
-        self.registry.hop_begun(engine)
-        return Pick(request_id, engine, [self.endpoint(engine), *self._fallbacks(engine, eligible)])
+        if subset is None:
+            return candidates, candidates
+        allowed = set(subset)
+        eligible = [e for e in candidates if self.endpoint(e) in allowed]
+        if not eligible:
+            raise Refused(
+                503, "no engine among the proxy's endpoint subset can serve this request",
+                "ServiceUnavailableError", "subset_empty",
+            )  # fmt: skip
+        return candidates, eligible
+
+    async def _admit(
+        self,
+        headers: list[tuple[bytes, bytes]],
+        model: str | None,
+        tokens: int,
+        body: dict,
+        eligible: list[HttpEngine],
+    ) -> Callable[[], None] | None:
+        """The gateway's flow control (`flow.Flow.admit`) for this request: returns at once while an engine has room,
+        else once the queue lets it out (the `routed` to call once it is routed); `Refused` (429 with `Retry-After`,
+        400 for a bad priority or tenant header, 503 at shutdown) instead. The client leaving ends the ext_proc
+        stream, which cancels this wait and takes the request out of the queue."""
+        flow, g = self.flow, self.gateway
+        assert flow is not None
+        try:
+            klass = classify(headers, body, BANDS.index(g.default_priority))
+        except BadClass as exc:
+            raise Refused(400, str(exc), "BadRequestError", "bad_request", exc.header) from None
+
+        def cost() -> float:
+            return request_cost(tokens, body, g.output_token_weight, g.default_output_tokens)
+
+        refused, routed = await flow.admit(None, model, klass, cost, eligible)
+        if refused is None:
+            return routed
+        error = json.loads(bytes(refused.body))["error"]
+        outcome = "queue_shed" if refused.status_code == 429 else "stopping"
+        raise Refused(
+            refused.status_code,
+            error["message"],
+            error["type"],
+            outcome,
+            retry_after=refused.headers.get("retry-after"),
+        )
 
     async def _keys(self, body: dict, chat: bool, model: str | None, engines: list[HttpEngine]) -> PromptKeys | None:
         """The prompt's block keys at the block size most candidates announce; none (counted) if naming fails."""

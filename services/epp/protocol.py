@@ -175,15 +175,20 @@ def continue_trailers(response_side: bool) -> ProcessingResponse:
     return ProcessingResponse(request_trailers=TrailersResponse())
 
 
-def immediate(status: int, error: dict[str, Any], details: str) -> ProcessingResponse:
-    """The picker answers the client itself (no engine): `error` is OpenAI's error object (`body.openai_error`)."""
-    content_type = HeaderValueOption(
-        header=HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
-    )
+def immediate(
+    status: int, error: dict[str, Any], details: str, headers: dict[str, str] | None = None
+) -> ProcessingResponse:
+    """The picker answers the client itself (no engine): `error` is OpenAI's error object (`body.openai_error`);
+    `headers`: more to send (a 429's `Retry-After`)."""
+    sent = {"content-type": "application/json", **(headers or {})}
+    set_headers = [
+        HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+        for key, value in sent.items()
+    ]
     return ProcessingResponse(
         immediate_response=ImmediateResponse(
             status=HttpStatus(code=status),  # type: ignore[arg-type]  # an int is a valid enum value
-            headers=HeaderMutation(set_headers=[content_type]),
+            headers=HeaderMutation(set_headers=set_headers),
             body=json.dumps(error, separators=(",", ":")).encode(),
             details=details,
         )

@@ -55,6 +55,7 @@ class Exchange:
         self.picker, self.max_body_bytes = picker, max_body_bytes
         self.path = ""
         self.subset: list[str] | None = None
+        self.headers: list[tuple[bytes, bytes]] = []  # the request's, for flow control's band and tenant
         self.mode = NO_BODY
         self.body = bytearray()
         self.pick: Pick | None = None
@@ -87,6 +88,7 @@ class Exchange:
         self.seen_headers = True
         headers = protocol.headers_of(request.request_headers)
         self.path = headers.get(":path", "")
+        self.headers = [(k.encode("latin-1", "replace"), v.encode("utf-8", "replace")) for k, v in headers.items()]
         self.subset = protocol.subset_of(request)
         self.mode = request.protocol_config.request_body_mode
         if request.request_headers.end_of_stream or self.mode == NO_BODY:
@@ -109,7 +111,7 @@ class Exchange:
     async def _decide(self, raw: bytes | None, last: bool) -> list[ProcessingResponse]:
         started = time.perf_counter()
         try:
-            self.pick = pick = await self.picker.pick(self.path, raw, self.subset)
+            self.pick = pick = await self.picker.pick(self.path, raw, self.subset, self.headers)
         except Refused as refused:
             return [_refusal(refused)]
         metrics.REQUESTS.labels("routed").inc()
@@ -146,6 +148,7 @@ def _refusal(refused: Refused) -> ProcessingResponse:
         refused.status,
         openai_error(refused.status, str(refused), kind, refused.param),
         f"switchyard_epp_{refused.outcome}",
+        {"retry-after": refused.retry_after} if refused.retry_after is not None else None,
     )
 
 

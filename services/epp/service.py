@@ -20,6 +20,7 @@ from switchyard.services.epp.picker import EndpointPicker
 from switchyard.services.epp.select import Selector
 from switchyard.services.epp.server import ExternalProcessor, GrpcHealth, build_server
 from switchyard.services.epp.settings import EppSettings
+from switchyard.services.gateway.flow import Flow
 from switchyard.services.gateway.kv_ingest import KvIngest
 from switchyard.services.gateway.local_route import InProcessRouter
 from switchyard.services.gateway.prompt_keys import PromptKeyer
@@ -124,7 +125,8 @@ class EppService:
                 f"switchyard nats-config --epps {e.epp_id}",
             )
             router = InProcessRouter(self.feed, self.sharer, self.registry)
-            self.picker = EndpointPicker(e, self.registry, self.feed, router, self.sharer, self.keyer)
+            flow = Flow(e.gateway(), self.registry, self.core) if e.admission else None  # the gateway's queues
+            self.picker = EndpointPicker(e, self.registry, self.feed, router, self.sharer, self.keyer, flow)
             await bus.publish(s.announce, Announce(requester=e.epp_id))
             await bus.nc.flush()
             processor = ExternalProcessor(self.picker, e.max_body_bytes)
@@ -165,6 +167,8 @@ class EppService:
         for task in self._tasks:
             task.cancel()
         self._tasks = []
+        if self.picker is not None and self.picker.flow is not None:
+            self.picker.flow.close()  # queued requests are answered 503 before the streams are cut
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await self.health.stopping()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,6 +17,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from switchyard.services.gateway.settings import GatewaySettings
 
 _GATEWAY = GatewaySettings.model_fields
+#: The flow-control settings the picker shares with the gateway (`Flow` reads them from `gateway()`).
+FLOW_FIELDS = (
+    "admission",
+    "saturation_concurrency",
+    "saturation_kv_usage",
+    "queue_max_requests",
+    "queue_max_per_tenant",
+    "queue_max_wait_s",
+    "retry_after_s",
+    "default_priority",
+)
 
 
 class EppSettings(BaseSettings):
@@ -38,6 +50,24 @@ class EppSettings(BaseSettings):
     #: Shed load: answer 429 when every candidate engine already has this many requests outstanding (running,
     #: waiting, and decided by any replica since its last report: the router core's count). 0: never shed.
     shed_load: int = Field(default=0, ge=0)
+
+    # --- flow control under saturation: the gateway's (services/gateway/flow.py), with its header names ---
+    #: While every candidate engine is saturated, hold requests in the picker, let them out by priority band
+    #: (`x-switchyard-priority`) and fairly across tenants (`x-switchyard-tenant`, else the body's `user`), and shed
+    #: past the bounds below with 429 and `Retry-After` (an ImmediateResponse). Off: only `shed_load` applies.
+    admission: bool = True
+    #: As the gateway's `saturation_concurrency`: requests outstanding at which an engine is saturated (0: its
+    #: hello's `capacity.max_running`) ...
+    saturation_concurrency: int = Field(default=_GATEWAY["saturation_concurrency"].default, ge=0)
+    #: ... or its KV cache usage at which it is.
+    saturation_kv_usage: float = Field(default=_GATEWAY["saturation_kv_usage"].default, gt=0, le=1.0)
+    #: As the gateway's: requests queued at once, per tenant, and the longest one waits before its 429 ...
+    queue_max_requests: int = Field(default=_GATEWAY["queue_max_requests"].default, ge=1)
+    queue_max_per_tenant: int = Field(default=_GATEWAY["queue_max_per_tenant"].default, ge=1)
+    queue_max_wait_s: float = Field(default=_GATEWAY["queue_max_wait_s"].default, gt=0)
+    #: ... the `Retry-After` (seconds) of every 429 the queue answers, and the band of a request naming none.
+    retry_after_s: int = Field(default=_GATEWAY["retry_after_s"].default, ge=0)
+    default_priority: Literal["low", "normal", "high"] = _GATEWAY["default_priority"].default
 
     #: The request body limit (the gateway's): a larger body is refused with 413. The JSON depth limit is the
     #: gateway parser's own (`shared/json_depth.py`).
@@ -78,4 +108,5 @@ class EppSettings(BaseSettings):
             health_check_interval_s=self.health_check_interval_s,
             health_timeout_s=self.health_timeout_s,
             gateway_id=self.epp_id,
+            **{name: getattr(self, name) for name in FLOW_FIELDS},
         )

@@ -142,7 +142,7 @@ class Flow:
 
     async def admit(
         self,
-        request: Request,
+        request: Request | None,
         model: str | None,
         klass: RequestClass,
         cost: Callable[[], float],
@@ -168,7 +168,8 @@ class Flow:
         if state.task is None or state.task.done():
             state.task = asyncio.ensure_future(self._dispatch(model, state))
         try:
-            verdict = await until_disconnect(request, asyncio.shield(waiter.ticket))
+            ticket = asyncio.shield(waiter.ticket)  # None: a caller whose client leaving cancels it (the picker)
+            verdict = await (ticket if request is None else until_disconnect(request, ticket))
         except (ClientGone, asyncio.CancelledError) as exc:
             state.queue.remove(waiter)
             self._depths(state)
