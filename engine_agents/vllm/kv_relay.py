@@ -240,7 +240,7 @@ def _ops(kind: str, tier: str, keys: list[int]) -> list[KvOp]:
     array = np.asarray(keys, dtype=np.uint64)
     named = None if tier == "gpu" else tier  # gpu is the default: left off, as an older relay sends it
     return [
-        KvOp(kind=kind, keys=array[i : i + MAX_KV_EVENT_KEYS], tier=named)  # type: ignore[arg-type]
+        KvOp(kind=kind, keys=array[i : i + MAX_KV_EVENT_KEYS], tier=named)
         for i in range(0, len(array), MAX_KV_EVENT_KEYS)
     ]
 

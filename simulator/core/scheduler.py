@@ -230,7 +230,7 @@ class Scheduler:
         self.prefix_query_tokens = 0  # Σ prompt tokens looked up at admissions (vLLM's queries)
         self.prefix_hit_tokens = 0  # Σ of those found cached (vLLM's hits; the CPU tier's included)
         self.prefix_cpu_hit_tokens = 0  # Σ of those loaded back from the CPU tier
-        self.loaded_tokens = 0  # CPU-tier tokens admitted since the engine last priced their copy (it resets)
+        self.loaded_tokens: int = 0  # CPU-tier tokens admitted since the engine last priced their copy (it resets)
 
     # -- state ---------------------------------------------------------------------------------------------
 

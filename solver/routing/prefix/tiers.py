@@ -78,8 +78,8 @@ def walk_tiers(
             s = slot[k, cand]
             if (s < 0).all():
                 continue
-            masks = np.fromiter(map(holders.get, keys, repeat(0)), dtype=np.uint64, count=n)
-            bits = (masks[:, None] >> np.maximum(s, 0).astype(np.uint64)[None, :]) & np.uint64(1)
+            held = np.fromiter(map(holders.get, keys, repeat(0)), dtype=np.uint64, count=n)
+            bits = (held[:, None] >> np.maximum(s, 0).astype(np.uint64)[None, :]) & np.uint64(1)
             bits[:, s < 0] = 0
             np.maximum(best, bits * w, out=best)
         first_asked = depth[cand]
