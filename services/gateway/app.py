@@ -147,7 +147,7 @@ async def _serve_dp(
         def cost() -> float:
             return request_cost(parsed.prompt_tokens, parsed.body, s.output_token_weight, s.default_output_tokens)
 
-        refused, routed = await flow.admit(request, parsed.model, klass, cost, dp)
+        refused, routed = await flow.admit(request, parsed.model, klass, cost, dp, request_id)
         if refused is not None:
             return refused
         if routed is not None:  # it waited: engines may have come or gone meanwhile
@@ -257,6 +257,8 @@ class GatewayApp:
 def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
     """`is_connected()` tells readiness whether the bus is up (None: assume it is)."""
     completions = {path: _Completions(ctx, path, chat=path.endswith("/chat/completions")) for path in COMPLETIONS}
+    if ctx.flow is not None and ctx.flow.expert_load:  # signatures tell the queue each request's expert footprint
+        ctx.signatures.listeners.append(ctx.flow.on_signature)
 
     async def models(_request: Request) -> Response:
         data = []

@@ -8,6 +8,14 @@ it requests would wait inside the engine, where nothing can reorder them), or it
 `saturation_kv_usage`. The fleet is saturated when no live engine has a free slot. While it is not, and nothing
 is queued, a request costs one scan that stops at the first engine with room: no queue work at all.
 
+What a tenant is charged is `settings.fairness`'s policy (`solver/fairness.py`): weighted tokens, or expert load.
+A request's expert footprint is known only once its prefill ends and its engine publishes the signature
+(`sy.engine.<id>.signature`, carrying the gateway's request id): the queue charges the tenant's recent mean
+footprint (else the fleet's, else 1) when the request leaves, and `on_signature` corrects the tenant's attained
+service by the difference and updates the means. Every request on the DP path is remembered for that (the
+latest `TRACK_REQUESTS`, so bounded memory; an older one's correction is dropped), so a tenant's mean is known
+before its requests ever queue.
+
 Nothing admitted is lost: a queued request leaves to be routed, or gets 429 (shed by a higher band, or waited
 past `queue_max_wait_s`), 499 when its client left (seen within `relay.WATCH_AFTER_S`), or 503 at shutdown.
 """
@@ -18,7 +26,9 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,7 +39,10 @@ from switchyard.services.gateway.body import openai_error
 from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
 from switchyard.services.gateway.relay import ClientGone, until_disconnect
 from switchyard.services.gateway.settings import GatewaySettings
+from switchyard.services.gateway.signatures import REQUEST_ID
 from switchyard.services.router.core import RouterCore
+from switchyard.shared.schemas import PrefillSignature
+from switchyard.solver.fairness import Footprints, footprint, request_cost
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +50,19 @@ __all__ = ["Flow", "Pressure"]
 
 #: While requests are queued, how often free slots are looked for (telemetry and ends change them).
 POLL_S = 0.005
+#: Requests whose signature may still correct their tenant's charge (the newest kept): a few seconds of traffic.
+TRACK_REQUESTS = 4096
+
+
+@dataclass(slots=True)
+class _Charge:
+    """What one request was charged (or, not queued, only whose footprint its signature will tell)."""
+
+    model: str | None
+    tenant: str
+    weighted: float
+    share: float | None  # the footprint estimate charged (None: none known, charged its weighted tokens)
+    charged: bool = False
 
 
 class Pressure:
@@ -129,6 +155,9 @@ class Flow:
         self.pressure = Pressure(settings, core)
         self.models: dict[str | None, _Model] = {}
         self.closed = False
+        self.expert_load = settings.fairness == "expert-load"
+        self.footprints = Footprints(settings.max_tenants)
+        self.tracked: OrderedDict[str, _Charge] = OrderedDict()
 
     def _model(self, model: str | None) -> _Model:
         state = self.models.get(model)
@@ -147,14 +176,18 @@ class Flow:
         klass: RequestClass,
         cost: Callable[[], float],
         engines: list[HttpEngine],
+        request_id: str = "",
     ) -> tuple[Response | None, Callable[[], None] | None]:
         """(None, routed) to go on and route now, calling `routed()` once the choice is made (None when it did not
-        queue); or (a response, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown."""
+        queue); or (a response, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown.
+        `cost()`: the request's weighted tokens; `request_id`: the id its engine's signature will carry."""
+        entry = self._track(request_id, model, klass.tenant, cost) if self.expert_load and request_id else None
         state = self.models.get(model)
         if (state is None or not state.queue) and not self.pressure.saturated(engines):
             return None, None
         state, band = self._model(model), klass.band
-        waiter = Waiter(band, klass.tenant, cost(), time.monotonic(), asyncio.get_running_loop().create_future())
+        charge = cost() if entry is None else request_cost("expert-load", entry.weighted, entry.share)
+        waiter = Waiter(band, klass.tenant, charge, time.monotonic(), asyncio.get_running_loop().create_future())
         try:
             shed = state.queue.push(waiter)
         except Full as exc:
@@ -182,10 +215,32 @@ class Flow:
             return Response(status_code=499), None
         metrics.QUEUE_WAIT.labels(BANDS[band]).observe(time.monotonic() - waiter.arrived)
         if verdict == "go":
+            if entry is not None:
+                entry.charged = True
             return None, _Routed(state)
         if verdict == "closed":
             return JSONResponse(openai_error(503, "the gateway is stopping", "ServiceUnavailableError"), 503), None
         return shed_response(verdict, self.settings.retry_after_s), None
+
+    def _track(self, request_id: str, model: str | None, tenant: str, cost: Callable[[], float]) -> _Charge:
+        entry = self.tracked[request_id] = _Charge(model, tenant, cost(), self.footprints.estimate(tenant))
+        if len(self.tracked) > TRACK_REQUESTS:
+            self.tracked.popitem(last=False)
+        return entry
+
+    def on_signature(self, message: PrefillSignature) -> None:
+        """A request's prefill signature: its tenant's footprint mean learns it, and, if the request was charged
+        an estimate, the tenant's attained service is corrected to its real cost."""
+        match = REQUEST_ID.search(message.request_id)
+        entry = self.tracked.pop(match.group(0), None) if match is not None else None
+        if entry is None:
+            return
+        share = footprint(message.signature)
+        self.footprints.observe(entry.tenant, share)
+        state = self.models.get(entry.model)
+        if entry.charged and state is not None:
+            estimate = 1.0 if entry.share is None else entry.share
+            state.queue.charge(entry.tenant, entry.weighted * (share - estimate))
 
     def _depths(self, state: _Model) -> None:
         for band, name in enumerate(BANDS):
