@@ -23,18 +23,18 @@ async def test_the_router_exports_its_fleets_saturation(bus: Bus, settings: Swit
         httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
     ):
         idle = 0.1  # the stub's telemetry says kv_usage 0.1, and no request is outstanding
-        await wait_for(lambda: metric(SATURATION, model="stub-model") == idle and _exported())
+        await wait_for(lambda: metric(SATURATION, model_name="stub-model") == idle and _exported())
         engine = engines["a"]
         engine.gate = asyncio.Event()
         held = [asyncio.ensure_future(client.post("/v1/completions", json=BODY)) for _ in range(32)]
         try:
             await wait_for(lambda: engine.running == 32)
             # 32 requests outstanding on the one engine of capacity.max_running 256 (the stub's hello): above its KV
-            await wait_for(lambda: metric(SATURATION, model="stub-model") == 32 / 256)
+            await wait_for(lambda: metric(SATURATION, model_name="stub-model") == 32 / 256)
         finally:
             engine.gate.set()
         assert all(a.status_code == 200 for a in await asyncio.gather(*held))
-        await wait_for(lambda: metric(SATURATION, model="stub-model") == idle)
+        await wait_for(lambda: metric(SATURATION, model_name="stub-model") == idle)
     assert metric("switchyard_router_engine_expert_pressure", engine="a") >= 1.0  # the per-engine figure beside it
 
 
@@ -42,5 +42,5 @@ def _exported() -> bool:
     from prometheus_client import REGISTRY
 
     return any(
-        s.name == SATURATION and s.labels.get("model") == "stub-model" for f in REGISTRY.collect() for s in f.samples
+        s.name == SATURATION and s.labels.get("model_name") == "stub-model" for f in REGISTRY.collect() for s in f.samples
     )
