@@ -128,7 +128,7 @@ FLEET_SATURATION = Gauge(
     "Each model's fleet saturation as this router's core counts it, for an autoscaler: the mean over its live "
     "engines of max(requests outstanding (running + waiting + decided since the last report) / the hello's "
     "capacity.max_running, KV cache usage). 1: every engine at its limit.",
-    ["model"],
+    ["model_name"],
 )
 PREFIX_DROPPED = Counter(
     "switchyard_router_prefix_dropped_total",
