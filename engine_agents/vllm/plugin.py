@@ -21,6 +21,7 @@ Every failure to attach is logged and leaves vLLM running as if the plugin were 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 _PATCHED = "_switchyard_patched"
 #: No step for this long means every request the worker saw has finished (see `_wrap_steps`).
 IDLE_FLUSH_S = 1.0
+#: Keys of the per-block count tables (`ops.BLOCK_TABLES`), one per worker in attach order. The key is a
+#: constant of the compiled graph, and vLLM's compile cache hands that graph to any later process with the same
+#: engine configuration (a restart, another engine): a key that depended on the process (an object's `id`)
+#: would name no table there, and the signatures would silently stay empty.
+_TABLE_KEYS = itertools.count()
 
 
 def register() -> None:
@@ -355,7 +361,7 @@ def _attach_worker(runner: Any, settings: AgentSettings) -> None:
     )
     if not publisher.start():
         return  # no bus: count nothing
-    blocks_key = id(counter) if settings.signatures else None
+    blocks_key = next(_TABLE_KEYS) if settings.signatures else None
     for index, module in enumerate(sorted(moe, key=lambda m: m.layer_id)):
         module.router.set_capture_fn(counter.capture_fn(index, blocks_key))
     if blocks_key is not None:
