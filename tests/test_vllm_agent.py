@@ -10,7 +10,6 @@ its own prompt and decode selections, and layout/migrate are answered.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from switchyard.shared.schemas import (
     Telemetry,
 )
 from switchyard.shared.settings import SwitchyardSettings
-from tests.vllm_helpers import EXPERTS, LAYERS, TOP_K, make_tiny_moe, result_line
+from tests.vllm_helpers import ENGINE_ARGS, EXPERTS, LAYERS, TOP_K, engine_env, result_line, tiny_moe_once
 
 #: A fresh machine compiles the model (inductor, C++) with no cache: allow well past the suite's 300 s.
 pytestmark = pytest.mark.timeout(900)
@@ -42,8 +41,7 @@ SERVE = """
 import json, os, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], enforce_eager={eager}, max_model_len=256, max_num_seqs=4, dtype="bfloat16",
-              gpu_memory_utilization=0.1, enable_prefix_caching=False)
+    llm = LLM(model=sys.argv[1], enforce_eager={eager}, {engine}, enable_prefix_caching=False)
     prompts = [" ".join(f"t{{10 + 7 * i + j}}" for j in range(5 + i)) for i in range({prompts})]
     outputs = llm.generate(prompts, SamplingParams(max_tokens={max_tokens}, ignore_eos=True))
     print(json.dumps({{"prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
@@ -56,12 +54,17 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    return tiny_moe_once(tmp_path_factory)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 async def test_a_vllm_engine_speaks_the_bus_contract(
-    bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path, eager: bool
+    bus: Bus,
+    settings: SwitchyardSettings,
+    tiny_moe: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    eager: bool,
 ) -> None:
     """Compiled: vLLM traces the model with torch.compile after the capture ops are attached; they must stay."""
     stop_file = tmp_path / "stop"
@@ -82,17 +85,16 @@ async def test_a_vllm_engine_speaks_the_bus_contract(
         samples.append(decode(msg.data, RoutingSample))
 
     await bus.js.subscribe(bus.subjects.routing_samples, stream=bus.subjects.routing_samples_stream, cb=on_sample)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "SWITCHYARD_AGENT_ENABLED": "1",
-        "SWITCHYARD_AGENT_ENGINE_ID": "vllm-test",
-        "SWITCHYARD_AGENT_EXPERT_LOAD_INTERVAL_S": "0.2",
-        "SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION": "1.0",
-        "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
-        "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix,
-    }
-    serve = SERVE.format(prompts=PROMPTS, max_tokens=MAX_TOKENS, eager=eager)
+    env = engine_env(
+        tmp_path_factory,
+        SWITCHYARD_AGENT_ENABLED="1",
+        SWITCHYARD_AGENT_ENGINE_ID="vllm-test",
+        SWITCHYARD_AGENT_EXPERT_LOAD_INTERVAL_S="0.2",
+        SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION="1.0",
+        SWITCHYARD_NATS_SERVERS=",".join(settings.nats_servers),
+        SWITCHYARD_SUBJECT_PREFIX=bus.subjects.prefix,
+    )
+    serve = SERVE.format(prompts=PROMPTS, max_tokens=MAX_TOKENS, eager=eager, engine=ENGINE_ARGS)
     engine = await asyncio.create_subprocess_exec(
         sys.executable, "-c", serve, str(tiny_moe), str(stop_file), env=env, stdout=asyncio.subprocess.PIPE
     )

@@ -40,7 +40,7 @@ from switchyard.shared.embedded import free_port
 from switchyard.shared.schemas import PrefillSignature, RouteDecisions, RouteDecodeRequest
 from switchyard.shared.settings import SwitchyardSettings
 from tests.gateway_helpers import wait_for
-from tests.vllm_helpers import LAYERS, TOP_K, make_tiny_moe
+from tests.vllm_helpers import LAYERS, TOP_K, tiny_moe_once
 
 #: A fresh machine compiles the model (inductor, C++) with no cache: allow well past the suite's 300 s.
 pytestmark = pytest.mark.timeout(900)
@@ -50,7 +50,7 @@ PROMPT = " ".join(f"t{(7 * j) % 500 + 5}" for j in range(90))
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    return tiny_moe_once(tmp_path_factory)
 
 
 async def _start_engine(

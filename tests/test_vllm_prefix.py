@@ -42,7 +42,7 @@ from switchyard.shared.prefix_keys import block_keys
 from switchyard.shared.schemas import KvEvents, RouteDecisions
 from switchyard.shared.settings import SwitchyardSettings
 from tests.gateway_helpers import wait_for
-from tests.vllm_helpers import make_tiny_moe
+from tests.vllm_helpers import tiny_moe_once
 
 pytestmark = pytest.mark.timeout(900)
 MODEL = "tiny-moe"
@@ -54,7 +54,7 @@ OTHER_PREFIX = " ".join(f"t{(13 * j) % 470 + 20}" for j in range(4 * BLOCK + 5))
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    return tiny_moe_once(tmp_path_factory)
 
 
 def _tokens(model: Path, text: str) -> list[int]:

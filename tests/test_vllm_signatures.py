@@ -11,7 +11,6 @@ transformers' router logits on the same token ids; and a prefix-cache hit must g
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +23,16 @@ from switchyard.shared.bus import Bus
 from switchyard.shared.codec import decode
 from switchyard.shared.schemas import PrefillSignature, RoutingSample
 from switchyard.shared.settings import SwitchyardSettings
-from tests.vllm_helpers import EXPERTS, LAYERS, TOP_K, external_id, make_tiny_moe, result_line
+from tests.vllm_helpers import (
+    ENGINE_ARGS,
+    EXPERTS,
+    LAYERS,
+    TOP_K,
+    engine_env,
+    external_id,
+    result_line,
+    tiny_moe_once,
+)
 
 #: A fresh machine compiles the model (inductor, C++) with no cache: allow well past the suite's 300 s.
 pytestmark = pytest.mark.timeout(900)
@@ -32,8 +40,7 @@ SERVE = """
 import json, os, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], enforce_eager={eager}, max_model_len=256, max_num_seqs=4, dtype="float32",
-              gpu_memory_utilization=0.1, enable_prefix_caching=True, block_size=32)
+    llm = LLM(model=sys.argv[1], enforce_eager={eager}, {engine}, enable_prefix_caching=True)
     words = lambda start, n: [(start + 7 * j) % 500 + 5 for j in range(n)]  # token ids
     a, b, c = words(0, 80), words(101, 70), words(202, 20)
     d = a[:64] + words(303, 20)
@@ -56,7 +63,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    return tiny_moe_once(tmp_path_factory)
 
 
 def _transformers_counts(model: Path, token_ids: list[int]) -> np.ndarray:
@@ -76,7 +83,12 @@ def _transformers_counts(model: Path, token_ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 async def test_every_request_gets_its_block_granular_signature(
-    bus: Bus, settings: SwitchyardSettings, tiny_moe: Path, tmp_path: Path, eager: bool
+    bus: Bus,
+    settings: SwitchyardSettings,
+    tiny_moe: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    eager: bool,
 ) -> None:
     stop_file = tmp_path / "stop"
     await bus.ensure_streams()
@@ -88,19 +100,18 @@ async def test_every_request_gets_its_block_granular_signature(
         samples.append(decode(msg.data, RoutingSample))
 
     await bus.js.subscribe(bus.subjects.routing_samples, stream=bus.subjects.routing_samples_stream, cb=on_sample)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "SWITCHYARD_AGENT_ENABLED": "1",
-        "SWITCHYARD_AGENT_ENGINE_ID": "vllm-sig",
-        "SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION": "1.0",
-        "SWITCHYARD_NATS_SERVERS": ",".join(settings.nats_servers),
-        "SWITCHYARD_SUBJECT_PREFIX": bus.subjects.prefix,
-    }
+    env = engine_env(
+        tmp_path_factory,
+        SWITCHYARD_AGENT_ENABLED="1",
+        SWITCHYARD_AGENT_ENGINE_ID="vllm-sig",
+        SWITCHYARD_AGENT_ROUTING_SAMPLE_FRACTION="1.0",
+        SWITCHYARD_NATS_SERVERS=",".join(settings.nats_servers),
+        SWITCHYARD_SUBJECT_PREFIX=bus.subjects.prefix,
+    )
     engine = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        SERVE.format(eager=eager),
+        SERVE.format(eager=eager, engine=ENGINE_ARGS),
         str(tiny_moe),
         str(stop_file),
         env=env,
