@@ -2,7 +2,7 @@
 
 One free seat makes the admission order visible as the order of first tokens: three long decodes hold three
 of the engine's four seats (the engine configuration every test here shares, `ENGINE_ARGS`, so that the
-compiled variant loads the session's one compile), and each of the four requests under test is admitted only
+compiled variant shares the session's one compile), and each of the four requests under test is admitted only
 when the one before it has finished. The engine core runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
 all four are queued before the `schedule()` that admits the first: the order depends on the scheduler, not on a
 race. Queued in this order: a 120-token prompt, a 100-token prompt, a 130-token prompt that arrived 10 s ago
