@@ -139,7 +139,8 @@ class GatewaySettings(BaseSettings):
     # --- session affinity (issue 42; services/gateway/sessions.py) ---
     #: In process: a request naming a session (`x-switchyard-session`, `x-session-id`, `x-session-affinity`,
     #: `session-id`) goes to the engine of the session's last request while that engine is below saturation
-    #: (`saturation_concurrency`), else where the core chooses ("sticky until saturated"). Per gateway replica.
+    #: (`saturation_concurrency`), else where the core chooses ("sticky until saturated"); replicas learn each
+    #: other's sessions from their shared decisions (docs/gateway.md).
     session_affinity: bool = True
     #: Sessions remembered (least recently used out first) ...
     max_sessions: int = Field(default=100_000, ge=1)
