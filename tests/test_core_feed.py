@@ -86,3 +86,32 @@ async def test_decisions_naming_another_replica_than_their_subject_are_refused(
         assert [m.replica_id for m in counted] == ["g2"]
     finally:
         await feed.stop()
+
+
+async def test_stop_returns_though_a_task_lost_a_cancel(bus: Bus, settings: SwitchyardSettings) -> None:
+    """On Python 3.11 `asyncio.wait_for` (under every nats-py request) drops a cancel that lands as its reply
+    arrives, and the poll loop goes on: stop() must cancel again, not wait on it forever (it hung so on a loaded
+    machine). The task below loses its first cancel the same way."""
+    feed = await _feed(settings, bus)
+    cancels = 0
+
+    async def loses_the_first_cancel() -> None:
+        nonlocal cancels
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels > 1:
+                    raise
+
+    task = asyncio.create_task(loses_the_first_cancel())
+    await asyncio.sleep(0)
+    feed._tasks.append(task)
+    stopping = asyncio.create_task(feed.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=30)  # a guard against the hang, not a speed bound
+    if not done:  # the old stop(): still awaiting the task that lost its cancel
+        task.cancel()
+        await stopping
+    assert stopping in done, "stop() waited on a task that had lost its cancel"
+    assert task.cancelled() and cancels == 2

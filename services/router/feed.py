@@ -261,8 +261,15 @@ class CoreFeed:
             await asyncio.wait_for(self.ready.wait(), timeout=5)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        """Cancel the feed's tasks until they are done: on Python 3.11 `asyncio.wait_for` (under every nats-py
+        request, e.g. the artifact poll's `kv.get`) drops a cancel that lands as its reply arrives (gh-86296),
+        and the loop polls on; awaiting it once hung stop() for good (seen in tests on a loaded machine)."""
+        pending = [task for task in self._tasks if not task.done()]
+        while pending:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.1)
+            pending = [task for task in pending if not task.done()]
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
