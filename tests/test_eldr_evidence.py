@@ -81,8 +81,10 @@ def test_the_decode_policy_sees_only_prefill_phase_information(
     esft: Scenario, setup: tuple[FleetConfig, Workload]
 ) -> None:
     """Every query's similarities are those of the request's prefill counts (not its decode counts)."""
-    # `cached` (prefix-cache hits per engine) is known before decode too; the decode choice is never given it
-    assert {f.name for f in dataclasses.fields(RouteQuery)} == {"sims", "label", "prompt_tokens", "cached"}
+    # `cached` (prefix-cache hits per engine) is known before decode too; the decode choice is never given it.
+    # `affinity` (the DP dispatch's predicted experts) comes from *earlier* requests' prefill signatures.
+    fields = {f.name for f in dataclasses.fields(RouteQuery)}
+    assert fields == {"sims", "label", "prompt_tokens", "cached", "affinity"}
     fleet, wl = setup
     queries: list[RouteQuery] = []
     eldr = DECODE_POLICIES["eldr"]
@@ -93,6 +95,7 @@ def test_the_decode_policy_sees_only_prefill_phase_information(
 
     res = esft.run(wl, fleet, dataclasses.replace(eldr, name="eldr-spy", fn=spying), seed=0)
     assert len(queries) == REQUESTS
+    assert all(q.affinity is None for q in queries), "the decode choice was given a DP dispatch's prediction"
     order = np.lexsort((np.arange(REQUESTS), res.prefill_done))  # the order the policy was called in
     artifact, _ = esft.eldr_inputs("balanced", 8)
     scorer = SignatureScorer.from_artifact(artifact)  # type: ignore[arg-type]
