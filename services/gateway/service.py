@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 
 import uvicorn
+from nats.aio.msg import Msg
 
 from switchyard.services.engine_book import EngineBook
 from switchyard.services.gateway import metrics
@@ -130,6 +132,14 @@ class GatewayService:
         else:
             self.registry.on_telemetry(telemetry)
 
+    def _on_signature(self, message: PrefillSignature, msg: Msg) -> None:
+        """To the handoffs and the flow control; in process, also to the core's expert affinity, believed only as
+        its subject's engine (which only that engine's NATS user may publish under), as the router service does."""
+        self.signatures.on_signature(message, msg)
+        sender = self.ingest.subjects.engine_of(msg.subject) if self.ingest is not None else None
+        if self.core is not None and sender is not None:
+            self.core.on_signature(message, sender, time.monotonic())
+
     async def _tidy(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
@@ -213,7 +223,7 @@ class GatewayService:
         await ingest.subscribe(s.all_hello, Hello, self._on_hello)
         # Telemetry keeps an engine live as it does for the router and the fleet view (one liveness rule).
         await ingest.subscribe(s.all_telemetry, Telemetry, self._on_telemetry)
-        await ingest.subscribe(s.all_signatures, PrefillSignature, self.signatures.on_signature)
+        await ingest.subscribe(s.all_signatures, PrefillSignature, self._on_signature)
         # KV events: the prefill choice's index (prefill engines), and the in-process core's when a profile reads it;
         # on a connection of their own, rate-bounded before decoding (`kv_ingest`: a flood cuts off only that one)
         prefill_index = self.prefix if self.prefix is not None and g.mode != "dp" else None
