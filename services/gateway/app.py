@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -121,8 +122,8 @@ async def _complete(ctx: Context, request: Request, path: str, chat: bool) -> To
                 param="n",
             )
         if prefills and decoders:
-            await _name_blocks(ctx, parsed, chat, prefills)
-            return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started)
+            fleet = (prefills, decoders)
+            return await _serve_disagg(ctx, request, parsed, path, chat, fleet, klass, request_id, started)
     metrics.REQUESTS.labels("none", "unavailable").inc()
     return _fleet_unavailable(ctx, parsed.model)
 
@@ -142,12 +143,7 @@ async def _serve_dp(
     """The DP path behind flow control: while the fleet is saturated the request waits its turn (or is shed)."""
     flow, routed = ctx.flow, None
     if flow is not None:
-        s = ctx.settings
-
-        def cost() -> float:
-            return request_cost(parsed.prompt_tokens, parsed.body, s.output_token_weight, s.default_output_tokens)
-
-        refused, routed = await flow.admit(request, parsed.model, klass, cost, dp, request_id)
+        refused, routed = await flow.admit(request, parsed.model, klass, _cost(ctx, parsed), dp, request_id)
         if refused is not None:
             return refused
         if routed is not None:  # it waited: engines may have come or gone meanwhile
@@ -162,6 +158,50 @@ async def _serve_dp(
     finally:
         if routed is not None:
             routed()
+
+
+async def _serve_disagg(
+    ctx: Context,
+    request: Request,
+    parsed: Parsed,
+    path: str,
+    chat: bool,
+    fleet: tuple[list[HttpEngine], list[HttpEngine]],
+    klass: RequestClass,
+    request_id: str,
+    started: float,
+) -> ToClient:
+    """The prefill->decode path behind the same flow control: saturated when no prefill engine or no decoder has
+    room; `routed()` once both engines are chosen (`serve_disagg`), and in any case when the request ends."""
+    (prefills, decoders), flow, routed = fleet, ctx.flow, None
+    if flow is not None:
+        refused, routed = await flow.admit(
+            request, parsed.model, klass, _cost(ctx, parsed), prefills, request_id, decoders=decoders
+        )
+        if refused is not None:
+            return refused
+        if routed is not None:  # it waited: engines may have come or gone meanwhile
+            prefills, decoders = ctx.registry.live("prefill", parsed.model), ctx.registry.live("decode", parsed.model)
+            if not (prefills and decoders):
+                routed()
+                metrics.REQUESTS.labels("none", "unavailable").inc()
+                return _fleet_unavailable(ctx, parsed.model)
+    try:
+        await _name_blocks(ctx, parsed, chat, prefills)
+        return await serve_disagg(ctx, request, parsed, path, prefills, decoders, request_id, started, routed)
+    finally:
+        if routed is not None:
+            routed()
+
+
+def _cost(ctx: Context, parsed: Parsed) -> Callable[[], float]:
+    """The request's weighted tokens for the queue, computed only if it is charged."""
+    s = ctx.settings
+
+    def cost() -> float:
+        return request_cost(parsed.prompt_tokens, parsed.body, s.output_token_weight, s.default_output_tokens)
+
+    return cost
 
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")

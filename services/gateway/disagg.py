@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,9 @@ async def serve_disagg(
     decoders: list[HttpEngine],
     request_id: str,
     started: float,
+    routed: Callable[[], None] | None = None,
 ) -> ToClient:
+    """The handoff; `routed()` (flow control's) is called once the decoder is chosen: both engines count it now."""
     ctx.signatures.expect(request_id)  # before the prefill: the bus message may beat the HTTP answer
     try:
         done = await _prefill(ctx, request, prefills, parsed, path, request_id)
@@ -183,6 +186,8 @@ async def serve_disagg(
     if signature is not None:
         ctx.signatures.discard(request_id)
         metrics.SIGNATURES.labels("response").inc()
+        if ctx.flow is not None:  # the queue's charge is corrected from it, as from a bus signature
+            ctx.flow.observe(request_id, signature)
     else:
         engine_id = prefill_engine.engine_id
         wait_s = ctx.signatures.wait_for(engine_id, ctx.settings.signature_wait_s)
@@ -195,6 +200,8 @@ async def serve_disagg(
         decoder = await choice
     else:
         decoder = await traced_route(ctx.tracing, ctx.router, "decode", request_id, choice)
+    if routed is not None:
+        routed()
     if decoder is None:
         return error_response(503, "no live decode engine", "ServiceUnavailableError")
     return await final_hop(

@@ -8,13 +8,18 @@ it requests would wait inside the engine, where nothing can reorder them), or it
 `saturation_kv_usage`. The fleet is saturated when no live engine has a free slot. While it is not, and nothing
 is queued, a request costs one scan that stops at the first engine with room: no queue work at all.
 
+A prefill->decode fleet is gated by both of its roles: a request needs a prefill engine, then holds a decoder
+for its whole decode, so the fleet is saturated when no prefill engine has room or no decoder has; its free
+slots are the lesser of the two roles' (`_Model.roles`: the roles whose engines gate the model's queue).
+
 What a tenant is charged is `settings.fairness`'s policy (`solver/fairness.py`): weighted tokens, or expert load.
 A request's expert footprint is known only once its prefill ends and its engine publishes the signature
 (`sy.engine.<id>.signature`, carrying the gateway's request id): the queue charges the tenant's recent mean
 footprint (else the fleet's, else 1) when the request leaves, and `on_signature` corrects the tenant's attained
-service by the difference and updates the means. Every request on the DP path is remembered for that (the
-latest `TRACK_REQUESTS`, so bounded memory; an older one's correction is dropped), so a tenant's mean is known
-before its requests ever queue.
+service by the difference and updates the means (`observe`: a handoff whose prefill answer carried the
+signature itself). Every request on the DP and the prefill->decode path is remembered for that (the latest
+`TRACK_REQUESTS`, so bounded memory; an older one's correction is dropped), so a tenant's mean is known before
+its requests ever queue.
 
 Nothing admitted is lost: a queued request leaves to be routed, or gets 429 (shed by a higher band, or waited
 past `queue_max_wait_s`), 499 when its client left (seen within `relay.WATCH_AFTER_S`), or 503 at shutdown.
@@ -27,9 +32,10 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -46,7 +52,11 @@ from switchyard.solver.fairness import Footprints, footprint, request_cost
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Flow", "Pressure"]
+__all__ = ["DISAGG", "DP", "Flow", "Pressure"]
+
+#: The roles whose engines gate a model's queue: a data-parallel fleet's, a prefill->decode fleet's.
+DP: tuple[str, ...] = ("dp",)
+DISAGG: tuple[str, ...] = ("prefill", "decode")
 
 #: While requests are queued, how often free slots are looked for (telemetry and ends change them).
 POLL_S = 0.005
@@ -127,8 +137,10 @@ def shed_response(reason: str, retry_after_s: int) -> Response:
 class _Model:
     """One model's queue and its dispatcher task."""
 
-    def __init__(self, queue: FairQueue) -> None:
+    def __init__(self, queue: FairQueue, roles: tuple[str, ...]) -> None:
         self.queue = queue
+        #: The roles whose engines gate it (the fleet's mode as the latest request found it).
+        self.roles = roles
         #: Requests let out but not yet routed: counted against free slots so a burst of releases cannot overshoot.
         self.pending = 0
         self.task: asyncio.Task[None] | None = None
@@ -148,7 +160,8 @@ class _Routed:
 
 
 class Flow:
-    """The gateway's flow control (`settings.admission`): `admit` on the DP path before routing."""
+    """The gateway's flow control (`settings.admission`): `admit` before routing, on the DP path and the
+    prefill->decode path."""
 
     def __init__(self, settings: GatewaySettings, registry: GatewayRegistry, core: RouterCore | None) -> None:
         self.settings, self.registry = settings, registry
@@ -159,11 +172,13 @@ class Flow:
         self.footprints = Footprints(settings.max_tenants)
         self.tracked: OrderedDict[str, _Charge] = OrderedDict()
 
-    def _model(self, model: str | None) -> _Model:
+    def _model(self, model: str | None, roles: tuple[str, ...] = DP) -> _Model:
         state = self.models.get(model)
         if state is None:  # only models with live engines get here (their fleet is saturated): few
             s = self.settings
-            state = self.models[model] = _Model(FairQueue(s.queue_max_requests, s.queue_max_per_tenant, s.max_tenants))
+            queue = FairQueue(s.queue_max_requests, s.queue_max_per_tenant, s.max_tenants)
+            state = self.models[model] = _Model(queue, roles)
+        state.roles = roles  # a fleet that changed mode gates its queue by its new roles
         return state
 
     def depth(self, band: int) -> int:
@@ -177,15 +192,17 @@ class Flow:
         cost: Callable[[], float],
         engines: list[HttpEngine],
         request_id: str = "",
+        decoders: list[HttpEngine] | None = None,
     ) -> tuple[Response | None, Callable[[], None] | None]:
         """(None, routed) to go on and route now, calling `routed()` once the choice is made (None when it did not
         queue); or (a response, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown.
-        `cost()`: the request's weighted tokens; `request_id`: the id its engine's signature will carry."""
+        `cost()`: the request's weighted tokens; `request_id`: the id its engine's signature will carry.
+        `engines`: the DP fleet's, or with `decoders` a prefill->decode fleet's prefill engines."""
         entry = self._track(request_id, model, klass.tenant, cost) if self.expert_load and request_id else None
         state = self.models.get(model)
-        if (state is None or not state.queue) and not self.pressure.saturated(engines):
+        if (state is None or not state.queue) and not self._saturated(engines, decoders):
             return None, None
-        state, band = self._model(model), klass.band
+        state, band = self._model(model, DP if decoders is None else DISAGG), klass.band
         charge = cost() if entry is None else request_cost("expert-load", entry.weighted, entry.share)
         waiter = Waiter(band, klass.tenant, charge, time.monotonic(), asyncio.get_running_loop().create_future())
         try:
@@ -211,7 +228,7 @@ class Flow:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             metrics.QUEUE_LEFT.labels(BANDS[band]).inc()
-            metrics.CLIENT_ABORTS.labels("dp").inc()
+            metrics.CLIENT_ABORTS.labels("dp" if decoders is None else "disagg").inc()
             return Response(status_code=499), None
         metrics.QUEUE_WAIT.labels(BANDS[band]).observe(time.monotonic() - waiter.arrived)
         if verdict == "go":
@@ -221,6 +238,17 @@ class Flow:
         if verdict == "closed":
             return JSONResponse(openai_error(503, "the gateway is stopping", "ServiceUnavailableError"), 503), None
         return shed_response(verdict, self.settings.retry_after_s), None
+
+    def _saturated(self, engines: list[HttpEngine], decoders: list[HttpEngine] | None) -> bool:
+        """No engine has room; on a prefill->decode fleet, no prefill engine or no decoder has (one request
+        holds both in turn, the decoder for its whole decode)."""
+        saturated = self.pressure.saturated
+        return saturated(engines) or (decoders is not None and saturated(decoders))
+
+    def _free(self, model: str | None, roles: Sequence[str]) -> int:
+        """Requests the model's fleet can take now: the engines' free slots, the least over the roles gating it."""
+        room = self.pressure.room
+        return min(sum(room(e) for e in self.registry.live(role, model)) for role in roles)
 
     def _track(self, request_id: str, model: str | None, tenant: str, cost: Callable[[], float]) -> _Charge:
         entry = self.tracked[request_id] = _Charge(model, tenant, cost(), self.footprints.estimate(tenant))
@@ -232,10 +260,15 @@ class Flow:
         """A request's prefill signature: its tenant's footprint mean learns it, and, if the request was charged
         an estimate, the tenant's attained service is corrected to its real cost."""
         match = REQUEST_ID.search(message.request_id)
-        entry = self.tracked.pop(match.group(0), None) if match is not None else None
+        if match is not None:
+            self.observe(match.group(0), message.signature)
+
+    def observe(self, request_id: str, signature: np.ndarray | None) -> None:
+        """`request_id`'s signature however it arrived (on the bus, or in a prefill answer's KV parameters)."""
+        entry = self.tracked.pop(request_id, None)
         if entry is None:
             return
-        share = footprint(message.signature)
+        share = 1.0 if signature is None else footprint(signature)  # none: every expert, as footprint says
         self.footprints.observe(entry.tenant, share)
         state = self.models.get(entry.model)
         if entry.charged and state is not None:
@@ -255,8 +288,7 @@ class Flow:
                     queue.remove(old)
                     metrics.SHED.labels(BANDS[old.band], "expired").inc()
                     old.ticket.set_result("expired")
-                engines = self.registry.live("dp", model)
-                free = sum(self.pressure.room(e) for e in engines) - state.pending
+                free = self._free(model, state.roles) - state.pending
                 while free > 0 and queue:
                     waiter = queue.pop()
                     assert waiter is not None

@@ -28,6 +28,7 @@ from switchyard.services.gateway.signatures import SignatureBox
 from switchyard.services.gateway.upstream import Opened, Upstream, UpstreamError
 
 if TYPE_CHECKING:
+    import numpy as np
     from opentelemetry.trace import Span
 
     from switchyard.services.gateway.admission import RequestClass
@@ -44,12 +45,16 @@ class FlowControl(Protocol):
 
     async def admit(
         self,
-        request: Request,
+        request: Request | None,
         model: str | None,
         klass: RequestClass,
         cost: Callable[[], float],
         engines: list[HttpEngine],
+        request_id: str = "",
+        decoders: list[HttpEngine] | None = None,
     ) -> tuple[Response | None, Callable[[], None] | None]: ...
+
+    def observe(self, request_id: str, signature: np.ndarray | None) -> None: ...
 
 
 @dataclass
