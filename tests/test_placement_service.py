@@ -110,8 +110,10 @@ async def test_each_decoder_is_placed_from_its_own_load(
     bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     await bus.ensure_streams()
-    await publish_load(bus, "d0", "d0", 0, range(4))  # decoder 0's requests use experts 0..3
-    await publish_load(bus, "d1", "d1", 0, range(4, 8))  # decoder 1's use experts 4..7
+    # decoder 0's requests use experts 0..3, decoder 1's 4..7; two windows each: the second shows the skew
+    # persists, without which the step-time rule credits a move with nothing (`DecayedLoad.persistence`)
+    await publish_load(bus, "d0", "d0", 0, range(4), windows=2)
+    await publish_load(bus, "d1", "d1", 0, range(4, 8), windows=2)
     service = PlacementService(db_settings, QUICK)
     decoders = hello("d0", "d0", ["d0-0", "d0-1"], role="decode"), hello("d1", "d1", ["d1-0", "d1-1"], role="decode")
     subject = bus.subjects.all_expert_load
@@ -362,7 +364,12 @@ async def test_a_group_stays_blocked_while_its_migration_is_unfinished_and_is_fr
     counts = np.ones((LAYERS, EXPERTS), dtype=np.uint32)
     counts[:, :4] = 1000  # experts 0..3, all on GPU 0 in the contiguous layout: worth moving
     window = DecayedLoad(300.0)
-    window.add(ExpertLoad(engine_id="e0", ep_group="g0", seq=0, window_start=0, window_end=1, expert_counts=counts))
+    for seq in (0, 1):  # two windows: the skew is seen to persist, so the step-time rule credits it
+        window.add(
+            ExpertLoad(
+                engine_id="e0", ep_group="g0", seq=seq, window_start=seq, window_end=seq + 1, expert_counts=counts
+            )
+        )
     service.windows["g0"] = window
     long_ago = utcnow() - timedelta(seconds=700)  # older than inflight_timeout_s
     async with sessions() as session, session.begin():

@@ -25,10 +25,10 @@ def model_spec(name: str, config: PlacementSettings) -> ModelSpec:
 
 
 def step_context(
-    config: PlacementSettings, engines: list[EngineState], span_s: float, first: bool
+    config: PlacementSettings, engines: list[EngineState], span_s: float, first: bool, persistence: float = 1.0
 ) -> StepContext | None:
-    """The rule's context for a group of `engines` whose window spans `span_s` decayed seconds (None: no hello
-    names the model yet, or the window is empty)."""
+    """The rule's context for a group of `engines` whose window spans `span_s` decayed seconds and has shown
+    `persistence` (`DecayedLoad.persistence`) (None: no hello names the model yet, or the window is empty)."""
     hello = next((e.hello for e in engines if e.hello is not None), None)
     if hello is None or span_s <= 0:
         return None
@@ -45,4 +45,4 @@ def step_context(
     reported = [e.telemetry.step_time_ema for e in engines if e.telemetry is not None and e.telemetry.step_time_ema > 0]
     step_s = sum(reported) / len(reported) if reported else config.step_s
     horizon = config.horizon_s if config.horizon_s is not None else config.period_s
-    return StepContext(terms, price, step_s, horizon, span_s, first, config.payoff_margin)
+    return StepContext(terms, price, step_s, horizon, span_s, first, config.payoff_margin, persistence)

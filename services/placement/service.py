@@ -283,7 +283,9 @@ class PlacementService:
                 "group %s: load is %s but its placement is %s; skipped", group, window.load.shape, current.shape
             )
             return None
-        step = step_context(self.config, self.fleet.group(group), window.span_s, first=applied is None)
+        step = step_context(
+            self.config, self.fleet.group(group), window.span_s, first=applied is None, persistence=window.persistence
+        )
         await self._measure(group, window, ranks, step)
         started = time.perf_counter()
         try:

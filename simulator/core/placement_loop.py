@@ -10,7 +10,8 @@ by source DP engine and asks, every telemetry tick, whether to move:
   or on a drift of 0.1 after at least 5 s: `shared.placement_terms`), runs the service's decision
   (`solver.placement.policy.decide`: the online greedy with the calibrated `DEFAULT_PARAMS`, source-aware
   communication, migration cost, gain threshold, and with a fleet's `step_cost` the step-time payoff: the step
-  time the layout saves until the next plan against its migration's, `solver.placement.payoff`) and moves only
+  time the layout saves until the next plan, the window's skew counted at its measured persistence, against its
+  migration's, `solver.placement.payoff`) and moves only
   when the decision publishes. Each published plan's prediction is checked against the saving measured on the
   windows after it (`checks`).
   "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`); "gimbal-load-only" the same
@@ -269,6 +270,7 @@ class GimbalLoop(_Loop):
             self.window.span_s,
             not self._migrated,
             self.margin,
+            self.window.persistence,
         )
 
     def _measure(self, step: StepContext | None) -> None:

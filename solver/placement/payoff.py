@@ -3,13 +3,18 @@
 The publish rule of the placement service and of the simulated placement loop (`policy.decide`), in seconds of
 serving time over a horizon (the time until the next plan):
 
+    expected load    = mean + ρ × (window − mean)                 (per layer and source, over its experts)
     saving per step  = step(current) − step(new)                   (`step_time.expected_step`, both terms)
     gain             = saving per step × (horizon − duration) / step_s
     duration         = `migration_seconds`(current → new)         (bytes moved over each link, calibrated)
     cost             = duration × (1 − 1 / slowdown)               (the steps it overlaps run `slowdown` × longer)
     publish          ⇔ gain − cost > margin × cost
 
-Per-step counts are the window's per-second rates × `step_s` (the engines' mean step time). Everything here is
+Per-step counts are the window's per-second rates × `step_s` (the engines' mean step time), their skew shrunk
+by ρ, the window's measured persistence (`window.DecayedLoad.persistence`: how well the window has predicted the
+windows after it; 0 before any window has followed another, so a layout is credited only with skew that has been
+seen to come back). A layout saves step time only through the skew (a uniform load is served alike by every
+layout of equal slots), so ρ is the part of the saving expected to hold; ρ = 1 is the rule before it. Everything here is
 a pure function of arrays: the service and the simulator pass what they know (`StepContext`).
 """
 
@@ -31,7 +36,15 @@ from switchyard.shared.placement_terms import (
 from switchyard.solver.placement.problem import hosts_from_slots
 from switchyard.solver.placement.step_time import StepCost, expected_step
 
-__all__ = ["MigrationPrice", "Payoff", "StepContext", "migration_bytes", "migration_seconds", "predict"]
+__all__ = [
+    "MigrationPrice",
+    "Payoff",
+    "StepContext",
+    "expected_load",
+    "migration_bytes",
+    "migration_seconds",
+    "predict",
+]
 
 
 @dataclass(frozen=True)
@@ -102,10 +115,14 @@ class StepContext:
     window_s: float
     first: bool = False
     margin: float = DEFAULT_PAYOFF_MARGIN
+    #: ρ, the share of the window's skew expected to persist over the horizon (`DecayedLoad.persistence`).
+    persistence: float = 1.0
 
     def __post_init__(self) -> None:
         if self.step_s <= 0 or self.horizon_s <= 0 or self.window_s <= 0 or self.margin < 0:
             raise ValueError("step_s, horizon_s and window_s must be > 0, margin >= 0")
+        if not 0.0 <= self.persistence <= 1.0:
+            raise ValueError("persistence must be within [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ class Payoff:
     gain_s: float
     cost_s: float
     margin: float
+    persistence: float = 1.0
 
     @property
     def net_s(self) -> float:
@@ -135,12 +153,23 @@ class Payoff:
             "gain_s": self.gain_s,
             "cost_s": self.cost_s,
             "net_s": self.net_s,
+            "persistence": self.persistence,
         }
 
 
 def per_step(counts: np.ndarray, window_s: float, step_s: float) -> np.ndarray:
     """`[L, S, E]` expected pairs per step from a window's counts over `window_s` seconds."""
     return np.asarray(counts, dtype=np.float64) * (step_s / window_s)
+
+
+def expected_load(counts: np.ndarray, persistence: float) -> np.ndarray:
+    """`counts[L, S, E]` with each (layer, source)'s deviation from its mean over experts scaled by
+    `persistence` (the totals kept); unchanged at 1."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if persistence >= 1.0:
+        return counts
+    mean = counts.mean(axis=2, keepdims=True)
+    return mean + persistence * (counts - mean)
 
 
 def saving_per_step(
@@ -154,9 +183,9 @@ def saving_per_step(
 
 def predict(counts: np.ndarray, origin: np.ndarray, current: np.ndarray, new: np.ndarray, ctx: StepContext) -> Payoff:
     """The payoff of moving from `current` to `new` for window counts `counts[L, S, E]` (module docstring)."""
-    saving = saving_per_step(counts, origin, current, new, ctx)
+    saving = saving_per_step(expected_load(counts, ctx.persistence), origin, current, new, ctx)
     duration = migration_seconds(current, new, ctx.price, ctx.first)
     in_force = max(ctx.horizon_s - duration, 0.0)
     gain = saving * in_force / ctx.step_s
     cost = duration * (1.0 - 1.0 / ctx.price.slowdown)
-    return Payoff(saving, ctx.step_s, duration, gain, cost, ctx.margin)
+    return Payoff(saving, ctx.step_s, duration, gain, cost, ctx.margin, ctx.persistence)

@@ -11,7 +11,8 @@ Decision (`decide`), two gates:
     cost        = w_mig·mig(new)                          (the solver's own price of the moves, same units)
     screen      ⇔  improvement − cost > gain_threshold · total(current)   (the solver prefers it clearly)
     publish     ⇔  screen and the migration pays in step time (`payoff.predict`: the step time the layout
-                   saves over the horizon beats what its migration costs, with a margin)
+                   saves over the horizon beats what its migration costs, with a margin; the window's
+                   skew counted at its measured persistence, `window.DecayedLoad.persistence`)
 
 The screen's terms come from the solver's objective on the solver's canonical units (per layer, mean GPU load
 = 1), so its threshold is a fraction of the current objective; the step-time rule is what decides whether to
@@ -128,7 +129,8 @@ class Decision:
             verdict = "pays" if p.pays else "does not pay"
             text += (
                 f"; in step time it {verdict}: saves {p.gain_s:.4g} s over the horizon against "
-                f"{p.cost_s:.4g} s of migration ({p.duration_s:.3g} s at {p.margin:.0%} margin)"
+                f"{p.cost_s:.4g} s of migration ({p.duration_s:.3g} s at {p.margin:.0%} margin; the window's "
+                f"skew counted at its persistence {p.persistence:.2f})"
             )
         return text + (" [a prefix of the target]" if self.partial else "")
 
