@@ -1,9 +1,10 @@
 """Flow control on the prefill->decode path (issue 42 item 1): the same bands, shedding, disconnects and
 expert-load charges as on the DP path, on a real nats-server with stub engines as real HTTP servers.
 
-The fleet is one prefill engine and one decoder at concurrency 1; the decoder's `gate` holds one request's
-decode, so the fleet is saturated by its decoders while its prefill engine is idle (a request holds a decoder
-for its whole decode): a queue gated by the prefill engines alone would let everything through.
+The fleet is one prefill engine (two in the first test) and one decoder at concurrency 1; the decoder's `gate`
+holds one request's decode, so the fleet is saturated by its decoders while its prefill engines are idle (a request
+holds a decoder for its whole decode): a queue gated, or let out, by the prefill engines' room would let requests
+through.
 """
 
 from __future__ import annotations
@@ -33,20 +34,26 @@ def _settings(**update: Any) -> GatewaySettings:
     return GatewaySettings(port=0, saturation_concurrency=1, signature_wait_s=2.0, **update)
 
 
-Saturated = tuple[GatewayService, StubEngine, StubEngine, httpx.AsyncClient, asyncio.Task[httpx.Response]]
+Saturated = tuple[GatewayService, list[StubEngine], StubEngine, httpx.AsyncClient, asyncio.Task[httpx.Response]]
 
 
 @asynccontextmanager
 async def _saturated(
-    settings: SwitchyardSettings, bus: Bus, gateway: GatewaySettings, signature_via: str = "response"
+    settings: SwitchyardSettings,
+    bus: Bus,
+    gateway: GatewaySettings,
+    signature_via: str = "response",
+    prefills: int = 1,
 ) -> AsyncIterator[Saturated]:
-    """A prefill engine and a decoder (concurrency 1), the decoder holding one request behind its closed gate."""
+    """Prefill engines ("p", then "p1", ...) and a decoder (concurrency 1), the decoder holding one request behind
+    its closed gate."""
     stubs = [StubConfig("p", role="prefill", signature_via=signature_via), StubConfig("d", role="decode")]
+    stubs += [StubConfig(f"p{i}", role="prefill", signature_via=signature_via) for i in range(1, prefills)]
     async with (
         deployment(settings, bus, stubs, gateway=gateway, shape="inprocess") as (gw, engines),
         httpx.AsyncClient(base_url=gw.url, timeout=30) as client,
     ):
-        prefill, decoder = engines["p"], engines["d"]
+        prefill, decoder = [e for e in engines.values() if e.config.role == "prefill"], engines["d"]
         decoder.gate = asyncio.Event()
         blocker = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "prompt": "blocker"}))
         await wait_for(lambda: decoder.running == 1)
@@ -66,33 +73,36 @@ def _queued(gw: GatewayService) -> int:
     return sum(len(m.queue) for m in gw.ctx.flow.models.values())
 
 
-def _prompts(engine: StubEngine) -> list[str]:
-    return [body["prompt"] for _path, _id, body in engine.received]
+def _prompts(*engines: StubEngine) -> list[str]:
+    """The prompts the engines received: each engine's in arrival order, one engine after another."""
+    return [body["prompt"] for engine in engines for _path, _id, body in engine.received]
 
 
 async def test_a_high_band_overtakes_queued_low_ones_on_a_saturated_pd_fleet(
     bus: Bus, settings: SwitchyardSettings
 ) -> None:
-    async with _saturated(settings, bus, _settings()) as (gw, prefill, decoder, client, blocker):
+    """Two prefill engines with room and one busy decoder: the queue lets a request out only when both roles have
+    room (the lesser of their free slots), so the low ones wait for the decoder, and the high one overtakes them."""
+    async with _saturated(settings, bus, _settings(), prefills=2) as (gw, prefills, decoder, client, blocker):
         low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
         await wait_for(lambda: _queued(gw) == 2)
         high = _send(client, "high", **{"x-switchyard-priority": "high"})
         await wait_for(lambda: _queued(gw) == 3)
-        # The prefill engine had room all along: the decoder's saturation held them before their prefill.
-        assert _prompts(prefill) == ["blocker"] and _prompts(decoder) == ["blocker"]
+        # The prefill engines had room all along: the decoder's saturation held them before their prefill.
+        assert _prompts(*prefills) == ["blocker"] and _prompts(decoder) == ["blocker"]
         assert decoder.gate is not None
         decoder.gate.set()
         answers = await asyncio.gather(blocker, high, *low)
     assert [a.status_code for a in answers] == [200] * 4  # nothing admitted is lost
-    for engine in (prefill, decoder):
-        prompts = _prompts(engine)
-        assert prompts[:2] == ["blocker", "high"] and sorted(prompts[2:]) == ["low0", "low1"], prompts
+    prompts = _prompts(decoder)
+    assert prompts[:2] == ["blocker", "high"] and sorted(prompts[2:]) == ["low0", "low1"], prompts
+    assert sorted(_prompts(*prefills)) == ["blocker", "high", "low0", "low1"]
     assert metric("switchyard_gateway_queue_depth", band="low") == 0
 
 
 async def test_past_the_bound_a_pd_request_is_shed_with_retry_after(bus: Bus, settings: SwitchyardSettings) -> None:
     gateway = _settings(queue_max_requests=2, queue_max_per_tenant=2, retry_after_s=3)
-    async with _saturated(settings, bus, gateway) as (gw, prefill, decoder, client, _blocker):
+    async with _saturated(settings, bus, gateway) as (gw, (prefill,), decoder, client, _blocker):
         low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
         await wait_for(lambda: _queued(gw) == 2)
         high = _send(client, "high", **{"x-switchyard-priority": "high", "x-switchyard-tenant": "t"})
@@ -108,7 +118,7 @@ async def test_past_the_bound_a_pd_request_is_shed_with_retry_after(bus: Bus, se
 
 
 async def test_a_client_that_disconnects_leaves_the_pd_queue(bus: Bus, settings: SwitchyardSettings) -> None:
-    async with _saturated(settings, bus, _settings()) as (gw, prefill, decoder, client, _blocker):
+    async with _saturated(settings, bus, _settings()) as (gw, (prefill,), decoder, client, _blocker):
         left_before = metric("switchyard_gateway_queue_abandoned_total", band="normal")
         aborts_before = metric("switchyard_gateway_client_aborts_total", kind="disagg")
         async with httpx.AsyncClient(base_url=gw.url, timeout=30) as leaving:
@@ -128,7 +138,7 @@ async def test_a_client_that_disconnects_leaves_the_pd_queue(bus: Bus, settings:
 
 async def test_with_admission_off_nothing_queues_on_a_pd_fleet(bus: Bus, settings: SwitchyardSettings) -> None:
     """The control: the same saturated fleet without flow control sends the request straight through."""
-    async with _saturated(settings, bus, _settings(admission=False)) as (gw, prefill, decoder, client, _blocker):
+    async with _saturated(settings, bus, _settings(admission=False)) as (gw, (prefill,), decoder, client, _blocker):
         assert gw.ctx is not None and gw.ctx.flow is None
         through = _send(client, "through")
         await wait_for(lambda: decoder.running == 2)  # past the decoder's concurrency limit: nothing held it
@@ -146,7 +156,7 @@ async def test_a_queued_pd_request_is_charged_its_prefill_signature(
     the queued request is charged its weighted tokens x 1 as it leaves; its narrow signature (1/4 of the experts),
     from the prefill engine on the bus or in its answer, corrects its tenant's attained service to a quarter.
     Untracked, it would stay charged its full weighted tokens."""
-    async with _saturated(settings, bus, _settings(), signature_via=via) as (gw, prefill, decoder, client, _):
+    async with _saturated(settings, bus, _settings(), signature_via=via) as (gw, (prefill,), decoder, client, _):
         assert gw.ctx is not None and gw.ctx.flow is not None
         flow = gw.ctx.flow
         assert flow.expert_load and flow.footprints.fleet == pytest.approx(1.0)  # the blocker's signature
