@@ -21,7 +21,7 @@ from switchyard.services.gateway.metrics import VLLM_NAMES
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
 from tests.test_vllm_gateway import MODEL, PROMPT, _fleet
-from tests.vllm_helpers import make_tiny_moe
+from tests.vllm_helpers import tiny_moe_once
 
 pytestmark = pytest.mark.timeout(900)  # a fresh machine compiles the model (as tests/test_vllm_gateway.py)
 HISTOGRAMS = [name for name in VLLM_NAMES if name.endswith("_seconds")]
@@ -30,7 +30,7 @@ GENERATED = "vllm:generation_tokens_total"
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    return tiny_moe_once(tmp_path_factory)  # the session's one model: built once
 
 
 def scraped(text: str) -> list[Sample]:
