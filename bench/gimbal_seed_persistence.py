@@ -4,8 +4,8 @@ Issue 40: at RPS 2 the placement loop's first plans were predicted to save 0.40-
 or two requests' expert load does not persist into the next requests). The rule now counts the window's skew
 at its measured persistence (`solver.placement.window.DecayedLoad.persistence`). This reruns only the rows that
 answer whether that fixed it: full Gimbal's placement (`gimbal+sjf-aging+gimbal`) against the same dispatch and
-order with the layout static (`gimbal+sjf-aging+none`), at the grid's RPS 2, 100 and 400 with the grid's request
-counts, three seeds; each (rate, seed) is the grid's `sim-dp` command (`gimbal_seed.command`), its JSON kept in
+order with the layout static (`gimbal+sjf-aging+none`), at the grid's RPS 2, 3, 4, 100 and 400 with the grid's
+request counts, three seeds; each (rate, seed) is the grid's `sim-dp` command (`gimbal_seed.command`), its JSON kept in
 `--out`. Without `--run` it prints the table from the JSONs, beside the same rows of the committed grid
 (`runs.csv`, `why.csv`: the rule before), and says whether the static rows came out identical (they must: the
 rule does not touch a layout that never moves).
@@ -101,7 +101,7 @@ def report(out: Path, rates: list[float], seeds: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=RESULTS / "persistence")
-    ap.add_argument("--rates", default="2,100,400")
+    ap.add_argument("--rates", default="2,3,4,100,400")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--run", action="store_true", help="run the sim-dp commands first (else: report only)")
     args = ap.parse_args()
