@@ -42,5 +42,7 @@ def _exported() -> bool:
     from prometheus_client import REGISTRY
 
     return any(
-        s.name == SATURATION and s.labels.get("model_name") == "stub-model" for f in REGISTRY.collect() for s in f.samples
+        s.name == SATURATION and s.labels.get("model_name") == "stub-model"
+        for f in REGISTRY.collect()
+        for s in f.samples
     )

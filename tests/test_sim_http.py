@@ -360,7 +360,10 @@ async def test_through_the_gateway_the_routed_decoder_serves_and_a_hang_up_frees
         await wait_for(lambda: len(service.registry.live()) == 3)
 
         def served() -> dict[str, float]:
-            return {d: metric("switchyard_gateway_time_to_first_token_seconds_count", engine=d, kind="disagg") for d in fleet.decoders}
+            return {
+                d: metric("switchyard_gateway_time_to_first_token_seconds_count", engine=d, kind="disagg")
+                for d in fleet.decoders
+            }
 
         def fallbacks() -> float:  # local choices instead of the router's, whatever the reason
             return sum(
