@@ -297,8 +297,6 @@ class GatewayApp:
 def build_app(ctx: Context, is_connected: object = None) -> GatewayApp:
     """`is_connected()` tells readiness whether the bus is up (None: assume it is)."""
     completions = {path: _Completions(ctx, path, chat=path.endswith("/chat/completions")) for path in COMPLETIONS}
-    if ctx.flow is not None and ctx.flow.expert_load:  # signatures tell the queue each request's expert footprint
-        ctx.signatures.listeners.append(ctx.flow.on_signature)
 
     async def models(_request: Request) -> Response:
         data = []

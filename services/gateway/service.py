@@ -266,6 +266,8 @@ class GatewayService:
             )
             if self.feed is not None:
                 self.feed.on_sessions = sessions.learn  # other replicas' decisions teach it their sessions' engines
+        if flow is not None and flow.expert_load:  # signatures tell the queue each request's expert footprint
+            self.signatures.listeners.append(flow.on_signature)
         self.ctx = Context(
             g,
             self.registry,
