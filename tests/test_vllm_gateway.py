@@ -237,4 +237,9 @@ async def test_killing_an_engine_loses_no_request_that_had_not_started_streaming
         results = await asyncio.gather(*before, *after)
     not_started = [r for r in results if r["first_chunk_at"] is None or r["first_chunk_at"] > killed_at]
     assert len(not_started) >= 6  # at least the requests sent after the kill
-    assert all(r["status"] == 200 and r["done"] for r in not_started), not_started
+    # A request is lost only if it had started streaming: a chunk of it had reached the client. (Not "its first
+    # chunk came after the kill": on a loaded machine the client reads a chunk the dead engine sent well after
+    # the kill, which made this test flaky without any request lost wrongly.)
+    lost = [r for r in results if not (r["status"] == 200 and r["done"])]
+    assert all(r["chunks"] > 0 for r in lost), lost
+    assert all(r["status"] == 200 and r["done"] for r in results[len(before) :]), results[len(before) :]
