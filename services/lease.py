@@ -108,14 +108,19 @@ class GroupLeases:
         assert self.kv is not None, "call start() first"
         if group in self.held:
             return await self._renew(group)
-        try:
-            asked = self.clock()
-            self.held[group] = await self.kv.create(self._key(group), self.owner.encode())
-            self._written[group] = asked
-            LEASES.labels(self.kind, "acquired").inc()
-            return True
-        except KeyWrongLastSequenceError:
-            pass
+        for _attempt in range(2):
+            try:
+                asked = self.clock()
+                self.held[group] = await self.kv.create(self._key(group), self.owner.encode())
+                self._written[group] = asked
+                LEASES.labels(self.kind, "acquired").inc()
+                return True
+            except KeyWrongLastSequenceError:
+                break
+            except KeyNotFoundError:
+                # nats-py's create, refused because the key exists, reads it to see whether it is a delete marker;
+                # a lease lapsing between the two reads as "not found". The key is gone now: ask again, once.
+                continue
         with contextlib.suppress(KeyNotFoundError, NotFoundError):
             entry = await self.kv.get(self._key(group))
             if entry.value == self.owner.encode():  # ours from before a restart of this replica object
