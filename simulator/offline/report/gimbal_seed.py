@@ -28,7 +28,7 @@ __all__ = [
 #: Where the bench writes its runs in a source checkout (not shipped in a wheel: pass the folder then).
 DEFAULT_RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "gimbal_seed"
 
-#: The seed's numbers (../shared/seeds/003_5d8f4e5a91a04f1d.txt; the summary names no table or figure, so each
+#: The seed's numbers (Gimbal, arXiv:2606.15177, as cited in the README; the summary names no table or figure, so each
 #: is cited by the summary's section). Setting: Qwen3-30B-A3B, 4 x H100 SXM5 (NVLink), DP=2 TP=2 EP=4, BurstGPT
 #: reshaped into five length distributions, RPS 2-4, against vLLM.
 SEED_GIMBAL: dict[str, Any] = {
