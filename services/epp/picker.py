@@ -17,7 +17,6 @@ fallback endpoints after the choice, and the report of which endpoint served.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -210,15 +209,9 @@ class EndpointPicker:
         refused, routed = await flow.admit(None, model, klass, cost, eligible)
         if refused is None:
             return routed
-        error = json.loads(bytes(refused.body))["error"]
-        outcome = "queue_shed" if refused.status_code == 429 else "stopping"
-        raise Refused(
-            refused.status_code,
-            error["message"],
-            error["type"],
-            outcome,
-            retry_after=refused.headers.get("retry-after"),
-        )
+        outcome = "queue_shed" if refused.status == 429 else "stopping"
+        retry_after = str(refused.retry_after_s) if refused.retry_after_s is not None else None
+        raise Refused(refused.status, refused.message, refused.kind, outcome, retry_after=retry_after)
 
     async def _keys(self, body: dict, chat: bool, model: str | None, engines: list[HttpEngine]) -> PromptKeys | None:
         """The prompt's block keys at the block size most candidates announce; none (counted) if naming fails."""

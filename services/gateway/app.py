@@ -145,7 +145,7 @@ async def _serve_dp(
     if flow is not None:
         refused, routed = await flow.admit(request, parsed.model, klass, _cost(ctx, parsed), dp, request_id)
         if refused is not None:
-            return refused
+            return refused.response()
         if routed is not None:  # it waited: engines may have come or gone meanwhile
             dp = ctx.registry.live("dp", parsed.model)
             if not dp:
@@ -179,7 +179,7 @@ async def _serve_disagg(
             request, parsed.model, klass, _cost(ctx, parsed), prefills, request_id, decoders=decoders
         )
         if refused is not None:
-            return refused
+            return refused.response()
         if routed is not None:  # it waited: engines may have come or gone meanwhile
             prefills, decoders = ctx.registry.live("prefill", parsed.model), ctx.registry.live("decode", parsed.model)
             if not (prefills and decoders):

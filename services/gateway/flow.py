@@ -121,17 +121,35 @@ class Pressure:
         return total / len(engines)
 
 
-def shed_response(reason: str, retry_after_s: int) -> Response:
-    """429 in OpenAI's shape (`RateLimitError`, what its clients back off on) with `Retry-After`."""
-    messages = {
-        "queue_full": "the fleet is saturated and the gateway's queue is full; retry later",
-        "tenant_full": "the fleet is saturated and this tenant's queued requests are at their limit; retry later",
-        "shed": "the fleet is saturated and a higher-priority request took this one's place; retry later",
-        "expired": "the fleet stayed saturated past the longest a request may wait; retry later",
-    }
-    return JSONResponse(
-        openai_error(429, messages[reason], "RateLimitError"), 429, headers={"retry-after": str(retry_after_s)}
-    )
+#: What each shed reason tells the client.
+SHED_MESSAGES = {
+    "queue_full": "the fleet is saturated and the gateway's queue is full; retry later",
+    "tenant_full": "the fleet is saturated and this tenant's queued requests are at their limit; retry later",
+    "shed": "the fleet is saturated and a higher-priority request took this one's place; retry later",
+    "expired": "the fleet stayed saturated past the longest a request may wait; retry later",
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Flow control's answer instead of a route: the status, OpenAI's message and error type, a 429's
+    `Retry-After`. The gateway renders it as HTTP (`response`), the endpoint picker as an ImmediateResponse."""
+
+    status: int
+    message: str = ""
+    kind: str = ""
+    retry_after_s: int | None = None
+
+    @classmethod
+    def shed(cls, reason: str, retry_after_s: int) -> Refusal:
+        """429 `RateLimitError` (what OpenAI's clients back off on) with `Retry-After`."""
+        return cls(429, SHED_MESSAGES[reason], "RateLimitError", retry_after_s)
+
+    def response(self) -> Response:
+        if not self.message:  # 499: the client left, nobody reads a body
+            return Response(status_code=self.status)
+        headers = {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(openai_error(self.status, self.message, self.kind), self.status, headers=headers)
 
 
 class _Model:
@@ -193,9 +211,9 @@ class Flow:
         engines: list[HttpEngine],
         request_id: str = "",
         decoders: list[HttpEngine] | None = None,
-    ) -> tuple[Response | None, Callable[[], None] | None]:
+    ) -> tuple[Refusal | None, Callable[[], None] | None]:
         """(None, routed) to go on and route now, calling `routed()` once the choice is made (None when it did not
-        queue); or (a response, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown.
+        queue); or (a `Refusal`, None) to answer instead: 429 shed, 499 the client left, 503 at shutdown.
         `cost()`: the request's weighted tokens; `request_id`: the id its engine's signature will carry.
         `engines`: the DP fleet's, or with `decoders` a prefill->decode fleet's prefill engines."""
         entry = self._track(request_id, model, klass.tenant, cost) if self.expert_load and request_id else None
@@ -209,7 +227,7 @@ class Flow:
             shed = state.queue.push(waiter)
         except Full as exc:
             metrics.SHED.labels(BANDS[band], exc.reason).inc()
-            return shed_response(exc.reason, self.settings.retry_after_s), None
+            return Refusal.shed(exc.reason, self.settings.retry_after_s), None
         metrics.QUEUED.labels(BANDS[band]).inc()
         self._depths(state)
         if shed is not None:
@@ -229,15 +247,15 @@ class Flow:
                 raise
             metrics.QUEUE_LEFT.labels(BANDS[band]).inc()
             metrics.CLIENT_ABORTS.labels("dp" if decoders is None else "disagg").inc()
-            return Response(status_code=499), None
+            return Refusal(499), None
         metrics.QUEUE_WAIT.labels(BANDS[band]).observe(time.monotonic() - waiter.arrived)
         if verdict == "go":
             if entry is not None:
                 entry.charged = True
             return None, _Routed(state)
         if verdict == "closed":
-            return JSONResponse(openai_error(503, "the gateway is stopping", "ServiceUnavailableError"), 503), None
-        return shed_response(verdict, self.settings.retry_after_s), None
+            return Refusal(503, "the gateway is stopping", "ServiceUnavailableError"), None
+        return Refusal.shed(verdict, self.settings.retry_after_s), None
 
     def _saturated(self, engines: list[HttpEngine], decoders: list[HttpEngine] | None) -> bool:
         """No engine has room; on a prefill->decode fleet, no prefill engine or no decoder has (one request

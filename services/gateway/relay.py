@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from switchyard.services.gateway.admission import RequestClass
+    from switchyard.services.gateway.flow import Refusal
     from switchyard.services.gateway.prefix import PrefillPrefix
     from switchyard.services.gateway.prompt_keys import PromptKeyer
     from switchyard.services.gateway.sessions import Sessions
@@ -52,7 +53,7 @@ class FlowControl(Protocol):
         engines: list[HttpEngine],
         request_id: str = "",
         decoders: list[HttpEngine] | None = None,
-    ) -> tuple[Response | None, Callable[[], None] | None]: ...
+    ) -> tuple[Refusal | None, Callable[[], None] | None]: ...
 
     def observe(self, request_id: str, signature: np.ndarray | None) -> None: ...
 
