@@ -17,11 +17,12 @@ import httpx
 import pytest
 
 from switchyard.engine_agents.stub import StubConfig, StubEngine
-from switchyard.services.gateway.admission import BadClass, FairQueue, Full, Waiter, classify
+from switchyard.services.gateway.admission import BadClass, classify
 from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
+from switchyard.solver.fairness import FairQueue, Full, Waiter
 from tests.gateway_helpers import deployment, metric, wait_for
 
 BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}

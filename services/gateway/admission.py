@@ -17,7 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.solver.fairness import FairQueue, Full, Waiter, weighted_tokens
+from starlette.responses import JSONResponse, Response
+
+from switchyard.services.gateway.body import openai_error
+from switchyard.solver.fairness import weighted_tokens
 
 __all__ = [
     "BANDS",
@@ -25,10 +28,8 @@ __all__ = [
     "SESSION_HEADERS",
     "TENANT_HEADER",
     "BadClass",
-    "FairQueue",
-    "Full",
+    "Refusal",
     "RequestClass",
-    "Waiter",
     "classify",
     "request_cost",
 ]
@@ -123,3 +124,34 @@ def request_cost(prompt_tokens: int, body: dict[str, Any], output_weight: float,
     if not isinstance(output, int) or isinstance(output, bool):
         output = default_output
     return weighted_tokens(prompt_tokens, output, output_weight)
+
+
+#: What each shed reason tells the client.
+SHED_MESSAGES = {
+    "queue_full": "the fleet is saturated and the gateway's queue is full; retry later",
+    "tenant_full": "the fleet is saturated and this tenant's queued requests are at their limit; retry later",
+    "shed": "the fleet is saturated and a higher-priority request took this one's place; retry later",
+    "expired": "the fleet stayed saturated past the longest a request may wait; retry later",
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Flow control's answer instead of a route: the status, OpenAI's message and error type, a 429's
+    `Retry-After`. The gateway renders it as HTTP (`response`), the endpoint picker as an ImmediateResponse."""
+
+    status: int
+    message: str = ""
+    kind: str = ""
+    retry_after_s: int | None = None
+
+    @classmethod
+    def shed(cls, reason: str, retry_after_s: int) -> Refusal:
+        """429 `RateLimitError` (what OpenAI's clients back off on) with `Retry-After`."""
+        return cls(429, SHED_MESSAGES[reason], "RateLimitError", retry_after_s)
+
+    def response(self) -> Response:
+        if not self.message:  # 499: the client left, nobody reads a body
+            return Response(status_code=self.status)
+        headers = {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(openai_error(self.status, self.message, self.kind), self.status, headers=headers)

@@ -37,18 +37,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from switchyard.services.gateway import metrics
-from switchyard.services.gateway.admission import BANDS, FairQueue, Full, RequestClass, Waiter
-from switchyard.services.gateway.body import openai_error
+from switchyard.services.gateway.admission import BANDS, Refusal, RequestClass
 from switchyard.services.gateway.registry import GatewayRegistry, HttpEngine
 from switchyard.services.gateway.relay import ClientGone, until_disconnect
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.services.gateway.signatures import REQUEST_ID
 from switchyard.services.router.core import RouterCore
 from switchyard.shared.schemas import PrefillSignature
-from switchyard.solver.fairness import Footprints, footprint, request_cost
+from switchyard.solver.fairness import FairQueue, Footprints, Full, Waiter, footprint, request_cost
 
 log = logging.getLogger(__name__)
 
@@ -119,37 +117,6 @@ class Pressure:
             outstanding, limit, kv = self.load(engine)
             total += max(outstanding / max(limit, 1), kv / self.kv_limit)
         return total / len(engines)
-
-
-#: What each shed reason tells the client.
-SHED_MESSAGES = {
-    "queue_full": "the fleet is saturated and the gateway's queue is full; retry later",
-    "tenant_full": "the fleet is saturated and this tenant's queued requests are at their limit; retry later",
-    "shed": "the fleet is saturated and a higher-priority request took this one's place; retry later",
-    "expired": "the fleet stayed saturated past the longest a request may wait; retry later",
-}
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Flow control's answer instead of a route: the status, OpenAI's message and error type, a 429's
-    `Retry-After`. The gateway renders it as HTTP (`response`), the endpoint picker as an ImmediateResponse."""
-
-    status: int
-    message: str = ""
-    kind: str = ""
-    retry_after_s: int | None = None
-
-    @classmethod
-    def shed(cls, reason: str, retry_after_s: int) -> Refusal:
-        """429 `RateLimitError` (what OpenAI's clients back off on) with `Retry-After`."""
-        return cls(429, SHED_MESSAGES[reason], "RateLimitError", retry_after_s)
-
-    def response(self) -> Response:
-        if not self.message:  # 499: the client left, nobody reads a body
-            return Response(status_code=self.status)
-        headers = {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(openai_error(self.status, self.message, self.kind), self.status, headers=headers)
 
 
 class _Model:

@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     import numpy as np
     from opentelemetry.trace import Span
 
-    from switchyard.services.gateway.admission import RequestClass
-    from switchyard.services.gateway.flow import Refusal
+    from switchyard.services.gateway.admission import Refusal, RequestClass
     from switchyard.services.gateway.prefix import PrefillPrefix
     from switchyard.services.gateway.prompt_keys import PromptKeyer
     from switchyard.services.gateway.sessions import Sessions
