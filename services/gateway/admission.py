@@ -7,7 +7,9 @@ where nothing can reorder them. Holding the excess here instead lets an interact
 clear 429 rather than a timeout.
 
 The order and what a request costs its tenant (the `tokens` and `expert-load` policies) are
-`solver/fairness.py`'s, shared with the simulator; this module names who a request is and its weighted tokens.
+`solver/fairness.py`'s, shared with the simulator; this module names who a request is, its weighted tokens, and
+the `Refusal` flow control answers with instead of a route (rendered as HTTP by the gateway, as an ImmediateResponse
+by the endpoint picker).
 """
 
 from __future__ import annotations
