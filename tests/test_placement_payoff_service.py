@@ -19,6 +19,7 @@ from switchyard.shared.schemas import ExpertLoad
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement.window import DecayedLoad
 from tests.fleet_helpers import hello
+from tests.helpers import telemetry
 
 LAYERS, EXPERTS = 4, 8
 QUICK = PlacementSettings(period_s=3600, min_interval_s=0, tick_s=0.05, warmup_s=3600, horizon_s=30.0)
@@ -147,3 +148,27 @@ async def test_the_saving_measured_after_a_plan_is_written_to_its_row(
         assert measured.measured_saving_s == pytest.approx(measured.predicted_saving_s, rel=0.5)
     else:
         assert measured.measured_saving_s < 0 < measured.predicted_saving_s
+
+
+async def test_a_plan_that_pays_waits_while_the_engines_report_requests_waiting(
+    bus: Bus, db_settings: SwitchyardSettings, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The engines' telemetry says 1 running, 10,000 waiting: the plan the first test publishes is deferred
+    (its cost counted for everyone waiting), the group asked again at once (`min_interval_s` 0); with the queue
+    drained the same window publishes (the control: only the queue changed)."""
+    await bus.ensure_streams()
+    service = _service(db_settings, bus, sessions, QUICK)
+    service.fleet.on_telemetry(telemetry("e0", 1, ts=1000.0, num_running=1, num_waiting=10_000))
+    window = DecayedLoad(300.0)
+    window.add(_window(_hot_first_gpu(), 0.0, 1.0))
+    window.add(_window(_hot_first_gpu(), 1.0, 2.0))
+    service.windows["g0"] = window
+    assert await service.plan_group("g0", "start") is not None
+    (deferred,) = await _rows(sessions)
+    assert deferred.status == "rejected" and deferred.details["payoff"]["queue_factor"] == pytest.approx(10_001)
+    assert "deferred" in deferred.details["decision"] and service._trigger("g0") == "deferred"
+    service.fleet.on_telemetry(telemetry("e0", 2, ts=1000.0, num_running=1, num_waiting=0))
+    assert await service.plan_group("g0", "deferred") is not None
+    published = (await _rows(sessions))[-1]
+    assert published.status == "published" and published.details["payoff"]["queue_factor"] == 1.0
+    assert published.details["trigger"] == "deferred" and service._trigger("g0") is None

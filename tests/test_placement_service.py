@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
@@ -29,7 +30,7 @@ from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.placement import DEFAULT_PARAMS
 from switchyard.solver.placement.layouts import default_layout
 from tests.fleet_helpers import announcing, hello, plan, publish_load, running
-from tests.helpers import eventually
+from tests.helpers import eventually, telemetry
 
 LAYERS, EXPERTS = 4, 8
 QUICK = PlacementSettings(period_s=3600, min_interval_s=0, tick_s=0.05, warmup_s=3600)
@@ -321,7 +322,14 @@ async def test_engine_ingest_has_its_own_connection(bus: Bus, db_settings: Switc
         ingest = {sub.subject for sub in service.ingest.nc._subs.values()}
         control = {sub.subject for sub in service.bus.nc._subs.values()}
         assert bus.subjects.all_hello in ingest and bus.subjects.all_hello not in control
-        assert len(ingest) == 3, ingest  # hellos, the expert-load consumer's delivery subject, the request inbox
+        # hellos, telemetry (step time, requests waiting: the payoff rule), the expert-load consumer's delivery
+        # subject, the request inbox
+        assert len(ingest) == 4, ingest
+        assert bus.subjects.all_telemetry in ingest and bus.subjects.all_telemetry not in control
+        await bus.publish(bus.subjects.telemetry("e0"), telemetry("e0", 1, ts=time.time(), num_waiting=7))
+        await eventually(
+            lambda: any(e.telemetry is not None and e.telemetry.num_waiting == 7 for e in service.fleet.group("g0"))
+        )
         hellos = [sub for sub in service.ingest.nc._subs.values() if sub.subject == bus.subjects.all_hello]
         assert len(hellos) == 1  # the fleet view's feeds the engines table too: two made the server send each twice
         await service.ingest.nc.close()  # what the server does to a slow consumer

@@ -5,7 +5,8 @@ its GPUs. Both are built from the DP+EP simulator's presets (`simulator.core.phy
 with the constants the simulator runs with: the model its engines announced when the simulator knows it (by the
 last part of the name, lower case: `deepseek-ai/DeepSeek-V2-Lite` is `deepseek-v2-lite`), else the configured
 `step_model`, with the announced top-k. The step time is the mean `step_time_ema` the group's live engines
-report in telemetry, else the configured `step_s`.
+report in telemetry, else the configured `step_s`; the requests running and waiting are their telemetry's
+`num_running` and `num_waiting`, summed (the queue factor, `payoff.StepContext.queue_factor`).
 """
 
 from __future__ import annotations
@@ -45,4 +46,8 @@ def step_context(
     reported = [e.telemetry.step_time_ema for e in engines if e.telemetry is not None and e.telemetry.step_time_ema > 0]
     step_s = sum(reported) / len(reported) if reported else config.step_s
     horizon = config.horizon_s if config.horizon_s is not None else config.period_s
-    return StepContext(terms, price, step_s, horizon, span_s, first, config.payoff_margin, persistence)
+    running = sum(e.telemetry.num_running for e in engines if e.telemetry is not None)
+    waiting = sum(e.telemetry.num_waiting for e in engines if e.telemetry is not None)
+    return StepContext(
+        terms, price, step_s, horizon, span_s, first, config.payoff_margin, persistence, running, waiting
+    )

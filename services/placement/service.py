@@ -101,6 +101,8 @@ class PlacementService:
         self._last_run: dict[str, tuple[float, np.ndarray | None]] = {}
         #: Groups whose last published plan was a prefix of its target: the rest is planned next ("continue").
         self._unfinished: set[str] = set()
+        #: Groups whose last plan would have paid but for the requests waiting: asked again soon.
+        self._deferred: set[str] = set()
         #: Published plans awaiting their measured saving: group -> (row id, layout before, after, duration).
         self._checks: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
         self._static_groups: set[str] = set()
@@ -132,7 +134,7 @@ class PlacementService:
                 await bus.ensure_streams()
                 self.registry = EngineRegistry(self.sessions, self.config.engine_retention_s)
                 # Hellos say who is alive and owns which GPUs, and keep the engines table: one subscription for both
-                await self.fleet.subscribe(ingest, telemetry=False, also=self.registry.on_hello)
+                await self.fleet.subscribe(ingest, also=self.registry.on_hello)
                 self.layouts = LayoutProbe(bus, self.fleet, self.config.layout_timeout_s)
                 self.leases = GroupLeases(bus, "placement", self.config.replica_id, self.config.lease_ttl_s)
                 await self.leases.start()
@@ -216,8 +218,8 @@ class PlacementService:
     def _trigger(self, group: str) -> str | None:
         """The rule lives in the solver (`policy.trigger`): the simulated placement loop triggers by it too."""
         rule = TriggerRule(self.config.period_s, self.config.drift_threshold, self.config.min_interval_s)
-        last, unfinished = self._last_run.get(group), group in self._unfinished
-        return trigger(rule, time.monotonic(), last, self.windows[group].distribution(), unfinished)
+        last, unfinished, deferred = self._last_run.get(group), group in self._unfinished, group in self._deferred
+        return trigger(rule, time.monotonic(), last, self.windows[group].distribution(), unfinished, deferred)
 
     # ----- planning -----
 
@@ -300,6 +302,7 @@ class PlacementService:
         RUN_SECONDS.observe(time.perf_counter() - started)
         self._last_run[group] = (time.monotonic(), window.distribution())
         details = {"trigger": trigger, "current_from": current_from}
+        (self._deferred.add if decision.deferred else self._deferred.discard)(group)
         if not decision.publish and (repeated := await self._coalesce_rejected(group, applied, decision)) is not None:
             PLANS.labels("rejected").inc()
             return repeated

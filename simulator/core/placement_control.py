@@ -35,8 +35,9 @@ class PlacementControl(Protocol):
         """The slot map in force, `[L, G, slots]` int32."""
         ...
 
-    def observe(self, now: float, load: np.ndarray) -> None:
-        """One step's expert selections, `[L, S, E]` float: tokens of source DP engine s routed to expert e."""
+    def observe(self, now: float, load: np.ndarray, running: int = 0, waiting: int = 0) -> None:
+        """One step's expert selections, `[L, S, E]` float: tokens of source DP engine s routed to expert e;
+        with the requests running and waiting (not admitted) at the group's engines in that step."""
         ...
 
     def replan(self, now: float) -> np.ndarray | None:
@@ -59,7 +60,7 @@ class StaticPlacement:
     def layout(self) -> np.ndarray:
         return self._layout
 
-    def observe(self, now: float, load: np.ndarray) -> None:
+    def observe(self, now: float, load: np.ndarray, running: int = 0, waiting: int = 0) -> None:
         return None
 
     def replan(self, now: float) -> np.ndarray | None:

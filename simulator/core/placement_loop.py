@@ -17,7 +17,8 @@ by source DP engine and asks, every telemetry tick, whether to move:
   "gimbal-uncalibrated" is the same loop with the seed's weights (`SEED_PARAMS`); "gimbal-load-only" the same
   loop without the source counts (placement blind to dispatch: the uncoordinated variant); "gimbal-staged" the
   same loop publishing at most `STAGED_BYTES` per GPU per plan, the hottest experts first (`stages.stage`), the
-  rest continued in the next plans (issue 40 item 2).
+  rest continued in the next plans (issue 40 item 2); "gimbal-queue-blind" the same loop pricing a migration as
+  if no request were waiting (the rule before the queue factor, `payoff.StepContext.queue_factor`: a control).
 - `EplbLoop` ("eplb"): vLLM's EPLB as deployed (vllm/distributed/eplb/eplb_state.py and
   vllm/config/parallel.py `EPLBConfig`, vllm-project/vllm at commit 00193b82b0e2): a sliding window of the
   last `window_size` = 1000 steps' load, a fresh layout every `step_interval` = 3000 steps (the first after
@@ -171,6 +172,7 @@ class GimbalLoop(_Loop):
         margin: float = DEFAULT_PAYOFF_MARGIN,
         horizon_s: float | None = None,
         stage_bytes: float | None = None,
+        queue_aware: bool = True,
     ) -> None:
         super().__init__(num_layers, num_experts, num_gpus, tp, layout)
         if half_life_s <= 0 or report_interval_s <= 0:
@@ -194,6 +196,10 @@ class GimbalLoop(_Loop):
         self._last_observe: float | None = None
         self._migrated = False
         self._unfinished = False
+        self._deferred = False
+        #: Requests running and waiting at the group's engines in the last step (what their telemetry says).
+        self.queue_aware = queue_aware
+        self._queue = (0, 0)
         self.checks: list[PlanCheck] = []
         self._last: LastRun | None = None
         self._pending: np.ndarray | None = None  # [L, S, E] of the report window being filled
@@ -201,8 +207,11 @@ class GimbalLoop(_Loop):
         if name is not None:
             self.name = name
 
-    def observe(self, now: float, load: np.ndarray) -> None:
+    def observe(self, now: float, load: np.ndarray, running: int = 0, waiting: int = 0) -> None:
         load = _check_load(load, self.num_layers, self.num_sources, self.num_experts)
+        if running < 0 or waiting < 0:
+            raise ValueError("running and waiting must be >= 0")
+        self._queue = (running, waiting) if self.queue_aware else (0, 0)
         if self._last_observe is not None and now > self._last_observe:  # the engines' step_time_ema, in effect
             dt = now - self._last_observe
             self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
@@ -229,7 +238,7 @@ class GimbalLoop(_Loop):
         self._flush(int(np.floor(now / self.report_interval_s)))
         if self.window.load is None:
             return None
-        why = trigger(self.rule, now, self._last, self.window.distribution(), self._unfinished)
+        why = trigger(self.rule, now, self._last, self.window.distribution(), self._unfinished, self._deferred)
         if why is None:
             return None
         self._last = (now, self.window.distribution())
@@ -250,6 +259,7 @@ class GimbalLoop(_Loop):
             return self._propose(now, why, None, f"cannot place this window: {exc}")
         self.last_decision = decision
         self._unfinished = decision.publish and decision.partial
+        self._deferred = decision.deferred
         if decision.publish and decision.payoff is not None:
             p = decision.payoff
             self.checks.append(
@@ -271,6 +281,7 @@ class GimbalLoop(_Loop):
             not self._migrated,
             self.margin,
             self.window.persistence,
+            *self._queue,
         )
 
     def _measure(self, step: StepContext | None) -> None:
@@ -332,7 +343,7 @@ class EplbLoop(_Loop):
         """vLLM's rule: the hierarchical policy when expert groups divide over the nodes (and nodes over GPUs)."""
         return self.num_nodes > 1 and self.num_groups % self.num_nodes == 0 and self.num_gpus % self.num_nodes == 0
 
-    def observe(self, now: float, load: np.ndarray) -> None:
+    def observe(self, now: float, load: np.ndarray, running: int = 0, waiting: int = 0) -> None:
         load = _check_load(load, self.num_layers, self.num_sources, self.num_experts)
         self._ring[self._steps % self.window_size] = load.sum(axis=1)
         self._steps += 1
@@ -380,6 +391,11 @@ def _staged(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **opt
     return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-staged", **options)
 
 
+def _queue_blind(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
+    options.setdefault("queue_aware", False)
+    return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-queue-blind", **options)
+
+
 def _load_only(num_layers: int, num_experts: int, num_gpus: int, tp: int = 1, **options: Any) -> PlacementControl:
     options.setdefault("source_aware", False)
     return GimbalLoop(num_layers, num_experts, num_gpus, tp, name="gimbal-load-only", **options)
@@ -394,4 +410,5 @@ PLACEMENT_CONTROLS: dict[str, Callable[..., PlacementControl]] = {
     "gimbal-uncalibrated": _uncalibrated,
     "gimbal-load-only": _load_only,
     "gimbal-staged": _staged,
+    "gimbal-queue-blind": _queue_blind,
 }

@@ -6,7 +6,8 @@ With a placement (`DPFleetConfig.placement` ≠ "off") a lock-step step lasts
 
 (`core.ep`: the busiest rank's expert work, the busiest rank's dispatch and combine bytes), times the
 migration slowdown while a migration is in flight. `EpRun` holds the fleet's `PlacementControl`: it feeds it
-every step's expert selections by source engine (`observe`), asks it every telemetry interval (100 ms)
+every step's expert selections by source engine and the requests running and waiting at the engines
+(`observe`), asks it every telemetry interval (100 ms)
 whether to move (`replan`), executes a returned layout as `solver.placement.moves.plan_moves` orders the
 moves, and calls `applied` when the migration's priced time has passed; the layout in force changes then
 (the engines keep the old layout while the weights are copied, as vLLM's EPLB rearrangement does).
@@ -144,7 +145,9 @@ class EpRun:
         base = nonmoe_s + moe_s + traffic.a2a_s
         factor = self.price.slowdown if self._migration is not None else 1.0
         duration = base * factor
-        self.control.observe(now, traffic.load)
+        running = sum(engine.num_running for engine in engines)
+        waiting = sum(engine.num_waiting for engine in engines)
+        self.control.observe(now, traffic.load, running, waiting)
         if engines is not self._bound:  # once per fleet: each engine reports the EP ranks on its own GPUs
             self._bound = engines
             for i, engine in enumerate(engines):

@@ -7,15 +7,24 @@ serving time over a horizon (the time until the next plan):
     saving per step  = step(current) − step(new)                   (`step_time.expected_step`, both terms)
     gain             = saving per step × (horizon − duration) / step_s
     duration         = `migration_seconds`(current → new)         (bytes moved over each link, calibrated)
-    cost             = duration × (1 − 1 / slowdown)               (the steps it overlaps run `slowdown` × longer)
+    cost             = duration × (1 − 1 / slowdown) × queue       (the steps it overlaps run `slowdown` × longer)
+    queue            = 1 + waiting / max(running, 1)                 (requests the lost service time delays)
     publish          ⇔ gain − cost > margin × cost
 
 Per-step counts are the window's per-second rates × `step_s` (the engines' mean step time), their skew shrunk
 by ρ, the window's measured persistence (`window.DecayedLoad.persistence`: how well the window has predicted the
 windows after it; 0 before any window has followed another, so a layout is credited only with skew that has been
 seen to come back). A layout saves step time only through the skew (a uniform load is served alike by every
-layout of equal slots), so ρ is the part of the saving expected to hold; ρ = 1 is the rule before it. Everything here is
-a pure function of arrays: the service and the simulator pass what they know (`StepContext`).
+layout of equal slots), so ρ is the part of the saving expected to hold; ρ = 1 is the rule before it.
+
+The queue factor prices a migration made while requests wait (vLLM's `num_waiting`: requests its scheduler
+could not admit), in request-seconds: the service time a migration takes away delays the requests running then
+and every request waiting behind them, while the step time a layout saves later speeds the requests running
+then, and a queue is assumed to drain (a transient queue: a burst, the knee of a load ramp). So near saturation a
+migration must save `queue` times its cost; it is deferred, not dropped (`Payoff.deferred`: it would pay with
+the queue empty, and the planner asks again soon). Under a queue that never drains this never moves, which is
+the static layout's behaviour, not a loss against it. Everything here is a pure function of arrays: the service
+and the simulator pass what they know (`StepContext`).
 """
 
 from __future__ import annotations
@@ -117,12 +126,22 @@ class StepContext:
     margin: float = DEFAULT_PAYOFF_MARGIN
     #: ρ, the share of the window's skew expected to persist over the horizon (`DecayedLoad.persistence`).
     persistence: float = 1.0
+    #: Requests running and waiting (not admitted) at the group's engines when it plans.
+    running: int = 0
+    waiting: int = 0
 
     def __post_init__(self) -> None:
         if self.step_s <= 0 or self.horizon_s <= 0 or self.window_s <= 0 or self.margin < 0:
             raise ValueError("step_s, horizon_s and window_s must be > 0, margin >= 0")
         if not 0.0 <= self.persistence <= 1.0:
             raise ValueError("persistence must be within [0, 1]")
+        if self.running < 0 or self.waiting < 0:
+            raise ValueError("running and waiting must be >= 0")
+
+    @property
+    def queue_factor(self) -> float:
+        """How many times a migration's lost service time counts: 1 with nobody waiting (module docstring)."""
+        return 1.0 + self.waiting / max(self.running, 1)
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,8 @@ class Payoff:
     cost_s: float
     margin: float
     persistence: float = 1.0
+    #: `StepContext.queue_factor`: `cost_s` already includes it.
+    queue_factor: float = 1.0
 
     @property
     def net_s(self) -> float:
@@ -144,6 +165,12 @@ class Payoff:
     @property
     def pays(self) -> bool:
         return self.duration_s > 0 and self.net_s > self.margin * self.cost_s
+
+    @property
+    def deferred(self) -> bool:
+        """It does not pay only because requests wait: with the queue drained it would (ask again soon)."""
+        unqueued = self.cost_s / self.queue_factor
+        return not self.pays and self.duration_s > 0 and self.gain_s - unqueued > self.margin * unqueued
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -154,6 +181,7 @@ class Payoff:
             "cost_s": self.cost_s,
             "net_s": self.net_s,
             "persistence": self.persistence,
+            "queue_factor": self.queue_factor,
         }
 
 
@@ -187,5 +215,5 @@ def predict(counts: np.ndarray, origin: np.ndarray, current: np.ndarray, new: np
     duration = migration_seconds(current, new, ctx.price, ctx.first)
     in_force = max(ctx.horizon_s - duration, 0.0)
     gain = saving * in_force / ctx.step_s
-    cost = duration * (1.0 - 1.0 / ctx.price.slowdown)
-    return Payoff(saving, ctx.step_s, duration, gain, cost, ctx.margin, ctx.persistence)
+    cost = duration * (1.0 - 1.0 / ctx.price.slowdown) * ctx.queue_factor
+    return Payoff(saving, ctx.step_s, duration, gain, cost, ctx.margin, ctx.persistence, ctx.queue_factor)

@@ -3,7 +3,8 @@ the last run and the current layout (the placement service and the simulated loo
 
 Trigger (`trigger`): plan when the group has never been planned, every `period_s`, or early when its load
 distribution has drifted by `drift_threshold` (total variation, mean over layers: `window.drift`) from the one
-the last run saw, but never sooner than `min_interval_s` after it.
+the last run saw, but never sooner than `min_interval_s` after it; and `min_interval_s` after a plan that
+published a prefix of its target or was deferred because requests were waiting (`Decision.deferred`).
 
 Decision (`decide`), two gates:
 
@@ -12,7 +13,8 @@ Decision (`decide`), two gates:
     screen      ⇔  improvement − cost > gain_threshold · total(current)   (the solver prefers it clearly)
     publish     ⇔  screen and the migration pays in step time (`payoff.predict`: the step time the layout
                    saves over the horizon beats what its migration costs, with a margin; the window's
-                   skew counted at its measured persistence, `window.DecayedLoad.persistence`)
+                   skew counted at its measured persistence, `window.DecayedLoad.persistence`, and its
+                   cost at the requests waiting then, `payoff.StepContext.queue_factor`)
 
 The screen's terms come from the solver's objective on the solver's canonical units (per layer, mean GPU load
 = 1), so its threshold is a fraction of the current objective; the step-time rule is what decides whether to
@@ -65,13 +67,19 @@ class TriggerRule:
 
 
 def trigger(
-    rule: TriggerRule, now: float, last: LastRun | None, distribution: np.ndarray | None, unfinished: bool = False
+    rule: TriggerRule,
+    now: float,
+    last: LastRun | None,
+    distribution: np.ndarray | None,
+    unfinished: bool = False,
+    deferred: bool = False,
 ) -> str | None:
-    """Why the group is planned at `now` ("start", "period", "continue", "drift 0.123"), or None: not yet.
+    """Why the group is planned at `now` ("start", "period", "continue", "deferred", "drift 0.123"), or None.
 
     `last`: the last run of this planner for the group (None: never); `distribution`: the group's load
     distribution now (`DecayedLoad.distribution()`, rows sum to 1); `unfinished`: the last plan published a
-    prefix of its target (`stages`), so the rest is planned as soon as `min_interval_s` allows."""
+    prefix of its target (`stages`), so the rest is planned as soon as `min_interval_s` allows; `deferred`: the
+    last plan would have paid but for the requests waiting (`Decision.deferred`), so it is asked again as soon."""
     if last is None:
         return "start"
     elapsed = now - last[0]
@@ -79,6 +87,8 @@ def trigger(
         return "period"
     if unfinished and elapsed >= rule.min_interval_s:
         return "continue"
+    if deferred and elapsed >= rule.min_interval_s:
+        return "deferred"
     moved = drift(last[1], distribution)
     if elapsed >= rule.min_interval_s and moved >= rule.drift_threshold:
         return f"drift {moved:.3f}"
@@ -116,6 +126,11 @@ class Decision:
         return self.improvement - self.cost > self.threshold
 
     @property
+    def deferred(self) -> bool:
+        """Screened, and its migration would pay but for the requests waiting now (`Payoff.deferred`)."""
+        return self.screened and bool(len(self.moves)) and self.payoff is not None and self.payoff.deferred
+
+    @property
     def reason(self) -> str:
         if not len(self.moves):
             return "the greedy keeps the current placement"
@@ -132,6 +147,9 @@ class Decision:
                 f"{p.cost_s:.4g} s of migration ({p.duration_s:.3g} s at {p.margin:.0%} margin; the window's "
                 f"skew counted at its persistence {p.persistence:.2f})"
             )
+            if p.queue_factor > 1.0:
+                text += f"; its cost counted {p.queue_factor:.3g}× for the requests waiting"
+                text += " (deferred: it would pay with none waiting)" if p.deferred else ""
         return text + (" [a prefix of the target]" if self.partial else "")
 
 
