@@ -6,9 +6,9 @@ at its measured persistence (`solver.placement.window.DecayedLoad.persistence`).
 answer whether that fixed it: full Gimbal's placement (`gimbal+sjf-aging+gimbal`) against the same dispatch and
 order with the layout static (`gimbal+sjf-aging+none`), at the grid's RPS 2, 3, 4, 100 and 400 with the grid's
 request counts, three seeds; each (rate, seed) is the grid's `sim-dp` command (`gimbal_seed.command`), its JSON kept in
-`--out`. Without `--run` it prints the table from the JSONs, beside the same rows of the committed grid
-(`runs.csv`, `why.csv`: the rule before), and says whether the static rows came out identical (they must: the
-rule does not touch a layout that never moves).
+`--out`. Without `--run` it prints the table from the JSONs, beside the same rows of the grid as the rule
+before left it (`step_time_rule/runs.csv`, `why.csv`; the grid itself has been rerun since), and says whether
+the static rows came out identical (they must: the rule does not touch a layout that never moves).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from gimbal_seed import REQUESTS_AT, command
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results" / "gimbal_seed"
+#: The grid as the step-time rule before the persistence discount left it (`runs.csv`, `why.csv` there).
+BEFORE = RESULTS / "step_time_rule"
 STATIC, MOVING, VLLM = "gimbal+sjf-aging+none", "gimbal+sjf-aging+gimbal", "vllm+fcfs+eplb"
 
 
@@ -42,7 +44,7 @@ def _run(out: Path, rates: list[float], seeds: list[int]) -> None:
 def _old_rows() -> dict[tuple[str, float, int], dict[str, str]]:
     rows = {}
     for name in ("runs.csv", "why.csv"):
-        for r in csv.DictReader((RESULTS / name).open()):
+        for r in csv.DictReader((BEFORE / name).open()):
             if not r.get("dp_weights"):
                 rows[(r["key"], float(r["rate"]), int(r["seed"]))] = r
     return rows

@@ -201,7 +201,8 @@ def sim_dp(
         str | None,
         typer.Option(
             "--placement",
-            help="Comma-separated expert placements over the EP ranks (none, eplb, gimbal): each run prices "
+            help="Comma-separated expert placements over the EP ranks (none, eplb, gimbal; variants and controls: "
+            "gimbal-staged, gimbal-uncalibrated, gimbal-load-only, gimbal-queue-blind): each run prices "
             "experts under the layout in force and the all-to-all (keys dispatch+order+placement). "
             "Default: off (the even-spread MoE model).",
         ),

@@ -165,7 +165,7 @@ class OneMove(StaticPlacement):
         first, last = self.target[0, 0, 0], self.target[0, -1, -1]
         self.target[0, 0, 0], self.target[0, -1, -1] = last, first
 
-    def observe(self, now: float, load: np.ndarray) -> None:
+    def observe(self, now: float, load: np.ndarray, running: int = 0, waiting: int = 0) -> None:
         self.observed += 1
 
     def replan(self, now: float) -> np.ndarray | None:

@@ -197,6 +197,7 @@ class GimbalLoop(_Loop):
         self._migrated = False
         self._unfinished = False
         self._deferred = False
+        self.deferred_plans = 0  # plans that would have paid but for the requests waiting
         #: Requests running and waiting at the group's engines in the last step (what their telemetry says).
         self.queue_aware = queue_aware
         self._queue = (0, 0)
@@ -260,6 +261,7 @@ class GimbalLoop(_Loop):
         self.last_decision = decision
         self._unfinished = decision.publish and decision.partial
         self._deferred = decision.deferred
+        self.deferred_plans += decision.deferred
         if decision.publish and decision.payoff is not None:
             p = decision.payoff
             self.checks.append(

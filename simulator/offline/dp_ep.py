@@ -98,6 +98,7 @@ class EpRun:
         self.a2a_s = 0.0
         self.step_s = 0.0
         self._load_ratio = 0.0
+        self._waiting = 0  # requests waiting (not admitted), summed over steps
 
     @property
     def migrating(self) -> bool:
@@ -148,6 +149,7 @@ class EpRun:
         running = sum(engine.num_running for engine in engines)
         waiting = sum(engine.num_waiting for engine in engines)
         self.control.observe(now, traffic.load, running, waiting)
+        self._waiting += waiting
         if engines is not self._bound:  # once per fleet: each engine reports the EP ranks on its own GPUs
             self._bound = engines
             for i, engine in enumerate(engines):
@@ -202,6 +204,7 @@ class EpRun:
             "ep_a2a_network_bytes_per_token": self.network_bytes / tokens,
             "ep_a2a_fraction": self.a2a_s / self.step_s if self.step_s > 0 else 0.0,
             "ep_load_max_mean": self._load_ratio / self.steps if self.steps else 1.0,
+            "ep_waiting_mean": self._waiting / self.steps if self.steps else 0.0,
         }
         # the step-time rule's published predictions and the savings measured after them (`GimbalLoop.checks`)
         checks = getattr(self.control, "checks", [])
@@ -210,4 +213,5 @@ class EpRun:
         out["ep_predicted_cost_s"] = sum(c.predicted_cost_s for c in checks)
         out["ep_measured_gain_s"] = sum(c.measured_gain_s for c in measured)
         out["ep_predicted_gain_checked_s"] = sum(c.predicted_gain_s for c in measured)
+        out["ep_deferred"] = getattr(self.control, "deferred_plans", 0)  # deferred while requests waited
         return {k: float(v) for k, v in out.items()}
