@@ -80,6 +80,12 @@ EP_EXTRA = (
     "ep_a2a_network_bytes_per_token",
     "ep_a2a_fraction",
     "ep_load_max_mean",
+    "ep_predicted_gain_s",
+    "ep_predicted_cost_s",
+    "ep_measured_gain_s",
+    "ep_predicted_gain_checked_s",
+    "ep_deferred",
+    "ep_waiting_mean",
 )
 COLUMNS = ("variant", "key", "dispatch", "order", "placement", "dp_weights", "rate", "seed", "requests")
 

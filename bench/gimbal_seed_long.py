@@ -9,9 +9,12 @@ Issue 40's two open questions after the persistence discount, on the grid's flee
   dispatch, FCFS) so that only the placement differs: the static layout (`none`), the loop (`gimbal`: its
   migration's cost counted at the requests waiting, `payoff.StepContext.queue_factor`) and the loop without the
   queue factor (`gimbal-queue-blind`, the rule before it: the control).
+- **minute-ep**, **minute-full**: the one-minute run at 100 req/s (6,000 requests; the grid runs 600), the EP side
+  alone (with staged plans) and full Gimbal, each against its static layout.
 - **rps2**: at RPS 2 the grid's moving placement migrates once, about 34 s in, credited for 30 s, and the
   grid's 100 requests end about 50 s in (TPOT +0.8 % against static, every seed). Here 300 requests (~150 s),
   full Gimbal (`gimbal+sjf-aging`) with the layout static and moving: does the move pay over its horizon?
+  **rps3**, **rps4**: the same at RPS 3 and 4 (450 and 600 requests, ~150 s).
 
 Each configuration is one `sim-dp` subprocess (`--jobs` at once); JSON per run in `--out`. Without `--run` it
 prints the tables from the JSONs. Deterministic (fixed seeds); CPU-bound: the knee runs take minutes each.
@@ -36,6 +39,11 @@ OUT = ROOT / "docs" / "results" / "gimbal_seed" / "long"
 EXPERIMENTS: dict[str, tuple[float, int, str, str, tuple[str, ...]]] = {
     "knee": (400.0, 14_000, "vllm", "fcfs", ("none", "gimbal", "gimbal-queue-blind")),
     "rps2": (2.0, 300, "gimbal", "sjf-aging", ("none", "gimbal")),
+    "rps3": (3.0, 450, "gimbal", "sjf-aging", ("none", "gimbal")),
+    "rps4": (4.0, 600, "gimbal", "sjf-aging", ("none", "gimbal")),
+    # the one-minute run at 100 req/s (the grid runs 6 s): the EP side alone and full Gimbal
+    "minute-ep": (100.0, 6_000, "vllm", "fcfs", ("none", "gimbal", "gimbal-staged")),
+    "minute-full": (100.0, 6_000, "gimbal", "sjf-aging", ("none", "gimbal")),
 }
 
 

@@ -9,7 +9,8 @@ deterministic, so a row here with the same configuration equals the grid's row i
   docs/gimbal-exact-ledger.md: the fix for the in-flight compensation that follows telemetry phases);
 - **staged plans** (`gimbal-staged`: at most `STAGED_BYTES` received per GPU per plan, hottest experts first)
   against the full plan, same loads;
-- **the static control at the seed's loads and at 400 req/s** (the grid runs `none` at 100 req/s only).
+- **the static control at the seed's loads and at 400 req/s** (the grid runs `none` at 100 req/s only);
+- **full Gimbal on the exact ledger at the seed's loads** (`gimbal-exact+sjf-aging+gimbal`, with its static layout).
 
 Each (dispatch, order) is one `sim-dp` call with its placements; every row goes to `--out` (CSV, appended as
 runs finish, so a partial run is usable). Seeds run in order (all of seed 0 first).
@@ -39,9 +40,21 @@ PLAN: dict[float, list[tuple[str, str, tuple[str, ...]]]] = {
         ("gimbal", "sjf-aging", ("none", "gimbal-staged")),
         ("gimbal-exact", "sjf-aging", ("none", "gimbal")),
     ],
-    2.0: [("vllm", "fcfs", ("none",)), ("gimbal", "sjf-aging", ("none",))],
-    3.0: [("vllm", "fcfs", ("none",)), ("gimbal", "sjf-aging", ("none",))],
-    4.0: [("vllm", "fcfs", ("none",)), ("gimbal", "sjf-aging", ("none",))],
+    2.0: [
+        ("vllm", "fcfs", ("none", "gimbal")),
+        ("gimbal", "sjf-aging", ("none",)),
+        ("gimbal-exact", "sjf-aging", ("none", "gimbal")),
+    ],
+    3.0: [
+        ("vllm", "fcfs", ("none", "gimbal")),
+        ("gimbal", "sjf-aging", ("none",)),
+        ("gimbal-exact", "sjf-aging", ("none", "gimbal")),
+    ],
+    4.0: [
+        ("vllm", "fcfs", ("none", "gimbal")),
+        ("gimbal", "sjf-aging", ("none",)),
+        ("gimbal-exact", "sjf-aging", ("none", "gimbal")),
+    ],
 }
 FIELDS = ("key", "dispatch", "order", "placement", "rate", "seed", "requests", *METRICS, *EXTRA, *EP_EXTRA)
 
