@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+import httpx
 import uvicorn
 from prometheus_client import REGISTRY
 
@@ -113,3 +114,34 @@ async def deployment(
             await replica.stop()
         for engine in engines.values():
             await engine.stop()
+
+
+# ----- flow control (tests/test_gateway_flow*.py) -----
+
+#: A small completion the stub engines answer.
+FLOW_BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
+
+
+def send(client: httpx.AsyncClient, prompt: str, **headers: str) -> asyncio.Task[httpx.Response]:
+    """Post `FLOW_BODY` with `prompt` in the background."""
+    return asyncio.ensure_future(client.post("/v1/completions", json={**FLOW_BODY, "prompt": prompt}, headers=headers))
+
+
+def queued(gw: GatewayService) -> int:
+    """Requests waiting in the gateway's flow-control queues."""
+    assert gw.ctx is not None and gw.ctx.flow is not None
+    return sum(len(m.queue) for m in gw.ctx.flow.models.values())
+
+
+def prompts(*engines: StubEngine) -> list[str]:
+    """The prompts the engines received: each engine's in arrival order, one engine after another."""
+    return [body["prompt"] for engine in engines for _path, _id, body in engine.received]
+
+
+async def leave_queue(gw: GatewayService, prompt: str = "gone") -> None:
+    """A client whose request is queued disconnects; returns once the queue is empty again."""
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as leaving:
+        gone = send(leaving, prompt)
+        await wait_for(lambda: queued(gw) == 1)
+        gone.cancel()
+    await wait_for(lambda: queued(gw) == 0)

@@ -23,9 +23,9 @@ from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
 from switchyard.solver.fairness import FairQueue, Full, Waiter
-from tests.gateway_helpers import deployment, metric, wait_for
+from tests.gateway_helpers import FLOW_BODY, deployment, leave_queue, metric, prompts, queued, send, wait_for
 
-BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
+BODY = FLOW_BODY
 
 
 def _settings(**update: Any) -> GatewaySettings:
@@ -52,50 +52,37 @@ async def _saturated(
             await blocker
 
 
-def _send(client: httpx.AsyncClient, prompt: str, **headers: str) -> asyncio.Task[httpx.Response]:
-    return asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "prompt": prompt}, headers=headers))
-
-
-def _queued(gw: GatewayService) -> int:
-    assert gw.ctx is not None and gw.ctx.flow is not None
-    return sum(len(m.queue) for m in gw.ctx.flow.models.values())
-
-
-def _prompts(engine: StubEngine) -> list[str]:
-    return [body["prompt"] for _path, _id, body in engine.received]
-
-
 async def test_a_high_band_overtakes_a_queued_low_band(bus: Bus, settings: SwitchyardSettings) -> None:
     async with _saturated(settings, bus, _settings()) as (gw, engine, client, blocker):
-        low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
-        await wait_for(lambda: _queued(gw) == 2)
-        high = _send(client, "high", **{"x-switchyard-priority": "high"})
-        await wait_for(lambda: _queued(gw) == 3)
-        assert _prompts(engine) == ["blocker"]  # nothing passed the saturated fleet
+        low = [send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
+        await wait_for(lambda: queued(gw) == 2)
+        high = send(client, "high", **{"x-switchyard-priority": "high"})
+        await wait_for(lambda: queued(gw) == 3)
+        assert prompts(engine) == ["blocker"]  # nothing passed the saturated fleet
         assert engine.gate is not None
         engine.gate.set()
         answers = await asyncio.gather(blocker, high, *low)
     assert [a.status_code for a in answers] == [200] * 4  # nothing admitted is lost
     assert metric("switchyard_gateway_queue_depth", band="low") == 0
     assert metric("switchyard_gateway_prompt_tokens_total", model_name="stub-model") > 0
-    assert _prompts(engine) == ["blocker", "high", "low0", "low1"]
+    assert prompts(engine) == ["blocker", "high", "low0", "low1"]
 
 
 async def test_two_tenants_stay_within_one_request_of_each_other(bus: Bus, settings: SwitchyardSettings) -> None:
     async with _saturated(settings, bus, _settings()) as (gw, engine, client, _blocker):
-        first = [_send(client, f"A{i}", **{"x-switchyard-tenant": "tenant-a"}) for i in range(6)]
-        await wait_for(lambda: _queued(gw) == 6)
+        first = [send(client, f"A{i}", **{"x-switchyard-tenant": "tenant-a"}) for i in range(6)]
+        await wait_for(lambda: queued(gw) == 6)
         # The second tenant names itself by OpenAI's `user` field (no header): the fallback.
         late = [
             asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "prompt": f"B{i}", "user": "tenant-b"}))
             for i in range(3)
         ]
-        await wait_for(lambda: _queued(gw) == 9)
+        await wait_for(lambda: queued(gw) == 9)
         assert engine.gate is not None
         engine.gate.set()
         answers = await asyncio.gather(*first, *late)
     assert all(a.status_code == 200 for a in answers)
-    order = [p[0] for p in _prompts(engine)[1:]]
+    order = [p[0] for p in prompts(engine)[1:]]
     assert sorted(order) == ["A"] * 6 + ["B"] * 3
     # Equal costs: while both are queued, neither tenant gets more than one request ahead (first come, first
     # served would send all six of A's first).
@@ -109,10 +96,10 @@ async def test_past_the_bounds_lower_bands_are_shed_first_with_retry_after(
 ) -> None:
     gateway = _settings(queue_max_requests=2, queue_max_per_tenant=2, retry_after_s=3)
     async with _saturated(settings, bus, gateway) as (gw, engine, client, _blocker):
-        low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
-        await wait_for(lambda: _queued(gw) == 2)
+        low = [send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
+        await wait_for(lambda: queued(gw) == 2)
         shed_before = metric("switchyard_gateway_shed_total", band="low", reason="shed")
-        high = _send(client, "high", **{"x-switchyard-priority": "high", "x-switchyard-tenant": "t"})
+        high = send(client, "high", **{"x-switchyard-priority": "high", "x-switchyard-tenant": "t"})
         shed = await low[1]  # the newest of the lowest band gave its place
         assert shed.status_code == 429 and shed.headers["retry-after"] == "3"
         assert shed.json()["error"]["type"] == "RateLimitError"
@@ -123,31 +110,27 @@ async def test_past_the_bounds_lower_bands_are_shed_first_with_retry_after(
         assert engine.gate is not None
         engine.gate.set()
         assert (await high).status_code == 200 and (await low[0]).status_code == 200
-    assert "low1" not in _prompts(engine)
+    assert "low1" not in prompts(engine)
 
 
 async def test_a_request_waiting_too_long_is_answered_429(bus: Bus, settings: SwitchyardSettings) -> None:
     async with _saturated(settings, bus, _settings(queue_max_wait_s=0.2)) as (gw, engine, client, _blocker):
         answer = await client.post("/v1/completions", json=BODY)
         assert answer.status_code == 429 and "retry-after" in answer.headers
-        assert _queued(gw) == 0 and len(engine.received) == 1
+        assert queued(gw) == 0 and len(engine.received) == 1
 
 
 async def test_a_client_that_disconnects_leaves_the_queue_at_once(bus: Bus, settings: SwitchyardSettings) -> None:
     async with _saturated(settings, bus, _settings()) as (gw, engine, client, _blocker):
         left_before = metric("switchyard_gateway_queue_abandoned_total", band="normal")
-        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as leaving:
-            gone = asyncio.ensure_future(leaving.post("/v1/completions", json={**BODY, "prompt": "gone"}))
-            await wait_for(lambda: _queued(gw) == 1)
-            gone.cancel()
-        await wait_for(lambda: _queued(gw) == 0)
+        await leave_queue(gw)
         assert metric("switchyard_gateway_queue_abandoned_total", band="normal") == left_before + 1
-        stays = _send(client, "stays")
-        await wait_for(lambda: _queued(gw) == 1)
+        stays = send(client, "stays")
+        await wait_for(lambda: queued(gw) == 1)
         assert engine.gate is not None
         engine.gate.set()
         assert (await stays).status_code == 200
-    assert _prompts(engine) == ["blocker", "stays"]  # the one that left never reached the engine
+    assert prompts(engine) == ["blocker", "stays"]  # the one that left never reached the engine
 
 
 @pytest.mark.parametrize(
@@ -257,7 +240,7 @@ async def test_a_session_sticks_to_its_engine_until_that_engine_is_saturated(
         # Saturate home (two requests held there): the session's next request moves, and stays where it moved.
         await settled()
         engines[home].gate = asyncio.Event()
-        held = [_send(client, f"held{i}", **{"x-session-id": "s1"}) for i in range(2)]
+        held = [send(client, f"held{i}", **{"x-session-id": "s1"}) for i in range(2)]
         await wait_for(lambda: engines[home].running == 2)
         assert await ask("moved", "s1") == other
         engines[home].gate.set()

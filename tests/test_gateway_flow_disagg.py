@@ -23,9 +23,9 @@ from switchyard.services.gateway.service import GatewayService
 from switchyard.services.gateway.settings import GatewaySettings
 from switchyard.shared.bus import Bus
 from switchyard.shared.settings import SwitchyardSettings
-from tests.gateway_helpers import deployment, metric, wait_for
+from tests.gateway_helpers import FLOW_BODY, deployment, leave_queue, metric, prompts, queued, send, wait_for
 
-BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 4}
+BODY = FLOW_BODY
 #: One expert of four in each layer: a footprint of 1/4.
 NARROW = np.array([[3, 0, 0, 0], [0, 5, 0, 0]], dtype=np.uint16)
 
@@ -64,48 +64,34 @@ async def _saturated(
             await blocker
 
 
-def _send(client: httpx.AsyncClient, prompt: str, **headers: str) -> asyncio.Task[httpx.Response]:
-    return asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "prompt": prompt}, headers=headers))
-
-
-def _queued(gw: GatewayService) -> int:
-    assert gw.ctx is not None and gw.ctx.flow is not None
-    return sum(len(m.queue) for m in gw.ctx.flow.models.values())
-
-
-def _prompts(*engines: StubEngine) -> list[str]:
-    """The prompts the engines received: each engine's in arrival order, one engine after another."""
-    return [body["prompt"] for engine in engines for _path, _id, body in engine.received]
-
-
 async def test_a_high_band_overtakes_queued_low_ones_on_a_saturated_pd_fleet(
     bus: Bus, settings: SwitchyardSettings
 ) -> None:
     """Two prefill engines with room and one busy decoder: the queue lets a request out only when both roles have
     room (the lesser of their free slots), so the low ones wait for the decoder, and the high one overtakes them."""
     async with _saturated(settings, bus, _settings(), prefills=2) as (gw, prefills, decoder, client, blocker):
-        low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
-        await wait_for(lambda: _queued(gw) == 2)
-        high = _send(client, "high", **{"x-switchyard-priority": "high"})
-        await wait_for(lambda: _queued(gw) == 3)
+        low = [send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
+        await wait_for(lambda: queued(gw) == 2)
+        high = send(client, "high", **{"x-switchyard-priority": "high"})
+        await wait_for(lambda: queued(gw) == 3)
         # The prefill engines had room all along: the decoder's saturation held them before their prefill.
-        assert _prompts(*prefills) == ["blocker"] and _prompts(decoder) == ["blocker"]
+        assert prompts(*prefills) == ["blocker"] and prompts(decoder) == ["blocker"]
         assert decoder.gate is not None
         decoder.gate.set()
         answers = await asyncio.gather(blocker, high, *low)
     assert [a.status_code for a in answers] == [200] * 4  # nothing admitted is lost
-    prompts = _prompts(decoder)
-    assert prompts[:2] == ["blocker", "high"] and sorted(prompts[2:]) == ["low0", "low1"], prompts
-    assert sorted(_prompts(*prefills)) == ["blocker", "high", "low0", "low1"]
+    decoded = prompts(decoder)
+    assert decoded[:2] == ["blocker", "high"] and sorted(decoded[2:]) == ["low0", "low1"], decoded
+    assert sorted(prompts(*prefills)) == ["blocker", "high", "low0", "low1"]
     assert metric("switchyard_gateway_queue_depth", band="low") == 0
 
 
 async def test_past_the_bound_a_pd_request_is_shed_with_retry_after(bus: Bus, settings: SwitchyardSettings) -> None:
     gateway = _settings(queue_max_requests=2, queue_max_per_tenant=2, retry_after_s=3)
     async with _saturated(settings, bus, gateway) as (gw, (prefill,), decoder, client, _blocker):
-        low = [_send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
-        await wait_for(lambda: _queued(gw) == 2)
-        high = _send(client, "high", **{"x-switchyard-priority": "high", "x-switchyard-tenant": "t"})
+        low = [send(client, f"low{i}", **{"x-switchyard-priority": "low"}) for i in range(2)]
+        await wait_for(lambda: queued(gw) == 2)
+        high = send(client, "high", **{"x-switchyard-priority": "high", "x-switchyard-tenant": "t"})
         shed = await low[1]  # the newest of the lowest band gave its place
         assert shed.status_code == 429 and shed.headers["retry-after"] == "3"
         assert shed.json()["error"]["type"] == "RateLimitError"
@@ -114,35 +100,31 @@ async def test_past_the_bound_a_pd_request_is_shed_with_retry_after(bus: Bus, se
         assert decoder.gate is not None
         decoder.gate.set()
         assert (await high).status_code == 200 and (await low[0]).status_code == 200
-    assert "low1" not in _prompts(prefill) and "low1" not in _prompts(decoder)
+    assert "low1" not in prompts(prefill) and "low1" not in prompts(decoder)
 
 
 async def test_a_client_that_disconnects_leaves_the_pd_queue(bus: Bus, settings: SwitchyardSettings) -> None:
     async with _saturated(settings, bus, _settings()) as (gw, (prefill,), decoder, client, _blocker):
         left_before = metric("switchyard_gateway_queue_abandoned_total", band="normal")
         aborts_before = metric("switchyard_gateway_client_aborts_total", kind="disagg")
-        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as leaving:
-            gone = asyncio.ensure_future(leaving.post("/v1/completions", json={**BODY, "prompt": "gone"}))
-            await wait_for(lambda: _queued(gw) == 1)
-            gone.cancel()
-        await wait_for(lambda: _queued(gw) == 0)
+        await leave_queue(gw)
         assert metric("switchyard_gateway_queue_abandoned_total", band="normal") == left_before + 1
         assert metric("switchyard_gateway_client_aborts_total", kind="disagg") == aborts_before + 1
-        stays = _send(client, "stays")
-        await wait_for(lambda: _queued(gw) == 1)
+        stays = send(client, "stays")
+        await wait_for(lambda: queued(gw) == 1)
         assert decoder.gate is not None
         decoder.gate.set()
         assert (await stays).status_code == 200
-    assert _prompts(prefill) == ["blocker", "stays"] and _prompts(decoder) == ["blocker", "stays"]
+    assert prompts(prefill) == ["blocker", "stays"] and prompts(decoder) == ["blocker", "stays"]
 
 
 async def test_with_admission_off_nothing_queues_on_a_pd_fleet(bus: Bus, settings: SwitchyardSettings) -> None:
     """The control: the same saturated fleet without flow control sends the request straight through."""
     async with _saturated(settings, bus, _settings(admission=False)) as (gw, (prefill,), decoder, client, _blocker):
         assert gw.ctx is not None and gw.ctx.flow is None
-        through = _send(client, "through")
+        through = send(client, "through")
         await wait_for(lambda: decoder.running == 2)  # past the decoder's concurrency limit: nothing held it
-        assert _prompts(prefill) == ["blocker", "through"]
+        assert prompts(prefill) == ["blocker", "through"]
         assert decoder.gate is not None
         decoder.gate.set()
         assert (await through).status_code == 200
@@ -161,13 +143,13 @@ async def test_a_queued_pd_request_is_charged_its_prefill_signature(
         flow = gw.ctx.flow
         assert flow.expert_load and flow.footprints.fleet == pytest.approx(1.0)  # the blocker's signature
         prefill.config.signature = NARROW
-        queued = _send(client, "narrow", **{"x-switchyard-tenant": "narrow"})
-        await wait_for(lambda: _queued(gw) == 1)
+        narrow = send(client, "narrow", **{"x-switchyard-tenant": "narrow"})
+        await wait_for(lambda: queued(gw) == 1)
         (entry,) = [e for e in flow.tracked.values() if e.tenant == "narrow"]
         assert entry.share == pytest.approx(1.0)  # the estimate it will be charged: the fleet's mean
         assert decoder.gate is not None
         decoder.gate.set()
-        assert (await queued).status_code == 200
+        assert (await narrow).status_code == 200
         await wait_for(lambda: entry not in flow.tracked.values())
         (state,) = flow.models.values()
         assert state.queue.attained["narrow"] == pytest.approx(entry.weighted * 0.25)

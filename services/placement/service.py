@@ -302,7 +302,10 @@ class PlacementService:
         RUN_SECONDS.observe(time.perf_counter() - started)
         self._last_run[group] = (time.monotonic(), window.distribution())
         details = {"trigger": trigger, "current_from": current_from}
-        (self._deferred.add if decision.deferred else self._deferred.discard)(group)
+        if decision.deferred:  # asked again after min_interval_s, not at the next period or drift
+            self._deferred.add(group)
+        else:
+            self._deferred.discard(group)
         if not decision.publish and (repeated := await self._coalesce_rejected(group, applied, decision)) is not None:
             PLANS.labels("rejected").inc()
             return repeated
