@@ -13,6 +13,7 @@ import numpy as np
 from switchyard.engine_agents.sim.live.migration import ExpertLoadWindow
 from switchyard.shared.bus import Bus
 from switchyard.shared.schemas import Capacity, Hello, ModelShape, ObjectiveTerms, PlacementParams, PlacementPlan
+from tests.helpers import repeating
 
 T = TypeVar("T")
 
@@ -39,19 +40,12 @@ def hello(
 async def announcing(bus: Bus, *hellos: Hello, every: float = 0.1) -> AsyncIterator[None]:
     """Publish the engines' hellos every `every` seconds while the block runs (as live engines do)."""
 
-    async def loop() -> None:
-        while True:
-            for message in hellos:
-                await bus.publish(bus.subjects.hello(message.engine_id), message)
-            await asyncio.sleep(every)
+    async def say_hello() -> None:
+        for message in hellos:
+            await bus.publish(bus.subjects.hello(message.engine_id), message)
 
-    task = asyncio.create_task(loop())
-    try:
+    async with repeating(say_hello, every):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def plan(

@@ -4,9 +4,10 @@ condition holds; the bound only stops a broken test from hanging, it is not a ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from switchyard.shared.schemas import Telemetry
@@ -61,3 +62,27 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s (last value {value!r})")
         await asyncio.sleep(every)
+
+
+@contextlib.asynccontextmanager
+async def repeating(step: Callable[[], Awaitable[None]], every: float) -> AsyncIterator[None]:
+    """Await `step()` every `every` seconds while the block runs.
+
+    Stopped by a flag as well as by cancellation: nats-py's `publish` swallows a `CancelledError` that lands while
+    it queues a flush (`Client._flush_pending`), so a publishing loop stopped by `cancel()` alone can run on
+    forever and hang whoever awaits it."""
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            await step()
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -30,6 +30,7 @@ from switchyard.shared.codec import decode, encode, encode_unchecked
 from switchyard.shared.nats_auth import engine_user, gateway_user
 from tests import test_nats_permissions
 from tests.gateway_helpers import wait_for
+from tests.helpers import repeating
 from tests.test_nats_permissions import SecuredNats
 from tests.test_prefix_router import FakeEngine
 
@@ -116,23 +117,18 @@ async def test_phantom_decisions_of_a_leaked_gateway_password_do_not_steer_the_s
     counter = itertools.count(step=64)
 
     async def phantom() -> None:
-        while True:
-            await attacker.publish(subject, decisions("g2", "e0", 64, 10_000_000, next(counter)))
-            await asyncio.sleep(0.05)
+        await attacker.publish(subject, decisions("g2", "e0", 64, 10_000_000, next(counter)))
 
     bounds = {"peer_inflight_per_engine": 4, "peer_decisions_per_s": 40.0, "peer_max_prompt_tokens": PROMPT}
     async with reporting_engines(secured), gateway_core(secured, **bounds) as (core, feed):
-        task = asyncio.create_task(phantom())
         try:
-            await asyncio.sleep(0.3)
-            split: Counter[str] = Counter()
-            for wave in range(10):
-                split.update(honest_wave(core, feed, wave, 30))
-                await asyncio.sleep(0.06)
+            async with repeating(phantom, 0.05):
+                await asyncio.sleep(0.3)
+                split: Counter[str] = Counter()
+                for wave in range(10):
+                    split.update(honest_wave(core, feed, wave, 30))
+                    await asyncio.sleep(0.06)
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             await attacker.close()
     total = sum(split.values())
     assert total == 300
